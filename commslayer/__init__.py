@@ -1,0 +1,33 @@
+"""commslayer: a torchcomms-style communication layer over c10d's Gloo and NCCL.
+
+Every op has a deadline, failures are classified into ``CommError``
+subclasses, every op is observable through hooks, and the whole thing plugs
+into ``torch.distributed`` as the ``"commslayer"`` backend.
+
+Layout: ``communicator`` (API, validation, deadlines), ``backends`` (how Gloo
+and NCCL groups are built, classified, torn down), ``work``/``watchdog``
+(deadline enforcement), ``check`` (cross-rank check mode), ``c10d`` (the
+``torch.distributed`` adapter), ``errors``, ``reduce_op``, ``hooks``,
+``config`` (the ``COMMSLAYER_*`` table), ``store``.
+"""
+
+from .communicator import Communicator, new_comm
+from .errors import (
+    CollectiveMismatch,
+    CollectiveTimeout,
+    CommAborted,
+    CommError,
+    InvalidArgument,
+    PeerLost,
+)
+from .hooks import HookHandle
+from .reduce_op import ReduceOp
+from .work import Work, WorkStatus
+from .c10d import register_backend
+
+register_backend()
+
+__all__ = [
+    "new_comm", "Communicator", "Work", "WorkStatus", "ReduceOp", "HookHandle",
+    "CommError", "CollectiveTimeout", "PeerLost", "CommAborted", "InvalidArgument", "CollectiveMismatch",
+]

@@ -1,0 +1,137 @@
+"""How a Gloo or NCCL group is built, how its failures are classified, and how
+it is torn down.  The communicator calls the c10d backend object directly
+(``ProcessGroupGloo``/``ProcessGroupNCCL``): the Python layer of
+``torch.distributed`` has no per-op deadline, the backend's option structs do.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Dict, FrozenSet, Optional, Type
+
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
+
+from .errors import CollectiveTimeout, CommError, PeerLost
+
+# Gloo's messages when the other end of a pair went away (measured in torch 2.13).
+_PEER_GONE = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "read error",
+    "write error",
+    "broken pipe",
+    "socket closed",
+    "nccl communicator was aborted",
+    "remote process exited",
+)
+_TIMED_OUT = ("timed out", "timeout")
+
+
+def classify(exc: BaseException) -> Type[CommError]:
+    """Map a backend's exception (plain ``RuntimeError`` text) to our class."""
+    text = str(exc).lower()
+    if any(s in text for s in _PEER_GONE):
+        return PeerLost
+    if any(s in text for s in _TIMED_OUT):
+        return CollectiveTimeout
+    return CommError
+
+
+class BackendSpec:
+    """What the communicator needs to know about one kind of backend."""
+
+    name: str
+    device_type: str
+    dtypes: FrozenSet[torch.dtype]
+
+    def create(self, store: dist.Store, rank: int, size: int, timeout: timedelta, hints: Dict[str, str]):
+        raise NotImplementedError
+
+    def barrier_options(self, timeout: timedelta, device: torch.device) -> c10d.BarrierOptions:
+        opts = c10d.BarrierOptions()
+        opts.timeout = timeout
+        return opts
+
+    @staticmethod
+    def abort(backend) -> None:
+        """Tear the group down so blocked peers fail fast; never raises."""
+        for name in ("abort", "shutdown"):
+            fn = getattr(backend, name, None)
+            if fn is not None:
+                try:
+                    fn()
+                    return
+                except Exception:
+                    continue
+
+
+_COMMON_DTYPES = frozenset({
+    torch.float32, torch.float64, torch.float16, torch.bfloat16,
+    torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool,
+})
+
+
+class GlooSpec(BackendSpec):
+    name = "gloo"
+    device_type = "cpu"
+    dtypes = _COMMON_DTYPES
+
+    def create(self, store, rank, size, timeout, hints):
+        interface = hints.get("interface")
+        threads = hints.get("threads")
+        if interface is None and threads is None:
+            return c10d.ProcessGroupGloo(store, rank, size, timeout)
+        opts = c10d.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._threads = int(threads) if threads is not None else 2
+        if interface is not None:
+            opts._devices = [c10d.ProcessGroupGloo.create_device(interface=interface)]
+        else:
+            opts._devices = [c10d.ProcessGroupGloo.create_default_device()]
+        return c10d.ProcessGroupGloo(store, rank, size, opts)
+
+
+class NcclSpec(BackendSpec):
+    name = "nccl"
+    device_type = "cuda"
+    dtypes = _COMMON_DTYPES | {torch.float8_e4m3fn, torch.float8_e5m2}
+
+    def create(self, store, rank, size, timeout, hints):
+        if not dist.is_nccl_available() or not torch.cuda.is_available():
+            raise CommError("the nccl backend needs CUDA and a torch built with NCCL")
+        # NCCL's default error handling kills the process; recovery needs it alive:
+        # CleanUpOnly (2) aborts the NCCL communicator and surfaces the error in wait().
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        opts = c10d.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        opts.is_high_priority_stream = hints.get("high_priority_stream", "0") == "1"
+        return c10d.ProcessGroupNCCL(store, rank, size, opts)
+
+    def barrier_options(self, timeout, device):
+        opts = super().barrier_options(timeout, device)
+        opts.device_ids = [device.index if device.index is not None else torch.cuda.current_device()]
+        return opts
+
+
+SPECS: Dict[str, BackendSpec] = {"gloo": GlooSpec(), "nccl": NcclSpec()}
+
+
+def resolve(backend: str, device: Optional[torch.device]) -> tuple:
+    """(spec, device) for ``backend`` in ``"gloo"``, ``"nccl"``, ``"auto"``."""
+    if backend == "auto":
+        if device is not None:
+            backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+        else:
+            backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if backend not in SPECS:
+        raise ValueError(f"unknown backend {backend!r}: use 'gloo', 'nccl' or 'auto'")
+    spec = SPECS[backend]
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if spec.device_type == "cuda" else torch.device("cpu")
+    device = torch.device(device)
+    if device.type != spec.device_type:
+        raise ValueError(f"backend {backend!r} runs on {spec.device_type} tensors, not {device}")
+    return spec, device

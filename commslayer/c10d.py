@@ -1,0 +1,289 @@
+"""The c10d adapter: commslayer as a ``torch.distributed`` backend.
+
+``init_process_group(backend="commslayer")`` (or ``"cpu:commslayer,cuda:commslayer"``)
+builds a ``CommslayerProcessGroup``: a Python subclass of c10d's
+``ProcessGroup`` that sends every collective c10d's Python API or C++ callers
+(DDP's reducer) make through a ``Communicator`` per device type (CPU → Gloo,
+CUDA → NCCL), so they get deadlines, classified errors and hooks.  A C++
+``Backend`` cannot be subclassed from Python, so the adapter registers each
+communicator's own c10d backend object too: that gives the group its name
+(DeviceMesh needs it) and serves callers that go straight to the dispatcher
+(functional collectives), which therefore bypass commslayer's deadlines.
+
+``COMMSLAYER_ROUTE_C10D=1`` routes an unmodified job: ``install_routing``
+rewrites the backend of every group c10d creates to commslayer while
+``get_backend`` keeps answering with the name the job asked for.
+"""
+
+from __future__ import annotations
+
+import functools
+from datetime import timedelta
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as dc
+from torch._C import _distributed_c10d as c10d
+
+from . import backends, config
+from .communicator import Communicator
+from .errors import InvalidArgument
+from .work import Work
+
+BACKEND_NAME = "commslayer"
+_ROUTED = ("gloo", "nccl", "undefined")
+
+
+def _timeout(opts) -> Optional[timedelta]:
+    """An option struct's timeout, or None when c10d left it unset (negative)."""
+    t = getattr(opts, "timeout", None)
+    return t if isinstance(t, timedelta) and t.total_seconds() > 0 else None
+
+
+class C10dWork(dist.Work):
+    """c10d's view of one or more commslayer ``Work`` objects."""
+
+    def __init__(self, works: List[Work], result: List[torch.Tensor]) -> None:
+        super().__init__()
+        self._works = works
+        self._result = result
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        if isinstance(timeout, timedelta) and timeout.total_seconds() <= 0:
+            timeout = None
+        for w in self._works:
+            w.wait(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self.exception() is None
+
+    def exception(self):
+        return next((w.exception() for w in self._works if w.exception() is not None), None)
+
+    def result(self) -> List[torch.Tensor]:
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        def settle(_):
+            for w in self._works:
+                w.wait()
+            return self._result
+
+        return torch.futures.collect_all([w.get_future() for w in self._works]).then(settle)
+
+
+class CommslayerProcessGroup(dist.ProcessGroup):
+    """A c10d ``ProcessGroup`` whose ops run on commslayer communicators."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, group_name: str) -> None:
+        super().__init__(rank, size)
+        timeout_s = (config.default_timeout() if config.timeout_is_set() else timeout).total_seconds()
+        self._comms = {}
+        kinds = ["gloo"] + (["nccl"] if torch.cuda.is_available() and dist.is_nccl_available() else [])
+        for kind in kinds:
+            spec, device = backends.resolve(kind, None)
+            comm = Communicator(
+                spec, device, name=f"c10d:{group_name}:{spec.device_type}",
+                store=dist.PrefixStore(f"commslayer/{spec.device_type}/", store), rank=rank, size=size,
+                timeout_s=timeout_s, hints={}, check=config.check_mode(),
+            )
+            self._attach(comm)
+
+    @classmethod
+    def wrapping(cls, comm: Communicator) -> "CommslayerProcessGroup":
+        """A group over an existing communicator (``Communicator.as_process_group``)."""
+        pg = cls.__new__(cls)
+        dist.ProcessGroup.__init__(pg, comm.get_rank(), comm.get_size())
+        pg._comms = {}
+        pg._attach(comm)
+        return pg
+
+    def _attach(self, comm: Communicator) -> None:
+        device_type = comm.get_device().type
+        self._comms[device_type] = comm
+        kind = dist.ProcessGroup.BackendType.NCCL if device_type == "cuda" else dist.ProcessGroup.BackendType.GLOO
+        self._register_backend(torch.device(device_type), kind, comm._backend)
+        if len(self._comms) == 1:
+            self._set_default_backend(kind)
+
+    def communicator(self, device_type: str = "cpu") -> Communicator:
+        """The communicator that carries this group's ops on ``device_type``."""
+        try:
+            return self._comms[device_type]
+        except KeyError:
+            raise InvalidArgument(
+                f"group has no communicator for {device_type} tensors (have: {sorted(self._comms)})"
+            ) from None
+
+    def _comm(self, t: torch.Tensor) -> Communicator:
+        return self.communicator(t.device.type)
+
+    def getBackendName(self) -> str:  # noqa: N802 (c10d's C++ name)
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    # collectives: c10d's Python API and C++ callers use these names
+    def allreduce(self, tensors, opts=None):
+        if not isinstance(opts, c10d.AllreduceOptions):
+            op, opts = opts, c10d.AllreduceOptions()
+            if op is not None:
+                opts.reduceOp = op
+        return self._many(tensors, [self._comm(t).all_reduce(t, opts.reduceOp, async_op=True,
+                                                             timeout=_timeout(opts)) for t in tensors])
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        opts = opts or c10d.AllreduceCoalescedOptions()
+        return self._many(tensors, [self._comm(t).all_reduce(t, opts.reduceOp, async_op=True,
+                                                             timeout=_timeout(opts)) for t in tensors])
+
+    def all_gather_single(self, output, input, opts=None):
+        return self._many([output], [self._comm(input).all_gather_single(output, input, async_op=True,
+                                                                         timeout=_timeout(opts))])
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        return self._many(outputs, [self._comm(i).all_gather_single(o, i, async_op=True, timeout=_timeout(opts))
+                                    for o, i in zip(outputs, inputs)])
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def allgather(self, output_lists, inputs, opts=None):
+        works = [self._comm(i).all_gather(outs, i, async_op=True, timeout=_timeout(opts))
+                 for outs, i in zip(output_lists, inputs)]
+        return self._many([t for outs in output_lists for t in outs], works)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        opts = opts or c10d.ReduceScatterOptions()
+        return self._many([output], [self._comm(input).reduce_scatter_single(
+            output, input, opts.reduceOp, async_op=True, timeout=_timeout(opts))])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        opts = opts or c10d.ReduceScatterOptions()
+        return self._many(outputs, [self._comm(i).reduce_scatter_single(o, i, opts.reduceOp, async_op=True,
+                                                                        timeout=_timeout(opts))
+                                    for o, i in zip(outputs, inputs)])
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def reduce_scatter(self, outputs, input_lists, opts=None):
+        opts = opts or c10d.ReduceScatterOptions()
+        return self._many(outputs, [self._comm(o).reduce_scatter(o, ins, opts.reduceOp, async_op=True,
+                                                                 timeout=_timeout(opts))
+                                    for o, ins in zip(outputs, input_lists)])
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        return self._many([output], [self._comm(input).all_to_all_single(
+            output, input, list(output_split_sizes) or None, list(input_split_sizes) or None,
+            async_op=True, timeout=_timeout(opts))])
+
+    alltoall_base = all_to_all_single
+
+    def broadcast(self, tensors, opts=None):
+        opts = opts or c10d.BroadcastOptions()
+        return self._many(tensors, [self._comm(t).broadcast(t, opts.rootRank, async_op=True, timeout=_timeout(opts))
+                                    for t in tensors])
+
+    def reduce(self, tensors, opts=None):
+        opts = opts or c10d.ReduceOptions()
+        return self._many(tensors, [self._comm(t).reduce(t, opts.rootRank, opts.reduceOp, async_op=True,
+                                                         timeout=_timeout(opts)) for t in tensors])
+
+    def gather(self, output_lists, inputs, opts=None):
+        opts = opts or c10d.GatherOptions()
+        outs = output_lists[0] if output_lists else []
+        return self._many(list(outs), [self._comm(inputs[0]).gather(outs, inputs[0], opts.rootRank, async_op=True,
+                                                                    timeout=_timeout(opts))])
+
+    def scatter(self, outputs, input_lists, opts=None):
+        opts = opts or c10d.ScatterOptions()
+        ins = input_lists[0] if input_lists else []
+        return self._many(outputs, [self._comm(outputs[0]).scatter(outputs[0], ins, opts.rootRank, async_op=True,
+                                                                   timeout=_timeout(opts))])
+
+    def barrier(self, opts=None):
+        return self._many([], [self.communicator("cpu").barrier(async_op=True, timeout=_timeout(opts))])
+
+    def send(self, tensors, dst, tag=0):
+        return self._many(tensors, [self._comm(t)._p2p("send", t, dst, True, None, tag) for t in tensors])
+
+    def recv(self, tensors, src, tag=0):
+        return self._many(tensors, [self._comm(t)._p2p("recv", t, src, True, None, tag) for t in tensors])
+
+    def recv_anysource(self, tensors, tag=0):
+        raise InvalidArgument("recv from any source is not supported: name the source rank",
+                              comm=self.communicator("cpu").get_name(), op="recv")
+
+    @staticmethod
+    def _many(result, works: List[Work]) -> C10dWork:
+        return C10dWork(works, list(result))
+
+    # lifecycle
+    def abort(self) -> None:
+        for comm in self._comms.values():
+            comm.abort()
+
+    def shutdown(self) -> None:
+        for comm in self._comms.values():
+            comm.finalize()
+
+
+def _create(dist_opts, backend_options) -> CommslayerProcessGroup:
+    return CommslayerProcessGroup(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
+                                  dist_opts.timeout, str(dist_opts.group_id))
+
+
+def register_backend() -> None:
+    """Make ``"commslayer"`` a c10d backend name (idempotent)."""
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+
+
+def register_communicator(comm: Communicator) -> CommslayerProcessGroup:
+    """Wrap ``comm`` as a ``ProcessGroup`` and register it with c10d under a fresh name."""
+    pg = CommslayerProcessGroup.wrapping(comm)
+    name = f"commslayer:{comm.get_name()}:{id(comm):x}"
+    pg._set_group_name(name)
+    ranks = comm.ranks_in_parent or list(range(comm.get_size()))
+    global_rank = dist.get_rank() if dist.is_initialized() else comm.get_rank()
+    mapping = {r: i for i, r in enumerate(ranks)} if dist.is_initialized() else {global_rank: comm.get_rank()}
+    dc._register_pg_in_world(pg, backend_name=BACKEND_NAME, store=comm._store, group_name=name,
+                             backend_config=f"{comm.get_device().type}:{BACKEND_NAME}", rank_mapping=mapping)
+    return pg
+
+
+def _routed_backend(backend) -> str:
+    text = str(backend).lower()
+    if ":" not in text:
+        return BACKEND_NAME if text in _ROUTED else str(backend)
+    pairs = [p.split(":", 1) for p in text.split(",")]
+    return ",".join(f"{dev}:{BACKEND_NAME if b in _ROUTED else b}" for dev, b in pairs)
+
+
+def install_routing() -> None:
+    """Route every group c10d creates from now on through commslayer (idempotent)."""
+    register_backend()
+    original = dc._new_process_group_helper
+    if getattr(original, "_commslayer_routed", False):
+        return
+
+    @functools.wraps(original)
+    def routed(group_size, group_rank, global_ranks_in_group, backend, *args, **kwargs):
+        pg, store = original(group_size, group_rank, global_ranks_in_group,
+                             dist.Backend(_routed_backend(backend)), *args, **kwargs)
+        if pg is not dist.GroupMember.NON_GROUP_MEMBER:
+            # keep answering get_backend() with what the job asked for
+            dc._world.pg_map[pg] = (backend, store)
+        return pg, store
+
+    routed._commslayer_routed = True
+    dc._new_process_group_helper = routed

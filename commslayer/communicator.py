@@ -1,0 +1,550 @@
+"""The ``Communicator``: the public API, argument checks, deadlines and hooks.
+
+This is the one module that knows every other part: it validates a call
+(``validation``), optionally compares it across ranks (``check``), issues it
+on the c10d backend built by ``backends`` with the op's deadline in the
+backend's option struct, and hands back a ``Work`` whose deadline the caller's
+``wait`` or the ``watchdog`` enforces.  After any failure the backend group
+is unusable (Gloo cannot cancel an op), so the communicator remembers the
+first error and every later op raises at once.
+
+Names follow torchcomms, so code moves between the two.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
+
+from . import backends, config
+from .check import CrossRankCheck
+from .errors import CollectiveTimeout, CommAborted, CommError, InvalidArgument, PeerLost
+from .hooks import HookHandle, Hooks
+from .reduce_op import ReduceOp, coerce
+from .store import env_rank_size, env_store
+from .validation import Checker, Timeout, timeout_seconds
+from .watchdog import WATCHDOG
+from .work import Work, WorkStatus
+
+_op_ids = itertools.count(1)  # process-wide, monotonic
+_instances: Dict[str, int] = {}  # comm name -> how many were built here (keeps prefixes unique)
+_instances_lock = threading.Lock()
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """The tensor as the backend carries it (complex travels as pairs of reals)."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def _scaled_copy(t: torch.Tensor, factor) -> torch.Tensor:
+    return t * factor
+
+
+def _premul(t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+    """Scale an in-place op's tensor for PREMUL_SUM (it is overwritten by the result anyway)."""
+    return t.mul_(op.factor) if op.name == "PREMUL_SUM" else t
+
+
+def _average(t: torch.Tensor, size: int) -> None:
+    if t.dtype.is_floating_point or t.is_complex():
+        t.div_(size)
+    else:  # integer AVG truncates towards zero, as NCCL's ncclAvg does
+        t.copy_(torch.div(t, size, rounding_mode="trunc"))
+
+
+class Communicator:
+    """A group of ranks with deadline-bound collectives. Build one with ``new_comm``."""
+
+    def __init__(
+        self,
+        spec: backends.BackendSpec,
+        device: torch.device,
+        *,
+        name: str,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        timeout_s: float,
+        hints: Dict[str, str],
+        check: bool,
+        ranks_in_parent: Optional[List[int]] = None,
+    ) -> None:
+        self._spec = spec
+        self._device = device
+        self._name = name
+        self._store = store
+        self._rank = rank
+        self._size = size
+        self._timeout_s = timeout_s
+        self._hints = hints
+        self.ranks_in_parent = ranks_in_parent
+        self._backend = spec.create(store, rank, size, timedelta(seconds=timeout_s), hints)
+        self._check = CrossRankCheck(store, name, rank, size) if check else None
+        self._seq = 0
+        self._p2p_seq: Dict[tuple, int] = {}
+        self._failure: Optional[CommError] = None
+        self._closed: Optional[str] = None  # "aborted" or "finalized"
+        self._splits: set = set()
+        self._pre = Hooks("pre")
+        self._post = Hooks("post")
+        self._abort_hooks = Hooks("abort")
+        self._error_hooks = Hooks("error")
+        self._process_group = None
+
+    # ---------------------------------------------------------------- identity
+    def get_rank(self) -> int:
+        return self._rank
+
+    def get_size(self) -> int:
+        return self._size
+
+    def get_name(self) -> str:
+        return self._name
+
+    def get_backend(self) -> str:
+        return self._spec.name
+
+    def get_device(self) -> torch.device:
+        return self._device
+
+    def get_timeout(self) -> timedelta:
+        return timedelta(seconds=self._timeout_s)
+
+    def __repr__(self) -> str:
+        state = self._closed or ("broken" if self._failure else "ok")
+        return f"<Communicator {self._name!r} {self._spec.name} rank {self._rank}/{self._size} {state}>"
+
+    # ------------------------------------------------------------------- hooks
+    def register_pre_hook(self, fn: Callable[[str, int, Dict[str, Any]], None]) -> HookHandle:
+        """``fn(op_name, op_id, args)`` runs before each op is issued."""
+        return self._pre.add(fn)
+
+    def register_post_hook(self, fn: Callable[[int, Work], None]) -> HookHandle:
+        """``fn(op_id, work)`` runs right after each op is issued."""
+        return self._post.add(fn)
+
+    def register_abort_hook(self, fn: Callable[[], None]) -> HookHandle:
+        """``fn()`` runs once when the communicator is aborted."""
+        return self._abort_hooks.add(fn)
+
+    def register_error_hook(self, fn: Callable[[CommError], None]) -> HookHandle:
+        """``fn(error)`` runs once, on the first failure that breaks the communicator."""
+        return self._error_hooks.add(fn)
+
+    # ------------------------------------------------------------- collectives
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *,
+                   async_op: bool = False, timeout: Timeout = None) -> Work:
+        """Reduce ``tensor`` across ranks, in place."""
+        chk = self._checker("all_reduce")
+        self._tensor(chk, tensor, "tensor")
+        op = self._reduce_op(chk, op, tensor.dtype)
+        t = _wire(tensor)
+        opts = c10d.AllreduceOptions()
+        opts.reduceOp = op.to_c10d()
+        finish = (lambda: _average(tensor, self._size)) if op.name == "AVG" else None
+        return self._run(chk, timeout, async_op, {"tensor": tensor, "op": op},
+                         self._fp(chk.op, tensor, op),
+                         lambda td: self._backend.allreduce([_premul(t, op)], _timed(opts, td)), finish)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, *,
+                          async_op: bool = False, timeout: Timeout = None) -> Work:
+        """Concatenate every rank's ``input`` into ``output`` (``size`` times larger)."""
+        chk = self._checker("all_gather_single")
+        self._tensor(chk, output, "output")
+        self._tensor(chk, input, "input")
+        chk.same_dtype(output, input, "output and input")
+        if output.numel() != input.numel() * self._size:
+            raise chk.fail(f"output has {output.numel()} elements; needs input.numel() x size = "
+                           f"{input.numel()} x {self._size}")
+        opts = c10d.AllgatherOptions()
+        return self._run(chk, timeout, async_op, {"output": output, "input": input},
+                         self._fp(chk.op, input),
+                         lambda td: self._backend._allgather_base(_wire(output), _wire(input), _timed(opts, td)))
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *,
+                              async_op: bool = False, timeout: Timeout = None) -> Work:
+        """Reduce ``input`` across ranks and leave this rank's slice in ``output``."""
+        chk = self._checker("reduce_scatter_single")
+        self._tensor(chk, output, "output")
+        self._tensor(chk, input, "input")
+        chk.same_dtype(output, input, "output and input")
+        op = self._reduce_op(chk, op, input.dtype)
+        if input.numel() != output.numel() * self._size:
+            raise chk.fail(f"input has {input.numel()} elements; needs output.numel() x size = "
+                           f"{output.numel()} x {self._size}")
+        src = _scaled_copy(input, op.factor) if op.name == "PREMUL_SUM" else input
+        opts = c10d.ReduceScatterOptions()
+        opts.reduceOp = op.to_c10d()
+        finish = (lambda: _average(output, self._size)) if op.name == "AVG" else None
+        return self._run(chk, timeout, async_op, {"output": output, "input": input, "op": op},
+                         self._fp(chk.op, output, op),
+                         lambda td: self._backend._reduce_scatter_base(_wire(output), _wire(src), _timed(opts, td)),
+                         finish)
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: Optional[Sequence[int]] = None,
+                          input_split_sizes: Optional[Sequence[int]] = None, *,
+                          async_op: bool = False, timeout: Timeout = None) -> Work:
+        """Send slice j of ``input`` (dim 0, by ``input_split_sizes``) to rank j."""
+        chk = self._checker("all_to_all_single")
+        self._tensor(chk, output, "output")
+        self._tensor(chk, input, "input")
+        chk.same_dtype(output, input, "output and input")
+        if output.dim() == 0 or input.dim() == 0:
+            raise chk.fail("output and input need at least one dimension")
+        if output.shape[1:] != input.shape[1:]:
+            raise chk.fail(f"output and input differ beyond dim 0: {list(output.shape)} vs {list(input.shape)}")
+        out_splits = chk.splits(output_split_sizes, "output_split_sizes", self._size, output.shape[0])
+        in_splits = chk.splits(input_split_sizes, "input_split_sizes", self._size, input.shape[0])
+        if out_splits is None and in_splits is None and output.shape[0] != input.shape[0]:
+            raise chk.fail(f"with even splits output and input need the same dim 0 "
+                           f"({output.shape[0]} vs {input.shape[0]})")
+        fp = self._fp(chk.op, input, extra_shape=list(input.shape[1:]))
+        if self._check is not None:
+            even_in = [input.shape[0] // self._size] * self._size
+            even_out = [output.shape[0] // self._size] * self._size
+            fp["splits"] = [in_splits or even_in, out_splits or even_out]
+        opts = c10d.AllToAllOptions()
+        return self._run(chk, timeout, async_op,
+                         {"output": output, "input": input, "output_split_sizes": out_splits,
+                          "input_split_sizes": in_splits}, fp,
+                         lambda td: self._backend.alltoall_base(_wire(output), _wire(input), out_splits or [],
+                                                                in_splits or [], _timed(opts, td)))
+
+    def all_gather(self, tensor_list: List[torch.Tensor], tensor: torch.Tensor, *,
+                   async_op: bool = False, timeout: Timeout = None) -> Work:
+        """Gather every rank's ``tensor`` into ``tensor_list[rank]``."""
+        chk = self._checker("all_gather")
+        self._tensor(chk, tensor, "tensor")
+        outs = chk.tensor_list(tensor_list, "tensor_list", self._size, tensor, self._spec.device_type,
+                               self._spec.dtypes)
+        opts = c10d.AllgatherOptions()
+        return self._run(chk, timeout, async_op, {"tensor_list": outs, "tensor": tensor},
+                         self._fp(chk.op, tensor),
+                         lambda td: self._backend.allgather([[_wire(o) for o in outs]], [_wire(tensor)],
+                                                            _timed(opts, td)))
+
+    def reduce_scatter(self, output: torch.Tensor, input_list: List[torch.Tensor], op: ReduceOp = ReduceOp.SUM, *,
+                       async_op: bool = False, timeout: Timeout = None) -> Work:
+        """Reduce ``input_list[j]`` across ranks into rank j's ``output``."""
+        chk = self._checker("reduce_scatter")
+        self._tensor(chk, output, "output")
+        ins = chk.tensor_list(input_list, "input_list", self._size, output, self._spec.device_type,
+                              self._spec.dtypes)
+        op = self._reduce_op(chk, op, output.dtype)
+        if op.name == "PREMUL_SUM":
+            ins = [_scaled_copy(t, op.factor) for t in ins]
+        opts = c10d.ReduceScatterOptions()
+        opts.reduceOp = op.to_c10d()
+        finish = (lambda: _average(output, self._size)) if op.name == "AVG" else None
+        return self._run(chk, timeout, async_op, {"output": output, "input_list": ins, "op": op},
+                         self._fp(chk.op, output, op),
+                         lambda td: self._backend.reduce_scatter([_wire(output)], [[_wire(t) for t in ins]],
+                                                                 _timed(opts, td)), finish)
+
+    def broadcast(self, tensor: torch.Tensor, root: int, *, async_op: bool = False, timeout: Timeout = None) -> Work:
+        """Copy ``root``'s ``tensor`` into every rank's."""
+        chk = self._checker("broadcast")
+        self._tensor(chk, tensor, "tensor")
+        root = chk.rank_arg(root, "root", self._size)
+        opts = c10d.BroadcastOptions()
+        opts.rootRank = root
+        opts.rootTensor = 0
+        return self._run(chk, timeout, async_op, {"tensor": tensor, "root": root},
+                         self._fp(chk.op, tensor, root=root),
+                         lambda td: self._backend.broadcast([_wire(tensor)], _timed(opts, td)))
+
+    def reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp = ReduceOp.SUM, *,
+               async_op: bool = False, timeout: Timeout = None) -> Work:
+        """Reduce ``tensor`` across ranks into ``root``'s (others' are left undefined)."""
+        chk = self._checker("reduce")
+        self._tensor(chk, tensor, "tensor")
+        root = chk.rank_arg(root, "root", self._size)
+        op = self._reduce_op(chk, op, tensor.dtype)
+        t = _wire(tensor)
+        opts = c10d.ReduceOptions()
+        opts.reduceOp = op.to_c10d()
+        opts.rootRank = root
+        finish = (lambda: _average(tensor, self._size)) if op.name == "AVG" and root == self._rank else None
+        return self._run(chk, timeout, async_op, {"tensor": tensor, "root": root, "op": op},
+                         self._fp(chk.op, tensor, op, root=root),
+                         lambda td: self._backend.reduce([_premul(t, op)], _timed(opts, td)), finish)
+
+    def gather(self, output_tensor_list: Optional[List[torch.Tensor]], input_tensor: torch.Tensor, root: int, *,
+               async_op: bool = False, timeout: Timeout = None) -> Work:
+        """Collect every rank's ``input_tensor`` into ``root``'s ``output_tensor_list``."""
+        chk = self._checker("gather")
+        self._tensor(chk, input_tensor, "input_tensor")
+        root = chk.rank_arg(root, "root", self._size)
+        if root == self._rank:
+            outs = chk.tensor_list(output_tensor_list, "output_tensor_list", self._size, input_tensor,
+                                   self._spec.device_type, self._spec.dtypes)
+        elif output_tensor_list:
+            raise chk.fail(f"output_tensor_list must be empty on non-root rank {self._rank} (root is {root})")
+        else:
+            outs = []
+        opts = c10d.GatherOptions()
+        opts.rootRank = root
+        wire_outs = [[_wire(o) for o in outs]] if outs else []
+        return self._run(chk, timeout, async_op, {"output_tensor_list": outs, "input_tensor": input_tensor,
+                                                  "root": root},
+                         self._fp(chk.op, input_tensor, root=root),
+                         lambda td: self._backend.gather(wire_outs, [_wire(input_tensor)], _timed(opts, td)))
+
+    def scatter(self, output_tensor: torch.Tensor, input_tensor_list: Optional[List[torch.Tensor]], root: int, *,
+                async_op: bool = False, timeout: Timeout = None) -> Work:
+        """Send ``root``'s ``input_tensor_list[j]`` to rank j's ``output_tensor``."""
+        chk = self._checker("scatter")
+        self._tensor(chk, output_tensor, "output_tensor")
+        root = chk.rank_arg(root, "root", self._size)
+        if root == self._rank:
+            ins = chk.tensor_list(input_tensor_list, "input_tensor_list", self._size, output_tensor,
+                                  self._spec.device_type, self._spec.dtypes)
+        elif input_tensor_list:
+            raise chk.fail(f"input_tensor_list must be empty on non-root rank {self._rank} (root is {root})")
+        else:
+            ins = []
+        opts = c10d.ScatterOptions()
+        opts.rootRank = root
+        wire_ins = [[_wire(t) for t in ins]] if ins else []
+        return self._run(chk, timeout, async_op, {"output_tensor": output_tensor, "input_tensor_list": ins,
+                                                  "root": root},
+                         self._fp(chk.op, output_tensor, root=root),
+                         lambda td: self._backend.scatter([_wire(output_tensor)], wire_ins, _timed(opts, td)))
+
+    def barrier(self, *, async_op: bool = False, timeout: Timeout = None) -> Work:
+        """Return once every rank has entered the barrier."""
+        chk = self._checker("barrier")
+        return self._run(chk, timeout, async_op, {}, {"op": "barrier"},
+                         lambda td: self._backend.barrier(self._spec.barrier_options(td, self._device)))
+
+    # ---------------------------------------------------------- point to point
+    def send(self, tensor: torch.Tensor, dst: int, *, async_op: bool = False, timeout: Timeout = None) -> Work:
+        """Send ``tensor`` to rank ``dst`` (matched in order with its ``recv``)."""
+        return self._p2p("send", tensor, dst, async_op, timeout)
+
+    def recv(self, tensor: torch.Tensor, src: int, *, async_op: bool = False, timeout: Timeout = None) -> Work:
+        """Receive into ``tensor`` from rank ``src``."""
+        return self._p2p("recv", tensor, src, async_op, timeout)
+
+    def _p2p(self, op: str, tensor: torch.Tensor, peer: int, async_op: bool, timeout: Timeout, tag: int = 0) -> Work:
+        chk = self._checker(op)
+        self._tensor(chk, tensor, "tensor")
+        peer = chk.rank_arg(peer, "dst" if op == "send" else "src", self._size, me=self._rank)
+        pair = (self._rank, peer) if op == "send" else (peer, self._rank)
+        n = self._p2p_seq.get(pair, 0) + 1
+        self._p2p_seq[pair] = n
+        timeout_s = timeout_seconds(timeout, self._timeout_s, chk)
+        self._ensure_usable(op, n)
+        if self._check is not None:
+            self._check.p2p(self._fp(op, tensor), pair[0], pair[1], n, timeout_s)
+        call = self._backend.send if op == "send" else self._backend.recv
+        return self._issue(op, n, timeout_s, async_op, {"tensor": tensor, "peer": peer},
+                           lambda td: call([_wire(tensor)], peer, tag), None, peer)
+
+    # ------------------------------------------------------------- management
+    def split(self, ranks: Sequence[int], name: str, *, timeout: Timeout = None,
+              **hints: str) -> Optional["Communicator"]:
+        """A communicator of ``ranks`` (their order is the new rank order).
+
+        Only the listed ranks need to call it; any other rank gets ``None``.
+        ``name`` must be new for this parent.
+        """
+        chk = self._checker("split")
+        if not isinstance(name, str) or not name:
+            raise chk.fail(f"name must be a non-empty string, got {name!r}")
+        ranks = [chk.rank_arg(r, "ranks[]", self._size) for r in ranks]
+        if not ranks:
+            raise chk.fail("ranks is empty")
+        if len(set(ranks)) != len(ranks):
+            raise chk.fail(f"ranks has duplicates: {ranks}")
+        if name in self._splits:
+            raise chk.fail(f"a split named {name!r} was already made from this communicator")
+        timeout_s = timeout_seconds(timeout, self._timeout_s, chk)
+        self._ensure_usable("split", self._seq)
+        self._splits.add(name)
+        if self._rank not in ranks:
+            return None
+        parent = self.ranks_in_parent
+        return Communicator(
+            self._spec, self._device, name=name, store=dist.PrefixStore(f"split/{name}/", self._store),
+            rank=ranks.index(self._rank), size=len(ranks), timeout_s=timeout_s,
+            hints={**self._hints, **hints}, check=self._check is not None,
+            ranks_in_parent=[parent[r] for r in ranks] if parent else list(ranks),
+        )
+
+    def abort(self) -> None:
+        """Stop using the group now: later ops raise ``CommAborted``. Idempotent, never raises."""
+        if self._closed:
+            return
+        self._closed = "aborted"
+        self._abort_hooks()
+        backends.BackendSpec.abort(self._backend)
+
+    def finalize(self) -> None:
+        """Release the group after normal use. Idempotent, never raises."""
+        if self._closed:
+            return
+        self._closed = "finalized"
+        try:
+            self._backend.shutdown() if hasattr(self._backend, "shutdown") else None
+        except Exception:
+            pass
+
+    def as_process_group(self) -> dist.ProcessGroup:
+        """This communicator as a named c10d ``ProcessGroup`` (for ``DeviceMesh.from_group``)."""
+        if self._process_group is None:
+            from .c10d import register_communicator
+
+            self._process_group = register_communicator(self)
+        return self._process_group
+
+    # ---------------------------------------------------------------- machinery
+    def _checker(self, op: str) -> Checker:
+        return Checker(self._name, op, self._rank)
+
+    def _tensor(self, chk: Checker, t: object, what: str) -> None:
+        chk.tensor(t, what, self._spec.device_type, self._spec.dtypes)
+
+    def _reduce_op(self, chk: Checker, op: object, dtype: torch.dtype) -> ReduceOp:
+        try:
+            op = coerce(op)
+        except KeyError:
+            raise chk.fail(f"unsupported reduce op {op!r}") from None
+        chk.reduce_op(op, dtype)
+        return op
+
+    def _fp(self, op: str, t: torch.Tensor, reduce_op: Optional[ReduceOp] = None, *, root: Optional[int] = None,
+            extra_shape: Optional[list] = None) -> Optional[dict]:
+        """The op's cross-rank fingerprint (only built in check mode)."""
+        if self._check is None:
+            return None
+        fp = {"op": op, "dtype": str(t.dtype), "shape": extra_shape if extra_shape is not None else list(t.shape)}
+        if reduce_op is not None:
+            fp["reduce_op"] = repr(reduce_op)
+        if root is not None:
+            fp["root"] = root
+        return fp
+
+    def _ensure_usable(self, op: str, seq: int) -> None:
+        if self._closed:
+            raise CommAborted(f"communicator was {self._closed}", comm=self._name, op=op, seq=seq)
+        if self._failure is not None:
+            first = self._failure
+            raise type(first)(
+                f"communicator is broken by an earlier failure ({first.op} #{first.seq}: {first.what})",
+                comm=self._name, op=op, seq=seq, ranks=first.ranks,
+            )
+
+    def _run(self, chk: Checker, timeout: Timeout, async_op: bool, args: Dict[str, Any], fp: Optional[dict],
+             issue: Callable[[timedelta], Any], finish: Optional[Callable[[], None]] = None) -> Work:
+        timeout_s = timeout_seconds(timeout, self._timeout_s, chk)
+        self._seq += 1
+        seq = self._seq
+        self._ensure_usable(chk.op, seq)
+        if self._check is not None:
+            self._check.collective(fp, seq, timeout_s)
+        return self._issue(chk.op, seq, timeout_s, async_op, args, issue, finish, None)
+
+    def _issue(self, op: str, seq: int, timeout_s: float, async_op: bool, args: Dict[str, Any],
+               issue: Callable[[timedelta], Any], finish: Optional[Callable[[], None]], peer: Optional[int]) -> Work:
+        op_id = next(_op_ids)
+        if self._pre.fns:
+            self._pre(op, op_id, args)
+        start = time.monotonic_ns()
+        try:
+            c10d_work = issue(timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            err = self._classify_raw(exc, op, seq, timeout_s, (time.monotonic_ns() - start) / 1e9, peer)
+            self._on_failure(err)
+            raise err from exc
+        work = Work(self, op, seq, op_id, timeout_s, start, c10d_work, finish, peer)
+        if self._post.fns:
+            self._post(op_id, work)
+        if async_op:
+            WATCHDOG.track(work)
+        else:
+            work.wait()
+        return work
+
+    def _classify_raw(self, exc: BaseException, op: str, seq: int, timeout_s: float, elapsed_s: float,
+                      peer: Optional[int]) -> CommError:
+        if isinstance(exc, CommError):
+            return exc
+        cls = backends.classify(exc)
+        return cls(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+                   comm=self._name, op=op, seq=seq, timeout_s=timeout_s, elapsed_s=elapsed_s,
+                   ranks=() if peer is None else (peer,))
+
+    def _classify(self, exc: BaseException, work: Work) -> CommError:
+        """Turn a backend exception raised while waiting on ``work`` into our error."""
+        return self._classify_raw(exc, work.op, work.seq, work.timeout_s,
+                                  (time.monotonic_ns() - work.start_ns) / 1e9, work.peer)
+
+    def _on_failure(self, err: CommError) -> None:
+        if self._failure is None and not self._closed:
+            self._failure = err
+            self._error_hooks(err)
+
+
+def _timed(opts, timeout: timedelta):
+    opts.timeout = timeout
+    return opts
+
+
+def new_comm(
+    backend: str,
+    device: Optional[torch.device] = None,
+    *,
+    name: str,
+    timeout: Timeout = None,
+    store: Optional[dist.Store] = None,
+    rank: Optional[int] = None,
+    size: Optional[int] = None,
+    check: Optional[bool] = None,
+    **hints: str,
+) -> Communicator:
+    """Build a communicator; every member rank calls it with the same ``name``.
+
+    ``backend`` is ``"gloo"``, ``"nccl"`` or ``"auto"`` (by ``device``).  Rank,
+    size and the store default to torchrun's environment.  ``timeout`` (a
+    timedelta or seconds) is the deadline of every op that names none;
+    default ``COMMSLAYER_TIMEOUT_S``.  ``check`` turns on the cross-rank
+    check mode (default ``COMMSLAYER_CHECK``).  ``hints`` go to the backend
+    (Gloo: ``interface``, ``threads``).
+    """
+    chk = Checker(str(name), "new_comm", -1 if rank is None else rank)
+    if not isinstance(name, str) or not name or "/" in name:
+        raise chk.fail(f"name must be a non-empty string without '/', got {name!r}")
+    try:
+        spec, device = backends.resolve(backend, device)
+    except ValueError as exc:
+        raise chk.fail(str(exc)) from None
+    timeout_s = timeout_seconds(timeout, config.default_timeout().total_seconds(), chk)
+    if store is None:
+        store, env_rank, env_size = env_store(timedelta(seconds=timeout_s))
+        rank = env_rank if rank is None else rank
+        size = env_size if size is None else size
+    elif rank is None or size is None:
+        env_rank, env_size = env_rank_size()
+        rank = env_rank if rank is None else rank
+        size = env_size if size is None else size
+    if not (isinstance(size, int) and size > 0 and isinstance(rank, int) and 0 <= rank < size):
+        raise chk.fail(f"rank {rank} / size {size} is not a valid position in a group")
+    with _instances_lock:
+        instance = _instances.get(name, 0)
+        _instances[name] = instance + 1
+    prefixed = dist.PrefixStore(f"commslayer/{name}/{instance}/", store)
+    return Communicator(
+        spec, device, name=name, store=prefixed, rank=rank, size=size, timeout_s=timeout_s,
+        hints={k: str(v) for k, v in hints.items()},
+        check=config.check_mode() if check is None else check,
+    )
+

@@ -1,0 +1,83 @@
+"""The error hierarchy: every failure commslayer reports is a ``CommError``.
+
+A message always says where the failure happened: the communicator, the op,
+its sequence number, the timeout and elapsed time, and the ranks involved
+where they are known.  Callers branch on the class; people read the message.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+
+class CommError(RuntimeError):
+    """Base class of every error raised by commslayer.
+
+    Attributes mirror the message so code can act on them: ``comm`` (name),
+    ``op``, ``seq``, ``timeout_s``, ``elapsed_s`` and ``ranks``.
+    """
+
+    def __init__(
+        self,
+        what: str,
+        *,
+        comm: Optional[str] = None,
+        op: Optional[str] = None,
+        seq: Optional[int] = None,
+        timeout_s: Optional[float] = None,
+        elapsed_s: Optional[float] = None,
+        ranks: Iterable[int] = (),
+    ) -> None:
+        self.what = what
+        self.comm = comm
+        self.op = op
+        self.seq = seq
+        self.timeout_s = timeout_s
+        self.elapsed_s = elapsed_s
+        self.ranks = tuple(sorted(set(ranks)))
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = []
+        if self.comm is not None:
+            where.append(f"communicator {self.comm!r}")
+        if self.op is not None:
+            where.append(f"op {self.op}" + (f" #{self.seq}" if self.seq is not None else ""))
+        if self.timeout_s is not None:
+            where.append(f"timeout {self.timeout_s:g}s")
+        if self.elapsed_s is not None:
+            where.append(f"elapsed {self.elapsed_s:.3f}s")
+        if self.ranks:
+            where.append("ranks " + ",".join(map(str, self.ranks)))
+        return f"{self.what} [{'; '.join(where)}]" if where else self.what
+
+    def __reduce__(self):  # keep the keyword attributes across pickling
+        return (_rebuild, (type(self), self.what, self.__dict__.copy()))
+
+
+def _rebuild(cls, what, state):
+    err = cls.__new__(cls)
+    RuntimeError.__init__(err, what)
+    err.__dict__.update(state)
+    RuntimeError.__init__(err, err._render())
+    return err
+
+
+class CollectiveTimeout(CommError):
+    """An op did not complete before its deadline."""
+
+
+class PeerLost(CommError):
+    """A peer died or closed its connection; ``ranks`` names it where known."""
+
+
+class CommAborted(CommError):
+    """The communicator was aborted or finalized, or broken by an earlier error."""
+
+
+class InvalidArgument(CommError, ValueError):
+    """The call's arguments are wrong on this rank; nothing was sent."""
+
+
+class CollectiveMismatch(CommError):
+    """Ranks called different ops, shapes, dtypes or reduce ops at one sequence number."""

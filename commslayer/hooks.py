@@ -1,0 +1,59 @@
+"""Hook lists: how tracing and user code observe a communicator.
+
+A hook that raises is logged once and skipped: observing a collective must
+never break it.  Calling an empty list costs one truth test on the hot path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Tuple
+
+log = logging.getLogger("commslayer")
+
+
+class HookHandle:
+    """Returned by every ``register_*_hook``; ``remove()`` unregisters (idempotent)."""
+
+    __slots__ = ("_hooks", "_fn")
+
+    def __init__(self, hooks: "Hooks", fn: Callable[..., Any]) -> None:
+        self._hooks = hooks
+        self._fn = fn
+
+    def remove(self) -> None:
+        self._hooks._remove(self._fn)
+
+
+class Hooks:
+    """An ordered list of callables of one kind (``pre``, ``post``, ``abort``, ``error``)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.fns: Tuple[Callable[..., Any], ...] = ()  # replaced, never mutated: safe to iterate
+        self._lock = threading.Lock()
+        self._warned: set = set()
+
+    def add(self, fn: Callable[..., Any]) -> HookHandle:
+        if not callable(fn):
+            raise TypeError(f"{self.kind} hook must be callable, got {fn!r}")
+        with self._lock:
+            self.fns = self.fns + (fn,)
+        return HookHandle(self, fn)
+
+    def _remove(self, fn: Callable[..., Any]) -> None:
+        with self._lock:
+            fns = list(self.fns)
+            if fn in fns:
+                fns.remove(fn)
+            self.fns = tuple(fns)
+
+    def __call__(self, *args: Any) -> None:
+        for fn in self.fns:
+            try:
+                fn(*args)
+            except Exception:  # a broken observer must not break the collective
+                if id(fn) not in self._warned:
+                    self._warned.add(id(fn))
+                    log.exception("commslayer: %s hook %r raised; ignoring it from now on", self.kind, fn)

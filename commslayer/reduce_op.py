@@ -1,0 +1,84 @@
+"""``ReduceOp``: torchcomms' reduction names, and how each maps onto c10d.
+
+Gloo has no AVG and no PREMUL_SUM, so the communicator runs both as SUM with a
+scaling step (before or after the op); this module says which step is needed.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+import torch.distributed as dist
+
+
+class ReduceOp:
+    """A reduction. Use the class attributes, or ``ReduceOp.PREMUL_SUM(factor)``."""
+
+    __slots__ = ("name", "factor")
+
+    SUM: "ReduceOp"
+    PRODUCT: "ReduceOp"
+    MIN: "ReduceOp"
+    MAX: "ReduceOp"
+    AVG: "ReduceOp"
+    BAND: "ReduceOp"
+    BOR: "ReduceOp"
+    BXOR: "ReduceOp"
+
+    def __init__(self, name: str, factor: Union[float, torch.Tensor, None] = None) -> None:
+        self.name = name
+        self.factor = factor
+
+    @staticmethod
+    def PREMUL_SUM(factor: Union[float, torch.Tensor]) -> "ReduceOp":  # noqa: N802 (torchcomms name)
+        """Multiply every input by ``factor``, then sum."""
+        return ReduceOp("PREMUL_SUM", factor)
+
+    @property
+    def is_bitwise(self) -> bool:
+        return self.name in ("BAND", "BOR", "BXOR")
+
+    def to_c10d(self) -> dist.ReduceOp:
+        """The c10d op that runs on the wire (AVG and PREMUL_SUM travel as SUM)."""
+        if self.name in ("AVG", "PREMUL_SUM"):
+            return dist.ReduceOp.SUM
+        return getattr(dist.ReduceOp, self.name)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ReduceOp) and (self.name, self.factor) == (other.name, other.factor)
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __repr__(self) -> str:
+        return f"ReduceOp.{self.name}" + (f"({self.factor})" if self.name == "PREMUL_SUM" else "")
+
+
+for _name in ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR"):
+    setattr(ReduceOp, _name, ReduceOp(_name))
+
+_FROM_C10D = {
+    dist.ReduceOp.SUM: ReduceOp.SUM,
+    dist.ReduceOp.PRODUCT: ReduceOp.PRODUCT,
+    dist.ReduceOp.MIN: ReduceOp.MIN,
+    dist.ReduceOp.MAX: ReduceOp.MAX,
+    dist.ReduceOp.AVG: ReduceOp.AVG,
+    dist.ReduceOp.BAND: ReduceOp.BAND,
+    dist.ReduceOp.BOR: ReduceOp.BOR,
+    dist.ReduceOp.BXOR: ReduceOp.BXOR,
+}
+
+
+def coerce(op: object) -> ReduceOp:
+    """Accept our ``ReduceOp``, a c10d ``ReduceOp`` or its ``RedOpType``.
+
+    Raises ``KeyError`` for what cannot be expressed (a c10d PREMUL_SUM, whose
+    factor Python cannot read); the caller turns that into ``InvalidArgument``.
+    """
+    if isinstance(op, ReduceOp):
+        return op
+    for c10d_op, ours in _FROM_C10D.items():
+        if op == c10d_op:  # a ReduceOp instance compares equal to its RedOpType
+            return ours
+    raise KeyError(op)

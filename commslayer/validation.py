@@ -1,0 +1,114 @@
+"""Argument checks that run on the calling rank before anything is sent.
+
+Each check raises ``InvalidArgument`` naming the communicator, the op and this
+rank.  They are cheap (a few attribute reads per tensor) because they run on
+every op.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Optional, Sequence, Union
+
+import torch
+
+from .errors import InvalidArgument
+from .reduce_op import ReduceOp
+
+Timeout = Union[timedelta, float, int, None]
+
+
+class Checker:
+    """Checks for one call: ``Checker(comm_name, op, rank)``."""
+
+    __slots__ = ("comm", "op", "rank")
+
+    def __init__(self, comm: str, op: str, rank: int) -> None:
+        self.comm = comm
+        self.op = op
+        self.rank = rank
+
+    def fail(self, what: str) -> InvalidArgument:
+        return InvalidArgument(what, comm=self.comm, op=self.op, ranks=(self.rank,))
+
+    def tensor(self, t: object, what: str, device_type: str, dtypes) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise self.fail(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device.type != device_type:
+            raise self.fail(f"{what} is on {t.device}; this communicator needs {device_type} tensors")
+        if t.dtype not in dtypes and not t.is_complex():
+            raise self.fail(f"{what} has dtype {t.dtype}, which this backend does not carry")
+        if not t.is_contiguous():
+            raise self.fail(f"{what} must be contiguous (call .contiguous())")
+        if t.is_sparse:
+            raise self.fail(f"{what} is sparse; only dense tensors are supported")
+        return t
+
+    def same_dtype(self, a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+        if a.dtype != b.dtype:
+            raise self.fail(f"{what}: dtypes differ ({a.dtype} vs {b.dtype})")
+
+    def tensor_list(self, ts: object, what: str, size: int, like: torch.Tensor, device_type: str, dtypes) -> list:
+        if not isinstance(ts, (list, tuple)):
+            raise self.fail(f"{what} must be a list of {size} tensors, got {type(ts).__name__}")
+        if len(ts) != size:
+            raise self.fail(f"{what} has {len(ts)} tensors; the group has {size} ranks")
+        for i, t in enumerate(ts):
+            self.tensor(t, f"{what}[{i}]", device_type, dtypes)
+            if t.dtype != like.dtype or t.shape != like.shape:
+                raise self.fail(
+                    f"{what}[{i}] is {t.dtype}{list(t.shape)}, expected {like.dtype}{list(like.shape)}"
+                )
+        return list(ts)
+
+    def rank_arg(self, r: object, what: str, size: int, me: Optional[int] = None) -> int:
+        if isinstance(r, bool) or not isinstance(r, int):
+            raise self.fail(f"{what} must be an int rank, got {r!r}")
+        if not 0 <= r < size:
+            raise self.fail(f"{what}={r} is out of range for a group of {size} ranks")
+        if me is not None and r == me:
+            raise self.fail(f"{what}={r} is this rank itself")
+        return r
+
+    def reduce_op(self, op: ReduceOp, dtype: torch.dtype) -> None:
+        is_int = not dtype.is_floating_point and not dtype.is_complex
+        if op.is_bitwise and not is_int:
+            raise self.fail(f"{op} is defined for integer and bool tensors, not {dtype}")
+        if op.name == "AVG" and dtype == torch.bool:
+            raise self.fail("ReduceOp.AVG is not defined for bool tensors")
+        if op.name == "PREMUL_SUM":
+            if dtype == torch.bool:
+                raise self.fail("ReduceOp.PREMUL_SUM is not defined for bool tensors")
+            f = op.factor
+            if isinstance(f, torch.Tensor) and f.numel() != 1:
+                raise self.fail("ReduceOp.PREMUL_SUM factor must be a scalar or a one-element tensor")
+            if not isinstance(f, (int, float, torch.Tensor)) or isinstance(f, bool):
+                raise self.fail(f"ReduceOp.PREMUL_SUM factor must be a number, got {f!r}")
+        if dtype.is_complex and op.name not in ("SUM", "AVG", "PREMUL_SUM"):
+            raise self.fail(f"{op} is not defined for complex tensors")
+
+    def splits(self, splits: Optional[Sequence[int]], what: str, size: int, rows: int) -> Optional[list]:
+        if splits is None:
+            if rows % size:
+                raise self.fail(f"{what} is None, so dim 0 ({rows}) must divide evenly by the group size {size}")
+            return None
+        splits = list(splits)
+        if len(splits) != size:
+            raise self.fail(f"{what} has {len(splits)} entries; the group has {size} ranks")
+        if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in splits):
+            raise self.fail(f"{what} must be non-negative ints, got {splits}")
+        if sum(splits) != rows:
+            raise self.fail(f"{what} sums to {sum(splits)} but the tensor's dim 0 is {rows}")
+        return splits
+
+
+def timeout_seconds(timeout: Timeout, default_s: float, check: Checker) -> float:
+    """The op's deadline in seconds: ``timeout`` (timedelta or seconds) or the default."""
+    if timeout is None:
+        return default_s
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise check.fail(f"timeout must be a timedelta or seconds, got {timeout!r}")
+    if not seconds > 0:
+        raise check.fail(f"timeout must be positive, got {timeout!r}")
+    return float(seconds)

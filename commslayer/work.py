@@ -1,0 +1,171 @@
+"""``Work``: the handle of one issued op, and the deadline it must meet.
+
+A ``Work`` wraps the c10d work of the backend.  ``wait`` blocks (without the
+GIL) until the backend finishes or the deadline passes; then it settles the op
+exactly once: runs the op's finishing step (AVG's division, for example), or
+records the error and tells the communicator it is broken.  The watchdog
+settles async ops that nobody waits for, so an overdue op is reported even
+when the caller has moved on.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+
+from .backends import classify
+from .errors import CollectiveTimeout, CommError
+
+if TYPE_CHECKING:
+    from .communicator import Communicator
+
+
+class WorkStatus(enum.Enum):
+    NOT_STARTED = "not_started"
+    INPROGRESS = "inprogress"
+    COMPLETED = "completed"
+    TIMEDOUT = "timedout"
+    ERROR = "error"
+
+
+_DONE = (WorkStatus.COMPLETED, WorkStatus.TIMEDOUT, WorkStatus.ERROR)
+
+
+class Work:
+    """One op in flight. ``wait()``, ``is_completed()``, ``status``, ``exception()``."""
+
+    __slots__ = (
+        "comm", "op", "seq", "op_id", "peer", "timeout_s", "start_ns", "deadline_ns", "end_ns",
+        "_c10d", "_finish", "_status", "_error", "_lock",
+    )
+
+    def __init__(
+        self,
+        comm: "Communicator",
+        op: str,
+        seq: int,
+        op_id: int,
+        timeout_s: float,
+        start_ns: int,
+        c10d_work,
+        finish: Optional[Callable[[], None]] = None,
+        peer: Optional[int] = None,
+    ) -> None:
+        self.comm = comm
+        self.peer = peer
+        self.op = op
+        self.seq = seq
+        self.op_id = op_id
+        self.timeout_s = timeout_s
+        self.start_ns = start_ns
+        self.deadline_ns = start_ns + int(timeout_s * 1e9)
+        self.end_ns: Optional[int] = None
+        self._c10d = c10d_work
+        self._finish = finish
+        self._status = WorkStatus.INPROGRESS
+        self._error: Optional[CommError] = None
+        self._lock = threading.Lock()
+
+    @property
+    def status(self) -> WorkStatus:
+        return self._status
+
+    def exception(self) -> Optional[CommError]:
+        """The error this op ended with, or None."""
+        return self._error
+
+    def is_completed(self) -> bool:
+        """True once the op has ended, successfully or not (never blocks)."""
+        if self._status in _DONE:
+            return True
+        if self._c10d.is_completed():
+            self._settle_from_backend(0.0)
+            return True
+        return False
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        """Block until the op is done; raise its ``CommError`` if it failed.
+
+        ``timeout`` shortens the op's own deadline: an op still running when
+        the wait gives up is declared timed out (it cannot be cancelled, so
+        the communicator cannot be trusted after it either).
+        """
+        if self._status not in _DONE:
+            remaining = (self.deadline_ns - time.monotonic_ns()) / 1e9
+            if timeout is not None:
+                remaining = min(remaining, timeout.total_seconds())
+            self._settle_from_backend(remaining)
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def get_future(self) -> "torch.futures.Future":
+        """A future that completes with the op, or fails with its ``CommError``."""
+        return self._c10d.get_future().then(lambda _: None if self.wait() else None)
+
+    def poll(self, now_ns: int) -> bool:
+        """Watchdog step: settle the op if it ended or is overdue; True when settled."""
+        if self._status in _DONE:
+            return True
+        if self._c10d.is_completed():
+            self._settle_from_backend(0.0)
+            return True
+        if now_ns >= self.deadline_ns:
+            self._expire(now_ns)
+            return True
+        return False
+
+    def _settle_from_backend(self, remaining_s: float) -> None:
+        if remaining_s <= 0 and not self._c10d.is_completed():
+            self._expire(time.monotonic_ns())
+            return
+        try:
+            self._c10d.wait(timedelta(seconds=max(remaining_s, 0.0)))
+        except RuntimeError as exc:
+            now = time.monotonic_ns()
+            if classify(exc) is CollectiveTimeout:
+                self._expire(now)
+            else:
+                self._fail(self.comm._classify(exc, self), now)
+            return
+        with self._lock:
+            if self._status in _DONE:
+                return
+            try:
+                if self._finish is not None:
+                    self._finish()
+            except Exception as exc:
+                self._error = self.comm._classify(exc, self)
+                self._status = WorkStatus.ERROR
+            else:
+                self._status = WorkStatus.COMPLETED
+            self.end_ns = time.monotonic_ns()
+
+    def _expire(self, now_ns: int) -> None:
+        err = CollectiveTimeout(
+            "collective timed out",
+            comm=self.comm.get_name(),
+            op=self.op,
+            seq=self.seq,
+            timeout_s=self.timeout_s,
+            elapsed_s=(now_ns - self.start_ns) / 1e9,
+            ranks=() if self.peer is None else (self.peer,),
+        )
+        self._fail(err, now_ns, WorkStatus.TIMEDOUT)
+
+    def _fail(self, err: CommError, now_ns: int, status: WorkStatus = WorkStatus.ERROR) -> None:
+        with self._lock:
+            if self._status in _DONE:
+                return
+            self._error = err
+            self._status = status
+            self.end_ns = now_ns
+        self.comm._on_failure(err)
+
+    def __repr__(self) -> str:
+        return f"<Work {self.comm.get_name()}:{self.op}#{self.seq} {self._status.value}>"
