@@ -77,8 +77,8 @@ class Checker:
         if op.name == "AVG" and dtype == torch.bool:
             raise self.fail("ReduceOp.AVG is not defined for bool tensors")
         if op.name == "PREMUL_SUM":
-            if dtype == torch.bool:
-                raise self.fail("ReduceOp.PREMUL_SUM is not defined for bool tensors")
+            if not (dtype.is_floating_point or dtype.is_complex):
+                raise self.fail(f"ReduceOp.PREMUL_SUM is defined for floating-point tensors, not {dtype}")
             f = op.factor
             if isinstance(f, torch.Tensor) and f.numel() != 1:
                 raise self.fail("ReduceOp.PREMUL_SUM factor must be a scalar or a one-element tensor")

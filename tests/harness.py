@@ -1,0 +1,98 @@
+"""Run a function on N real processes that talk over real sockets.
+
+The parent picks a port, forks the ranks (fork, not spawn: importing torch
+again costs seconds per process on this machine), then hosts the TCPStore
+itself, so the store outlives any rank as it does under our launcher.  Each
+rank runs ``fn(rank, size, store, *args)`` and sends back its return value or
+its exception.  Ranks that do not finish within ``timeout`` are SIGKILLed and
+the run fails; no process outlives the call.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional
+
+import torch.distributed as dist
+
+
+class RankFailed(AssertionError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank, size, port, args, conn, env) -> None:
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "LOCAL_RANK": str(rank)})
+    try:
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timedelta(seconds=30))
+        conn.send(("ok", fn(rank, size, store, *args)))
+    except BaseException as exc:  # report everything, including SystemExit
+        try:
+            conn.send(("error", (exc, traceback.format_exc())))
+        except Exception:
+            conn.send(("error", (RuntimeError(repr(exc)), traceback.format_exc())))
+    finally:
+        conn.close()
+        os._exit(0)  # skip atexit: a broken Gloo group must not hang teardown
+
+
+def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 60.0,
+              env: Optional[Dict[str, str]] = None, allow_errors: bool = False) -> List[Any]:
+    """Return each rank's result; raise ``RankFailed`` if a rank raised (unless
+    ``allow_errors``: then its exception is the result) or did not finish."""
+    ctx = mp.get_context("fork")
+    port = free_port()
+    pipes, procs = [], []
+    for rank in range(size):
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_child, args=(fn, rank, size, port, args, child, env or {}), daemon=True)
+        p.start()
+        child.close()
+        pipes.append(parent)
+        procs.append(p)
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+    results: List[Any] = [None] * size
+    missing = set(range(size))
+    deadline = time.monotonic() + timeout
+    try:
+        while missing and time.monotonic() < deadline:
+            for rank in sorted(missing):
+                if pipes[rank].poll(0.05):
+                    results[rank] = pipes[rank].recv()
+                    missing.discard(rank)
+                elif not procs[rank].is_alive() and not pipes[rank].poll(0):
+                    results[rank] = ("died", procs[rank].exitcode)
+                    missing.discard(rank)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+            p.join(5)
+        del store
+    if missing:
+        raise RankFailed(f"ranks {sorted(missing)} did not finish within {timeout}s")
+    out = []
+    for rank, (kind, value) in enumerate(results):
+        if kind == "ok":
+            out.append(value)
+        elif kind == "died":
+            raise RankFailed(f"rank {rank} died with exit code {value}")
+        elif allow_errors:
+            out.append(value[0])
+        else:
+            raise RankFailed(f"rank {rank} raised:\n{value[1]}")
+    return out

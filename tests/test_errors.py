@@ -1,0 +1,169 @@
+"""Bad input: InvalidArgument on the calling rank at once (nothing sent, the
+communicator stays usable); CollectiveMismatch across ranks in check mode;
+hooks, abort and finalize."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from tests.harness import run_ranks
+
+
+def _invalid(rank, size, store):
+    import commslayer
+    from commslayer import ReduceOp
+
+    comm = commslayer.new_comm("gloo", name="bad", store=store, rank=rank, size=size, timeout=10)
+    f = torch.ones(8)
+    cases = {
+        "not a tensor": lambda: comm.all_reduce([1.0]),
+        "non-contiguous": lambda: comm.all_reduce(torch.ones(4, 4).t()),
+        "wrong device": lambda: comm.all_reduce(torch.ones(2, device="meta")),
+        "bitwise on float": lambda: comm.all_reduce(f, ReduceOp.BAND),
+        "avg on bool": lambda: comm.all_reduce(torch.ones(2, dtype=torch.bool), ReduceOp.AVG),
+        "premul on int": lambda: comm.all_reduce(torch.ones(2, dtype=torch.int64), ReduceOp.PREMUL_SUM(2)),
+        "all_gather_single size": lambda: comm.all_gather_single(torch.empty(15), f),
+        "all_gather_single dtype": lambda: comm.all_gather_single(torch.empty(16, dtype=torch.int64), f),
+        "reduce_scatter_single size": lambda: comm.reduce_scatter_single(torch.empty(3), f),
+        "a2a splits sum": lambda: comm.all_to_all_single(torch.empty(8), f, [4, 4], [4, 3]),
+        "a2a splits length": lambda: comm.all_to_all_single(torch.empty(8), f, [8], [8]),
+        "a2a uneven without splits": lambda: comm.all_to_all_single(torch.empty(8), torch.ones(7)),
+        "all_gather list length": lambda: comm.all_gather([torch.empty(8)], f),
+        "reduce_scatter list shape": lambda: comm.reduce_scatter(torch.empty(8), [f, torch.ones(4)]),
+        "broadcast root": lambda: comm.broadcast(f, size),
+        "reduce root": lambda: comm.reduce(f, -1),
+        "gather list": lambda: comm.gather([f], f, 0),  # root: too short; others: must be empty
+        "scatter list": lambda: comm.scatter(f, [f, f, f], 0),
+        "send to self": lambda: comm.send(f, rank),
+        "recv from nowhere": lambda: comm.recv(f, 7),
+        "zero timeout": lambda: comm.all_reduce(f, timeout=0),
+        "negative timeout": lambda: comm.barrier(timeout=-1.0),
+        "split bad rank": lambda: comm.split([0, 5], "x"),
+        "split duplicates": lambda: comm.split([0, 0], "y"),
+        "split empty name": lambda: comm.split([0, 1], ""),
+    }
+    report = {}
+    for what, call in cases.items():
+        start = time.monotonic()
+        try:
+            call()
+            report[what] = "no error"
+        except commslayer.InvalidArgument as err:
+            assert time.monotonic() - start < 0.5
+            report[what] = str(err)
+    t = torch.ones(4)
+    comm.all_reduce(t)  # still usable: nothing was sent
+    report["after"] = t[0].item()
+    return report
+
+
+@pytest.mark.timeout(60)
+def test_invalid_arguments_raise_at_once_and_leave_the_comm_usable():
+    for rank, report in enumerate(run_ranks(_invalid, 2, timeout=40)):
+        assert report.pop("after") == 2.0
+        for what, msg in report.items():
+            assert msg != "no error", what
+            assert "communicator 'bad'" in msg and f"ranks {rank}" in msg and "op " in msg, (what, msg)
+
+
+def _mismatch(rank, size, store, kind):
+    import commslayer
+
+    comm = commslayer.new_comm("gloo", name="mm", store=store, rank=rank, size=size, timeout=5, check=True)
+    comm.all_reduce(torch.ones(4))  # a matching op passes the check
+    t = torch.ones(4)
+    odd = rank == size - 1
+    try:
+        if kind == "shape":
+            comm.all_reduce(torch.ones(5) if odd else t)
+        elif kind == "dtype":
+            comm.all_reduce(t.to(torch.int64) if odd else t)
+        elif kind == "op":
+            comm.all_reduce(t, commslayer.ReduceOp.MAX if odd else commslayer.ReduceOp.SUM)
+        elif kind == "collective":
+            comm.broadcast(t, 0) if odd else comm.all_reduce(t)
+        elif kind == "a2a splits":
+            comm.all_to_all_single(torch.empty(3), torch.ones(3), [1, 1, 1],
+                                   [1, 2, 0] if odd else [1, 1, 1])
+        else:
+            if rank == 0:
+                comm.send(torch.ones(4), 1)
+            elif rank == 1:
+                comm.recv(torch.ones(4, dtype=torch.float64), 0)
+            else:
+                return "not involved"
+    except commslayer.CollectiveMismatch as err:
+        return str(err), err.ranks
+    return "no error"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind,expect", [
+    ("shape", "shape"), ("dtype", "dtype"), ("op", "reduce_op"), ("collective", "op:"),
+    ("a2a splits", "rows to rank"), ("p2p dtype", "dtype"),
+])
+def test_mismatch_is_named_on_every_rank(kind, expect):
+    size = 3
+    for rank, result in enumerate(run_ranks(_mismatch, size, kind, timeout=60)):
+        if result == "not involved":
+            continue
+        assert result != "no error", rank
+        msg, ranks = result
+        assert expect in msg, msg
+        assert (size - 1 in ranks) or kind == "p2p dtype", (msg, ranks)
+
+
+def _hooks_and_lifecycle(rank, size, store):
+    import commslayer
+
+    comm = commslayer.new_comm("gloo", name="hk", store=store, rank=rank, size=size, timeout=10)
+    seen = []
+    pre = comm.register_pre_hook(lambda name, op_id, args: seen.append(("pre", name, op_id)))
+    post = comm.register_post_hook(lambda op_id, work: seen.append(("post", work.op, op_id)))
+    comm.register_pre_hook(lambda *a: 1 / 0)  # a broken observer must not break the op
+    aborts = []
+    comm.register_abort_hook(lambda: aborts.append(1))
+    t = torch.ones(3)
+    comm.all_reduce(t)
+    comm.broadcast(t, 0)
+    pre.remove()
+    post.remove()
+    pre.remove()  # idempotent
+    comm.barrier()
+    sub = comm.split([1, 0], "pair")
+    x = torch.tensor([float(rank)])
+    sub.all_reduce(x)
+    again = None
+    try:
+        comm.split([0, 1], "pair")
+    except commslayer.InvalidArgument as err:
+        again = str(err)
+    comm.abort()
+    comm.abort()
+    comm.finalize()
+    try:
+        comm.all_reduce(t)
+        after = "no error"
+    except commslayer.CommAborted as err:
+        after = str(err)
+    sub.finalize()
+    sub.finalize()
+    return seen, t[0].item(), sub.get_rank(), sub.get_size(), x.item(), again, len(aborts), after
+
+
+@pytest.mark.timeout(60)
+def test_hooks_split_abort_finalize():
+    for rank, (seen, value, sub_rank, sub_size, x, again, aborts, after) in enumerate(
+            run_ranks(_hooks_and_lifecycle, 2, timeout=40)):
+        assert [s[:2] for s in seen] == [("pre", "all_reduce"), ("post", "all_reduce"),
+                                         ("pre", "broadcast"), ("post", "broadcast")]
+        ids = [s[2] for s in seen]
+        assert ids[0] == ids[1] < ids[2] == ids[3]  # op ids increase
+        assert value == 2.0
+        assert (sub_rank, sub_size, x) == (1 - rank, 2, 1.0)  # list order is the new rank order
+        assert again and "already" in again
+        assert aborts == 1
+        assert "aborted" in after
