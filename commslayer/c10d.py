@@ -69,9 +69,9 @@ class C10dWork(dist.Work):
         return self._result
 
     def get_future(self) -> torch.futures.Future:
-        def settle(_):
-            for w in self._works:
-                w.wait()
+        def settle(fut):
+            for each in fut.value():
+                each.value()  # re-raises a member's CommError
             return self._result
 
         return torch.futures.collect_all([w.get_future() for w in self._works]).then(settle)

@@ -106,7 +106,19 @@ class Work:
 
     def get_future(self) -> "torch.futures.Future":
         """A future that completes with the op, or fails with its ``CommError``."""
-        return self._c10d.get_future().then(lambda _: None if self.wait() else None)
+
+        def settle(fut: torch.futures.Future) -> None:
+            # Runs on the backend's thread as the op ends: waiting here would deadlock.
+            try:
+                fut.value()
+            except RuntimeError as exc:
+                self._backend_failed(exc)
+            else:
+                self._complete()
+            if self._error is not None:
+                raise self._error
+
+        return self._c10d.get_future().then(settle)
 
     def poll(self, now_ns: int) -> bool:
         """Watchdog step: settle the op if it ended or is overdue; True when settled."""
@@ -127,12 +139,17 @@ class Work:
         try:
             self._c10d.wait(timedelta(seconds=max(remaining_s, 0.0)))
         except RuntimeError as exc:
-            now = time.monotonic_ns()
-            if classify(exc) is CollectiveTimeout:
-                self._expire(now)
-            else:
-                self._fail(self.comm._classify(exc, self), now)
+            self._backend_failed(exc)
             return
+        self._complete()
+
+    def _backend_failed(self, exc: RuntimeError) -> None:
+        if classify(exc) is CollectiveTimeout:
+            self._expire(time.monotonic_ns())
+        else:
+            self._fail(self.comm._classify(exc, self), time.monotonic_ns())
+
+    def _complete(self) -> None:
         with self._lock:
             if self._status in _DONE:
                 return

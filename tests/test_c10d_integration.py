@@ -1,0 +1,77 @@
+"""commslayer as a torch.distributed backend, under real torchrun: FSDP2 (with a
+separate reduce-scatter group) and DDP train bitwise like plain Gloo, through
+``init_process_group("commslayer")`` and through the environment switch on an
+unmodified script."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.harness import free_port, run_ranks
+
+JOB = Path(__file__).parent / "jobs" / "train_fsdp2.py"
+
+
+def _torchrun(tmp_path: Path, backend: str, nproc: int, **env: str) -> dict:
+    out = tmp_path / f"{backend}-{len(env)}.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(free_port()), str(JOB), backend, str(out)]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    full_env.pop("COMMSLAYER_ROUTE_C10D", None) if not env else None
+    proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out)
+
+
+def _assert_bitwise(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("nproc", [2])
+def test_fsdp2_and_ddp_match_plain_gloo(tmp_path, nproc):
+    plain = _torchrun(tmp_path, "gloo", nproc)
+    ours = _torchrun(tmp_path, "commslayer", nproc)
+    routed = _torchrun(tmp_path, "gloo", nproc, COMMSLAYER_ROUTE_C10D="1")
+    assert plain["world_type"] == "ProcessGroup"
+    assert ours["world_type"] == routed["world_type"] == "CommslayerProcessGroup"
+    assert routed["backend"] == "gloo"  # the job still sees what it asked for
+    for run in (ours, routed):
+        _assert_bitwise(plain["fsdp"], run["fsdp"])
+        _assert_bitwise(plain["ddp"], run["ddp"])
+        assert run["sub"] == 1.0 and torch.equal(run["gathered"], plain["gathered"])
+    # training moved the parameters: the comparison is not of two initial states
+    assert not torch.equal(plain["fsdp"]["0.0.weight"], torch.manual_seed(0) and
+                           torch.nn.Linear(32, 64).weight.detach())
+
+
+def _mesh_from_comm(rank, size, store):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    import commslayer
+
+    dist.init_process_group("commslayer", store=dist.PrefixStore("world/", store), rank=rank, world_size=size)
+    comm = commslayer.new_comm("gloo", name="meshcomm", timeout=30)
+    mesh = DeviceMesh.from_group(comm.as_process_group(), "cpu")
+    seen = []
+    comm.register_pre_hook(lambda name, op_id, args: seen.append(name))
+    t = torch.ones(2)
+    dist.all_reduce(t, group=mesh.get_group())
+    dist.destroy_process_group()
+    dist.destroy_process_group() if dist.is_initialized() else None
+    return t[0].item(), seen, mesh.size()
+
+
+@pytest.mark.timeout(60)
+def test_device_mesh_from_a_communicator():
+    for value, seen, mesh_size in run_ranks(_mesh_from_comm, 2, timeout=40):
+        assert value == 2.0 and seen == ["all_reduce"] and mesh_size == 2
