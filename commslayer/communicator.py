@@ -97,6 +97,10 @@ class Communicator:
         self._abort_hooks = Hooks("abort")
         self._error_hooks = Hooks("error")
         self._process_group = None
+        self._checkers: Dict[str, Checker] = {}
+        self._opts_cache: Dict[tuple, Any] = {}
+        self._timedeltas: Dict[float, timedelta] = {}
+        self.settle_lock = threading.Lock()  # shared by this communicator's Work objects
 
     # ---------------------------------------------------------------- identity
     def get_rank(self) -> int:
@@ -146,8 +150,7 @@ class Communicator:
         self._tensor(chk, tensor, "tensor")
         op = self._reduce_op(chk, op, tensor.dtype)
         t = _wire(tensor)
-        opts = c10d.AllreduceOptions()
-        opts.reduceOp = op.to_c10d()
+        opts = self._opts(c10d.AllreduceOptions, op)
         finish = (lambda: _average(tensor, self._size)) if op.name == "AVG" else None
         return self._run(chk, timeout, async_op, {"tensor": tensor, "op": op},
                          self._fp(chk.op, tensor, op),
@@ -163,7 +166,7 @@ class Communicator:
         if output.numel() != input.numel() * self._size:
             raise chk.fail(f"output has {output.numel()} elements; needs input.numel() x size = "
                            f"{input.numel()} x {self._size}")
-        opts = c10d.AllgatherOptions()
+        opts = self._opts(c10d.AllgatherOptions)
         return self._run(chk, timeout, async_op, {"output": output, "input": input},
                          self._fp(chk.op, input),
                          lambda td: self._backend._allgather_base(_wire(output), _wire(input), _timed(opts, td)))
@@ -180,8 +183,7 @@ class Communicator:
             raise chk.fail(f"input has {input.numel()} elements; needs output.numel() x size = "
                            f"{output.numel()} x {self._size}")
         src = _scaled_copy(input, op.factor) if op.name == "PREMUL_SUM" else input
-        opts = c10d.ReduceScatterOptions()
-        opts.reduceOp = op.to_c10d()
+        opts = self._opts(c10d.ReduceScatterOptions, op)
         finish = (lambda: _average(output, self._size)) if op.name == "AVG" else None
         return self._run(chk, timeout, async_op, {"output": output, "input": input, "op": op},
                          self._fp(chk.op, output, op),
@@ -211,7 +213,7 @@ class Communicator:
             even_in = [input.shape[0] // self._size] * self._size
             even_out = [output.shape[0] // self._size] * self._size
             fp["splits"] = [in_splits or even_in, out_splits or even_out]
-        opts = c10d.AllToAllOptions()
+        opts = self._opts(c10d.AllToAllOptions)
         return self._run(chk, timeout, async_op,
                          {"output": output, "input": input, "output_split_sizes": out_splits,
                           "input_split_sizes": in_splits}, fp,
@@ -225,7 +227,7 @@ class Communicator:
         self._tensor(chk, tensor, "tensor")
         outs = chk.tensor_list(tensor_list, "tensor_list", self._size, tensor, self._spec.device_type,
                                self._spec.dtypes)
-        opts = c10d.AllgatherOptions()
+        opts = self._opts(c10d.AllgatherOptions)
         return self._run(chk, timeout, async_op, {"tensor_list": outs, "tensor": tensor},
                          self._fp(chk.op, tensor),
                          lambda td: self._backend.allgather([[_wire(o) for o in outs]], [_wire(tensor)],
@@ -241,8 +243,7 @@ class Communicator:
         op = self._reduce_op(chk, op, output.dtype)
         if op.name == "PREMUL_SUM":
             ins = [_scaled_copy(t, op.factor) for t in ins]
-        opts = c10d.ReduceScatterOptions()
-        opts.reduceOp = op.to_c10d()
+        opts = self._opts(c10d.ReduceScatterOptions, op)
         finish = (lambda: _average(output, self._size)) if op.name == "AVG" else None
         return self._run(chk, timeout, async_op, {"output": output, "input_list": ins, "op": op},
                          self._fp(chk.op, output, op),
@@ -254,9 +255,7 @@ class Communicator:
         chk = self._checker("broadcast")
         self._tensor(chk, tensor, "tensor")
         root = chk.rank_arg(root, "root", self._size)
-        opts = c10d.BroadcastOptions()
-        opts.rootRank = root
-        opts.rootTensor = 0
+        opts = self._opts(c10d.BroadcastOptions, root=root)
         return self._run(chk, timeout, async_op, {"tensor": tensor, "root": root},
                          self._fp(chk.op, tensor, root=root),
                          lambda td: self._backend.broadcast([_wire(tensor)], _timed(opts, td)))
@@ -269,9 +268,7 @@ class Communicator:
         root = chk.rank_arg(root, "root", self._size)
         op = self._reduce_op(chk, op, tensor.dtype)
         t = _wire(tensor)
-        opts = c10d.ReduceOptions()
-        opts.reduceOp = op.to_c10d()
-        opts.rootRank = root
+        opts = self._opts(c10d.ReduceOptions, op, root)
         finish = (lambda: _average(tensor, self._size)) if op.name == "AVG" and root == self._rank else None
         return self._run(chk, timeout, async_op, {"tensor": tensor, "root": root, "op": op},
                          self._fp(chk.op, tensor, op, root=root),
@@ -290,8 +287,7 @@ class Communicator:
             raise chk.fail(f"output_tensor_list must be empty on non-root rank {self._rank} (root is {root})")
         else:
             outs = []
-        opts = c10d.GatherOptions()
-        opts.rootRank = root
+        opts = self._opts(c10d.GatherOptions, root=root)
         wire_outs = [[_wire(o) for o in outs]] if outs else []
         return self._run(chk, timeout, async_op, {"output_tensor_list": outs, "input_tensor": input_tensor,
                                                   "root": root},
@@ -311,8 +307,7 @@ class Communicator:
             raise chk.fail(f"input_tensor_list must be empty on non-root rank {self._rank} (root is {root})")
         else:
             ins = []
-        opts = c10d.ScatterOptions()
-        opts.rootRank = root
+        opts = self._opts(c10d.ScatterOptions, root=root)
         wire_ins = [[_wire(t) for t in ins]] if ins else []
         return self._run(chk, timeout, async_op, {"output_tensor": output_tensor, "input_tensor_list": ins,
                                                   "root": root},
@@ -408,12 +403,36 @@ class Communicator:
 
     # ---------------------------------------------------------------- machinery
     def _checker(self, op: str) -> Checker:
-        return Checker(self._name, op, self._rank)
+        chk = self._checkers.get(op)
+        if chk is None:
+            chk = self._checkers[op] = Checker(self._name, op, self._rank)
+        return chk
+
+    def _opts(self, cls, reduce_op: Optional[ReduceOp] = None, root: Optional[int] = None):
+        """The backend's option struct for this op, cached (c10d copies it on every call)."""
+        key = (cls, None if reduce_op is None else reduce_op.name, root)
+        opts = self._opts_cache.get(key)
+        if opts is None:
+            opts = cls()
+            if reduce_op is not None:
+                opts.reduceOp = reduce_op.to_c10d()
+            if root is not None:
+                opts.rootRank = root
+            self._opts_cache[key] = opts
+        return opts
+
+    def _timedelta(self, seconds: float) -> timedelta:
+        td = self._timedeltas.get(seconds)
+        if td is None:
+            td = self._timedeltas[seconds] = timedelta(seconds=seconds)
+        return td
 
     def _tensor(self, chk: Checker, t: object, what: str) -> None:
         chk.tensor(t, what, self._spec.device_type, self._spec.dtypes)
 
     def _reduce_op(self, chk: Checker, op: object, dtype: torch.dtype) -> ReduceOp:
+        if op is ReduceOp.SUM:  # the common case is valid for every dtype
+            return op
         try:
             op = coerce(op)
         except KeyError:
@@ -445,10 +464,11 @@ class Communicator:
 
     def _run(self, chk: Checker, timeout: Timeout, async_op: bool, args: Dict[str, Any], fp: Optional[dict],
              issue: Callable[[timedelta], Any], finish: Optional[Callable[[], None]] = None) -> Work:
-        timeout_s = timeout_seconds(timeout, self._timeout_s, chk)
+        timeout_s = self._timeout_s if timeout is None else timeout_seconds(timeout, self._timeout_s, chk)
         self._seq += 1
         seq = self._seq
-        self._ensure_usable(chk.op, seq)
+        if self._closed or self._failure is not None:
+            self._ensure_usable(chk.op, seq)
         if self._check is not None:
             self._check.collective(fp, seq, timeout_s)
         return self._issue(chk.op, seq, timeout_s, async_op, args, issue, finish, None)
@@ -459,8 +479,9 @@ class Communicator:
         if self._pre.fns:
             self._pre(op, op_id, args)
         start = time.monotonic_ns()
+        td = self._timedelta(timeout_s)
         try:
-            c10d_work = issue(timedelta(seconds=timeout_s))
+            c10d_work = issue(td)
         except RuntimeError as exc:
             err = self._classify_raw(exc, op, seq, timeout_s, (time.monotonic_ns() - start) / 1e9, peer)
             self._on_failure(err)
@@ -471,7 +492,7 @@ class Communicator:
         if async_op:
             WATCHDOG.track(work)
         else:
-            work.wait()
+            work.wait_issued(td)
         return work
 
     def _classify_raw(self, exc: BaseException, op: str, seq: int, timeout_s: float, elapsed_s: float,

@@ -32,6 +32,12 @@ class Checker:
         return InvalidArgument(what, comm=self.comm, op=self.op, ranks=(self.rank,))
 
     def tensor(self, t: object, what: str, device_type: str, dtypes) -> torch.Tensor:
+        try:  # the fast path: three attribute reads
+            on_device = t.is_cpu if device_type == "cpu" else t.device.type == device_type
+            if on_device and t.dtype in dtypes and t.is_contiguous():
+                return t
+        except (AttributeError, RuntimeError):  # not a tensor, or a sparse one
+            pass
         if not isinstance(t, torch.Tensor):
             raise self.fail(f"{what} must be a torch.Tensor, got {type(t).__name__}")
         if t.device.type != device_type:

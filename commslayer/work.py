@@ -11,7 +11,6 @@ when the caller has moved on.
 from __future__ import annotations
 
 import enum
-import threading
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Callable, Optional
@@ -41,7 +40,7 @@ class Work:
 
     __slots__ = (
         "comm", "op", "seq", "op_id", "peer", "timeout_s", "start_ns", "deadline_ns", "end_ns",
-        "_c10d", "_finish", "_status", "_error", "_lock",
+        "_c10d", "_finish", "_status", "_error",
     )
 
     def __init__(
@@ -69,7 +68,6 @@ class Work:
         self._finish = finish
         self._status = WorkStatus.INPROGRESS
         self._error: Optional[CommError] = None
-        self._lock = threading.Lock()
 
     @property
     def status(self) -> WorkStatus:
@@ -104,6 +102,17 @@ class Work:
             raise self._error
         return True
 
+    def wait_issued(self, timeout: timedelta) -> None:
+        """The synchronous path: wait the op's whole timeout right after issuing it."""
+        try:
+            self._c10d.wait(timeout)
+        except RuntimeError as exc:
+            self._backend_failed(exc)
+            raise self._error from None
+        self._complete()
+        if self._error is not None:
+            raise self._error
+
     def get_future(self) -> "torch.futures.Future":
         """A future that completes with the op, or fails with its ``CommError``."""
 
@@ -137,7 +146,8 @@ class Work:
             self._expire(time.monotonic_ns())
             return
         try:
-            self._c10d.wait(timedelta(seconds=max(remaining_s, 0.0)))
+            # c10d truncates to whole milliseconds, and 0 would mean "forever"
+            self._c10d.wait(timedelta(milliseconds=max(remaining_s * 1e3, 1.0)))
         except RuntimeError as exc:
             self._backend_failed(exc)
             return
@@ -150,7 +160,7 @@ class Work:
             self._fail(self.comm._classify(exc, self), time.monotonic_ns())
 
     def _complete(self) -> None:
-        with self._lock:
+        with self.comm.settle_lock:
             if self._status in _DONE:
                 return
             try:
@@ -176,7 +186,7 @@ class Work:
         self._fail(err, now_ns, WorkStatus.TIMEDOUT)
 
     def _fail(self, err: CommError, now_ns: int, status: WorkStatus = WorkStatus.ERROR) -> None:
-        with self._lock:
+        with self.comm.settle_lock:
             if self._status in _DONE:
                 return
             self._error = err

@@ -14,5 +14,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     echo "$WANT" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"
+# torch warns at import when NumPy is absent; we do not depend on NumPy.
+export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore:Failed to initialize NumPy}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 cd "$ROOT"

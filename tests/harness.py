@@ -26,6 +26,16 @@ class RankFailed(AssertionError):
     pass
 
 
+class RankDied:
+    """The result of a rank that died (``allow_errors``): its exit code (-9: SIGKILL)."""
+
+    def __init__(self, exitcode: Optional[int]) -> None:
+        self.exitcode = exitcode
+
+    def __repr__(self) -> str:
+        return f"RankDied({self.exitcode})"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -51,8 +61,9 @@ def _child(fn, rank, size, port, args, conn, env) -> None:
 
 def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 60.0,
               env: Optional[Dict[str, str]] = None, allow_errors: bool = False) -> List[Any]:
-    """Return each rank's result; raise ``RankFailed`` if a rank raised (unless
-    ``allow_errors``: then its exception is the result) or did not finish."""
+    """Return each rank's result; raise ``RankFailed`` if a rank raised or died
+    (unless ``allow_errors``: then its exception, or ``RankDied``, is the
+    result) or did not finish."""
     ctx = mp.get_context("fork")
     port = free_port()
     pipes, procs = [], []
@@ -72,7 +83,11 @@ def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 60
         while missing and time.monotonic() < deadline:
             for rank in sorted(missing):
                 if pipes[rank].poll(0.05):
-                    results[rank] = pipes[rank].recv()
+                    try:
+                        results[rank] = pipes[rank].recv()
+                    except EOFError:  # died without reporting
+                        procs[rank].join(5)
+                        results[rank] = ("died", procs[rank].exitcode)
                     missing.discard(rank)
                 elif not procs[rank].is_alive() and not pipes[rank].poll(0):
                     results[rank] = ("died", procs[rank].exitcode)
@@ -89,8 +104,10 @@ def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 60
     for rank, (kind, value) in enumerate(results):
         if kind == "ok":
             out.append(value)
-        elif kind == "died":
+        elif kind == "died" and not allow_errors:
             raise RankFailed(f"rank {rank} died with exit code {value}")
+        elif kind == "died":
+            out.append(RankDied(value))
         elif allow_errors:
             out.append(value[0])
         else:

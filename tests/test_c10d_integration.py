@@ -75,3 +75,23 @@ def _mesh_from_comm(rank, size, store):
 def test_device_mesh_from_a_communicator():
     for value, seen, mesh_size in run_ranks(_mesh_from_comm, 2, timeout=40):
         assert value == 2.0 and seen == ["all_reduce"] and mesh_size == 2
+
+
+def _device_qualified(rank, size, store):
+    import torch.distributed as dist
+
+    dist.init_process_group("cpu:commslayer,cuda:commslayer", store=store, rank=rank, world_size=size)
+    t = torch.ones(3)
+    work = dist.all_reduce(t, async_op=True)
+    work.wait()
+    pair = dist.new_group([0, 1])
+    dist.broadcast(t, src=1, group=pair)
+    name = type(dist.group.WORLD).__name__
+    dist.destroy_process_group()
+    return t[0].item(), name
+
+
+@pytest.mark.timeout(60)
+def test_device_qualified_backend_string():
+    for value, name in run_ranks(_device_qualified, 3, timeout=40):
+        assert value == 3.0 and name == "CommslayerProcessGroup"
