@@ -23,9 +23,13 @@ from .errors import (
 from .hooks import HookHandle
 from .reduce_op import ReduceOp
 from .work import Work, WorkStatus
-from .c10d import register_backend
+from . import config as _config
+from .c10d import install_routing as _install_routing
+from .c10d import register_backend as _register_backend
 
-register_backend()
+_register_backend()
+if _config.route_c10d():  # also when torch's entry-point autoload is off
+    _install_routing()
 
 __all__ = [
     "new_comm", "Communicator", "Work", "WorkStatus", "ReduceOp", "HookHandle",

@@ -80,7 +80,8 @@ class C10dWork(dist.Work):
 class CommslayerProcessGroup(dist.ProcessGroup):
     """A c10d ``ProcessGroup`` whose ops run on commslayer communicators."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, group_name: str) -> None:
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, group_name: str,
+                 global_ranks: List[int]) -> None:
         super().__init__(rank, size)
         timeout_s = (config.default_timeout() if config.timeout_is_set() else timeout).total_seconds()
         self._comms = {}
@@ -91,6 +92,7 @@ class CommslayerProcessGroup(dist.ProcessGroup):
                 spec, device, name=f"c10d:{group_name}:{spec.device_type}",
                 store=dist.PrefixStore(f"commslayer/{spec.device_type}/", store), rank=rank, size=size,
                 timeout_s=timeout_s, hints={}, check=config.check_mode(),
+                uid=f"c10d:{group_name}:{spec.device_type}", global_ranks=global_ranks or list(range(size)),
             )
             self._attach(comm)
 
@@ -239,7 +241,8 @@ class CommslayerProcessGroup(dist.ProcessGroup):
 
 def _create(dist_opts, backend_options) -> CommslayerProcessGroup:
     return CommslayerProcessGroup(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
-                                  dist_opts.timeout, str(dist_opts.group_id))
+                                  dist_opts.timeout, str(dist_opts.group_id),
+                                  list(dist_opts.global_ranks_in_group))
 
 
 def register_backend() -> None:
@@ -251,11 +254,12 @@ def register_backend() -> None:
 def register_communicator(comm: Communicator) -> CommslayerProcessGroup:
     """Wrap ``comm`` as a ``ProcessGroup`` and register it with c10d under a fresh name."""
     pg = CommslayerProcessGroup.wrapping(comm)
-    name = f"commslayer:{comm.get_name()}:{id(comm):x}"
+    name = f"commslayer:{comm.uid}"
     pg._set_group_name(name)
-    ranks = comm.ranks_in_parent or list(range(comm.get_size()))
-    global_rank = dist.get_rank() if dist.is_initialized() else comm.get_rank()
-    mapping = {r: i for i, r in enumerate(ranks)} if dist.is_initialized() else {global_rank: comm.get_rank()}
+    if comm.global_ranks is not None:
+        mapping = {g: i for i, g in enumerate(comm.global_ranks)}
+    else:  # only our own place is known
+        mapping = {dist.get_rank() if dist.is_initialized() else comm.get_rank(): comm.get_rank()}
     dc._register_pg_in_world(pg, backend_name=BACKEND_NAME, store=comm._store, group_name=name,
                              backend_config=f"{comm.get_device().type}:{BACKEND_NAME}", rank_mapping=mapping)
     return pg

@@ -74,7 +74,8 @@ class Communicator:
         timeout_s: float,
         hints: Dict[str, str],
         check: bool,
-        ranks_in_parent: Optional[List[int]] = None,
+        uid: str,
+        global_ranks: Optional[List[int]] = None,
     ) -> None:
         self._spec = spec
         self._device = device
@@ -84,8 +85,13 @@ class Communicator:
         self._size = size
         self._timeout_s = timeout_s
         self._hints = hints
-        self.ranks_in_parent = ranks_in_parent
-        self._backend = spec.create(store, rank, size, timedelta(seconds=timeout_s), hints)
+        self.uid = uid  # the same on every member, unique in the job
+        self.global_ranks = global_ranks  # member i's rank in the default group, where known
+        try:
+            self._backend = spec.create(store, rank, size, timedelta(seconds=timeout_s), hints)
+        except RuntimeError as exc:  # the rendezvous of the new group failed
+            raise backends.classify(exc)(f"could not build the {spec.name} group: {exc}", comm=name,
+                                         op="new_comm", timeout_s=timeout_s) from exc
         self._check = CrossRankCheck(store, name, rank, size) if check else None
         self._seq = 0
         self._p2p_seq: Dict[tuple, int] = {}
@@ -339,7 +345,7 @@ class Communicator:
         timeout_s = timeout_seconds(timeout, self._timeout_s, chk)
         self._ensure_usable(op, n)
         if self._check is not None:
-            self._check.p2p(self._fp(op, tensor), pair[0], pair[1], n, timeout_s)
+            self._checked(self._check.p2p, self._fp(op, tensor), pair[0], pair[1], n, timeout_s)
         call = self._backend.send if op == "send" else self._backend.recv
         return self._issue(op, n, timeout_s, async_op, {"tensor": tensor, "peer": peer},
                            lambda td: call([_wire(tensor)], peer, tag), None, peer)
@@ -367,12 +373,12 @@ class Communicator:
         self._splits.add(name)
         if self._rank not in ranks:
             return None
-        parent = self.ranks_in_parent
+        parent = self.global_ranks
         return Communicator(
             self._spec, self._device, name=name, store=dist.PrefixStore(f"split/{name}/", self._store),
             rank=ranks.index(self._rank), size=len(ranks), timeout_s=timeout_s,
             hints={**self._hints, **hints}, check=self._check is not None,
-            ranks_in_parent=[parent[r] for r in ranks] if parent else list(ranks),
+            uid=f"{self.uid}/{name}", global_ranks=[parent[r] for r in ranks] if parent else None,
         )
 
     def abort(self) -> None:
@@ -470,8 +476,17 @@ class Communicator:
         if self._closed or self._failure is not None:
             self._ensure_usable(chk.op, seq)
         if self._check is not None:
-            self._check.collective(fp, seq, timeout_s)
+            self._checked(self._check.collective, fp, seq, timeout_s)
         return self._issue(chk.op, seq, timeout_s, async_op, args, issue, finish, None)
+
+    def _checked(self, check: Callable[..., None], *args: Any) -> None:
+        """Run a cross-rank check. A mismatch leaves the group usable (every rank raised
+        at the same op, nothing was sent); a peer that never came breaks it."""
+        try:
+            check(*args)
+        except CollectiveTimeout as err:
+            self._on_failure(err)
+            raise
 
     def _issue(self, op: str, seq: int, timeout_s: float, async_op: bool, args: Dict[str, Any],
                issue: Callable[[timedelta], Any], finish: Optional[Callable[[], None]], peer: Optional[int]) -> Work:
@@ -548,9 +563,18 @@ def new_comm(
         spec, device = backends.resolve(backend, device)
     except ValueError as exc:
         raise chk.fail(str(exc)) from None
-    timeout_s = timeout_seconds(timeout, config.default_timeout().total_seconds(), chk)
+    if timeout is None:
+        try:
+            timeout_s = config.default_timeout().total_seconds()
+        except ValueError as exc:
+            raise chk.fail(str(exc)) from None
+    else:
+        timeout_s = timeout_seconds(timeout, 0.0, chk)
+    global_ranks = None
     if store is None:
         store, env_rank, env_size = env_store(timedelta(seconds=timeout_s))
+        if rank is None and size is None:
+            global_ranks = list(range(env_size))
         rank = env_rank if rank is None else rank
         size = env_size if size is None else size
     elif rank is None or size is None:
@@ -567,5 +591,6 @@ def new_comm(
         spec, device, name=name, store=prefixed, rank=rank, size=size, timeout_s=timeout_s,
         hints={k: str(v) for k, v in hints.items()},
         check=config.check_mode() if check is None else check,
+        uid=f"{name}.{instance}", global_ranks=global_ranks,
     )
 

@@ -17,8 +17,8 @@ def _float(name: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a number") from None
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r} must be positive")
+    if not 0 < value < float("inf"):  # also rejects nan
+        raise ValueError(f"{name}={raw!r} must be a positive, finite number")
     return value
 
 

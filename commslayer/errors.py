@@ -72,7 +72,11 @@ class PeerLost(CommError):
 
 
 class CommAborted(CommError):
-    """The communicator was aborted or finalized, or broken by an earlier error."""
+    """The communicator was aborted or finalized (``abort()``/``finalize()``).
+
+    A communicator broken by a failure raises the class of that first failure
+    (``PeerLost``, ``CollectiveTimeout``, ...) on every later op instead.
+    """
 
 
 class InvalidArgument(CommError, ValueError):

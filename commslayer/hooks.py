@@ -56,4 +56,4 @@ class Hooks:
             except Exception:  # a broken observer must not break the collective
                 if id(fn) not in self._warned:
                     self._warned.add(id(fn))
-                    log.exception("commslayer: %s hook %r raised; ignoring it from now on", self.kind, fn)
+                    log.exception("commslayer: %s hook %r raised (its later errors are not logged)", self.kind, fn)

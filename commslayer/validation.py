@@ -16,6 +16,7 @@ from .errors import InvalidArgument
 from .reduce_op import ReduceOp
 
 Timeout = Union[timedelta, float, int, None]
+_MAX_TIMEOUT_S = 10 * 365 * 86400.0  # c10d keeps timeouts in int64 milliseconds
 
 
 class Checker:
@@ -115,6 +116,6 @@ def timeout_seconds(timeout: Timeout, default_s: float, check: Checker) -> float
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
         raise check.fail(f"timeout must be a timedelta or seconds, got {timeout!r}")
-    if not seconds > 0:
-        raise check.fail(f"timeout must be positive, got {timeout!r}")
+    if not 0 < seconds < _MAX_TIMEOUT_S:  # also rejects nan and inf
+        raise check.fail(f"timeout must be positive and finite, got {timeout!r}")
     return float(seconds)

@@ -41,6 +41,8 @@ def _invalid(rank, size, store):
         "recv from nowhere": lambda: comm.recv(f, 7),
         "zero timeout": lambda: comm.all_reduce(f, timeout=0),
         "negative timeout": lambda: comm.barrier(timeout=-1.0),
+        "infinite timeout": lambda: comm.all_reduce(f, timeout=float("inf")),
+        "nan timeout": lambda: comm.all_reduce(f, timeout=float("nan")),
         "split bad rank": lambda: comm.split([0, 5], "x"),
         "split duplicates": lambda: comm.split([0, 0], "y"),
         "split empty name": lambda: comm.split([0, 1], ""),
@@ -167,3 +169,43 @@ def test_hooks_split_abort_finalize():
         assert again and "already" in again
         assert aborts == 1
         assert "aborted" in after
+
+
+def _check_timeout_breaks(rank, size, store):
+    import commslayer
+
+    comm = commslayer.new_comm("gloo", name="ct", store=store, rank=rank, size=size, timeout=1, check=True)
+    if rank == 1:
+        time.sleep(2.5)
+        return None
+    try:
+        comm.all_reduce(torch.ones(2))
+    except commslayer.CollectiveTimeout as err:
+        first = err.ranks
+    try:
+        comm.all_reduce(torch.ones(2))
+    except commslayer.CollectiveTimeout as err:
+        return first, str(err)
+
+
+@pytest.mark.timeout(60)
+def test_check_mode_names_the_absent_rank_and_breaks_the_comm():
+    first, later = run_ranks(_check_timeout_breaks, 2, timeout=30)[0]
+    assert first == (1,) and "broken by an earlier failure" in later
+
+
+def _rendezvous_fails(rank, size, store):
+    import commslayer
+
+    if rank == 1:
+        return None
+    try:
+        commslayer.new_comm("gloo", name="alone", store=store, rank=0, size=2, timeout=1)
+    except commslayer.CommError as err:
+        return type(err).__name__, str(err)
+
+
+@pytest.mark.timeout(60)
+def test_a_group_whose_peer_never_comes_is_a_comm_error():
+    kind, msg = run_ranks(_rendezvous_fails, 2, timeout=30)[0]
+    assert "communicator 'alone'" in msg and "new_comm" in msg, (kind, msg)
