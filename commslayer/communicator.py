@@ -104,8 +104,11 @@ class Communicator:
         self._error_hooks = Hooks("error")
         self._process_group = None
         self._checkers: Dict[str, Checker] = {}
+        self._device_type = spec.device_type
+        self._dtypes = spec.dtypes
         self._opts_cache: Dict[tuple, Any] = {}
         self._timedeltas: Dict[float, timedelta] = {}
+        self._barrier_opts = spec.barrier_options(self._timedelta(timeout_s), device)
         self.settle_lock = threading.Lock()  # shared by this communicator's Work objects
 
     # ---------------------------------------------------------------- identity
@@ -153,14 +156,16 @@ class Communicator:
                    async_op: bool = False, timeout: Timeout = None) -> Work:
         """Reduce ``tensor`` across ranks, in place."""
         chk = self._checker("all_reduce")
-        self._tensor(chk, tensor, "tensor")
-        op = self._reduce_op(chk, op, tensor.dtype)
-        t = _wire(tensor)
+        chk.tensor(tensor, "tensor", self._device_type, self._dtypes)
+        if op is not ReduceOp.SUM:
+            op = self._reduce_op(chk, op, tensor.dtype)
+        t = torch.view_as_real(tensor) if tensor.is_complex() else tensor
         opts = self._opts(c10d.AllreduceOptions, op)
         finish = (lambda: _average(tensor, self._size)) if op.name == "AVG" else None
         return self._run(chk, timeout, async_op, {"tensor": tensor, "op": op},
                          self._fp(chk.op, tensor, op),
-                         lambda td: self._backend.allreduce([_premul(t, op)], _timed(opts, td)), finish)
+                         opts, (lambda: self._backend.allreduce([t], opts)) if op.name != "PREMUL_SUM" else
+                         (lambda: self._backend.allreduce([t.mul_(op.factor)], opts)), finish)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, *,
                           async_op: bool = False, timeout: Timeout = None) -> Work:
@@ -175,7 +180,7 @@ class Communicator:
         opts = self._opts(c10d.AllgatherOptions)
         return self._run(chk, timeout, async_op, {"output": output, "input": input},
                          self._fp(chk.op, input),
-                         lambda td: self._backend._allgather_base(_wire(output), _wire(input), _timed(opts, td)))
+                         opts, lambda: self._backend._allgather_base(_wire(output), _wire(input), opts))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *,
                               async_op: bool = False, timeout: Timeout = None) -> Work:
@@ -193,7 +198,7 @@ class Communicator:
         finish = (lambda: _average(output, self._size)) if op.name == "AVG" else None
         return self._run(chk, timeout, async_op, {"output": output, "input": input, "op": op},
                          self._fp(chk.op, output, op),
-                         lambda td: self._backend._reduce_scatter_base(_wire(output), _wire(src), _timed(opts, td)),
+                         opts, lambda: self._backend._reduce_scatter_base(_wire(output), _wire(src), opts),
                          finish)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
@@ -223,8 +228,8 @@ class Communicator:
         return self._run(chk, timeout, async_op,
                          {"output": output, "input": input, "output_split_sizes": out_splits,
                           "input_split_sizes": in_splits}, fp,
-                         lambda td: self._backend.alltoall_base(_wire(output), _wire(input), out_splits or [],
-                                                                in_splits or [], _timed(opts, td)))
+                         opts, lambda: self._backend.alltoall_base(_wire(output), _wire(input), out_splits or [],
+                                                                in_splits or [], opts))
 
     def all_gather(self, tensor_list: List[torch.Tensor], tensor: torch.Tensor, *,
                    async_op: bool = False, timeout: Timeout = None) -> Work:
@@ -236,8 +241,8 @@ class Communicator:
         opts = self._opts(c10d.AllgatherOptions)
         return self._run(chk, timeout, async_op, {"tensor_list": outs, "tensor": tensor},
                          self._fp(chk.op, tensor),
-                         lambda td: self._backend.allgather([[_wire(o) for o in outs]], [_wire(tensor)],
-                                                            _timed(opts, td)))
+                         opts, lambda: self._backend.allgather([[_wire(o) for o in outs]], [_wire(tensor)],
+                                                            opts))
 
     def reduce_scatter(self, output: torch.Tensor, input_list: List[torch.Tensor], op: ReduceOp = ReduceOp.SUM, *,
                        async_op: bool = False, timeout: Timeout = None) -> Work:
@@ -253,8 +258,8 @@ class Communicator:
         finish = (lambda: _average(output, self._size)) if op.name == "AVG" else None
         return self._run(chk, timeout, async_op, {"output": output, "input_list": ins, "op": op},
                          self._fp(chk.op, output, op),
-                         lambda td: self._backend.reduce_scatter([_wire(output)], [[_wire(t) for t in ins]],
-                                                                 _timed(opts, td)), finish)
+                         opts, lambda: self._backend.reduce_scatter([_wire(output)], [[_wire(t) for t in ins]],
+                                                                 opts), finish)
 
     def broadcast(self, tensor: torch.Tensor, root: int, *, async_op: bool = False, timeout: Timeout = None) -> Work:
         """Copy ``root``'s ``tensor`` into every rank's."""
@@ -264,7 +269,7 @@ class Communicator:
         opts = self._opts(c10d.BroadcastOptions, root=root)
         return self._run(chk, timeout, async_op, {"tensor": tensor, "root": root},
                          self._fp(chk.op, tensor, root=root),
-                         lambda td: self._backend.broadcast([_wire(tensor)], _timed(opts, td)))
+                         opts, lambda: self._backend.broadcast([_wire(tensor)], opts))
 
     def reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp = ReduceOp.SUM, *,
                async_op: bool = False, timeout: Timeout = None) -> Work:
@@ -278,7 +283,7 @@ class Communicator:
         finish = (lambda: _average(tensor, self._size)) if op.name == "AVG" and root == self._rank else None
         return self._run(chk, timeout, async_op, {"tensor": tensor, "root": root, "op": op},
                          self._fp(chk.op, tensor, op, root=root),
-                         lambda td: self._backend.reduce([_premul(t, op)], _timed(opts, td)), finish)
+                         opts, lambda: self._backend.reduce([_premul(t, op)], opts), finish)
 
     def gather(self, output_tensor_list: Optional[List[torch.Tensor]], input_tensor: torch.Tensor, root: int, *,
                async_op: bool = False, timeout: Timeout = None) -> Work:
@@ -298,7 +303,7 @@ class Communicator:
         return self._run(chk, timeout, async_op, {"output_tensor_list": outs, "input_tensor": input_tensor,
                                                   "root": root},
                          self._fp(chk.op, input_tensor, root=root),
-                         lambda td: self._backend.gather(wire_outs, [_wire(input_tensor)], _timed(opts, td)))
+                         opts, lambda: self._backend.gather(wire_outs, [_wire(input_tensor)], opts))
 
     def scatter(self, output_tensor: torch.Tensor, input_tensor_list: Optional[List[torch.Tensor]], root: int, *,
                 async_op: bool = False, timeout: Timeout = None) -> Work:
@@ -318,13 +323,14 @@ class Communicator:
         return self._run(chk, timeout, async_op, {"output_tensor": output_tensor, "input_tensor_list": ins,
                                                   "root": root},
                          self._fp(chk.op, output_tensor, root=root),
-                         lambda td: self._backend.scatter([_wire(output_tensor)], wire_ins, _timed(opts, td)))
+                         opts, lambda: self._backend.scatter([_wire(output_tensor)], wire_ins, opts))
 
     def barrier(self, *, async_op: bool = False, timeout: Timeout = None) -> Work:
         """Return once every rank has entered the barrier."""
         chk = self._checker("barrier")
+        opts = self._barrier_opts
         return self._run(chk, timeout, async_op, {}, {"op": "barrier"},
-                         lambda td: self._backend.barrier(self._spec.barrier_options(td, self._device)))
+                         opts, lambda: self._backend.barrier(opts))
 
     # ---------------------------------------------------------- point to point
     def send(self, tensor: torch.Tensor, dst: int, *, async_op: bool = False, timeout: Timeout = None) -> Work:
@@ -347,8 +353,8 @@ class Communicator:
         if self._check is not None:
             self._checked(self._check.p2p, self._fp(op, tensor), pair[0], pair[1], n, timeout_s)
         call = self._backend.send if op == "send" else self._backend.recv
-        return self._issue(op, n, timeout_s, async_op, {"tensor": tensor, "peer": peer},
-                           lambda td: call([_wire(tensor)], peer, tag), None, peer)
+        return self._run(chk, timeout_s, async_op, {"tensor": tensor, "peer": peer}, None, None,
+                         lambda: call([_wire(tensor)], peer, tag), None, peer, n)
 
     # ------------------------------------------------------------- management
     def split(self, ranks: Sequence[int], name: str, *, timeout: Timeout = None,
@@ -434,7 +440,7 @@ class Communicator:
         return td
 
     def _tensor(self, chk: Checker, t: object, what: str) -> None:
-        chk.tensor(t, what, self._spec.device_type, self._spec.dtypes)
+        chk.tensor(t, what, self._device_type, self._dtypes)
 
     def _reduce_op(self, chk: Checker, op: object, dtype: torch.dtype) -> ReduceOp:
         if op is ReduceOp.SUM:  # the common case is valid for every dtype
@@ -469,34 +475,30 @@ class Communicator:
             )
 
     def _run(self, chk: Checker, timeout: Timeout, async_op: bool, args: Dict[str, Any], fp: Optional[dict],
-             issue: Callable[[timedelta], Any], finish: Optional[Callable[[], None]] = None) -> Work:
+             opts: Any, issue: Callable[[], Any], finish: Optional[Callable[[], None]] = None,
+             peer: Optional[int] = None, seq: Optional[int] = None) -> Work:
+        """Issue one op: deadline, sequence number, check mode, hooks, then the backend call.
+
+        Collectives number themselves here; point-to-point ops pass the
+        per-pair ``seq`` and have run their check already.
+        """
+        op = chk.op
         timeout_s = self._timeout_s if timeout is None else timeout_seconds(timeout, self._timeout_s, chk)
-        self._seq += 1
-        seq = self._seq
-        if self._closed or self._failure is not None:
-            self._ensure_usable(chk.op, seq)
-        if self._check is not None:
-            self._checked(self._check.collective, fp, seq, timeout_s)
-        return self._issue(chk.op, seq, timeout_s, async_op, args, issue, finish, None)
-
-    def _checked(self, check: Callable[..., None], *args: Any) -> None:
-        """Run a cross-rank check. A mismatch leaves the group usable (every rank raised
-        at the same op, nothing was sent); a peer that never came breaks it."""
-        try:
-            check(*args)
-        except CollectiveTimeout as err:
-            self._on_failure(err)
-            raise
-
-    def _issue(self, op: str, seq: int, timeout_s: float, async_op: bool, args: Dict[str, Any],
-               issue: Callable[[timedelta], Any], finish: Optional[Callable[[], None]], peer: Optional[int]) -> Work:
+        if seq is None:
+            self._seq = seq = self._seq + 1
+            if self._closed or self._failure is not None:
+                self._ensure_usable(op, seq)
+            if self._check is not None:
+                self._checked(self._check.collective, fp, seq, timeout_s)
         op_id = next(_op_ids)
         if self._pre.fns:
             self._pre(op, op_id, args)
+        td = self._timedeltas.get(timeout_s) or self._timedelta(timeout_s)
+        if opts is not None:
+            opts.timeout = td
         start = time.monotonic_ns()
-        td = self._timedelta(timeout_s)
         try:
-            c10d_work = issue(td)
+            c10d_work = issue()
         except RuntimeError as exc:
             err = self._classify_raw(exc, op, seq, timeout_s, (time.monotonic_ns() - start) / 1e9, peer)
             self._on_failure(err)
@@ -509,6 +511,15 @@ class Communicator:
         else:
             work.wait_issued(td)
         return work
+
+    def _checked(self, check: Callable[..., None], *args: Any) -> None:
+        """Run a cross-rank check. A mismatch leaves the group usable (every rank raised
+        at the same op, nothing was sent); a peer that never came breaks it."""
+        try:
+            check(*args)
+        except CollectiveTimeout as err:
+            self._on_failure(err)
+            raise
 
     def _classify_raw(self, exc: BaseException, op: str, seq: int, timeout_s: float, elapsed_s: float,
                       peer: Optional[int]) -> CommError:
@@ -528,11 +539,6 @@ class Communicator:
         if self._failure is None and not self._closed:
             self._failure = err
             self._error_hooks(err)
-
-
-def _timed(opts, timeout: timedelta):
-    opts.timeout = timeout
-    return opts
 
 
 def new_comm(
