@@ -40,7 +40,7 @@ _instances_lock = threading.Lock()
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
     """The tensor as the backend carries it (complex travels as pairs of reals)."""
-    return torch.view_as_real(t) if t.is_complex() else t
+    return torch.view_as_real(t) if t.dtype.is_complex else t
 
 
 def _scaled_copy(t: torch.Tensor, factor) -> torch.Tensor:
@@ -107,6 +107,7 @@ class Communicator:
         self._device_type = spec.device_type
         self._dtypes = spec.dtypes
         self._opts_cache: Dict[tuple, Any] = {}
+        self._opts_timeout: Dict[int, float] = {}  # id of a cached struct -> the timeout it holds
         self._timedeltas: Dict[float, timedelta] = {}
         self._barrier_opts = spec.barrier_options(self._timedelta(timeout_s), device)
         self.settle_lock = threading.Lock()  # shared by this communicator's Work objects
@@ -236,8 +237,7 @@ class Communicator:
         """Gather every rank's ``tensor`` into ``tensor_list[rank]``."""
         chk = self._checker("all_gather")
         self._tensor(chk, tensor, "tensor")
-        outs = chk.tensor_list(tensor_list, "tensor_list", self._size, tensor, self._spec.device_type,
-                               self._spec.dtypes)
+        outs = chk.tensor_list(tensor_list, "tensor_list", self._size, tensor, self._device_type, self._dtypes)
         opts = self._opts(c10d.AllgatherOptions)
         return self._run(chk, timeout, async_op, {"tensor_list": outs, "tensor": tensor},
                          self._fp(chk.op, tensor),
@@ -249,8 +249,7 @@ class Communicator:
         """Reduce ``input_list[j]`` across ranks into rank j's ``output``."""
         chk = self._checker("reduce_scatter")
         self._tensor(chk, output, "output")
-        ins = chk.tensor_list(input_list, "input_list", self._size, output, self._spec.device_type,
-                              self._spec.dtypes)
+        ins = chk.tensor_list(input_list, "input_list", self._size, output, self._device_type, self._dtypes)
         op = self._reduce_op(chk, op, output.dtype)
         if op.name == "PREMUL_SUM":
             ins = [_scaled_copy(t, op.factor) for t in ins]
@@ -291,13 +290,8 @@ class Communicator:
         chk = self._checker("gather")
         self._tensor(chk, input_tensor, "input_tensor")
         root = chk.rank_arg(root, "root", self._size)
-        if root == self._rank:
-            outs = chk.tensor_list(output_tensor_list, "output_tensor_list", self._size, input_tensor,
-                                   self._spec.device_type, self._spec.dtypes)
-        elif output_tensor_list:
-            raise chk.fail(f"output_tensor_list must be empty on non-root rank {self._rank} (root is {root})")
-        else:
-            outs = []
+        outs = chk.root_list(output_tensor_list, "output_tensor_list", root, self._rank, self._size, input_tensor,
+                             self._device_type, self._dtypes)
         opts = self._opts(c10d.GatherOptions, root=root)
         wire_outs = [[_wire(o) for o in outs]] if outs else []
         return self._run(chk, timeout, async_op, {"output_tensor_list": outs, "input_tensor": input_tensor,
@@ -311,13 +305,8 @@ class Communicator:
         chk = self._checker("scatter")
         self._tensor(chk, output_tensor, "output_tensor")
         root = chk.rank_arg(root, "root", self._size)
-        if root == self._rank:
-            ins = chk.tensor_list(input_tensor_list, "input_tensor_list", self._size, output_tensor,
-                                  self._spec.device_type, self._spec.dtypes)
-        elif input_tensor_list:
-            raise chk.fail(f"input_tensor_list must be empty on non-root rank {self._rank} (root is {root})")
-        else:
-            ins = []
+        ins = chk.root_list(input_tensor_list, "input_tensor_list", root, self._rank, self._size, output_tensor,
+                            self._device_type, self._dtypes)
         opts = self._opts(c10d.ScatterOptions, root=root)
         wire_ins = [[_wire(t) for t in ins]] if ins else []
         return self._run(chk, timeout, async_op, {"output_tensor": output_tensor, "input_tensor_list": ins,
@@ -494,8 +483,9 @@ class Communicator:
         if self._pre.fns:
             self._pre(op, op_id, args)
         td = self._timedeltas.get(timeout_s) or self._timedelta(timeout_s)
-        if opts is not None:
-            opts.timeout = td
+        if opts is not None and self._opts_timeout.get(id(opts)) != timeout_s:
+            opts.timeout = td  # a pybind setter: skip it when the cached struct has it already
+            self._opts_timeout[id(opts)] = timeout_s
         start = time.monotonic_ns()
         try:
             c10d_work = issue()

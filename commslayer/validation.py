@@ -68,6 +68,15 @@ class Checker:
                 )
         return list(ts)
 
+    def root_list(self, ts: object, what: str, root: int, me: int, size: int, like: torch.Tensor,
+                  device_type: str, dtypes) -> list:
+        """The list only the root passes (gather's outputs, scatter's inputs); empty elsewhere."""
+        if root == me:
+            return self.tensor_list(ts, what, size, like, device_type, dtypes)
+        if ts:
+            raise self.fail(f"{what} must be empty on non-root rank {me} (root is {root})")
+        return []
+
     def rank_arg(self, r: object, what: str, size: int, me: Optional[int] = None) -> int:
         if isinstance(r, bool) or not isinstance(r, int):
             raise self.fail(f"{what} must be an int rank, got {r!r}")

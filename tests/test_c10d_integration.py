@@ -95,3 +95,33 @@ def _device_qualified(rank, size, store):
 def test_device_qualified_backend_string():
     for value, name in run_ranks(_device_qualified, 3, timeout=40):
         assert value == 3.0 and name == "CommslayerProcessGroup"
+
+
+def _destroy_after_timeout(rank, size, store):
+    import time
+
+    import torch.distributed as dist
+
+    import commslayer
+
+    dist.init_process_group("commslayer", store=store, rank=rank, world_size=size)
+    if rank == 1:
+        time.sleep(3)
+        return None
+    try:
+        dist.all_reduce(torch.ones(2))
+        outcome = "completed"
+    except commslayer.CollectiveTimeout as err:
+        outcome = err.op
+    pg = dist.group.WORLD
+    start = time.monotonic()
+    dist.destroy_process_group()
+    pg.shutdown()  # a second teardown is a no-op
+    pg.abort()
+    return outcome, time.monotonic() - start
+
+
+@pytest.mark.timeout(60)
+def test_destroy_after_a_timeout_does_not_hang():
+    outcome, took = run_ranks(_destroy_after_timeout, 2, timeout=30, env={"COMMSLAYER_TIMEOUT_S": "1"})[0]
+    assert outcome == "all_reduce" and took < 1.0
