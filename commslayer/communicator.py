@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 import time
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -34,6 +35,29 @@ from .watchdog import WATCHDOG
 from .work import Work, WorkStatus
 
 _op_ids = itertools.count(1)  # process-wide, monotonic
+_created = Hooks("communicator created")
+_live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+
+# Which method of the c10d backend each op runs (the pre hook reports it).
+BACKEND_OPS = {
+    "all_reduce": "allreduce", "all_gather_single": "_allgather_base",
+    "reduce_scatter_single": "_reduce_scatter_base", "all_to_all_single": "alltoall_base",
+    "all_gather": "allgather", "reduce_scatter": "reduce_scatter", "broadcast": "broadcast",
+    "reduce": "reduce", "gather": "gather", "scatter": "scatter", "barrier": "barrier",
+    "send": "send", "recv": "recv",
+}
+
+
+def register_communicator_hook(fn: Callable[["Communicator"], None]) -> HookHandle:
+    """``fn(comm)`` runs for every communicator built from now on in this process
+    (``new_comm``, ``split``, c10d groups); see ``live_communicators`` for those
+    that exist already."""
+    return _created.add(fn)
+
+
+def live_communicators() -> List["Communicator"]:
+    """The communicators of this process that have not been garbage-collected."""
+    return list(_live)
 _instances: Dict[str, int] = {}  # comm name -> how many were built here (keeps prefixes unique)
 _instances_lock = threading.Lock()
 
@@ -111,6 +135,10 @@ class Communicator:
         self._timedeltas: Dict[float, timedelta] = {}
         self._barrier_opts = spec.barrier_options(self._timedelta(timeout_s), device)
         self.settle_lock = threading.Lock()  # shared by this communicator's Work objects
+        self.generation = 0  # bumped by recovery when the membership changes
+        self.completion_hooks = Hooks("completion")
+        _live.add(self)
+        _created(self)
 
     # ---------------------------------------------------------------- identity
     def get_rank(self) -> int:
@@ -148,6 +176,12 @@ class Communicator:
         """``fn()`` runs once when the communicator is aborted."""
         return self._abort_hooks.add(fn)
 
+    def register_completion_hook(self, fn: Callable[[Work], None]) -> HookHandle:
+        """``fn(work)`` runs once per op when its outcome is known (completed, timed
+        out or failed), with ``work.end_ns`` set. While one is registered, async ops
+        settle from the backend's completion callback, so end times are exact."""
+        return self.completion_hooks.add(fn)
+
     def register_error_hook(self, fn: Callable[[CommError], None]) -> HookHandle:
         """``fn(error)`` runs once, on the first failure that breaks the communicator."""
         return self._error_hooks.add(fn)
@@ -163,7 +197,7 @@ class Communicator:
         t = torch.view_as_real(tensor) if tensor.is_complex() else tensor
         opts = self._opts(c10d.AllreduceOptions, op)
         finish = (lambda: _average(tensor, self._size)) if op.name == "AVG" else None
-        return self._run(chk, timeout, async_op, {"tensor": tensor, "op": op},
+        return self._run(chk, timeout, async_op, ((tensor,), (tensor,), op, None),
                          self._fp(chk.op, tensor, op),
                          opts, (lambda: self._backend.allreduce([t], opts)) if op.name != "PREMUL_SUM" else
                          (lambda: self._backend.allreduce([t.mul_(op.factor)], opts)), finish)
@@ -179,7 +213,7 @@ class Communicator:
             raise chk.fail(f"output has {output.numel()} elements; needs input.numel() x size = "
                            f"{input.numel()} x {self._size}")
         opts = self._opts(c10d.AllgatherOptions)
-        return self._run(chk, timeout, async_op, {"output": output, "input": input},
+        return self._run(chk, timeout, async_op, ((input,), (output,), None, None),
                          self._fp(chk.op, input),
                          opts, lambda: self._backend._allgather_base(_wire(output), _wire(input), opts))
 
@@ -197,7 +231,7 @@ class Communicator:
         src = _scaled_copy(input, op.factor) if op.name == "PREMUL_SUM" else input
         opts = self._opts(c10d.ReduceScatterOptions, op)
         finish = (lambda: _average(output, self._size)) if op.name == "AVG" else None
-        return self._run(chk, timeout, async_op, {"output": output, "input": input, "op": op},
+        return self._run(chk, timeout, async_op, ((input,), (output,), op, None),
                          self._fp(chk.op, output, op),
                          opts, lambda: self._backend._reduce_scatter_base(_wire(output), _wire(src), opts),
                          finish)
@@ -227,8 +261,7 @@ class Communicator:
             fp["splits"] = [in_splits or even_in, out_splits or even_out]
         opts = self._opts(c10d.AllToAllOptions)
         return self._run(chk, timeout, async_op,
-                         {"output": output, "input": input, "output_split_sizes": out_splits,
-                          "input_split_sizes": in_splits}, fp,
+                         ((input,), (output,), None, None), fp,
                          opts, lambda: self._backend.alltoall_base(_wire(output), _wire(input), out_splits or [],
                                                                 in_splits or [], opts))
 
@@ -239,7 +272,7 @@ class Communicator:
         self._tensor(chk, tensor, "tensor")
         outs = chk.tensor_list(tensor_list, "tensor_list", self._size, tensor, self._device_type, self._dtypes)
         opts = self._opts(c10d.AllgatherOptions)
-        return self._run(chk, timeout, async_op, {"tensor_list": outs, "tensor": tensor},
+        return self._run(chk, timeout, async_op, ((tensor,), tuple(outs), None, None),
                          self._fp(chk.op, tensor),
                          opts, lambda: self._backend.allgather([[_wire(o) for o in outs]], [_wire(tensor)],
                                                             opts))
@@ -255,7 +288,7 @@ class Communicator:
             ins = [_scaled_copy(t, op.factor) for t in ins]
         opts = self._opts(c10d.ReduceScatterOptions, op)
         finish = (lambda: _average(output, self._size)) if op.name == "AVG" else None
-        return self._run(chk, timeout, async_op, {"output": output, "input_list": ins, "op": op},
+        return self._run(chk, timeout, async_op, (tuple(ins), (output,), op, None),
                          self._fp(chk.op, output, op),
                          opts, lambda: self._backend.reduce_scatter([_wire(output)], [[_wire(t) for t in ins]],
                                                                  opts), finish)
@@ -266,7 +299,7 @@ class Communicator:
         self._tensor(chk, tensor, "tensor")
         root = chk.rank_arg(root, "root", self._size)
         opts = self._opts(c10d.BroadcastOptions, root=root)
-        return self._run(chk, timeout, async_op, {"tensor": tensor, "root": root},
+        return self._run(chk, timeout, async_op, ((tensor,), (tensor,), None, root),
                          self._fp(chk.op, tensor, root=root),
                          opts, lambda: self._backend.broadcast([_wire(tensor)], opts))
 
@@ -280,7 +313,7 @@ class Communicator:
         t = _wire(tensor)
         opts = self._opts(c10d.ReduceOptions, op, root)
         finish = (lambda: _average(tensor, self._size)) if op.name == "AVG" and root == self._rank else None
-        return self._run(chk, timeout, async_op, {"tensor": tensor, "root": root, "op": op},
+        return self._run(chk, timeout, async_op, ((tensor,), (tensor,), op, root),
                          self._fp(chk.op, tensor, op, root=root),
                          opts, lambda: self._backend.reduce([_premul(t, op)], opts), finish)
 
@@ -294,8 +327,7 @@ class Communicator:
                              self._device_type, self._dtypes)
         opts = self._opts(c10d.GatherOptions, root=root)
         wire_outs = [[_wire(o) for o in outs]] if outs else []
-        return self._run(chk, timeout, async_op, {"output_tensor_list": outs, "input_tensor": input_tensor,
-                                                  "root": root},
+        return self._run(chk, timeout, async_op, ((input_tensor,), tuple(outs), None, root),
                          self._fp(chk.op, input_tensor, root=root),
                          opts, lambda: self._backend.gather(wire_outs, [_wire(input_tensor)], opts))
 
@@ -309,8 +341,7 @@ class Communicator:
                             self._device_type, self._dtypes)
         opts = self._opts(c10d.ScatterOptions, root=root)
         wire_ins = [[_wire(t) for t in ins]] if ins else []
-        return self._run(chk, timeout, async_op, {"output_tensor": output_tensor, "input_tensor_list": ins,
-                                                  "root": root},
+        return self._run(chk, timeout, async_op, (tuple(ins), (output_tensor,), None, root),
                          self._fp(chk.op, output_tensor, root=root),
                          opts, lambda: self._backend.scatter([_wire(output_tensor)], wire_ins, opts))
 
@@ -318,7 +349,7 @@ class Communicator:
         """Return once every rank has entered the barrier."""
         chk = self._checker("barrier")
         opts = self._barrier_opts
-        return self._run(chk, timeout, async_op, {}, {"op": "barrier"},
+        return self._run(chk, timeout, async_op, ((), (), None, None), {"op": "barrier"},
                          opts, lambda: self._backend.barrier(opts))
 
     # ---------------------------------------------------------- point to point
@@ -342,7 +373,8 @@ class Communicator:
         if self._check is not None:
             self._checked(self._check.p2p, self._fp(op, tensor), pair[0], pair[1], n, timeout_s)
         call = self._backend.send if op == "send" else self._backend.recv
-        return self._run(chk, timeout_s, async_op, {"tensor": tensor, "peer": peer}, None, None,
+        io = ((tensor,), ()) if op == "send" else ((), (tensor,))
+        return self._run(chk, timeout_s, async_op, io + (None, None), None, None,
                          lambda: call([_wire(tensor)], peer, tag), None, peer, n)
 
     # ------------------------------------------------------------- management
@@ -463,7 +495,7 @@ class Communicator:
                 comm=self._name, op=op, seq=seq, ranks=first.ranks,
             )
 
-    def _run(self, chk: Checker, timeout: Timeout, async_op: bool, args: Dict[str, Any], fp: Optional[dict],
+    def _run(self, chk: Checker, timeout: Timeout, async_op: bool, io: tuple, fp: Optional[dict],
              opts: Any, issue: Callable[[], Any], finish: Optional[Callable[[], None]] = None,
              peer: Optional[int] = None, seq: Optional[int] = None) -> Work:
         """Issue one op: deadline, sequence number, check mode, hooks, then the backend call.
@@ -481,7 +513,12 @@ class Communicator:
                 self._checked(self._check.collective, fp, seq, timeout_s)
         op_id = next(_op_ids)
         if self._pre.fns:
-            self._pre(op, op_id, args)
+            inputs, outputs, reduce_op, root = io
+            self._pre(op, op_id, {
+                "seq": seq, "inputs": list(inputs), "outputs": list(outputs), "reduce_op": reduce_op,
+                "root": root, "peer": peer, "async_op": async_op, "timeout_s": timeout_s,
+                "backend_op": BACKEND_OPS[op],
+            })
         td = self._timedeltas.get(timeout_s) or self._timedelta(timeout_s)
         if opts is not None and self._opts_timeout.get(id(opts)) != timeout_s:
             opts.timeout = td  # a pybind setter: skip it when the cached struct has it already
@@ -496,6 +533,8 @@ class Communicator:
         work = Work(self, op, seq, op_id, timeout_s, start, c10d_work, finish, peer)
         if self._post.fns:
             self._post(op_id, work)
+        if self.completion_hooks.fns and async_op:
+            work.settle_when_done()  # exact end times for observers, at a callback's cost
         if async_op:
             WATCHDOG.track(work)
         else:

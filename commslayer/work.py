@@ -109,7 +109,7 @@ class Work:
         except RuntimeError as exc:
             self._backend_failed(exc)
             raise self._error from None
-        if self._finish is None:
+        if self._finish is None and not self.comm.completion_hooks.fns:
             # Keep the code after a long wait short: it runs with cold caches.
             self.end_ns = time.monotonic_ns()
             self._status = WorkStatus.COMPLETED
@@ -122,17 +122,24 @@ class Work:
         """A future that completes with the op, or fails with its ``CommError``."""
 
         def settle(fut: torch.futures.Future) -> None:
-            # Runs on the backend's thread as the op ends: waiting here would deadlock.
-            try:
-                fut.value()
-            except RuntimeError as exc:
-                self._backend_failed(exc)
-            else:
-                self._complete()
+            self._settle_from_future(fut)
             if self._error is not None:
                 raise self._error
 
         return self._c10d.get_future().then(settle)
+
+    def settle_when_done(self) -> None:
+        """Settle the op from the backend's completion callback, as it ends."""
+        self._c10d.get_future().add_done_callback(self._settle_from_future)
+
+    def _settle_from_future(self, fut: "torch.futures.Future") -> None:
+        # Runs on the backend's thread as the op ends: waiting here would deadlock.
+        try:
+            fut.value()
+        except RuntimeError as exc:
+            self._backend_failed(exc)
+        else:
+            self._complete()
 
     def poll(self, now_ns: int) -> bool:
         """Watchdog step: settle the op if it ended or is overdue; True when settled."""
@@ -177,6 +184,8 @@ class Work:
             else:
                 self._status = WorkStatus.COMPLETED
             self.end_ns = time.monotonic_ns()
+        if self.comm.completion_hooks.fns:
+            self.comm.completion_hooks(self)
 
     def _expire(self, now_ns: int) -> None:
         err = CollectiveTimeout(
@@ -198,6 +207,8 @@ class Work:
             self._status = status
             self.end_ns = now_ns
         self.comm._on_failure(err)
+        if self.comm.completion_hooks.fns:
+            self.comm.completion_hooks(self)
 
     def __repr__(self) -> str:
         return f"<Work {self.comm.get_name()}:{self.op}#{self.seq} {self._status.value}>"
