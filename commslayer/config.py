@@ -45,3 +45,47 @@ def route_c10d() -> bool:
     """``COMMSLAYER_ROUTE_C10D=1``: run ``init_process_group("gloo"|"nccl")`` and
     every later group through commslayer, without code changes."""
     return _flag("COMMSLAYER_ROUTE_C10D")
+
+
+def _int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} must be positive")
+    return value
+
+
+def job_id() -> str:
+    """``COMMSLAYER_JOB_ID``, else torchrun's ``TORCHELASTIC_RUN_ID``, else ``"local"``."""
+    return os.environ.get("COMMSLAYER_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "local"
+
+
+def trace_dir() -> str:
+    """``COMMSLAYER_TRACE_DIR``: where trace dumps go; setting it turns tracing on
+    for every communicator of the process (empty: tracing off)."""
+    return os.environ.get("COMMSLAYER_TRACE_DIR", "")
+
+
+def trace_buffer() -> int:
+    """``COMMSLAYER_TRACE_BUFFER``: records kept in the flight recorder's ring (default 4096)."""
+    return _int("COMMSLAYER_TRACE_BUFFER", 4096)
+
+
+def trace_stack() -> bool:
+    """``COMMSLAYER_TRACE_STACK=1``: keep the full Python stack in every record (slow)."""
+    return _flag("COMMSLAYER_TRACE_STACK")
+
+
+def trace_jsonl() -> bool:
+    """``COMMSLAYER_TRACE_JSONL=1``: also write structlog JSON lines, one per op."""
+    return _flag("COMMSLAYER_TRACE_JSONL")
+
+
+def trace_otel() -> bool:
+    """``COMMSLAYER_TRACE_OTEL=1``: also emit OpenTelemetry spans and metrics."""
+    return _flag("COMMSLAYER_TRACE_OTEL")

@@ -1,5 +1,6 @@
-"""Collective tracing: records, the flight recorder, sinks and the trace viewer.
+"""Collective tracing: the trace records, the flight recorder and its dumps,
+and the sinks (structlog JSON lines, OpenTelemetry).
 
-Built in a later issue; this package exists so the distribution's layout is
-fixed from the start.
+``records`` (the trace format) and the analysis/viewer modules import neither
+torch nor commslayer; ``recorder`` and the sinks attach to commslayer's hooks.
 """

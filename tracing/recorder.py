@@ -1,0 +1,298 @@
+"""The flight recorder: every op of every communicator, in a bounded ring.
+
+``install()`` attaches to every communicator of the process, present and
+future (commslayer's communicator-created hook), through commslayer's pre,
+post, completion, error and abort hooks.  The hot path only fills a slot
+object in a preallocated ring; everything slow (JSON, files, structlog,
+OpenTelemetry) happens at dump time or on a sink's own thread.
+
+Dumps (``rank<R>.json``, plus ``fr/commslayer_fr_rank_<R>`` in the format of
+PyTorch's Flight Recorder) are written atomically into the trace directory:
+on the first error of any communicator and on SIGUSR1 (both from a
+background thread), on SIGTERM and at exit (synchronously, the process is
+ending), and whenever ``dump()`` is called.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+import orjson
+import torch.distributed as dist
+
+import commslayer
+from commslayer import config
+from commslayer.work import WorkStatus
+
+from . import fr_format
+from .dumps import DumpWriter
+from .records import (ABORTED, COMPLETED, FAILED, FINAL_STATES, RECORD_FIELDS, SCHEDULED, STARTED, TIMED_OUT,
+                      new_dump)
+
+log = logging.getLogger("commslayer.tracing")
+
+_FINAL = {WorkStatus.COMPLETED: COMPLETED, WorkStatus.TIMEDOUT: TIMED_OUT, WorkStatus.ERROR: FAILED}
+_INTERNAL_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+    for m in (commslayer, sys.modules[__package__], sys.modules["torch"])
+)
+
+
+class Record:
+    """One op, as the hot path fills it; ``to_dict()`` gives the dump's form."""
+
+    __slots__ = RECORD_FIELDS
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {f: getattr(self, f) for f in RECORD_FIELDS}
+
+
+def _call_site(frame) -> str:
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+        frame = frame.f_back
+    return "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+def _shapes(tensors) -> List[List[int]]:
+    return [list(t.shape) for t in tensors]
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class FlightRecorder:
+    """The per-process recorder. Build it with ``install()``."""
+
+    def __init__(self, capacity: int, trace_dir: str, *, job: str, stack: bool = False) -> None:
+        self.capacity = capacity
+        self.job = job
+        self.stack = stack
+        self.writer = DumpWriter(trace_dir) if trace_dir else None
+        self.host = socket.gethostname()
+        self.clock = {"wall_ns": time.time_ns(), "mono_ns": time.monotonic_ns()}
+        self.sinks: List[Callable[[Record], None]] = []  # called with each record as it ends
+        self.overwritten = 0  # records pushed out of the ring before any dump saw them
+        self._ring: List[Optional[Record]] = [None] * capacity
+        self._count = 0
+        self._inflight: Dict[int, Record] = {}
+        self._comms: Dict[str, Dict[str, Any]] = {}
+        self._handles: List[Any] = []
+        self._dump_requests: List[str] = []
+        self._dump_event = threading.Event()
+        self._dump_lock = threading.Lock()
+        self._dumper: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------ attaching
+    def attach(self, comm: "commslayer.Communicator") -> None:
+        """Record every op of ``comm`` from now on."""
+        info = {"name": comm.get_name(), "backend": comm.get_backend(), "rank": comm.get_rank(),
+                "size": comm.get_size(), "global_ranks": comm.global_ranks, "generation": comm.generation,
+                "state": "ok"}
+        self._comms[comm.uid] = info
+        uid, name = comm.uid, comm.get_name()
+        self._handles += [
+            comm.register_pre_hook(lambda op, op_id, args: self._scheduled(uid, name, comm, op, op_id, args)),
+            comm.register_post_hook(self._started),
+            comm.register_completion_hook(self._ended),
+            comm.register_error_hook(lambda err: self._failed(info, err)),
+            comm.register_abort_hook(lambda: self._aborted(uid, info)),
+        ]
+
+    def _scheduled(self, uid: str, name: str, comm, op: str, op_id: int, args: Dict[str, Any]) -> None:
+        r = Record()
+        inputs, outputs = args["inputs"], args["outputs"]
+        first = inputs[0] if inputs else (outputs[0] if outputs else None)
+        r.op_id = op_id
+        r.comm = name
+        r.comm_id = uid
+        r.generation = comm.generation
+        r.seq = args["seq"]
+        r.op = op
+        r.backend_op = args["backend_op"]
+        red = args["reduce_op"]
+        r.reduce_op = None if red is None else repr(red).replace("ReduceOp.", "")
+        r.dtype = None if first is None else str(first.dtype).replace("torch.", "")
+        r.in_sizes = _shapes(inputs)
+        r.out_sizes = _shapes(outputs)
+        r.in_bytes = _nbytes(inputs)
+        r.out_bytes = _nbytes(outputs)
+        r.root = args["root"]
+        r.peer = args["peer"]
+        r.async_op = args["async_op"]
+        r.timeout_s = args["timeout_s"]
+        r.state = SCHEDULED
+        r.error = None
+        r.enqueue_ns = time.monotonic_ns()
+        r.start_ns = r.end_ns = r.duration_ms = None
+        r.thread = threading.current_thread().name
+        frame = sys._getframe(2)
+        r.call_site = _call_site(frame)
+        r.stack = [f"{f.filename}:{f.lineno} in {f.name}" for f in traceback.extract_stack(frame)] \
+            if self.stack else None
+        slot = self._count % self.capacity
+        old = self._ring[slot]
+        if old is not None and old.state not in FINAL_STATES:
+            self._inflight.pop(old.op_id, None)
+        self._ring[slot] = r
+        self._count += 1
+        self._inflight[op_id] = r
+
+    def _started(self, op_id: int, work) -> None:
+        r = self._inflight.get(op_id)
+        if r is not None and r.state == SCHEDULED:
+            r.start_ns = work.start_ns
+            r.state = STARTED
+
+    def _ended(self, work) -> None:
+        r = self._inflight.pop(work.op_id, None)
+        if r is None:
+            return
+        r.end_ns = work.end_ns
+        r.duration_ms = (work.end_ns - (r.start_ns or r.enqueue_ns)) / 1e6
+        err = work.exception()
+        r.error = None if err is None else str(err)
+        r.state = _FINAL.get(work.status, FAILED)
+        for sink in self.sinks:
+            sink(r)
+
+    def _failed(self, info: Dict[str, Any], err: Exception) -> None:
+        info["state"] = f"broken: {type(err).__name__}"
+        self.request_dump(f"{type(err).__name__}: {err}")
+
+    def _aborted(self, uid: str, info: Dict[str, Any]) -> None:
+        info["state"] = "aborted"
+        now = time.monotonic_ns()
+        for op_id, r in list(self._inflight.items()):
+            if r.comm_id == uid:
+                self._inflight.pop(op_id, None)
+                r.state, r.end_ns, r.error = ABORTED, now, "communicator aborted"
+        self.request_dump(f"communicator {info['name']!r} aborted")
+
+    # --------------------------------------------------------------- reading
+    def records(self) -> List[Dict[str, Any]]:
+        """The records in the ring, oldest first."""
+        n = self._count
+        start = max(0, n - self.capacity)
+        ring = list(self._ring)
+        return [ring[i % self.capacity].to_dict() for i in range(start, n)]
+
+    def document(self, reason: str) -> Dict[str, Any]:
+        """The dump document as of now."""
+        records = self.records()
+        lost = max(0, self._count - self.capacity)
+        return new_dump(job=self.job, rank=_global_rank(), host=self.host, pid=os.getpid(),
+                        wall_ns=self.clock["wall_ns"], mono_ns=self.clock["mono_ns"], reason=reason,
+                        dropped=lost + (self.writer.dropped_records if self.writer else 0),
+                        communicators={k: dict(v) for k, v in self._comms.items()}, records=records)
+
+    # --------------------------------------------------------------- dumping
+    def dump(self, reason: str = "on demand") -> Optional[str]:
+        """Write this rank's dump now; the path, or None if it could not be written."""
+        if self.writer is None:
+            return None
+        with self._dump_lock:
+            doc = self.document(reason)
+            rank = doc["rank"]
+            n = len(doc["records"])
+            ok = self.writer.write(f"rank{rank}.json", orjson.dumps(doc), records=n)
+            self.writer.write(f"fr/commslayer_fr_rank_{rank}",
+                              pickle.dumps(fr_format.to_flight_recorder(doc)), records=0)
+        return os.path.join(self.writer.directory, f"rank{rank}.json") if ok else None
+
+    def request_dump(self, reason: str) -> None:
+        """Dump from the background thread: safe from hooks and signal handlers."""
+        self._dump_requests.append(reason)
+        if self._dumper is None:
+            self._dumper = threading.Thread(target=self._dump_loop, name="commslayer-trace-dump", daemon=True)
+            self._dumper.start()
+        self._dump_event.set()
+
+    def _dump_loop(self) -> None:
+        while True:
+            self._dump_event.wait()
+            self._dump_event.clear()
+            reasons, self._dump_requests = self._dump_requests, []
+            if reasons:
+                try:
+                    self.dump("; ".join(dict.fromkeys(reasons)))
+                except Exception:  # a dump must never take the job down
+                    log.exception("commslayer tracing: dump failed")
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def _global_rank() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+_recorder: Optional[FlightRecorder] = None
+_lock = threading.Lock()
+
+
+def install(trace_dir: Optional[str] = None, *, capacity: Optional[int] = None,
+            stack: Optional[bool] = None, signals: bool = True) -> FlightRecorder:
+    """Start recording every communicator of this process (idempotent).
+
+    Defaults come from ``COMMSLAYER_TRACE_DIR``, ``COMMSLAYER_TRACE_BUFFER`` and
+    ``COMMSLAYER_TRACE_STACK``; ``COMMSLAYER_TRACE_JSONL`` and
+    ``COMMSLAYER_TRACE_OTEL`` add those sinks.  With ``signals``, SIGTERM and
+    SIGUSR1 dump (from the main thread only; elsewhere they are left alone).
+    """
+    global _recorder
+    with _lock:
+        if _recorder is not None:
+            return _recorder
+        rec = FlightRecorder(capacity or config.trace_buffer(), trace_dir or config.trace_dir(),
+                             job=config.job_id(), stack=config.trace_stack() if stack is None else stack)
+        for comm in commslayer.live_communicators():
+            rec.attach(comm)
+        rec._handles.append(commslayer.register_communicator_hook(rec.attach))
+        if rec.writer is not None and config.trace_jsonl():
+            from .jsonl import JsonlSink
+
+            JsonlSink.attach(rec)
+        if config.trace_otel():
+            from .otel import OtelSink
+
+            OtelSink.attach(rec)
+        if signals and threading.current_thread() is threading.main_thread():
+            _install_signal_handlers(rec)
+        atexit.register(lambda: rec.dump("exit"))
+        _recorder = rec
+        return rec
+
+
+def recorder() -> Optional[FlightRecorder]:
+    """The installed recorder, if any."""
+    return _recorder
+
+
+def _install_signal_handlers(rec: FlightRecorder) -> None:
+    previous_term = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum, frame):
+        rec.dump("SIGTERM")
+        if callable(previous_term):
+            previous_term(signum, frame)
+        else:  # the default action: die of SIGTERM, as if we had not been here
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGUSR1, lambda signum, frame: rec.request_dump("SIGUSR1"))
