@@ -528,7 +528,10 @@ class Communicator:
             c10d_work = issue()
         except RuntimeError as exc:
             err = self._classify_raw(exc, op, seq, timeout_s, (time.monotonic_ns() - start) / 1e9, peer)
-            self._on_failure(err)
+            failed = Work(self, op, seq, op_id, timeout_s, start, None, None, peer)
+            if self._post.fns:
+                self._post(op_id, failed)
+            failed._fail(err, time.monotonic_ns())  # observers see the op end
             raise err from exc
         work = Work(self, op, seq, op_id, timeout_s, start, c10d_work, finish, peer)
         if self._post.fns:

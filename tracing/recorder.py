@@ -90,7 +90,7 @@ class FlightRecorder:
         self._handles: List[Any] = []
         self._dump_requests: List[str] = []
         self._dump_event = threading.Event()
-        self._dump_lock = threading.Lock()
+        self._dump_lock = threading.RLock()  # a SIGTERM handler may dump inside a dump
         self._dumper: Optional[threading.Thread] = None
 
     # ------------------------------------------------------------ attaching
@@ -284,15 +284,61 @@ def recorder() -> Optional[FlightRecorder]:
 
 
 def _install_signal_handlers(rec: FlightRecorder) -> None:
+    """SIGTERM and SIGUSR1 dump even while the main thread is blocked in a collective.
+
+    Python runs signal handlers only when the main thread is back in the
+    interpreter, and a rank waiting in a Gloo op is not.  So the handlers are
+    registered (that makes the C-level handler record the signal) and the
+    signal number also goes to a wakeup pipe that a watcher thread reads:
+    the watcher dumps at once, and for SIGTERM with no handler of the
+    program's own it ends the process the default way.  A program that has
+    its own wakeup fd (asyncio) keeps it; then the handlers alone dump.
+    """
     previous_term = signal.getsignal(signal.SIGTERM)
+    term_lock = threading.Lock()
+    term_dumped = []
+    watcher: Optional[threading.Thread] = None
+
+    def dump_for_term() -> None:
+        # The watcher and the main thread may both get here: the second one waits
+        # for the first one's dump to finish before either ends the process.
+        with term_lock:
+            if not term_dumped:
+                term_dumped.append(True)
+                rec.dump("SIGTERM")
+
+    def die_of_term() -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def on_term(signum, frame):
-        rec.dump("SIGTERM")
+        dump_for_term()
         if callable(previous_term):
             previous_term(signum, frame)
-        else:  # the default action: die of SIGTERM, as if we had not been here
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            die_of_term()
 
     signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGUSR1, lambda signum, frame: rec.request_dump("SIGUSR1"))
+    signal.signal(signal.SIGUSR1, lambda signum, frame: None if watcher else rec.request_dump("SIGUSR1"))
+
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    theirs = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    if theirs != -1:  # not ours to take: give it back and rely on the handlers
+        signal.set_wakeup_fd(theirs)
+        os.close(read_fd)
+        os.close(write_fd)
+        return
+
+    def watch() -> None:
+        while True:
+            for signum in os.read(read_fd, 64):
+                if signum == signal.SIGTERM:
+                    dump_for_term()
+                    if not callable(previous_term):
+                        die_of_term()
+                elif signum == signal.SIGUSR1:
+                    rec.dump("SIGUSR1")
+
+    watcher = threading.Thread(target=watch, name="commslayer-trace-signals", daemon=True)
+    watcher.start()
