@@ -536,8 +536,8 @@ class Communicator:
         work = Work(self, op, seq, op_id, timeout_s, start, c10d_work, finish, peer)
         if self._post.fns:
             self._post(op_id, work)
-        if self.completion_hooks.fns and async_op:
-            work.settle_when_done()  # exact end times for observers, at a callback's cost
+        if self.completion_hooks.fns and async_op and not work.settle_when_done():
+            WATCHDOG.wait_in_background(work)  # exact end times for observers, at a thread's cost
         if async_op:
             WATCHDOG.track(work)
         else:

@@ -89,3 +89,10 @@ def trace_jsonl() -> bool:
 def trace_otel() -> bool:
     """``COMMSLAYER_TRACE_OTEL=1``: also emit OpenTelemetry spans and metrics."""
     return _flag("COMMSLAYER_TRACE_OTEL")
+
+
+def trace_sink_queue() -> int:
+    """``COMMSLAYER_TRACE_SINK_QUEUE``: records a trace sink (JSON lines, OpenTelemetry)
+    holds before its background thread writes them; beyond it, records are dropped
+    and counted rather than slowing the op down (default 65536)."""
+    return _int("COMMSLAYER_TRACE_SINK_QUEUE", 65536)

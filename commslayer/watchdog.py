@@ -9,6 +9,7 @@ anyone is looking.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from typing import List, Optional
@@ -23,6 +24,28 @@ class Watchdog:
         self._works: List[Work] = []
         self._cond = threading.Condition()
         self._thread: Optional[threading.Thread] = None
+        self._to_wait: "queue.SimpleQueue[Work]" = queue.SimpleQueue()
+        self._waiter: Optional[threading.Thread] = None
+
+    def wait_in_background(self, work: Work) -> None:
+        """Settle ``work`` as soon as it ends, from a thread that waits on it.
+
+        For backend works that have no completion callback (Gloo's
+        reduce-scatter), when observers need exact end times: ops are waited
+        in issue order, which is the order they complete in on one group.
+        """
+        self._to_wait.put(work)
+        if self._waiter is None:
+            with self._cond:
+                if self._waiter is None:
+                    self._waiter = threading.Thread(target=self._wait_loop, name="commslayer-waiter", daemon=True)
+                    self._waiter.start()
+
+    def _wait_loop(self) -> None:
+        while True:
+            work = self._to_wait.get()
+            if not work.is_completed():
+                work.poll_until_deadline()
 
     def track(self, work: Work) -> None:
         with self._cond:

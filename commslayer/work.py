@@ -128,9 +128,22 @@ class Work:
 
         return self._c10d.get_future().then(settle)
 
-    def settle_when_done(self) -> None:
-        """Settle the op from the backend's completion callback, as it ends."""
-        self._c10d.get_future().add_done_callback(self._settle_from_future)
+    def settle_when_done(self) -> bool:
+        """Settle the op from the backend's completion callback, as it ends.
+
+        False when the backend work has no future (Gloo's reduce-scatter).
+        """
+        try:
+            future = self._c10d.get_future()
+        except RuntimeError:
+            return False
+        future.add_done_callback(self._settle_from_future)
+        return True
+
+    def poll_until_deadline(self) -> None:
+        """Block until the op ends or its deadline passes, and settle it (never raises)."""
+        if self._status not in _DONE:
+            self._settle_from_backend((self.deadline_ns - time.monotonic_ns()) / 1e9)
 
     def _settle_from_future(self, fut: "torch.futures.Future") -> None:
         # Runs on the backend's thread as the op ends: waiting here would deadlock.

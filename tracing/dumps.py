@@ -28,9 +28,10 @@ class DumpWriter:
     def write(self, name: str, data: bytes, records: int = 0) -> bool:
         """Write ``data`` to ``directory/name``; False (and counted) if it could not be."""
         path = os.path.join(self.directory, name)
-        tmp = os.path.join(self.directory, f".{name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        folder, base = os.path.split(path)
+        tmp = os.path.join(folder, f".{base}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            os.makedirs(folder, exist_ok=True)
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
