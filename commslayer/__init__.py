@@ -35,3 +35,10 @@ __all__ = [
     "new_comm", "Communicator", "register_communicator_hook", "live_communicators", "Work", "WorkStatus", "ReduceOp", "HookHandle",
     "CommError", "CollectiveTimeout", "PeerLost", "CommAborted", "InvalidArgument", "CollectiveMismatch",
 ]
+
+# `import commslayer` may be what first imports torch, and torch then loads the
+# entry points (ours, tracing's) while this package is half built: they queue
+# what they need here instead, and it runs now that the package is complete.
+_ready = True
+for _deferred in globals().pop("_when_ready", []):
+    _deferred()

@@ -26,7 +26,7 @@ from torch._C import _distributed_c10d as c10d
 
 from . import backends, config
 from .check import CrossRankCheck
-from .errors import CollectiveTimeout, CommAborted, CommError, InvalidArgument, PeerLost
+from .errors import CollectiveMismatch, CollectiveTimeout, CommAborted, CommError, InvalidArgument, PeerLost
 from .hooks import HookHandle, Hooks
 from .reduce_op import ReduceOp, coerce
 from .store import env_rank_size, env_store
@@ -365,16 +365,14 @@ class Communicator:
         chk = self._checker(op)
         self._tensor(chk, tensor, "tensor")
         peer = chk.rank_arg(peer, "dst" if op == "send" else "src", self._size, me=self._rank)
+        timeout = timeout_seconds(timeout, self._timeout_s, chk)  # before the message is numbered
         pair = (self._rank, peer) if op == "send" else (peer, self._rank)
         n = self._p2p_seq.get(pair, 0) + 1
         self._p2p_seq[pair] = n
-        timeout_s = timeout_seconds(timeout, self._timeout_s, chk)
         self._ensure_usable(op, n)
-        if self._check is not None:
-            self._checked(self._check.p2p, self._fp(op, tensor), pair[0], pair[1], n, timeout_s)
         call = self._backend.send if op == "send" else self._backend.recv
         io = ((tensor,), ()) if op == "send" else ((), (tensor,))
-        return self._run(chk, timeout_s, async_op, io + (None, None), None, None,
+        return self._run(chk, timeout, async_op, io + (None, None), self._fp(op, tensor), None,
                          lambda: call([_wire(tensor)], peer, tag), None, peer, n)
 
     # ------------------------------------------------------------- management
@@ -505,12 +503,11 @@ class Communicator:
         """
         op = chk.op
         timeout_s = self._timeout_s if timeout is None else timeout_seconds(timeout, self._timeout_s, chk)
-        if seq is None:
+        collective = seq is None
+        if collective:
             self._seq = seq = self._seq + 1
             if self._closed or self._failure is not None:
                 self._ensure_usable(op, seq)
-            if self._check is not None:
-                self._checked(self._check.collective, fp, seq, timeout_s)
         op_id = next(_op_ids)
         if self._pre.fns:
             inputs, outputs, reduce_op, root = io
@@ -519,20 +516,26 @@ class Communicator:
                 "root": root, "peer": peer, "async_op": async_op, "timeout_s": timeout_s,
                 "backend_op": BACKEND_OPS[op],
             })
-        td = self._timedeltas.get(timeout_s) or self._timedelta(timeout_s)
-        if opts is not None and self._opts_timeout.get(id(opts)) != timeout_s:
-            opts.timeout = td  # a pybind setter: skip it when the cached struct has it already
-            self._opts_timeout[id(opts)] = timeout_s
         start = time.monotonic_ns()
         try:
+            if self._check is not None:
+                if collective:
+                    self._check.collective(fp, seq, timeout_s)
+                else:
+                    src, dst = (self._rank, peer) if op == "send" else (peer, self._rank)
+                    self._check.p2p(fp, src, dst, seq, timeout_s)
+            td = self._timedeltas.get(timeout_s) or self._timedelta(timeout_s)
+            if opts is not None and self._opts_timeout.get(id(opts)) != timeout_s:
+                opts.timeout = td  # a pybind setter: skip it when the cached struct has it already
+                self._opts_timeout[id(opts)] = timeout_s
             c10d_work = issue()
-        except RuntimeError as exc:
+        except (RuntimeError, CommError) as exc:
             err = self._classify_raw(exc, op, seq, timeout_s, (time.monotonic_ns() - start) / 1e9, peer)
             failed = Work(self, op, seq, op_id, timeout_s, start, None, None, peer)
-            if self._post.fns:
-                self._post(op_id, failed)
-            failed._fail(err, time.monotonic_ns())  # observers see the op end
-            raise err from exc
+            # A mismatch found by check mode leaves the group usable: every rank raised
+            # at the same op and nothing was sent. Anything else breaks it.
+            failed.fail_before_issue(err, self._post, breaks=not isinstance(err, CollectiveMismatch))
+            raise err from (None if err is exc else exc)
         work = Work(self, op, seq, op_id, timeout_s, start, c10d_work, finish, peer)
         if self._post.fns:
             self._post(op_id, work)
@@ -543,15 +546,6 @@ class Communicator:
         else:
             work.wait_issued(td)
         return work
-
-    def _checked(self, check: Callable[..., None], *args: Any) -> None:
-        """Run a cross-rank check. A mismatch leaves the group usable (every rank raised
-        at the same op, nothing was sent); a peer that never came breaks it."""
-        try:
-            check(*args)
-        except CollectiveTimeout as err:
-            self._on_failure(err)
-            raise
 
     def _classify_raw(self, exc: BaseException, op: str, seq: int, timeout_s: float, elapsed_s: float,
                       peer: Optional[int]) -> CommError:

@@ -118,6 +118,12 @@ class Work:
         if self._error is not None:
             raise self._error
 
+    def fail_before_issue(self, err: CommError, post_hooks, breaks: bool) -> None:
+        """The op never reached the backend (check mode refused it, or the call raised)."""
+        if post_hooks.fns:
+            post_hooks(self.op_id, self)
+        self._fail(err, time.monotonic_ns(), breaks=breaks)
+
     def get_future(self) -> "torch.futures.Future":
         """A future that completes with the op, or fails with its ``CommError``."""
 
@@ -212,14 +218,15 @@ class Work:
         )
         self._fail(err, now_ns, WorkStatus.TIMEDOUT)
 
-    def _fail(self, err: CommError, now_ns: int, status: WorkStatus = WorkStatus.ERROR) -> None:
+    def _fail(self, err: CommError, now_ns: int, status: WorkStatus = WorkStatus.ERROR, breaks: bool = True) -> None:
         with self.comm.settle_lock:
             if self._status in _DONE:
                 return
             self._error = err
             self._status = status
             self.end_ns = now_ns
-        self.comm._on_failure(err)
+        if breaks:
+            self.comm._on_failure(err)
         if self.comm.completion_hooks.fns:
             self.comm.completion_hooks(self)
 

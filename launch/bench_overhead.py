@@ -19,6 +19,12 @@ and each message size, three variants run the same op on the same tensors:
 * ``commslayer`` (B)  -- ``Communicator.all_reduce`` / ``all_gather_single`` /
   ``reduce_scatter_single`` on ``commslayer.new_comm("gloo", name="bench")``.
 
+With ``--tracing`` three more variants run beside them, each on its own
+communicator watched by its own flight recorder (``tracing.recorder``): the
+recorder alone (``recorder``), plus structlog JSON lines (``recorder+jsonl``),
+plus OpenTelemetry spans and metrics (``recorder+jsonl+otel``).  Their files
+go under ``--trace-dir``.
+
 Every op is synchronous.  Two numbers are taken around each call:
 
 * wall time (``time.perf_counter``): what the caller waits for the op;
@@ -105,7 +111,9 @@ import commslayer
 from commslayer import config as cl_config
 
 OPS: Tuple[str, ...] = ("all_reduce", "all_gather_single", "reduce_scatter_single")
-VARIANTS: Tuple[str, ...] = ("plain", "plain2", "commslayer")
+BASE_VARIANTS: Tuple[str, ...] = ("plain", "plain2", "commslayer")
+TRACED_VARIANTS: Tuple[str, ...] = ("recorder", "recorder+jsonl", "recorder+jsonl+otel")
+VARIANTS: Tuple[str, ...] = BASE_VARIANTS  # main() adds TRACED_VARIANTS with --tracing
 METRICS: Tuple[str, ...] = ("wall", "cpu")
 DEFAULT_SIZES: Tuple[int, ...] = tuple(4 ** k for k in range(1, 14))  # 4 B .. 64 MiB
 _SUFFIX = {"": 1, "b": 1, "k": 1024, "ki": 1024, "kib": 1024, "m": 1024 ** 2, "mi": 1024 ** 2,
@@ -164,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="float32 elements per rank in the bitwise correctness check (default 65537)")
     p.add_argument("--seed", type=int, default=1234, help="seed of the correctness check's inputs (default 1234)")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH (rank 0)")
+    p.add_argument("--tracing", action="store_true",
+                   help="also measure commslayer with the flight recorder, + JSON lines, + OpenTelemetry "
+                        "(one communicator and one recorder per variant)")
+    p.add_argument("--trace-dir", default="runs/bench-tracing",
+                   help="where the traced variants write their files (default runs/bench-tracing)")
     return p
 
 
@@ -187,6 +200,7 @@ class Groups:
     comm: commslayer.Communicator  # B
     rank: int
     size: int
+    traced: Dict[str, commslayer.Communicator] = field(default_factory=dict)  # --tracing variants
 
 
 def setup() -> Groups:
@@ -243,11 +257,34 @@ def comm_call(op: str, comm: commslayer.Communicator, inp: torch.Tensor, out: Op
 
 
 def variant_calls(op: str, g: Groups, b: Buffers) -> Dict[str, Op]:
-    return {
+    calls = {
         "plain": lambda: plain_call(op, g.plain, b.inp, b.out),
         "plain2": lambda: plain_call(op, g.plain2, b.inp, b.out),
         "commslayer": lambda: comm_call(op, g.comm, b.inp, b.out),
     }
+    for name, comm in g.traced.items():
+        calls[name] = lambda comm=comm: comm_call(op, comm, b.inp, b.out)
+    return calls
+
+
+def traced_comms(trace_dir: str) -> Dict[str, commslayer.Communicator]:
+    """One communicator per traced variant, each watched by its own recorder and sinks."""
+    from tracing.jsonl import JsonlSink
+    from tracing.otel import OtelSink
+    from tracing.recorder import FlightRecorder
+
+    comms = {}
+    for name in TRACED_VARIANTS:
+        rec = FlightRecorder(cl_config.trace_buffer(), os.path.join(trace_dir, name.replace("+", "-")),
+                             job=cl_config.job_id())
+        comm = commslayer.new_comm("gloo", name=f"bench-{name.replace('+', '-')}")
+        rec.attach(comm)
+        if "jsonl" in name:
+            JsonlSink.attach(rec)
+        if "otel" in name:
+            OtelSink.attach(rec)
+        comms[name] = comm
+    return comms
 
 
 # ------------------------------------------------------------------ measuring
@@ -337,8 +374,8 @@ class Result:
         d = self.stats[metric][den]["median"]
         return self.stats[metric][num]["median"] / d if d > 0 else math.nan
 
-    def delta(self, metric: str) -> float:
-        return self.stats[metric]["commslayer"]["median"] - self.stats[metric]["plain"]["median"]
+    def delta(self, metric: str, variant: str = "commslayer") -> float:
+        return self.stats[metric][variant]["median"] - self.stats[metric]["plain"]["median"]
 
 
 def reduce_samples(op: str, size_bytes: int, samples: torch.Tensor) -> Result:
@@ -454,9 +491,11 @@ def metadata(g: Groups, args: argparse.Namespace) -> Dict[str, object]:
 
 
 def table(results: Sequence[Result], metric: str) -> List[str]:
+    extra = [v for v in VARIANTS if v not in BASE_VARIANTS]
     lines = [
-        "| op | size | reps | plain (A) | plain2 (A') | commslayer (B) | B/A | A'/A | B−A |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| op | size | reps | plain (A) | plain2 (A') | commslayer (B) | B/A | A'/A | B−A |"
+        + "".join(f" {v} | /A | −A |" for v in extra),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|---:|---:|" * len(extra),
     ]
     for r in results:
         s = r.stats[metric]
@@ -464,6 +503,8 @@ def table(results: Sequence[Result], metric: str) -> List[str]:
             f"| {r.op} | {fmt_bytes(r.size_bytes)} | {r.reps} | {fmt_cell(s['plain'])} | {fmt_cell(s['plain2'])} "
             f"| {fmt_cell(s['commslayer'])} | {r.ratio(metric, 'commslayer'):.3f} | {r.ratio(metric, 'plain2'):.3f} "
             f"| {fmt_time(r.delta(metric))} |"
+            + "".join(f" {fmt_cell(s[v])} | {r.ratio(metric, v):.3f} | {fmt_time(r.delta(metric, v))} |"
+                      for v in extra)
         )
     return lines
 
@@ -522,6 +563,7 @@ def to_json(meta: Dict[str, object], results: Sequence[Result], verdict: Dict[st
                     r.size_bytes // 4 * (meta["world_size"] if r.op == "reduce_scatter_single" else 1),
                 "reps": r.reps, "stats_s": r.stats, "per_rank_median_s": r.per_rank_median,
                 "ratio_commslayer_over_plain": {m: r.ratio(m, "commslayer") for m in METRICS},
+                "ratio_over_plain": {v: {m: r.ratio(m, v) for m in METRICS} for v in VARIANTS},
                 "ratio_plain2_over_plain": {m: r.ratio(m, "plain2") for m in METRICS},
                 "delta_commslayer_minus_plain_s": {m: r.delta(m) for m in METRICS},
             }
@@ -536,7 +578,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
+    global VARIANTS
     g = setup()
+    if args.tracing:
+        VARIANTS = BASE_VARIANTS + TRACED_VARIANTS
+        g.traced = traced_comms(args.trace_dir)
     meta = metadata(g, args)
     results: List[Result] = []
     for op in args.ops:
@@ -556,6 +602,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"[bench_overhead] wrote {args.json}", file=sys.stderr)
     dist.barrier(group=g.sync)
     g.comm.finalize()
+    for comm in g.traced.values():
+        comm.finalize()
     dist.destroy_process_group()
     bad = [op for op, ok in verdict.items() if not ok]
     assert not bad, f"commslayer's result differs bitwise from plain c10d for: {', '.join(bad)}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import time
 
 import torch
@@ -91,6 +92,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     start = time.perf_counter()
+    step_s = []
     for step in range(args.steps):
         t0 = time.perf_counter()
         data = batch(step, rank, args.batch, args.seq, args.vocab)
@@ -101,7 +103,8 @@ def main() -> None:
         opt.zero_grad()
         mean_loss = loss.detach().clone()
         comm.all_reduce(mean_loss, commslayer.ReduceOp.AVG)
-        tokens_s = world * args.batch * args.seq / (time.perf_counter() - t0)
+        step_s.append(time.perf_counter() - t0)
+        tokens_s = world * args.batch * args.seq / step_s[-1]
         if rank == 0:
             print(f"step {step:4d}  loss {mean_loss.item():.4f}  tokens/s {tokens_s:8.0f}  ranks {world}", flush=True)
 
@@ -110,6 +113,7 @@ def main() -> None:
         sent = ", ".join(f"{n} {name}" for name, n in sorted(ops.items()))
         print(f"done: {args.steps} steps in {elapsed:.1f}s on {world} ranks through commslayer "
               f"({comm.get_backend()}); rank 0 issued {sent}", flush=True)
+        print("RESULT " + json.dumps({"steps": args.steps, "elapsed_s": elapsed, "step_s": step_s}), flush=True)
     dist.destroy_process_group()
 
 

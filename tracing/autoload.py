@@ -6,14 +6,25 @@ recorded from the start, also in a job that never imports ``tracing``.
 
 
 def autoload() -> None:
+    import os
+    import sys
+
+    if not os.environ.get("COMMSLAYER_TRACE_DIR"):
+        return
+    package = sys.modules.get("commslayer")
+    if package is not None and not getattr(package, "_ready", False):
+        # commslayer is importing torch: start once it is complete
+        package.__dict__.setdefault("_when_ready", []).append(_install)
+        return
+    _install()
+
+
+def _install() -> None:
     # An exception here would make `import torch` itself fail: warn instead.
     try:
-        from commslayer import config
+        from .recorder import install
 
-        if config.trace_dir():
-            from .recorder import install
-
-            install()
+        install()
     except Exception as exc:  # pragma: no cover - depends on the environment
         import warnings
 

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 import orjson
@@ -57,10 +58,11 @@ class Record:
         return {f: getattr(self, f) for f in RECORD_FIELDS}
 
 
-def _call_site(frame) -> str:
+def _caller(frame):
+    """The first frame outside commslayer, tracing and torch: the code that issued the op."""
     while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
         frame = frame.f_back
-    return "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    return frame
 
 
 def _shapes(tensors) -> List[List[int]]:
@@ -81,7 +83,7 @@ class FlightRecorder:
         self.writer = DumpWriter(trace_dir) if trace_dir else None
         self.host = socket.gethostname()
         self.clock = {"wall_ns": time.time_ns(), "mono_ns": time.monotonic_ns()}
-        self.sinks: List[Callable[[Record], None]] = []  # called with each record as it ends
+        self.sinks: List[Any] = []  # objects with enqueue(record) (called as each op ends) and flush()
         self.overwritten = 0  # records pushed out of the ring before any dump saw them
         self._ring: List[Optional[Record]] = [None] * capacity
         self._count = 0
@@ -96,18 +98,24 @@ class FlightRecorder:
     # ------------------------------------------------------------ attaching
     def attach(self, comm: "commslayer.Communicator") -> None:
         """Record every op of ``comm`` from now on."""
-        info = {"name": comm.get_name(), "backend": comm.get_backend(), "rank": comm.get_rank(),
-                "size": comm.get_size(), "global_ranks": comm.global_ranks, "generation": comm.generation,
-                "state": "ok"}
-        self._comms[comm.uid] = info
+        info = {"name": comm.get_name(), "backend": comm.get_backend(), "state": "ok"}
+        ref = weakref.ref(comm)  # the recorder must not keep communicators alive
+        self._comms[comm.uid] = (ref, info)
+        self._refresh(comm, info)
         uid, name = comm.uid, comm.get_name()
         self._handles += [
-            comm.register_pre_hook(lambda op, op_id, args: self._scheduled(uid, name, comm, op, op_id, args)),
+            comm.register_pre_hook(lambda op, op_id, args: self._scheduled(uid, name, ref(), op, op_id, args)),
             comm.register_post_hook(self._started),
             comm.register_completion_hook(self._ended),
             comm.register_error_hook(lambda err: self._failed(info, err)),
             comm.register_abort_hook(lambda: self._aborted(uid, info)),
         ]
+
+    @staticmethod
+    def _refresh(comm: "commslayer.Communicator", info: Dict[str, Any]) -> None:
+        """Membership can change (recovery): read it from the live communicator."""
+        info.update(rank=comm.get_rank(), size=comm.get_size(), global_ranks=comm.global_ranks,
+                    generation=comm.generation)
 
     def _scheduled(self, uid: str, name: str, comm, op: str, op_id: int, args: Dict[str, Any]) -> None:
         r = Record()
@@ -136,10 +144,10 @@ class FlightRecorder:
         r.enqueue_ns = time.monotonic_ns()
         r.start_ns = r.end_ns = r.duration_ms = None
         r.thread = threading.current_thread().name
-        frame = sys._getframe(2)
-        r.call_site = _call_site(frame)
+        frame = _caller(sys._getframe(2))
+        r.call_site = "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
         r.stack = [f"{f.filename}:{f.lineno} in {f.name}" for f in traceback.extract_stack(frame)] \
-            if self.stack else None
+            if self.stack and frame is not None else None
         slot = self._count % self.capacity
         old = self._ring[slot]
         if old is not None and old.state not in FINAL_STATES:
@@ -164,7 +172,7 @@ class FlightRecorder:
         r.error = None if err is None else str(err)
         r.state = _FINAL.get(work.status, FAILED)
         for sink in self.sinks:
-            sink(r)
+            sink.enqueue(r)
 
     def _failed(self, info: Dict[str, Any], err: Exception) -> None:
         info["state"] = f"broken: {type(err).__name__}"
@@ -177,6 +185,8 @@ class FlightRecorder:
             if r.comm_id == uid:
                 self._inflight.pop(op_id, None)
                 r.state, r.end_ns, r.error = ABORTED, now, "communicator aborted"
+                for sink in self.sinks:
+                    sink.enqueue(r)
         self.request_dump(f"communicator {info['name']!r} aborted")
 
     # --------------------------------------------------------------- reading
@@ -194,9 +204,26 @@ class FlightRecorder:
         return new_dump(job=self.job, rank=_global_rank(), host=self.host, pid=os.getpid(),
                         wall_ns=self.clock["wall_ns"], mono_ns=self.clock["mono_ns"], reason=reason,
                         dropped=lost + (self.writer.dropped_records if self.writer else 0),
-                        communicators={k: dict(v) for k, v in self._comms.items()}, records=records)
+                        communicators=self._communicators(), records=records)
+
+    def _communicators(self) -> Dict[str, Dict[str, Any]]:
+        out = {}
+        for uid, (ref, info) in list(self._comms.items()):
+            comm = ref()
+            if comm is not None:
+                self._refresh(comm, info)
+            out[uid] = dict(info)
+        return out
 
     # --------------------------------------------------------------- dumping
+    def flush_sinks(self) -> None:
+        """Make every sink write what it holds now (before the process ends)."""
+        for sink in list(self.sinks):
+            try:
+                sink.flush()
+            except Exception:
+                log.exception("commslayer tracing: flushing %r failed", sink)
+
     def dump(self, reason: str = "on demand") -> Optional[str]:
         """Write this rank's dump now; the path, or None if it could not be written."""
         if self.writer is None:
@@ -306,6 +333,7 @@ def _install_signal_handlers(rec: FlightRecorder) -> None:
             if not term_dumped:
                 term_dumped.append(True)
                 rec.dump("SIGTERM")
+                rec.flush_sinks()
 
     def die_of_term() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
