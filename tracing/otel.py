@@ -2,7 +2,7 @@
 
 An SDK span costs 20-70 µs in this Python, as much as a whole small Gloo op,
 so the sink callable in ``FlightRecorder.sinks`` only queues the finished
-``Record`` (``tracing.jsonl.QueuedSink``); the sink's thread later builds
+``Record`` (``tracing.sinks.QueuedSink``); the sink's thread later builds
 each span with the op's real start and end times, converted from the
 record's monotonic clock to wall time with the recorder's clock anchor
 (``wall = clock.wall_ns + (mono - clock.mono_ns)``).
@@ -62,6 +62,7 @@ import importlib.metadata
 import logging
 import math
 import os
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import orjson
@@ -387,17 +388,18 @@ class OtelSink(QueuedSink):
         counts: Dict[Tuple[str, str, str], int] = {}
         for i, item in enumerate(items, 1):
             if isinstance(item, Record):
+                fields = SimpleNamespace(**item.to_dict())  # the record's plain values
                 if self._spans:
-                    self._span(item)
+                    self._span(fields)
                 if self._metrics:
-                    self._measure(item, counts)
+                    self._measure(fields, counts)
             if i % EXPORT_CHUNK == 0:  # a few hundred spans per export keeps the working set small
                 self._processor.export_pending()
         for key, n in counts.items():  # one counter update per series and batch
             self._ops.add(n, self._attrs(key)[1])
         self._processor.export_pending()
 
-    def _span(self, r: Record) -> None:
+    def _span(self, r: SimpleNamespace) -> None:
         clock = self.rec.clock
         offset = clock["wall_ns"] - clock["mono_ns"]
         comm_rank, backend = self.comm_info(r.comm_id)
@@ -438,7 +440,7 @@ class OtelSink(QueuedSink):
             attrs = self._attr_cache[key] = (base, {**base, "comms.state": key[2]})
         return attrs
 
-    def _measure(self, r: Record, counts: Dict[Tuple[str, str, str], int]) -> None:
+    def _measure(self, r: SimpleNamespace, counts: Dict[Tuple[str, str, str], int]) -> None:
         key = (r.comm, r.op, r.state)
         counts[key] = counts.get(key, 0) + 1
         base = self._attrs(key)[0]

@@ -49,13 +49,33 @@ _INTERNAL_DIRS = tuple(
 )
 
 
+_thread_names: Dict[int, str] = {}  # thread ident -> name, filled the first time a thread issues an op
+
+
 class Record:
-    """One op, as the hot path fills it; ``to_dict()`` gives the dump's form."""
+    """One op, as the hot path fills it; ``to_dict()`` gives the dump's form.
+
+    The hot path stores what it can get cheaply (torch.Size objects, the
+    dtype, the reduce op object, the thread's ident, the caller's file and
+    line); turning those into the format's plain values waits for ``to_dict``,
+    which runs at dump time or on a sink's thread.
+    """
 
     __slots__ = RECORD_FIELDS
 
     def to_dict(self) -> Dict[str, Any]:
-        return {f: getattr(self, f) for f in RECORD_FIELDS}
+        d = {f: getattr(self, f) for f in RECORD_FIELDS}
+        dtype = self.dtype
+        itemsize = 0 if dtype is None else dtype.itemsize
+        d["dtype"] = None if dtype is None else str(dtype).replace("torch.", "")
+        d["in_sizes"] = [list(s) for s in self.in_sizes]
+        d["out_sizes"] = [list(s) for s in self.out_sizes]
+        d["in_bytes"] = sum(s.numel() for s in self.in_sizes) * itemsize
+        d["out_bytes"] = sum(s.numel() for s in self.out_sizes) * itemsize
+        d["reduce_op"] = None if self.reduce_op is None else repr(self.reduce_op).replace("ReduceOp.", "")
+        d["thread"] = _thread_names.get(self.thread, str(self.thread))
+        d["call_site"] = "?" if self.call_site is None else "%s:%d" % self.call_site
+        return d
 
 
 def _caller(frame):
@@ -63,14 +83,6 @@ def _caller(frame):
     while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
         frame = frame.f_back
     return frame
-
-
-def _shapes(tensors) -> List[List[int]]:
-    return [list(t.shape) for t in tensors]
-
-
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class FlightRecorder:
@@ -128,13 +140,11 @@ class FlightRecorder:
         r.seq = args["seq"]
         r.op = op
         r.backend_op = args["backend_op"]
-        red = args["reduce_op"]
-        r.reduce_op = None if red is None else repr(red).replace("ReduceOp.", "")
-        r.dtype = None if first is None else str(first.dtype).replace("torch.", "")
-        r.in_sizes = _shapes(inputs)
-        r.out_sizes = _shapes(outputs)
-        r.in_bytes = _nbytes(inputs)
-        r.out_bytes = _nbytes(outputs)
+        r.reduce_op = args["reduce_op"]
+        r.dtype = None if first is None else first.dtype
+        r.in_sizes = [t.shape for t in inputs]
+        r.out_sizes = [t.shape for t in outputs]
+        r.in_bytes = r.out_bytes = None  # computed by to_dict
         r.root = args["root"]
         r.peer = args["peer"]
         r.async_op = args["async_op"]
@@ -143,9 +153,12 @@ class FlightRecorder:
         r.error = None
         r.enqueue_ns = time.monotonic_ns()
         r.start_ns = r.end_ns = r.duration_ms = None
-        r.thread = threading.current_thread().name
+        ident = threading.get_ident()
+        if ident not in _thread_names:
+            _thread_names[ident] = threading.current_thread().name
+        r.thread = ident
         frame = _caller(sys._getframe(2))
-        r.call_site = "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        r.call_site = None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
         r.stack = [f"{f.filename}:{f.lineno} in {f.name}" for f in traceback.extract_stack(frame)] \
             if self.stack and frame is not None else None
         slot = self._count % self.capacity
