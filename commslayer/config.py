@@ -9,14 +9,15 @@ import os
 from datetime import timedelta
 
 
-def _float(name: str, default: float) -> float:
+def _positive(name: str, default, kind=float):
+    """A positive, finite number of type ``kind`` from the environment, or ``default``."""
     raw = os.environ.get(name)
     if raw in (None, ""):
         return default
     try:
-        value = float(raw)
+        value = kind(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
+        raise ValueError(f"{name}={raw!r} is not a{'n integer' if kind is int else ' number'}") from None
     if not 0 < value < float("inf"):  # also rejects nan
         raise ValueError(f"{name}={raw!r} must be a positive, finite number")
     return value
@@ -28,7 +29,7 @@ def _flag(name: str) -> bool:
 
 def default_timeout() -> timedelta:
     """``COMMSLAYER_TIMEOUT_S``: deadline of an op that names none (default 300 s)."""
-    return timedelta(seconds=_float("COMMSLAYER_TIMEOUT_S", 300.0))
+    return timedelta(seconds=_positive("COMMSLAYER_TIMEOUT_S", 300.0))
 
 
 def timeout_is_set() -> bool:
@@ -47,19 +48,6 @@ def route_c10d() -> bool:
     return _flag("COMMSLAYER_ROUTE_C10D")
 
 
-def _int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw in (None, ""):
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r} must be positive")
-    return value
-
-
 def job_id() -> str:
     """``COMMSLAYER_JOB_ID``, else torchrun's ``TORCHELASTIC_RUN_ID``, else ``"local"``."""
     return os.environ.get("COMMSLAYER_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "local"
@@ -73,7 +61,7 @@ def trace_dir() -> str:
 
 def trace_buffer() -> int:
     """``COMMSLAYER_TRACE_BUFFER``: records kept in the flight recorder's ring (default 4096)."""
-    return _int("COMMSLAYER_TRACE_BUFFER", 4096)
+    return _positive("COMMSLAYER_TRACE_BUFFER", 4096, int)
 
 
 def trace_stack() -> bool:
@@ -95,4 +83,4 @@ def trace_sink_queue() -> int:
     """``COMMSLAYER_TRACE_SINK_QUEUE``: records a trace sink (JSON lines, OpenTelemetry)
     holds before its background thread writes them; beyond it, records are dropped
     and counted rather than slowing the op down (default 65536)."""
-    return _int("COMMSLAYER_TRACE_SINK_QUEUE", 65536)
+    return _positive("COMMSLAYER_TRACE_SINK_QUEUE", 65536, int)

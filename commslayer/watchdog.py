@@ -5,10 +5,18 @@ nobody waits on is the watchdog's: it wakes at the earliest deadline it holds
 (or every ``SWEEP_S`` to drop finished ops), turns an overdue op into
 ``CollectiveTimeout`` and so marks its communicator broken, whether or not
 anyone is looking.
+
+Its threads hold ``Work`` objects, and through them the backend's works and
+the ops' tensors.  Freeing a tensor that Python knows takes the GIL, and a
+daemon thread that asks for the GIL while the interpreter is finalizing is
+ended inside C++, which aborts the process ("terminate called without an
+active exception").  So at exit, before finalization, ``stop()`` ends the
+threads and frees what they hold on the main thread.
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
@@ -24,8 +32,28 @@ class Watchdog:
         self._works: List[Work] = []
         self._cond = threading.Condition()
         self._thread: Optional[threading.Thread] = None
-        self._to_wait: "queue.SimpleQueue[Work]" = queue.SimpleQueue()
+        self._to_wait: "queue.SimpleQueue[Optional[Work]]" = queue.SimpleQueue()
         self._waiter: Optional[threading.Thread] = None
+        self._stopping = False
+
+    def _start(self, target, name: str) -> threading.Thread:
+        if self._thread is None and self._waiter is None:
+            atexit.register(self.stop)
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        return thread
+
+    def stop(self) -> None:
+        """End the threads and drop the works they hold (at exit; idempotent)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._to_wait.put(None)
+        for thread in (self._thread, self._waiter):
+            if thread is not None:
+                thread.join(timeout=1.0)
+        with self._cond:
+            self._works = []
 
     def wait_in_background(self, work: Work) -> None:
         """Settle ``work`` as soon as it ends, from a thread that waits on it.
@@ -38,26 +66,27 @@ class Watchdog:
         if self._waiter is None:
             with self._cond:
                 if self._waiter is None:
-                    self._waiter = threading.Thread(target=self._wait_loop, name="commslayer-waiter", daemon=True)
-                    self._waiter.start()
+                    self._waiter = self._start(self._wait_loop, "commslayer-waiter")
 
     def _wait_loop(self) -> None:
         while True:
             work = self._to_wait.get()
+            if work is None:
+                return
             if not work.is_completed():
                 work.poll_until_deadline()
+            del work
 
     def track(self, work: Work) -> None:
         with self._cond:
             self._works.append(work)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="commslayer-watchdog", daemon=True)
-                self._thread.start()
+                self._thread = self._start(self._run, "commslayer-watchdog")
             elif work.deadline_ns < time.monotonic_ns() + SWEEP_S * 1e9:
                 self._cond.notify()
 
     def _run(self) -> None:
-        while True:
+        while not self._stopping:
             with self._cond:
                 if self._works:
                     first = min(w.deadline_ns for w in self._works)
