@@ -6,7 +6,8 @@ The three variants alternate, run after run, so drift hits them alike; each
 run is a fresh ``torchrun``.  A run's figure is its median step time over
 steps 1.. (step 0 carries one-time costs); the report gives, per variant, the
 median and the min–max of those figures over the repeats, and the ratios of
-medians against the first tracing-off variant.
+medians against the first tracing-off variant.  A run whose ranks trained to
+the end but did not all exit cleanly still counts, and is reported.
 
     python launch/bench_tracing_train.py --repeats 5 --steps 20
 """
@@ -30,6 +31,9 @@ VARIANTS = {
 }
 
 
+EXIT_FAILURES: Dict[str, int] = {v: 0 for v in VARIANTS}
+
+
 def run_once(variant: str, args: argparse.Namespace, trace_root: str, i: int) -> float:
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMMSLAYER_TRACE")}
     env["OMP_NUM_THREADS"] = "1"
@@ -39,9 +43,13 @@ def run_once(variant: str, args: argparse.Namespace, trace_root: str, i: int) ->
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
            "--master-port", str(29700 + i % 50), "launch/train.py", "--steps", str(args.steps)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    if out.returncode != 0:
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
         raise SystemExit(f"{variant} run failed:\n{out.stderr[-3000:]}")
-    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
+    if out.returncode != 0:  # trained to the end, then a rank died at exit: counted, reported
+        EXIT_FAILURES[variant] += 1
+        print(f"[bench_tracing_train] {variant}: exit status {out.returncode} after training; stderr tail:\n"
+              f"{out.stderr[-600:]}", file=sys.stderr, flush=True)
     steps = json.loads(line[len("RESULT "):])["step_s"]
     return statistics.median(steps[1:])
 
@@ -65,11 +73,12 @@ def main() -> int:
     base = statistics.median(results["off"])
     print(f"command: `{shlex.join(['python'] + sys.argv)}`; {args.nproc} ranks, {args.steps} steps, "
           f"{args.repeats} repeats per variant\n")
-    print("| variant | median step (ms) | min–max over repeats (ms) | ratio to off |")
-    print("|---|---:|---:|---:|")
+    print("| variant | median step (ms) | min–max over repeats (ms) | ratio to off | runs that failed at exit |")
+    print("|---|---:|---:|---:|---:|")
     for v, xs in results.items():
         med = statistics.median(xs)
-        print(f"| {v} | {med * 1e3:.2f} | {min(xs) * 1e3:.2f}–{max(xs) * 1e3:.2f} | {med / base:.3f} |")
+        print(f"| {v} | {med * 1e3:.2f} | {min(xs) * 1e3:.2f}–{max(xs) * 1e3:.2f} | {med / base:.3f} "
+              f"| {EXIT_FAILURES[v]} of {len(xs)} |")
     return 0
 
 
