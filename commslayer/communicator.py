@@ -539,8 +539,11 @@ class Communicator:
         work = Work(self, op, seq, op_id, timeout_s, start, c10d_work, finish, peer)
         if self._post.fns:
             self._post(op_id, work)
-        if self.completion_hooks.fns and async_op and not work.settle_when_done():
-            WATCHDOG.wait_in_background(work)  # exact end times for observers, at a thread's cost
+        if self.completion_hooks.fns and async_op:
+            # Exact end times for observers. A backend work with no future (Gloo's
+            # reduce-scatter) settles when waited on: waiting on it from a second
+            # thread corrupted FSDP2's gradients (measured), so nothing else waits.
+            work.settle_when_done()
         if async_op:
             WATCHDOG.track(work)
         else:

@@ -6,18 +6,17 @@ nobody waits on is the watchdog's: it wakes at the earliest deadline it holds
 ``CollectiveTimeout`` and so marks its communicator broken, whether or not
 anyone is looking.
 
-Its threads hold ``Work`` objects, and through them the backend's works and
+Its thread holds ``Work`` objects, and through them the backend's works and
 the ops' tensors.  Freeing a tensor that Python knows takes the GIL, and a
 daemon thread that asks for the GIL while the interpreter is finalizing is
 ended inside C++, which aborts the process ("terminate called without an
 active exception").  So at exit, before finalization, ``stop()`` ends the
-threads and frees what they hold on the main thread.
+thread and frees what it holds on the main thread.
 """
 
 from __future__ import annotations
 
 import atexit
-import queue
 import threading
 import time
 from typing import List, Optional
@@ -32,13 +31,10 @@ class Watchdog:
         self._works: List[Work] = []
         self._cond = threading.Condition()
         self._thread: Optional[threading.Thread] = None
-        self._to_wait: "queue.SimpleQueue[Optional[Work]]" = queue.SimpleQueue()
-        self._waiter: Optional[threading.Thread] = None
         self._stopping = False
 
     def _start(self, target, name: str) -> threading.Thread:
-        if self._thread is None and self._waiter is None:
-            atexit.register(self.stop)
+        atexit.register(self.stop)
         thread = threading.Thread(target=target, name=name, daemon=True)
         thread.start()
         return thread
@@ -48,34 +44,10 @@ class Watchdog:
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        self._to_wait.put(None)
-        for thread in (self._thread, self._waiter):
-            if thread is not None:
-                thread.join(timeout=1.0)
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
         with self._cond:
             self._works = []
-
-    def wait_in_background(self, work: Work) -> None:
-        """Settle ``work`` as soon as it ends, from a thread that waits on it.
-
-        For backend works that have no completion callback (Gloo's
-        reduce-scatter), when observers need exact end times: ops are waited
-        in issue order, which is the order they complete in on one group.
-        """
-        self._to_wait.put(work)
-        if self._waiter is None:
-            with self._cond:
-                if self._waiter is None:
-                    self._waiter = self._start(self._wait_loop, "commslayer-waiter")
-
-    def _wait_loop(self) -> None:
-        while True:
-            work = self._to_wait.get()
-            if work is None:
-                return
-            if not work.is_completed():
-                work.poll_until_deadline()
-            del work
 
     def track(self, work: Work) -> None:
         with self._cond:

@@ -146,11 +146,6 @@ class Work:
         future.add_done_callback(self._settle_from_future)
         return True
 
-    def poll_until_deadline(self) -> None:
-        """Block until the op ends or its deadline passes, and settle it (never raises)."""
-        if self._status not in _DONE:
-            self._settle_from_backend((self.deadline_ns - time.monotonic_ns()) / 1e9)
-
     def _settle_from_future(self, fut: "torch.futures.Future") -> None:
         # Runs on the backend's thread as the op ends: waiting here would deadlock.
         try:

@@ -40,10 +40,13 @@ def _assert_bitwise(a: dict, b: dict) -> None:
 def test_fsdp2_and_ddp_match_plain_gloo(tmp_path, nproc):
     plain = _torchrun(tmp_path, "gloo", nproc)
     ours = _torchrun(tmp_path, "commslayer", nproc)
-    routed = _torchrun(tmp_path, "gloo", nproc, COMMSLAYER_ROUTE_C10D="1")
+    # routed and traced: observing the ops must not change a single bit
+    routed = _torchrun(tmp_path, "gloo", nproc, COMMSLAYER_ROUTE_C10D="1",
+                       COMMSLAYER_TRACE_DIR=str(tmp_path / "traces"))
     assert plain["world_type"] == "ProcessGroup"
     assert ours["world_type"] == routed["world_type"] == "CommslayerProcessGroup"
     assert routed["backend"] == "gloo"  # the job still sees what it asked for
+    assert routed["recording"] and not ours["recording"]
     for run in (ours, routed):
         _assert_bitwise(plain["fsdp"], run["fsdp"])
         _assert_bitwise(plain["ddp"], run["ddp"])
