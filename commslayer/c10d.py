@@ -133,21 +133,17 @@ class CommslayerProcessGroup(dist.ProcessGroup):
 
     # collectives: c10d's Python API and C++ callers use these names
     def allreduce(self, tensors, opts=None):
-        if not isinstance(opts, c10d.AllreduceOptions):
+        if not hasattr(opts, "reduceOp"):  # the old allreduce(tensors, op) form
             op, opts = opts, c10d.AllreduceOptions()
             if op is not None:
                 opts.reduceOp = op
         return self._many(tensors, [self._comm(t).all_reduce(t, opts.reduceOp, async_op=True,
                                                              timeout=_timeout(opts)) for t in tensors])
 
-    def allreduce_coalesced(self, tensors, opts=None):
-        opts = opts or c10d.AllreduceCoalescedOptions()
-        return self._many(tensors, [self._comm(t).all_reduce(t, opts.reduceOp, async_op=True,
-                                                             timeout=_timeout(opts)) for t in tensors])
+    allreduce_coalesced = allreduce  # one op per tensor: each gets its own deadline and record
 
     def all_gather_single(self, output, input, opts=None):
-        return self._many([output], [self._comm(input).all_gather_single(output, input, async_op=True,
-                                                                         timeout=_timeout(opts))])
+        return self.all_gather_single_coalesced([output], [input], opts)
 
     _allgather_base = all_gather_single
 
@@ -163,9 +159,7 @@ class CommslayerProcessGroup(dist.ProcessGroup):
         return self._many([t for outs in output_lists for t in outs], works)
 
     def reduce_scatter_single(self, output, input, opts=None):
-        opts = opts or c10d.ReduceScatterOptions()
-        return self._many([output], [self._comm(input).reduce_scatter_single(
-            output, input, opts.reduceOp, async_op=True, timeout=_timeout(opts))])
+        return self.reduce_scatter_single_coalesced([output], [input], opts)
 
     _reduce_scatter_base = reduce_scatter_single
 

@@ -26,13 +26,13 @@ from torch._C import _distributed_c10d as c10d
 
 from . import backends, config
 from .check import CrossRankCheck
-from .errors import CollectiveMismatch, CollectiveTimeout, CommAborted, CommError, InvalidArgument, PeerLost
+from .errors import CollectiveMismatch, CommAborted, CommError
 from .hooks import HookHandle, Hooks
 from .reduce_op import ReduceOp, coerce
 from .store import env_rank_size, env_store
 from .validation import Checker, Timeout, timeout_seconds
 from .watchdog import WATCHDOG
-from .work import Work, WorkStatus
+from .work import Work
 
 _op_ids = itertools.count(1)  # process-wide, monotonic
 _created = Hooks("communicator created")
@@ -58,6 +58,8 @@ def register_communicator_hook(fn: Callable[["Communicator"], None]) -> HookHand
 def live_communicators() -> List["Communicator"]:
     """The communicators of this process that have not been garbage-collected."""
     return list(_live)
+
+
 _instances: Dict[str, int] = {}  # comm name -> how many were built here (keeps prefixes unique)
 _instances_lock = threading.Lock()
 
@@ -71,9 +73,12 @@ def _scaled_copy(t: torch.Tensor, factor) -> torch.Tensor:
     return t * factor
 
 
-def _premul(t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
-    """Scale an in-place op's tensor for PREMUL_SUM (it is overwritten by the result anyway)."""
-    return t.mul_(op.factor) if op.name == "PREMUL_SUM" else t
+def _in_place(call: Callable, t: torch.Tensor, op: ReduceOp, opts) -> Callable[[], Any]:
+    """The issue step of an in-place reduction (all_reduce, reduce). PREMUL_SUM scales
+    the tensor first: the result overwrites it anyway. Decided once, not per call."""
+    if op.name == "PREMUL_SUM":
+        return lambda: call([t.mul_(op.factor)], opts)
+    return lambda: call([t], opts)
 
 
 def _average(t: torch.Tensor, size: int) -> None:
@@ -191,16 +196,13 @@ class Communicator:
                    async_op: bool = False, timeout: Timeout = None) -> Work:
         """Reduce ``tensor`` across ranks, in place."""
         chk = self._checker("all_reduce")
-        chk.tensor(tensor, "tensor", self._device_type, self._dtypes)
-        if op is not ReduceOp.SUM:
-            op = self._reduce_op(chk, op, tensor.dtype)
-        t = torch.view_as_real(tensor) if tensor.is_complex() else tensor
+        self._tensor(chk, tensor, "tensor")
+        op = self._reduce_op(chk, op, tensor.dtype)
         opts = self._opts(c10d.AllreduceOptions, op)
         finish = (lambda: _average(tensor, self._size)) if op.name == "AVG" else None
         return self._run(chk, timeout, async_op, ((tensor,), (tensor,), op, None),
                          self._fp(chk.op, tensor, op),
-                         opts, (lambda: self._backend.allreduce([t], opts)) if op.name != "PREMUL_SUM" else
-                         (lambda: self._backend.allreduce([t.mul_(op.factor)], opts)), finish)
+                         opts, _in_place(self._backend.allreduce, _wire(tensor), op, opts), finish)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, *,
                           async_op: bool = False, timeout: Timeout = None) -> Work:
@@ -310,12 +312,11 @@ class Communicator:
         self._tensor(chk, tensor, "tensor")
         root = chk.rank_arg(root, "root", self._size)
         op = self._reduce_op(chk, op, tensor.dtype)
-        t = _wire(tensor)
         opts = self._opts(c10d.ReduceOptions, op, root)
         finish = (lambda: _average(tensor, self._size)) if op.name == "AVG" and root == self._rank else None
         return self._run(chk, timeout, async_op, ((tensor,), (tensor,), op, root),
                          self._fp(chk.op, tensor, op, root=root),
-                         opts, lambda: self._backend.reduce([_premul(t, op)], opts), finish)
+                         opts, _in_place(self._backend.reduce, _wire(tensor), op, opts), finish)
 
     def gather(self, output_tensor_list: Optional[List[torch.Tensor]], input_tensor: torch.Tensor, root: int, *,
                async_op: bool = False, timeout: Timeout = None) -> Work:
@@ -540,10 +541,7 @@ class Communicator:
         if self._post.fns:
             self._post(op_id, work)
         if self.completion_hooks.fns and async_op:
-            # Exact end times for observers. A backend work with no future (Gloo's
-            # reduce-scatter) settles when waited on: waiting on it from a second
-            # thread corrupted FSDP2's gradients (measured), so nothing else waits.
-            work.settle_when_done()
+            work.settle_when_done()  # exact end times for observers
         if async_op:
             WATCHDOG.track(work)
         else:

@@ -33,14 +33,8 @@ class Watchdog:
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
 
-    def _start(self, target, name: str) -> threading.Thread:
-        atexit.register(self.stop)
-        thread = threading.Thread(target=target, name=name, daemon=True)
-        thread.start()
-        return thread
-
     def stop(self) -> None:
-        """End the threads and drop the works they hold (at exit; idempotent)."""
+        """End the thread and drop the works it holds (at exit; idempotent)."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
@@ -53,7 +47,9 @@ class Watchdog:
         with self._cond:
             self._works.append(work)
             if self._thread is None:
-                self._thread = self._start(self._run, "commslayer-watchdog")
+                atexit.register(self.stop)
+                self._thread = threading.Thread(target=self._run, name="commslayer-watchdog", daemon=True)
+                self._thread.start()
             elif work.deadline_ns < time.monotonic_ns() + SWEEP_S * 1e9:
                 self._cond.notify()
 

@@ -134,17 +134,18 @@ class Work:
 
         return self._c10d.get_future().then(settle)
 
-    def settle_when_done(self) -> bool:
+    def settle_when_done(self) -> None:
         """Settle the op from the backend's completion callback, as it ends.
 
-        False when the backend work has no future (Gloo's reduce-scatter).
+        A backend work with no future (Gloo's reduce-scatter) settles when it
+        is waited on instead: waiting on it from a second thread corrupted
+        FSDP2's gradients (measured), so nothing else does.
         """
         try:
             future = self._c10d.get_future()
         except RuntimeError:
-            return False
+            return
         future.add_done_callback(self._settle_from_future)
-        return True
 
     def _settle_from_future(self, fut: "torch.futures.Future") -> None:
         # Runs on the backend's thread as the op ends: waiting here would deadlock.
@@ -157,10 +158,7 @@ class Work:
 
     def poll(self, now_ns: int) -> bool:
         """Watchdog step: settle the op if it ended or is overdue; True when settled."""
-        if self._status in _DONE:
-            return True
-        if self._c10d.is_completed():
-            self._settle_from_backend(0.0)
+        if self.is_completed():
             return True
         if now_ns >= self.deadline_ns:
             self._expire(now_ns)

@@ -5,12 +5,10 @@ collective), and a full trace disk that never stops training."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 import torch

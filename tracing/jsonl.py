@@ -35,7 +35,6 @@ import io
 import logging
 import os
 import time
-from collections import deque
 from datetime import datetime, timezone
 from typing import Any, Dict, List, Optional
 

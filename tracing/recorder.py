@@ -26,7 +26,7 @@ import threading
 import time
 import traceback
 import weakref
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import orjson
 import torch.distributed as dist
@@ -96,11 +96,10 @@ class FlightRecorder:
         self.host = socket.gethostname()
         self.clock = {"wall_ns": time.time_ns(), "mono_ns": time.monotonic_ns()}
         self.sinks: List[Any] = []  # objects with enqueue(record) (called as each op ends) and flush()
-        self.overwritten = 0  # records pushed out of the ring before any dump saw them
         self._ring: List[Optional[Record]] = [None] * capacity
         self._count = 0
         self._inflight: Dict[int, Record] = {}
-        self._comms: Dict[str, Dict[str, Any]] = {}
+        self._comms: Dict[str, Tuple["weakref.ReferenceType[commslayer.Communicator]", Dict[str, Any]]] = {}
         self._handles: List[Any] = []
         self._dump_requests: List[str] = []
         self._dump_event = threading.Event()
@@ -219,14 +218,20 @@ class FlightRecorder:
                         dropped=lost + (self.writer.dropped_records if self.writer else 0),
                         communicators=self._communicators(), records=records)
 
+    def communicator_info(self, uid: str) -> Optional[Dict[str, Any]]:
+        """What the recorder knows of communicator ``uid`` (name, backend, rank, size,
+        global ranks, generation, state), read from the communicator while it lives."""
+        entry = self._comms.get(uid)
+        if entry is None:
+            return None
+        ref, info = entry
+        comm = ref()
+        if comm is not None:
+            self._refresh(comm, info)
+        return dict(info)
+
     def _communicators(self) -> Dict[str, Dict[str, Any]]:
-        out = {}
-        for uid, (ref, info) in list(self._comms.items()):
-            comm = ref()
-            if comm is not None:
-                self._refresh(comm, info)
-            out[uid] = dict(info)
-        return out
+        return {uid: self.communicator_info(uid) for uid in list(self._comms)}
 
     # --------------------------------------------------------------- dumping
     def flush_sinks(self) -> None:
@@ -270,6 +275,7 @@ class FlightRecorder:
                     log.exception("commslayer tracing: dump failed")
 
     def close(self) -> None:
+        """Stop recording (unhook from every communicator)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()

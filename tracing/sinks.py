@@ -65,17 +65,16 @@ class QueuedSink:
         self._lock = threading.Lock()  # one drain at a time
         self._reported_drops = 0
         self._closed = False
-        # uid -> (the communicator, its rank and backend when first seen)
-        self._comms: Dict[str, Tuple["weakref.ReferenceType[commslayer.Communicator]", int, str]] = {}
         self._handles: List[Any] = []
         self._thread = threading.Thread(target=self._loop, name=self.thread_name, daemon=True)
 
     # ------------------------------------------------------------ attaching
     def _start(self) -> None:
-        """Hook into the recorder and every communicator, start the thread."""
-        for comm in commslayer.live_communicators():
-            self._watch(comm)
-        self._handles.append(commslayer.register_communicator_hook(self._watch))
+        """Hook into the recorder (and, for lifecycle events, every communicator), start the thread."""
+        if self.lifecycle:
+            for comm in commslayer.live_communicators():
+                self._watch(comm)
+            self._handles.append(commslayer.register_communicator_hook(self._watch))
         self.rec.sinks.append(self)
         self._thread.start()
         atexit.register(self.close)
@@ -86,10 +85,8 @@ class QueuedSink:
         return next((s for s in rec.sinks if type(s) is cls), None)
 
     def _watch(self, comm: "commslayer.Communicator") -> None:
+        """Queue the communicator's lifecycle events: created or split, errors, abort."""
         ref = weakref.ref(comm)  # the hooks below must not keep the communicator alive
-        self._comms[comm.uid] = (ref, comm.get_rank(), comm.get_backend())
-        if not self.lifecycle:
-            return
         parent = split_parent(comm.uid)
         info = {"comm": comm.get_name(), "comm_id": comm.uid, "parent_id": parent, "backend": comm.get_backend(),
                 "comm_rank": comm.get_rank(), "size": comm.get_size(), "global_ranks": comm.global_ranks,
@@ -160,17 +157,10 @@ class QueuedSink:
         raise NotImplementedError
 
     def comm_info(self, uid: str) -> Tuple[Optional[int], Optional[str]]:
-        """This process's rank in communicator ``uid`` and its backend; (None, None) if never seen.
-
-        The rank is read from the communicator while it lives (recovery can
-        change it), else it is the rank it had when this sink first saw it.
-        """
-        entry = self._comms.get(uid)
-        if entry is None:
-            return None, None
-        ref, rank, backend = entry
-        comm = ref()
-        return (rank if comm is None else comm.get_rank()), backend
+        """This process's rank in communicator ``uid`` and its backend; (None, None) if
+        the recorder never saw it."""
+        info = self.rec.communicator_info(uid)
+        return (None, None) if info is None else (info["rank"], info["backend"])
 
     def flush(self) -> None:
         """Process everything queued so far, now, and wait until it is written."""
