@@ -27,7 +27,7 @@ from torch._C import _distributed_c10d as c10d
 from . import backends, config
 from .check import CrossRankCheck
 from .errors import CollectiveMismatch, CommAborted, CommError
-from .hooks import HookHandle, Hooks
+from .hooks import HookHandle, Hooks, OpRecorder
 from .reduce_op import ReduceOp, coerce
 from .store import env_rank_size, env_store
 from .validation import Checker, Timeout, timeout_seconds
@@ -142,6 +142,7 @@ class Communicator:
         self.settle_lock = threading.Lock()  # shared by this communicator's Work objects
         self.generation = 0  # bumped by recovery when the membership changes
         self.completion_hooks = Hooks("completion")
+        self.recorder: Optional[OpRecorder] = None  # set by tracing's flight recorder
         _live.add(self)
         _created(self)
 
@@ -510,6 +511,9 @@ class Communicator:
             if self._closed or self._failure is not None:
                 self._ensure_usable(op, seq)
         op_id = next(_op_ids)
+        recorder = self.recorder
+        record = None if recorder is None else recorder.scheduled(
+            self, op, op_id, seq, io, peer, async_op, timeout_s)
         if self._pre.fns:
             inputs, outputs, reduce_op, root = io
             self._pre(op, op_id, {
@@ -532,15 +536,17 @@ class Communicator:
             c10d_work = issue()
         except (RuntimeError, CommError) as exc:
             err = self._classify_raw(exc, op, seq, timeout_s, (time.monotonic_ns() - start) / 1e9, peer)
-            failed = Work(self, op, seq, op_id, timeout_s, start, None, None, peer)
+            failed = Work(self, op, seq, op_id, timeout_s, start, None, None, peer, record)
             # A mismatch found by check mode leaves the group usable: every rank raised
             # at the same op and nothing was sent. Anything else breaks it.
             failed.fail_before_issue(err, self._post, breaks=not isinstance(err, CollectiveMismatch))
             raise err from (None if err is exc else exc)
-        work = Work(self, op, seq, op_id, timeout_s, start, c10d_work, finish, peer)
+        work = Work(self, op, seq, op_id, timeout_s, start, c10d_work, finish, peer, record)
+        if record is not None:
+            record.started(start)
         if self._post.fns:
             self._post(op_id, work)
-        if self.completion_hooks.fns and async_op:
+        if async_op and (record is not None or self.completion_hooks.fns):
             work.settle_when_done()  # exact end times for observers
         if async_op:
             WATCHDOG.track(work)

@@ -1,14 +1,23 @@
-"""Hook lists: how tracing and user code observe a communicator.
+"""How tracing and user code observe a communicator: hook lists and the recorder slot.
 
 A hook that raises is logged once and skipped: observing a collective must
 never break it.  Calling an empty list costs one truth test on the hot path.
+
+Hooks are general and cost a Python call each plus an argument dict per op.
+The flight recorder sees every op of every communicator, so it gets a
+narrower path of its own: ``Communicator.recorder`` (an ``OpRecorder``) is
+asked for one record per op, and the op path and ``Work`` fill it in.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Tuple
+
+if TYPE_CHECKING:
+    from .communicator import Communicator
+    from .work import Work
 
 log = logging.getLogger("commslayer")
 
@@ -57,3 +66,21 @@ class Hooks:
                 if id(fn) not in self._warned:
                     self._warned.add(id(fn))
                     log.exception("commslayer: %s hook %r raised (its later errors are not logged)", self.kind, fn)
+
+
+class OpRecord(Protocol):
+    """One op's entry in a recorder, as the op path fills it."""
+
+    def started(self, start_ns: int) -> None:
+        """The op was handed to the backend at ``start_ns`` (monotonic)."""
+
+    def ended(self, work: "Work") -> None:
+        """The op settled: ``work`` has its status, error and ``end_ns``."""
+
+
+class OpRecorder(Protocol):
+    """What ``Communicator.recorder`` must be (tracing's ``FlightRecorder`` is one)."""
+
+    def scheduled(self, comm: "Communicator", op: str, op_id: int, seq: int, io: tuple,
+                  peer: Optional[int], async_op: bool, timeout_s: float) -> OpRecord:
+        """A new op entered ``comm``; ``io`` is (inputs, outputs, reduce_op, root)."""

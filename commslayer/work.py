@@ -22,6 +22,7 @@ from .errors import CollectiveTimeout, CommError
 
 if TYPE_CHECKING:
     from .communicator import Communicator
+    from .hooks import OpRecord
 
 
 class WorkStatus(enum.Enum):
@@ -40,7 +41,7 @@ class Work:
 
     __slots__ = (
         "comm", "op", "seq", "op_id", "peer", "timeout_s", "start_ns", "deadline_ns", "end_ns",
-        "_c10d", "_finish", "_status", "_error",
+        "_c10d", "_finish", "_status", "_error", "record",
     )
 
     def __init__(
@@ -54,6 +55,7 @@ class Work:
         c10d_work,
         finish: Optional[Callable[[], None]] = None,
         peer: Optional[int] = None,
+        record: Optional[OpRecord] = None,
     ) -> None:
         self.comm = comm
         self.peer = peer
@@ -68,6 +70,7 @@ class Work:
         self._finish = finish
         self._status = WorkStatus.INPROGRESS
         self._error: Optional[CommError] = None
+        self.record = record  # the flight recorder's entry for this op, if one watches
 
     @property
     def status(self) -> WorkStatus:
@@ -113,6 +116,8 @@ class Work:
             # Keep the code after a long wait short: it runs with cold caches.
             self.end_ns = time.monotonic_ns()
             self._status = WorkStatus.COMPLETED
+            if self.record is not None:
+                self.record.ended(self)
             return
         self._complete()
         if self._error is not None:
@@ -196,6 +201,8 @@ class Work:
             else:
                 self._status = WorkStatus.COMPLETED
             self.end_ns = time.monotonic_ns()
+        if self.record is not None:
+            self.record.ended(self)
         if self.comm.completion_hooks.fns:
             self.comm.completion_hooks(self)
 
@@ -218,6 +225,8 @@ class Work:
             self._error = err
             self._status = status
             self.end_ns = now_ns
+        if self.record is not None:
+            self.record.ended(self)  # before the error hooks, which may dump the trace
         if breaks:
             self.comm._on_failure(err)
         if self.comm.completion_hooks.fns:

@@ -1,9 +1,11 @@
 """The flight recorder: every op of every communicator, in a bounded ring.
 
 ``install()`` attaches to every communicator of the process, present and
-future (commslayer's communicator-created hook), through commslayer's pre,
-post, completion, error and abort hooks.  The hot path only fills a slot
-object in a preallocated ring; everything slow (JSON, files, structlog,
+future (commslayer's communicator-created hook).  Per op it is the
+communicator's ``recorder`` (commslayer.hooks.OpRecorder): the op path asks
+it for a ``Record``, which goes into the ring and rides on the op's ``Work``
+until it settles; errors and aborts come through ordinary hooks.  The hot
+path only fills that record; everything slow (JSON, files, structlog,
 OpenTelemetry) happens at dump time or on a sink's own thread.
 
 Dumps (``rank<R>.json``, plus ``fr/commslayer_fr_rank_<R>`` in the format of
@@ -33,12 +35,12 @@ import torch.distributed as dist
 
 import commslayer
 from commslayer import config
+from commslayer.communicator import BACKEND_OPS
 from commslayer.work import WorkStatus
 
 from . import fr_format
 from .dumps import DumpWriter
-from .records import (ABORTED, COMPLETED, FAILED, FINAL_STATES, RECORD_FIELDS, SCHEDULED, STARTED, TIMED_OUT,
-                      new_dump)
+from .records import ABORTED, COMPLETED, FAILED, RECORD_FIELDS, SCHEDULED, STARTED, TIMED_OUT, new_dump
 
 log = logging.getLogger("commslayer.tracing")
 
@@ -61,7 +63,27 @@ class Record:
     which runs at dump time or on a sink's thread.
     """
 
-    __slots__ = RECORD_FIELDS
+    __slots__ = RECORD_FIELDS + ("sinks",)
+
+    def started(self, start_ns: int) -> None:
+        """The op was handed to the backend."""
+        self.start_ns = start_ns
+        self.state = STARTED
+
+    def ended(self, work) -> None:
+        """The op settled; an op already marked aborted stays so."""
+        if self.end_ns is not None:
+            return
+        self.end_ns = end = work.end_ns
+        self.duration_ms = (end - (self.start_ns or self.enqueue_ns)) / 1e6
+        err = work.exception()
+        if err is None:
+            self.state = COMPLETED
+        else:
+            self.error = str(err)
+            self.state = _FINAL.get(work.status, FAILED)
+        for sink in self.sinks:
+            sink.enqueue(self)
 
     def to_dict(self) -> Dict[str, Any]:
         d = {f: getattr(self, f) for f in RECORD_FIELDS}
@@ -98,7 +120,6 @@ class FlightRecorder:
         self.sinks: List[Any] = []  # objects with enqueue(record) (called as each op ends) and flush()
         self._ring: List[Optional[Record]] = [None] * capacity
         self._count = 0
-        self._inflight: Dict[int, Record] = {}
         self._comms: Dict[str, Tuple["weakref.ReferenceType[commslayer.Communicator]", Dict[str, Any]]] = {}
         self._handles: List[Any] = []
         self._dump_requests: List[str] = []
@@ -113,11 +134,9 @@ class FlightRecorder:
         ref = weakref.ref(comm)  # the recorder must not keep communicators alive
         self._comms[comm.uid] = (ref, info)
         self._refresh(comm, info)
-        uid, name = comm.uid, comm.get_name()
+        uid = comm.uid
+        comm.recorder = self
         self._handles += [
-            comm.register_pre_hook(lambda op, op_id, args: self._scheduled(uid, name, ref(), op, op_id, args)),
-            comm.register_post_hook(self._started),
-            comm.register_completion_hook(self._ended),
             comm.register_error_hook(lambda err: self._failed(info, err)),
             comm.register_abort_hook(lambda: self._aborted(uid, info)),
         ]
@@ -128,30 +147,30 @@ class FlightRecorder:
         info.update(rank=comm.get_rank(), size=comm.get_size(), global_ranks=comm.global_ranks,
                     generation=comm.generation)
 
-    def _scheduled(self, uid: str, name: str, comm, op: str, op_id: int, args: Dict[str, Any]) -> None:
+    def scheduled(self, comm: "commslayer.Communicator", op: str, op_id: int, seq: int, io: tuple,
+                  peer: Optional[int], async_op: bool, timeout_s: float) -> Record:
+        """The op path's call as ``op`` enters ``comm``: a new record in the ring."""
         r = Record()
-        inputs, outputs = args["inputs"], args["outputs"]
-        first = inputs[0] if inputs else (outputs[0] if outputs else None)
-        r.op_id = op_id
-        r.comm = name
-        r.comm_id = uid
-        r.generation = comm.generation
-        r.seq = args["seq"]
-        r.op = op
-        r.backend_op = args["backend_op"]
-        r.reduce_op = args["reduce_op"]
-        r.dtype = None if first is None else first.dtype
+        r.enqueue_ns = time.monotonic_ns()
+        inputs, outputs, r.reduce_op, r.root = io
         r.in_sizes = [t.shape for t in inputs]
         r.out_sizes = [t.shape for t in outputs]
+        first = inputs[0] if inputs else (outputs[0] if outputs else None)
+        r.dtype = None if first is None else first.dtype
         r.in_bytes = r.out_bytes = None  # computed by to_dict
-        r.root = args["root"]
-        r.peer = args["peer"]
-        r.async_op = args["async_op"]
-        r.timeout_s = args["timeout_s"]
+        r.op_id = op_id
+        r.comm = comm.get_name()
+        r.comm_id = comm.uid
+        r.generation = comm.generation
+        r.seq = seq
+        r.op = op
+        r.backend_op = BACKEND_OPS[op]
+        r.peer = peer
+        r.async_op = async_op
+        r.timeout_s = timeout_s
         r.state = SCHEDULED
-        r.error = None
-        r.enqueue_ns = time.monotonic_ns()
-        r.start_ns = r.end_ns = r.duration_ms = None
+        r.error = r.start_ns = r.end_ns = r.duration_ms = None
+        r.sinks = self.sinks
         ident = threading.get_ident()
         if ident not in _thread_names:
             _thread_names[ident] = threading.current_thread().name
@@ -160,31 +179,9 @@ class FlightRecorder:
         r.call_site = None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
         r.stack = [f"{f.filename}:{f.lineno} in {f.name}" for f in traceback.extract_stack(frame)] \
             if self.stack and frame is not None else None
-        slot = self._count % self.capacity
-        old = self._ring[slot]
-        if old is not None and old.state not in FINAL_STATES:
-            self._inflight.pop(old.op_id, None)
-        self._ring[slot] = r
+        self._ring[self._count % self.capacity] = r
         self._count += 1
-        self._inflight[op_id] = r
-
-    def _started(self, op_id: int, work) -> None:
-        r = self._inflight.get(op_id)
-        if r is not None and r.state == SCHEDULED:
-            r.start_ns = work.start_ns
-            r.state = STARTED
-
-    def _ended(self, work) -> None:
-        r = self._inflight.pop(work.op_id, None)
-        if r is None:
-            return
-        r.end_ns = work.end_ns
-        r.duration_ms = (work.end_ns - (r.start_ns or r.enqueue_ns)) / 1e6
-        err = work.exception()
-        r.error = None if err is None else str(err)
-        r.state = _FINAL.get(work.status, FAILED)
-        for sink in self.sinks:
-            sink.enqueue(r)
+        return r
 
     def _failed(self, info: Dict[str, Any], err: Exception) -> None:
         info["state"] = f"broken: {type(err).__name__}"
@@ -193,9 +190,8 @@ class FlightRecorder:
     def _aborted(self, uid: str, info: Dict[str, Any]) -> None:
         info["state"] = "aborted"
         now = time.monotonic_ns()
-        for op_id, r in list(self._inflight.items()):
-            if r.comm_id == uid:
-                self._inflight.pop(op_id, None)
+        for r in list(self._ring):
+            if r is not None and r.comm_id == uid and r.end_ns is None:
                 r.state, r.end_ns, r.error = ABORTED, now, "communicator aborted"
                 for sink in self.sinks:
                     sink.enqueue(r)
@@ -279,6 +275,10 @@ class FlightRecorder:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for ref, _ in self._comms.values():
+            comm = ref()
+            if comm is not None and comm.recorder is self:
+                comm.recorder = None
 
 
 def _global_rank() -> int:
