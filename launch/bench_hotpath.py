@@ -3,8 +3,10 @@
 calling thread's CPU time per op of each layer.
 
 Variants, interleaved in rounds: plain c10d (``dist.all_reduce`` on a
-1-rank Gloo group), a commslayer communicator, and a commslayer
-communicator watched by a flight recorder (``tracing.recorder``).  This
+1-rank Gloo group), a commslayer communicator, a commslayer communicator
+watched by a flight recorder (``tracing.recorder``), and the recorder's own
+per-op calls without an op (``scheduled``, ``started``, ``ended`` on a
+finished ``Work``, called from as deep a stack as the op path's).  This
 complements ``bench_overhead.py``, whose cold per-op numbers (one op after a
 barrier, between other groups' ops) are what a training loop sees.
 
@@ -36,10 +38,20 @@ def main() -> int:
     plain = commslayer.new_comm("gloo", name="hot", store=store, rank=0, size=1)
     traced = commslayer.new_comm("gloo", name="hot-traced", store=store, rank=0, size=1)
     with tempfile.TemporaryDirectory() as trace_dir:
-        FlightRecorder(4096, trace_dir, job="bench").attach(traced)
+        rec = FlightRecorder(4096, trace_dir, job="bench")
+        rec.attach(traced)
         t = torch.ones(1)
+        io = ((t,), (t,), dist.ReduceOp.SUM, None)
+        done = plain.all_reduce(t)
+
+        def record_only() -> None:
+            record = rec.scheduled(plain, "all_reduce", 0, 0, io, None, False, 30.0)
+            record.started(0)
+            record.ended(done)
+
         variants = {"plain c10d": lambda: dist.all_reduce(t), "commslayer": lambda: plain.all_reduce(t),
-                    "commslayer + recorder": lambda: traced.all_reduce(t)}
+                    "commslayer + recorder": lambda: traced.all_reduce(t),
+                    "recorder calls alone": lambda: record_only()}
         per_op = {v: [] for v in variants}
         for _ in range(args.rounds):
             for name, call in variants.items():
