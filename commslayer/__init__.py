@@ -11,7 +11,7 @@ and NCCL groups are built, classified, torn down), ``work``/``watchdog``
 ``config`` (the ``COMMSLAYER_*`` table), ``store``.
 """
 
-from .communicator import Communicator, live_communicators, new_comm, register_communicator_hook
+from .communicator import Communicator, join, live_communicators, new_comm, register_communicator_hook
 from .errors import (
     CollectiveMismatch,
     CollectiveTimeout,
@@ -32,7 +32,7 @@ if _config.route_c10d():  # also when torch's entry-point autoload is off
     _install_routing()
 
 __all__ = [
-    "new_comm", "Communicator", "register_communicator_hook", "live_communicators", "Work", "WorkStatus", "ReduceOp", "HookHandle",
+    "new_comm", "join", "Communicator", "register_communicator_hook", "live_communicators", "Work", "WorkStatus", "ReduceOp", "HookHandle",
     "CommError", "CollectiveTimeout", "PeerLost", "CommAborted", "InvalidArgument", "CollectiveMismatch",
 ]
 

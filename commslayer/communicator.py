@@ -18,7 +18,8 @@ import threading
 import weakref
 import time
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,8 +27,11 @@ from torch._C import _distributed_c10d as c10d
 
 from . import backends, config
 from .check import CrossRankCheck
-from .errors import CollectiveMismatch, CommAborted, CommError
+from .errors import CollectiveMismatch, CommAborted, CommError, PeerLost
 from .hooks import HookHandle, Hooks, OpRecorder
+from .isolation import IsolatedBackend, StagedWork
+from .liveness import Liveness
+from .membership import Membership
 from .reduce_op import ReduceOp, coerce
 from .store import env_rank_size, env_store
 from .validation import Checker, Timeout, timeout_seconds
@@ -88,6 +92,30 @@ def _average(t: torch.Tensor, size: int) -> None:
         t.copy_(torch.div(t, size, rounding_mode="trunc"))
 
 
+class _Released:
+    """Stands in for a backend the communicator let go of after a membership change.
+    Op methods still resolve (op closures are built before ``_run``), but ``_run``
+    refuses a closed communicator before it would call one."""
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise CommAborted("the backend was released after a membership change", op=name)
+
+        return refuse
+
+
+@dataclass
+class Lineage:
+    """What every generation of one communicator shares (``new_comm`` makes it)."""
+
+    root_store: dist.Store  # generation g > 0 lives under its prefix "g<g>/"
+    base_uid: str
+    membership: Membership
+    heartbeat_s: float  # 0: no liveness monitor
+    peer_timeout_s: float
+    isolate: bool  # write isolation (commslayer.isolation)
+
+
 class Communicator:
     """A group of ranks with deadline-bound collectives. Build one with ``new_comm``."""
 
@@ -105,6 +133,10 @@ class Communicator:
         check: bool,
         uid: str,
         global_ranks: Optional[List[int]] = None,
+        lineage: Optional[Lineage] = None,
+        generation: int = 0,
+        members: Optional[List[int]] = None,
+        parent: Optional["Communicator"] = None,
     ) -> None:
         self._spec = spec
         self._device = device
@@ -116,11 +148,18 @@ class Communicator:
         self._hints = hints
         self.uid = uid  # the same on every member, unique in the job
         self.global_ranks = global_ranks  # member i's rank in the default group, where known
+        self.generation = generation  # bumped by recovery when the membership changes
+        self.members = list(range(size)) if members is None else list(members)  # member ids, in rank order
+        self.lost_ranks: Set[int] = set()  # ranks the liveness monitor (or a failed op) named as lost
+        self._departed: Dict[int, float] = {}  # rank -> when it closed the group on purpose (monotonic)
+        self._lineage = lineage
         try:
             self._backend = spec.create(store, rank, size, timedelta(seconds=timeout_s), hints)
         except RuntimeError as exc:  # the rendezvous of the new group failed
             raise backends.classify(exc)(f"could not build the {spec.name} group: {exc}", comm=name,
                                          op="new_comm", timeout_s=timeout_s) from exc
+        isolate = lineage.isolate if lineage is not None else (parent is not None and parent._ops is not parent._backend)
+        self._ops = IsolatedBackend(self._backend) if isolate else self._backend  # what op closures call
         self._check = CrossRankCheck(store, name, rank, size) if check else None
         self._seq = 0
         self._p2p_seq: Dict[tuple, int] = {}
@@ -140,8 +179,13 @@ class Communicator:
         self._timedeltas: Dict[float, timedelta] = {}
         self._barrier_opts = spec.barrier_options(self._timedelta(timeout_s), device)
         self.settle_lock = threading.Lock()  # shared by this communicator's Work objects
-        self.generation = 0  # bumped by recovery when the membership changes
         self.completion_hooks = Hooks("completion")
+        self._children: List[Tuple["weakref.ReferenceType[Communicator]", List[int]]] = []
+        self._liveness: Optional[Liveness] = None
+        self._watched = parent is not None and parent._watched  # a liveness monitor covers this group
+        if parent is None and lineage is not None and lineage.heartbeat_s > 0 and size > 1:
+            self._liveness = self._start_liveness(store, lineage)
+            self._watched = True
         self.recorder: Optional[OpRecorder] = None  # set by tracing's flight recorder
         _live.add(self)
         _created(self)
@@ -203,7 +247,7 @@ class Communicator:
         finish = (lambda: _average(tensor, self._size)) if op.name == "AVG" else None
         return self._run(chk, timeout, async_op, ((tensor,), (tensor,), op, None),
                          self._fp(chk.op, tensor, op),
-                         opts, _in_place(self._backend.allreduce, _wire(tensor), op, opts), finish)
+                         opts, _in_place(self._ops.allreduce, _wire(tensor), op, opts), finish)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, *,
                           async_op: bool = False, timeout: Timeout = None) -> Work:
@@ -218,7 +262,7 @@ class Communicator:
         opts = self._opts(c10d.AllgatherOptions)
         return self._run(chk, timeout, async_op, ((input,), (output,), None, None),
                          self._fp(chk.op, input),
-                         opts, lambda: self._backend._allgather_base(_wire(output), _wire(input), opts))
+                         opts, lambda: self._ops._allgather_base(_wire(output), _wire(input), opts))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *,
                               async_op: bool = False, timeout: Timeout = None) -> Work:
@@ -236,7 +280,7 @@ class Communicator:
         finish = (lambda: _average(output, self._size)) if op.name == "AVG" else None
         return self._run(chk, timeout, async_op, ((input,), (output,), op, None),
                          self._fp(chk.op, output, op),
-                         opts, lambda: self._backend._reduce_scatter_base(_wire(output), _wire(src), opts),
+                         opts, lambda: self._ops._reduce_scatter_base(_wire(output), _wire(src), opts),
                          finish)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
@@ -265,7 +309,7 @@ class Communicator:
         opts = self._opts(c10d.AllToAllOptions)
         return self._run(chk, timeout, async_op,
                          ((input,), (output,), None, None), fp,
-                         opts, lambda: self._backend.alltoall_base(_wire(output), _wire(input), out_splits or [],
+                         opts, lambda: self._ops.alltoall_base(_wire(output), _wire(input), out_splits or [],
                                                                 in_splits or [], opts))
 
     def all_gather(self, tensor_list: List[torch.Tensor], tensor: torch.Tensor, *,
@@ -277,7 +321,7 @@ class Communicator:
         opts = self._opts(c10d.AllgatherOptions)
         return self._run(chk, timeout, async_op, ((tensor,), tuple(outs), None, None),
                          self._fp(chk.op, tensor),
-                         opts, lambda: self._backend.allgather([[_wire(o) for o in outs]], [_wire(tensor)],
+                         opts, lambda: self._ops.allgather([[_wire(o) for o in outs]], [_wire(tensor)],
                                                             opts))
 
     def reduce_scatter(self, output: torch.Tensor, input_list: List[torch.Tensor], op: ReduceOp = ReduceOp.SUM, *,
@@ -293,7 +337,7 @@ class Communicator:
         finish = (lambda: _average(output, self._size)) if op.name == "AVG" else None
         return self._run(chk, timeout, async_op, (tuple(ins), (output,), op, None),
                          self._fp(chk.op, output, op),
-                         opts, lambda: self._backend.reduce_scatter([_wire(output)], [[_wire(t) for t in ins]],
+                         opts, lambda: self._ops.reduce_scatter([_wire(output)], [[_wire(t) for t in ins]],
                                                                  opts), finish)
 
     def broadcast(self, tensor: torch.Tensor, root: int, *, async_op: bool = False, timeout: Timeout = None) -> Work:
@@ -304,7 +348,7 @@ class Communicator:
         opts = self._opts(c10d.BroadcastOptions, root=root)
         return self._run(chk, timeout, async_op, ((tensor,), (tensor,), None, root),
                          self._fp(chk.op, tensor, root=root),
-                         opts, lambda: self._backend.broadcast([_wire(tensor)], opts))
+                         opts, lambda: self._ops.broadcast([_wire(tensor)], opts))
 
     def reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp = ReduceOp.SUM, *,
                async_op: bool = False, timeout: Timeout = None) -> Work:
@@ -317,7 +361,7 @@ class Communicator:
         finish = (lambda: _average(tensor, self._size)) if op.name == "AVG" and root == self._rank else None
         return self._run(chk, timeout, async_op, ((tensor,), (tensor,), op, root),
                          self._fp(chk.op, tensor, op, root=root),
-                         opts, _in_place(self._backend.reduce, _wire(tensor), op, opts), finish)
+                         opts, _in_place(self._ops.reduce, _wire(tensor), op, opts), finish)
 
     def gather(self, output_tensor_list: Optional[List[torch.Tensor]], input_tensor: torch.Tensor, root: int, *,
                async_op: bool = False, timeout: Timeout = None) -> Work:
@@ -331,7 +375,7 @@ class Communicator:
         wire_outs = [[_wire(o) for o in outs]] if outs else []
         return self._run(chk, timeout, async_op, ((input_tensor,), tuple(outs), None, root),
                          self._fp(chk.op, input_tensor, root=root),
-                         opts, lambda: self._backend.gather(wire_outs, [_wire(input_tensor)], opts))
+                         opts, lambda: self._ops.gather(wire_outs, [_wire(input_tensor)], opts))
 
     def scatter(self, output_tensor: torch.Tensor, input_tensor_list: Optional[List[torch.Tensor]], root: int, *,
                 async_op: bool = False, timeout: Timeout = None) -> Work:
@@ -345,14 +389,14 @@ class Communicator:
         wire_ins = [[_wire(t) for t in ins]] if ins else []
         return self._run(chk, timeout, async_op, (tuple(ins), (output_tensor,), None, root),
                          self._fp(chk.op, output_tensor, root=root),
-                         opts, lambda: self._backend.scatter([_wire(output_tensor)], wire_ins, opts))
+                         opts, lambda: self._ops.scatter([_wire(output_tensor)], wire_ins, opts))
 
     def barrier(self, *, async_op: bool = False, timeout: Timeout = None) -> Work:
         """Return once every rank has entered the barrier."""
         chk = self._checker("barrier")
         opts = self._barrier_opts
         return self._run(chk, timeout, async_op, ((), (), None, None), {"op": "barrier"},
-                         opts, lambda: self._backend.barrier(opts))
+                         opts, lambda: self._ops.barrier(opts))
 
     # ---------------------------------------------------------- point to point
     def send(self, tensor: torch.Tensor, dst: int, *, async_op: bool = False, timeout: Timeout = None) -> Work:
@@ -372,7 +416,7 @@ class Communicator:
         n = self._p2p_seq.get(pair, 0) + 1
         self._p2p_seq[pair] = n
         self._ensure_usable(op, n)
-        call = self._backend.send if op == "send" else self._backend.recv
+        call = self._ops.send if op == "send" else self._ops.recv
         io = ((tensor,), ()) if op == "send" else ((), (tensor,))
         return self._run(chk, timeout, async_op, io + (None, None), self._fp(op, tensor), None,
                          lambda: call([_wire(tensor)], peer, tag), None, peer, n)
@@ -401,18 +445,24 @@ class Communicator:
         if self._rank not in ranks:
             return None
         parent = self.global_ranks
-        return Communicator(
+        child = Communicator(
             self._spec, self._device, name=name, store=dist.PrefixStore(f"split/{name}/", self._store),
             rank=ranks.index(self._rank), size=len(ranks), timeout_s=timeout_s,
             hints={**self._hints, **hints}, check=self._check is not None,
             uid=f"{self.uid}/{name}", global_ranks=[parent[r] for r in ranks] if parent else None,
+            generation=self.generation, members=[self.members[r] for r in ranks], parent=self,
         )
+        self._children.append((weakref.ref(child), list(ranks)))
+        if self.lost_ranks & set(ranks):
+            child._peers_lost({ranks.index(r) for r in self.lost_ranks & set(ranks)}, "lost before the split")
+        return child
 
     def abort(self) -> None:
         """Stop using the group now: later ops raise ``CommAborted``. Idempotent, never raises."""
         if self._closed:
             return
         self._closed = "aborted"
+        self._stop_watching()
         self._abort_hooks()
         backends.BackendSpec.abort(self._backend)
 
@@ -421,10 +471,172 @@ class Communicator:
         if self._closed:
             return
         self._closed = "finalized"
+        self._stop_watching()
         try:
             self._backend.shutdown() if hasattr(self._backend, "shutdown") else None
         except Exception:
             pass
+
+    # --------------------------------------------------------------- recovery
+    def shrink(self, *, timeout: Timeout = None, min_size: int = 1) -> "Communicator":
+        """The survivors' communicator, as the next generation; every survivor calls it.
+
+        The lost ranks are those this rank's monitor or a failed op named
+        (``lost_ranks``) together with what the other survivors name; the
+        survivors agree through the store (commslayer.membership) and keep
+        their order. A rank that the others counted as lost gets
+        ``CommAborted`` (fenced). This communicator is closed afterwards, and
+        so are the communicators split from it: split the new one again.
+        """
+        chk = self._checker("shrink")
+        timeout_s = timeout_seconds(timeout, self._timeout_s, chk)
+        lineage = self._lineage_for(chk)
+        # Close this generation's connections first: a survivor still blocked inside the
+        # backend on this group (Gloo's reduce-scatter waits in the caller) is let go at once.
+        self._retire("being shrunk after a loss")
+        generation = self.generation + 1
+        members = lineage.membership.agree_after_loss(
+            generation, self.members, self.members[self._rank], lambda: {self.members[r] for r in self.lost_ranks},
+            join_window_s=lineage.peer_timeout_s, timeout_s=timeout_s, min_size=min_size)
+        return self._next_generation(generation, members, timeout_s)
+
+    def reconfigure(self, members: Sequence[int], *, timeout: Timeout = None) -> "Communicator":
+        """The next generation with exactly ``members`` (member ids, in the new rank order).
+
+        torchcomms' ``reconfigure``: every current member that stays calls it,
+        and so does every joiner (``commslayer.join``); the first list to reach
+        the store wins and everyone adopts it. Use it to grow back after a
+        shrink: ``comm.reconfigure(comm.members + comm.pending_members())``.
+        """
+        chk = self._checker("reconfigure")
+        timeout_s = timeout_seconds(timeout, self._timeout_s, chk)
+        lineage = self._lineage_for(chk)
+        members = [int(m) for m in members]
+        if len(set(members)) != len(members) or not members:
+            raise chk.fail(f"members must be a non-empty list without duplicates, got {members}")
+        generation = self.generation + 1
+        decided = lineage.membership.agree_on(generation, members, self.members[self._rank])
+        return self._next_generation(generation, decided, timeout_s)
+
+    def pending_members(self, *, timeout: Timeout = None) -> List[int]:
+        """Member ids that announced themselves (``commslayer.join``) and are not in
+        yet; the same list on every member (a collective: every member calls it)."""
+        chk = self._checker("pending_members")
+        timeout_s = timeout_seconds(timeout, self._timeout_s, chk)
+        lineage = self._lineage_for(chk)
+        self._seq = seq = self._seq + 1
+        self._ensure_usable("pending_members", seq)
+        return lineage.membership.pending(self.generation, seq, self.members, self._rank == 0, timeout_s)
+
+    def _lineage_for(self, chk: Checker) -> Lineage:
+        if self._lineage is None:
+            raise chk.fail("only a communicator made by new_comm or join (not a split or a c10d group) "
+                           "can change its membership; rebuild splits from the new generation")
+        return self._lineage
+
+    def _next_generation(self, generation: int, members: List[int], timeout_s: float) -> "Communicator":
+        lineage = self._lineage
+        me = self.members[self._rank]
+        nxt = Communicator(
+            self._spec, self._device, name=self._name,
+            store=dist.PrefixStore(f"g{generation}/", lineage.root_store),
+            rank=members.index(me), size=len(members), timeout_s=self._timeout_s, hints=self._hints,
+            check=self._check is not None, uid=f"{lineage.base_uid}@g{generation}",
+            global_ranks=members if self.global_ranks is not None else None,
+            lineage=lineage, generation=generation, members=members,
+        )
+        self._retire(f"replaced by generation {generation} (members {members})")
+        return nxt
+
+    def _retire(self, why: str) -> None:
+        """Close this generation, and the communicators split from it."""
+        for ref, _ in self._children:
+            child = ref()
+            if child is not None:
+                child._retire(f"split from {self._name!r} generation {self.generation}, which was {why}; "
+                              f"split the new generation again")
+        first = not self._closed
+        self._closed = why
+        if first:
+            self._stop_watching()
+            self._abort_hooks()
+            if self._process_group is None:  # a c10d group still refers to it otherwise
+                # Dropping the last reference closes the group's connections (the
+                # watchdog holds it instead while one of its ops still runs).
+                self._backend = self._ops = _Released()
+
+    # --------------------------------------------------------------- liveness
+    def _start_liveness(self, store: dist.Store, lineage: Lineage) -> Liveness:
+        ref = weakref.ref(self)
+
+        def on_lost(ranks: Set[int], why: str) -> None:
+            comm = ref()
+            if comm is not None:
+                comm._peers_lost(ranks, why)
+
+        def on_left(ranks: Set[int]) -> None:
+            comm = ref()
+            if comm is not None and not comm._check_fenced():
+                comm._peers_left(ranks)
+
+        return Liveness(store, self._rank, self._size, heartbeat_s=lineage.heartbeat_s,
+                        peer_timeout_s=lineage.peer_timeout_s, connect_timeout_s=self._timeout_s,
+                        on_lost=on_lost, on_left=on_left, label=f"{self._name}@g{self.generation}")
+
+    def _check_fenced(self) -> bool:
+        """Peers left or vanished: if they went on without this rank, it is fenced (True)."""
+        try:
+            decided = self._lineage.membership.decided(self.generation + 1)
+        except Exception:  # the store is gone too: nothing to learn from it
+            return False
+        if decided is None or self.members[self._rank] in decided:
+            return False
+        self._retire(f"fenced out of generation {self.generation + 1}: the others went on with members "
+                     f"{decided}")
+        return True
+
+    def _peers_lost(self, ranks: Set[int], why: str) -> None:
+        """The monitor named ``ranks`` (of this group) as lost: ops in flight and
+        every later op raise ``PeerLost``; splits that contain them learn it too."""
+        ranks = set(ranks) - self.lost_ranks
+        if not ranks or (self._liveness is not None and self._check_fenced()):
+            return
+        self.lost_ranks |= ranks
+        members = ", ".join(f"rank {r} (member {self.members[r]})" for r in sorted(ranks))
+        self._on_failure(PeerLost(f"peer lost: {members}: {why}", comm=self._name, op="liveness",
+                                  seq=self._seq, ranks=ranks))
+        for ref, parent_ranks in self._children:
+            child = ref()
+            if child is not None:
+                child._peers_lost({parent_ranks.index(r) for r in ranks if r in parent_ranks}, why)
+
+    def _peers_left(self, ranks: Set[int]) -> None:
+        """Peers finalized or exited normally: nothing is wrong until an op needs them
+        (``_ensure_usable``, ``_interrupted``)."""
+        now = time.monotonic()
+        for r in ranks:
+            self._departed.setdefault(r, now)
+        for ref, parent_ranks in self._children:
+            child = ref()
+            if child is not None:
+                child._peers_left({parent_ranks.index(r) for r in ranks if r in parent_ranks})
+
+    def _departure_matters(self, grace_s: float) -> None:
+        """Turn members that left at least ``grace_s`` ago into a loss."""
+        if self._failure is None and not self._closed:
+            now = time.monotonic()
+            gone = {r for r, t in self._departed.items() if now - t >= grace_s}
+            if gone:
+                self._peers_lost(gone, "it left the communicator (finalize or exit) while this rank still "
+                                       "needs it")
+
+    def _stop_watching(self) -> None:
+        if self._liveness is not None:
+            self._liveness.close()
+
+    def _orphaned(self, c10d_work: Any) -> None:
+        """An op failed while the backend still runs it: keep the backend until it ends."""
+        WATCHDOG.bury(self._backend, c10d_work)
 
     def as_process_group(self) -> dist.ProcessGroup:
         """This communicator as a named c10d ``ProcessGroup`` (for ``DeviceMesh.from_group``)."""
@@ -486,6 +698,8 @@ class Communicator:
         return fp
 
     def _ensure_usable(self, op: str, seq: int) -> None:
+        if self._departed:
+            self._departure_matters(0.0)
         if self._closed:
             raise CommAborted(f"communicator was {self._closed}", comm=self._name, op=op, seq=seq)
         if self._failure is not None:
@@ -508,8 +722,6 @@ class Communicator:
         collective = seq is None
         if collective:
             self._seq = seq = self._seq + 1
-            if self._closed or self._failure is not None:
-                self._ensure_usable(op, seq)
         op_id = next(_op_ids)
         recorder = self.recorder
         record = None if recorder is None else recorder.scheduled(
@@ -523,6 +735,8 @@ class Communicator:
             })
         start = time.monotonic_ns()
         try:
+            if collective and (self._closed or self._failure is not None or self._departed):
+                self._ensure_usable(op, seq)  # refused, but recorded like any op that failed
             if self._check is not None:
                 if collective:
                     self._check.collective(fp, seq, timeout_s)
@@ -534,6 +748,8 @@ class Communicator:
                 opts.timeout = td  # a pybind setter: skip it when the cached struct has it already
                 self._opts_timeout[id(opts)] = timeout_s
             c10d_work = issue()
+            if c10d_work.__class__ is StagedWork:
+                finish = c10d_work.finisher(finish)
         except (RuntimeError, CommError) as exc:
             err = self._classify_raw(exc, op, seq, timeout_s, (time.monotonic_ns() - start) / 1e9, peer)
             failed = Work(self, op, seq, op_id, timeout_s, start, None, None, peer, record)
@@ -559,9 +775,22 @@ class Communicator:
         if isinstance(exc, CommError):
             return exc
         cls = backends.classify(exc)
-        return cls(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
-                   comm=self._name, op=op, seq=seq, timeout_s=timeout_s, elapsed_s=elapsed_s,
-                   ranks=() if peer is None else (peer,))
+        what = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        ranks = () if peer is None else (peer,)
+        if cls is PeerLost and not ranks and self._watched:
+            ranks = self._await_lost_ranks()
+            if ranks:
+                what = f"peer lost: rank(s) {', '.join(map(str, sorted(ranks)))} (backend: {what})"
+        return cls(what, comm=self._name, op=op, seq=seq, timeout_s=timeout_s, elapsed_s=elapsed_s, ranks=ranks)
+
+    def _await_lost_ranks(self) -> Set[int]:
+        """The backend saw a connection drop; the monitor names the rank within
+        milliseconds when its process died (give it up to one heartbeat period)."""
+        period = self._lineage.heartbeat_s if self._lineage is not None else 0.25
+        deadline = time.monotonic() + max(period, 0.2)
+        while not self.lost_ranks and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return set(self.lost_ranks)
 
     def _classify(self, exc: BaseException, work: Work) -> CommError:
         """Turn a backend exception raised while waiting on ``work`` into our error."""
@@ -572,6 +801,21 @@ class Communicator:
         if self._failure is None and not self._closed:
             self._failure = err
             self._error_hooks(err)
+
+    def _interrupted(self, work: Work) -> Optional[CommError]:
+        """The error an op in flight ends with once this communicator is broken
+        or closed (None while it is usable)."""
+        if self._departed:  # a member that finished its part may leave while this op completes
+            self._departure_matters(self._lineage.peer_timeout_s if self._lineage is not None else 3.0)
+        first = self._failure
+        if first is None and not self._closed:
+            return None
+        elapsed_s = (time.monotonic_ns() - work.start_ns) / 1e9
+        if first is None:
+            return CommAborted(f"communicator was {self._closed}", comm=self._name, op=work.op, seq=work.seq,
+                               timeout_s=work.timeout_s, elapsed_s=elapsed_s)
+        return type(first)(f"interrupted: {first.what}", comm=self._name, op=work.op, seq=work.seq,
+                           timeout_s=work.timeout_s, elapsed_s=elapsed_s, ranks=first.ranks)
 
 
 def new_comm(
@@ -584,6 +828,7 @@ def new_comm(
     rank: Optional[int] = None,
     size: Optional[int] = None,
     check: Optional[bool] = None,
+    isolate_writes: Optional[bool] = None,
     **hints: str,
 ) -> Communicator:
     """Build a communicator; every member rank calls it with the same ``name``.
@@ -592,23 +837,16 @@ def new_comm(
     size and the store default to torchrun's environment.  ``timeout`` (a
     timedelta or seconds) is the deadline of every op that names none;
     default ``COMMSLAYER_TIMEOUT_S``.  ``check`` turns on the cross-rank
-    check mode (default ``COMMSLAYER_CHECK``).  ``hints`` go to the backend
-    (Gloo: ``interface``, ``threads``).
+    check mode (default ``COMMSLAYER_CHECK``).  ``isolate_writes`` stages
+    every output so an op that raised never writes later (default
+    ``COMMSLAYER_ISOLATE_WRITES``; commslayer.isolation).  ``hints`` go to
+    the backend (Gloo: ``interface``, ``threads``).  Members watch each
+    other (``COMMSLAYER_HEARTBEAT_S``, ``COMMSLAYER_PEER_TIMEOUT_S``) and the
+    communicator can ``shrink`` and ``reconfigure``.
     """
     chk = Checker(str(name), "new_comm", -1 if rank is None else rank)
-    if not isinstance(name, str) or not name or "/" in name:
-        raise chk.fail(f"name must be a non-empty string without '/', got {name!r}")
-    try:
-        spec, device = backends.resolve(backend, device)
-    except ValueError as exc:
-        raise chk.fail(str(exc)) from None
-    if timeout is None:
-        try:
-            timeout_s = config.default_timeout().total_seconds()
-        except ValueError as exc:
-            raise chk.fail(str(exc)) from None
-    else:
-        timeout_s = timeout_seconds(timeout, 0.0, chk)
+    spec, device, timeout_s, store, make_lineage = _lineage(chk, backend, device, name, timeout, store,
+                                                            isolate_writes)
     global_ranks = None
     if store is None:
         store, env_rank, env_size = env_store(timedelta(seconds=timeout_s))
@@ -622,14 +860,72 @@ def new_comm(
         size = env_size if size is None else size
     if not (isinstance(size, int) and size > 0 and isinstance(rank, int) and 0 <= rank < size):
         raise chk.fail(f"rank {rank} / size {size} is not a valid position in a group")
-    with _instances_lock:
-        instance = _instances.get(name, 0)
-        _instances[name] = instance + 1
-    prefixed = dist.PrefixStore(f"commslayer/{name}/{instance}/", store)
+    lineage = make_lineage(store)
     return Communicator(
-        spec, device, name=name, store=prefixed, rank=rank, size=size, timeout_s=timeout_s,
+        spec, device, name=name, store=lineage.root_store, rank=rank, size=size, timeout_s=timeout_s,
         hints={k: str(v) for k, v in hints.items()},
         check=config.check_mode() if check is None else check,
-        uid=f"{name}.{instance}", global_ranks=global_ranks,
+        uid=lineage.base_uid, global_ranks=global_ranks, lineage=lineage,
     )
 
+
+def join(
+    backend: str,
+    device: Optional[torch.device] = None,
+    *,
+    name: str,
+    member: int,
+    timeout: Timeout = None,
+    store: Optional[dist.Store] = None,
+    check: Optional[bool] = None,
+    isolate_writes: Optional[bool] = None,
+    **hints: str,
+) -> Communicator:
+    """Join the running communicator ``name`` as member id ``member`` (a restarted
+    rank, or a new one): announce it, wait until the members ``reconfigure`` to
+    a generation that includes it, and return that generation's communicator."""
+    chk = Checker(str(name), "join", -1)
+    spec, device, timeout_s, store, make_lineage = _lineage(chk, backend, device, name, timeout, store,
+                                                            isolate_writes)
+    if store is None:
+        store = env_store(timedelta(seconds=timeout_s))[0]
+    if not isinstance(member, int) or member < 0:
+        raise chk.fail(f"member must be a non-negative int, got {member!r}")
+    lineage = make_lineage(store)
+    lineage.membership.announce(member)
+    generation, members = lineage.membership.wait_for_admission(member, timeout_s)
+    return Communicator(
+        spec, device, name=name, store=dist.PrefixStore(f"g{generation}/", lineage.root_store),
+        rank=members.index(member), size=len(members), timeout_s=timeout_s,
+        hints={k: str(v) for k, v in hints.items()}, check=config.check_mode() if check is None else check,
+        uid=f"{lineage.base_uid}@g{generation}", lineage=lineage, generation=generation, members=members,
+    )
+
+
+def _lineage(chk: Checker, backend: str, device: Optional[torch.device], name: str, timeout: Timeout,
+             store: Optional[dist.Store], isolate_writes: Optional[bool]):
+    """What new_comm and join both check and read: (spec, device, timeout_s, store, a
+    function of the store that makes the communicator's ``Lineage``)."""
+    if not isinstance(name, str) or not name or "/" in name:
+        raise chk.fail(f"name must be a non-empty string without '/', got {name!r}")
+    try:
+        spec, device = backends.resolve(backend, device)
+    except ValueError as exc:
+        raise chk.fail(str(exc)) from None
+    try:
+        heartbeat_s, peer_timeout_s = config.heartbeat_s(), config.peer_timeout_s()
+        timeout_s = config.default_timeout().total_seconds() if timeout is None else None
+    except ValueError as exc:
+        raise chk.fail(str(exc)) from None
+    if timeout_s is None:
+        timeout_s = timeout_seconds(timeout, 0.0, chk)
+    isolate = config.isolate_writes() if isolate_writes is None else bool(isolate_writes)
+
+    def make(store: dist.Store) -> Lineage:
+        with _instances_lock:
+            instance = _instances.get(name, 0)
+            _instances[name] = instance + 1
+        root = dist.PrefixStore(f"commslayer/{name}/{instance}/", store)
+        return Lineage(root, f"{name}.{instance}", Membership(root, name), heartbeat_s, peer_timeout_s, isolate)
+
+    return spec, device, timeout_s, store, make

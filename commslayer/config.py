@@ -84,3 +84,25 @@ def trace_sink_queue() -> int:
     holds before its background thread writes them; beyond it, records are dropped
     and counted rather than slowing the op down (default 65536)."""
     return _positive("COMMSLAYER_TRACE_SINK_QUEUE", 65536, int)
+
+
+def heartbeat_s() -> float:
+    """``COMMSLAYER_HEARTBEAT_S``: how often each member tells its peers it is alive
+    (default 0.25 s; ``0`` turns liveness off: a lost peer is then only seen by the
+    op that talks to it, or at the op's deadline)."""
+    if os.environ.get("COMMSLAYER_HEARTBEAT_S", "").strip() in ("0", "0.0"):
+        return 0.0
+    return _positive("COMMSLAYER_HEARTBEAT_S", 0.25)
+
+
+def peer_timeout_s() -> float:
+    """``COMMSLAYER_PEER_TIMEOUT_S``: silence after which a peer counts as stopped
+    (default 3 s). A peer whose process ends is named at once, whatever this is."""
+    return _positive("COMMSLAYER_PEER_TIMEOUT_S", 3.0)
+
+
+def isolate_writes() -> bool:
+    """``COMMSLAYER_ISOLATE_WRITES=1``: ops write into staging buffers that are
+    copied to the caller's tensors only when the op succeeds, so an op that
+    raised can never write into them later (costs a copy of every output)."""
+    return _flag("COMMSLAYER_ISOLATE_WRITES")

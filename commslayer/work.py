@@ -35,6 +35,12 @@ class WorkStatus(enum.Enum):
 
 _DONE = (WorkStatus.COMPLETED, WorkStatus.TIMEDOUT, WorkStatus.ERROR)
 
+# With a liveness monitor, waits on the backend wake this often to see whether
+# the communicator broke meanwhile; ops shorter than this never wake.  Not
+# send/recv: Gloo ends a point-to-point work with an error at its first timed-out wait.
+_SLICE_S = 0.05
+_SLICE = timedelta(seconds=_SLICE_S)
+
 
 class Work:
     """One op in flight. ``wait()``, ``is_completed()``, ``status``, ``exception()``."""
@@ -106,12 +112,19 @@ class Work:
         return True
 
     def wait_issued(self, timeout: timedelta) -> None:
-        """The synchronous path: wait the op's whole timeout right after issuing it."""
+        """The synchronous path: wait the op's whole timeout right after issuing it
+        (in slices when a liveness monitor may interrupt it)."""
+        sliced = self.comm._watched and self.peer is None
         try:
-            self._c10d.wait(timeout)
+            self._c10d.wait(_SLICE if sliced else timeout)
         except RuntimeError as exc:
-            self._backend_failed(exc)
-            raise self._error from None
+            if not sliced or self._c10d.is_completed():
+                self._backend_failed(exc)
+                raise self._error from None
+            self._settle_from_backend((self.deadline_ns - time.monotonic_ns()) / 1e9)
+            if self._error is not None:
+                raise self._error
+            return
         if self._finish is None and not self.comm.completion_hooks.fns:
             # Keep the code after a long wait short: it runs with cold caches.
             self.end_ns = time.monotonic_ns()
@@ -162,11 +175,16 @@ class Work:
             self._complete()
 
     def poll(self, now_ns: int) -> bool:
-        """Watchdog step: settle the op if it ended or is overdue; True when settled."""
+        """Watchdog step: settle the op if it ended, is overdue, or its communicator
+        broke meanwhile; True when settled."""
         if self.is_completed():
             return True
         if now_ns >= self.deadline_ns:
             self._expire(now_ns)
+            return True
+        err = self.comm._interrupted(self)
+        if err is not None:
+            self._fail(err, now_ns)
             return True
         return False
 
@@ -174,12 +192,23 @@ class Work:
         if remaining_s <= 0 and not self._c10d.is_completed():
             self._expire(time.monotonic_ns())
             return
-        try:
-            # c10d truncates to whole milliseconds, and 0 would mean "forever"
-            self._c10d.wait(timedelta(milliseconds=max(remaining_s * 1e3, 1.0)))
-        except RuntimeError as exc:
-            self._backend_failed(exc)
-            return
+        end_ns = time.monotonic_ns() + int(remaining_s * 1e9)
+        while True:
+            watched = self.comm._watched and self.peer is None and remaining_s > _SLICE_S
+            try:
+                # c10d truncates to whole milliseconds, and 0 would mean "forever"
+                self._c10d.wait(_SLICE if watched else timedelta(milliseconds=max(remaining_s * 1e3, 1.0)))
+            except RuntimeError as exc:
+                if watched and not self._c10d.is_completed():
+                    err = self.comm._interrupted(self)
+                    if err is None:
+                        remaining_s = (end_ns - time.monotonic_ns()) / 1e9
+                        continue
+                    self._fail(err, time.monotonic_ns())
+                    return
+                self._backend_failed(exc)
+                return
+            break
         self._complete()
 
     def _backend_failed(self, exc: RuntimeError) -> None:
@@ -225,6 +254,8 @@ class Work:
             self._error = err
             self._status = status
             self.end_ns = now_ns
+            if self._c10d is not None and not self._c10d.is_completed():
+                self.comm._orphaned(self._c10d)
         if self.record is not None:
             self.record.ended(self)  # before the error hooks, which may dump the trace
         if breaks:

@@ -5,7 +5,9 @@ again costs seconds per process on this machine), then hosts the TCPStore
 itself, so the store outlives any rank as it does under our launcher.  Each
 rank runs ``fn(rank, size, store, *args)`` and sends back its return value or
 its exception.  Ranks that do not finish within ``timeout`` are SIGKILLed and
-the run fails; no process outlives the call.
+the run fails; no process outlives the call.  Unlike torchrun, a rank's death
+leaves the others running; with ``respawn`` the parent starts a killed rank
+again (``HARNESS_INCARNATION`` tells the new process which life it is in).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -56,24 +59,37 @@ def _child(fn, rank, size, port, args, conn, env) -> None:
             conn.send(("error", (RuntimeError(repr(exc)), traceback.format_exc())))
     finally:
         conn.close()
+        if "commslayer.liveness" in sys.modules:  # what atexit would do for the liveness monitors
+            sys.modules["commslayer.liveness"].close_all()
         os._exit(0)  # skip atexit: a broken Gloo group must not hang teardown
 
 
 def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 60.0,
-              env: Optional[Dict[str, str]] = None, allow_errors: bool = False) -> List[Any]:
+              env: Optional[Dict[str, str]] = None, allow_errors: bool = False, respawn: int = 0) -> List[Any]:
     """Return each rank's result; raise ``RankFailed`` if a rank raised or died
     (unless ``allow_errors``: then its exception, or ``RankDied``, is the
-    result) or did not finish."""
+    result) or did not finish.  Up to ``respawn`` times in all, a rank killed
+    by SIGKILL is started again and its last life's result is the one kept."""
     ctx = mp.get_context("fork")
     port = free_port()
-    pipes, procs = [], []
-    for rank in range(size):
+    pipes, procs, lives = [], [], [0] * size
+    old_procs = []
+
+    def start(rank: int) -> None:
         parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_child, args=(fn, rank, size, port, args, child, env or {}), daemon=True)
+        child_env = {**(env or {}), "HARNESS_INCARNATION": str(lives[rank])}
+        p = ctx.Process(target=_child, args=(fn, rank, size, port, args, child, child_env), daemon=True)
         p.start()
         child.close()
-        pipes.append(parent)
-        procs.append(p)
+        if rank < len(procs):
+            old_procs.append(procs[rank])
+            pipes[rank], procs[rank] = parent, p
+        else:
+            pipes.append(parent)
+            procs.append(p)
+
+    for rank in range(size):
+        start(rank)
     store = dist.TCPStore("127.0.0.1", port, size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=30))
     results: List[Any] = [None] * size
@@ -92,8 +108,15 @@ def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 60
                 elif not procs[rank].is_alive() and not pipes[rank].poll(0):
                     results[rank] = ("died", procs[rank].exitcode)
                     missing.discard(rank)
+                if results[rank] is not None and results[rank][0] == "died" and results[rank][1] == -signal.SIGKILL \
+                        and respawn > 0:
+                    respawn -= 1
+                    lives[rank] += 1
+                    results[rank] = None
+                    missing.add(rank)
+                    start(rank)
     finally:
-        for p in procs:
+        for p in procs + old_procs:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
             p.join(5)

@@ -123,6 +123,7 @@ class FlightRecorder:
         self._comms: Dict[str, Tuple["weakref.ReferenceType[commslayer.Communicator]", Dict[str, Any]]] = {}
         self._handles: List[Any] = []
         self._dump_requests: List[str] = []
+        self._reasons: Dict[str, None] = {}  # every reason a dump was asked for, in order
         self._dump_event = threading.Event()
         self._dump_lock = threading.RLock()  # a SIGTERM handler may dump inside a dump
         self._dumper: Optional[threading.Thread] = None
@@ -239,11 +240,14 @@ class FlightRecorder:
                 log.exception("commslayer tracing: flushing %r failed", sink)
 
     def dump(self, reason: str = "on demand") -> Optional[str]:
-        """Write this rank's dump now; the path, or None if it could not be written."""
+        """Write this rank's dump now; the path, or None if it could not be written.
+        Its ``reason`` lists every reason this process has dumped for, oldest first,
+        since a later dump replaces the earlier file."""
         if self.writer is None:
             return None
         with self._dump_lock:
-            doc = self.document(reason)
+            self._reasons.update(dict.fromkeys(reason.split("; ")))
+            doc = self.document("; ".join(self._reasons))
             rank = doc["rank"]
             n = len(doc["records"])
             ok = self.writer.write(f"rank{rank}.json", orjson.dumps(doc), records=n)

@@ -1,0 +1,152 @@
+"""Membership: who belongs to generation g+1 of a communicator, decided once, through the store.
+
+The rule: **the store decides, first proposal wins.**  Every generation has
+one decision key; a member writes it with an atomic compare-and-set, so
+exactly one member list exists per generation, and every caller, whatever it
+proposed, adopts that one.  A rank that is not in the decision is fenced out
+of the generation (``CommAborted`` naming it) and can never take part in its
+collectives: the new group is built under a prefix that carries the
+generation, and only the decided ranks are in it.
+
+Shrinking after a loss: each survivor posts what it suspects and that it is
+alive ("joined"), then waits until every member it does not suspect has
+joined, or ``join_window_s`` has passed; the members that joined and that
+nobody suspects are proposed.  So a rank that is alive but slow to notice the
+loss still gets in, and a rank that cannot reach the store (the other side of
+a partition) cannot be in any later generation: with the store outside the
+ranks, the side that holds the store is the job and a minority cut off from
+it gets errors, never a group of its own.  ``min_size`` refuses a decision
+with fewer members (the caller gets the error, nothing is built).
+
+Growing: a restarted or new rank announces itself (``announce``) and waits
+for a decision that includes it; members see it in ``pending`` and include it
+in their next ``reconfigure``.
+
+Keys live under ``membership/`` of the communicator's root store prefix:
+``g<g>/joined``, ``g<g>/suspects`` (appended lists), ``g<g>/decision``
+(the member list), ``current`` (the newest decided generation), ``wanted``
+(announced joiners).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+from typing import Callable, List, Optional, Sequence, Set
+
+import torch.distributed as dist
+
+from .errors import CommAborted, CommError
+
+_POLL_S = 0.005
+
+
+def _ids(raw: bytes) -> Set[int]:
+    return {int(x) for x in raw.decode().replace(";", ",").split(",") if x.strip()}
+
+
+class Membership:
+    """The membership keys of one root communicator (every generation of it)."""
+
+    def __init__(self, store: dist.Store, name: str) -> None:
+        self._store = dist.PrefixStore("membership/", store)
+        self._name = name
+
+    def _read_list(self, key: str) -> Set[int]:
+        return _ids(self._store.get(key)) if self._store.check([key]) else set()
+
+    def decided(self, generation: int) -> Optional[List[int]]:
+        key = f"g{generation}/decision"
+        return json.loads(self._store.get(key)) if self._store.check([key]) else None
+
+    def current(self) -> int:
+        key = "current"
+        return int(self._store.get(key)) if self._store.check([key]) else 0
+
+    def _decide(self, generation: int, members: Sequence[int]) -> List[int]:
+        won = self._store.compare_set(f"g{generation}/decision", "", json.dumps(list(members)))
+        decision = json.loads(won)
+        if list(decision) == list(members):
+            self._store.set("current", str(generation))
+        return decision
+
+    def agree_after_loss(self, generation: int, members: Sequence[int], me: int,
+                         suspects: Callable[[], Set[int]], *, join_window_s: float, timeout_s: float,
+                         min_size: int = 1) -> List[int]:
+        """The members of ``generation`` after a loss in the previous one (see the module
+        doc); ``suspects()`` is what this rank's monitor names as lost, asked again while
+        waiting, since another member can be lost during the agreement itself."""
+        posted: Optional[Set[int]] = None
+        self._store.append(f"g{generation}/joined", f"{me},")
+        start = time.monotonic()
+        while True:
+            new = suspects() - (posted or set())
+            if new or posted is None:
+                self._store.append(f"g{generation}/suspects", ",".join(map(str, sorted(new))) + ";")
+                posted = (posted or set()) | new
+            decision = self.decided(generation)
+            if decision is not None:
+                return self._check_in(decision, generation, me)
+            joined = self._read_list(f"g{generation}/joined")
+            suspected = self._read_list(f"g{generation}/suspects")
+            expected = [m for m in members if m not in suspected]
+            waited = time.monotonic() - start
+            if set(expected) <= joined or waited >= join_window_s:
+                proposal = [m for m in expected if m in joined]
+                if len(proposal) < min_size:
+                    raise CommError(f"only {len(proposal)} member(s) {proposal} survived; min_size is {min_size}",
+                                    comm=self._name, op="shrink", elapsed_s=waited)
+                return self._check_in(self._decide(generation, proposal), generation, me)
+            if waited >= timeout_s:
+                raise CommError(f"no agreement on generation {generation} within {timeout_s:g}s",
+                                comm=self._name, op="shrink", timeout_s=timeout_s, elapsed_s=waited)
+            time.sleep(_POLL_S)
+
+    def agree_on(self, generation: int, members: Sequence[int], me: int) -> List[int]:
+        """The members of ``generation`` when the callers name them (``reconfigure``):
+        the first caller's list wins."""
+        return self._check_in(self._decide(generation, members), generation, me)
+
+    def _check_in(self, decision: List[int], generation: int, me: int) -> List[int]:
+        if me not in decision:
+            raise CommAborted(f"fenced out of generation {generation}: the survivors decided on members {decision}",
+                              comm=self._name, op="membership")
+        return decision
+
+    # ------------------------------------------------------------- growing
+    def announce(self, me: int) -> None:
+        """A joining rank says it wants in."""
+        self._store.append("wanted", f"{me},")
+
+    def pending(self, generation: int, call: int, members: Sequence[int], leader: bool, timeout_s: float) -> List[int]:
+        """Announced joiners that are not members yet, in announcement order, the same
+        list on every member: the leader reads it and publishes it as call ``call``."""
+        key = f"g{generation}/pending/{call}"
+        if leader:
+            wanted = self._store.get("wanted").decode().split(",") if self._store.check(["wanted"]) else []
+            seen: List[int] = []
+            for w in wanted:
+                if w.strip() and int(w) not in members and int(w) not in seen:
+                    seen.append(int(w))
+            self._store.set(key, json.dumps(seen))
+            return seen
+        self._store.wait([key], timedelta(seconds=timeout_s))
+        return json.loads(self._store.get(key))
+
+    def wait_for_admission(self, me: int, timeout_s: float) -> tuple:
+        """A joiner's wait: (generation, members) of the first decision that names ``me``."""
+        start = time.monotonic()
+        generation = self.current() + 1
+        while True:
+            decision = self.decided(generation)
+            if decision is not None:
+                if me in decision:
+                    return generation, decision
+                generation += 1
+                continue
+            if time.monotonic() - start >= timeout_s:
+                raise CommError(f"member {me} was not admitted within {timeout_s:g}s "
+                                f"(no generation after {generation - 1} names it)",
+                                comm=self._name, op="join", timeout_s=timeout_s)
+            time.sleep(_POLL_S * 4)
