@@ -36,7 +36,7 @@ from .reduce_op import ReduceOp, coerce
 from .store import env_rank_size, env_store
 from .validation import Checker, Timeout, timeout_seconds
 from .watchdog import WATCHDOG
-from .work import Work
+from .work import Waiter, Work
 
 _op_ids = itertools.count(1)  # process-wide, monotonic
 _created = Hooks("communicator created")
@@ -182,6 +182,7 @@ class Communicator:
         self.completion_hooks = Hooks("completion")
         self._children: List[Tuple["weakref.ReferenceType[Communicator]", List[int]]] = []
         self._liveness: Optional[Liveness] = None
+        self._waiter_thread: Optional[Waiter] = None
         self._watched = parent is not None and parent._watched  # a liveness monitor covers this group
         if parent is None and lineage is not None and lineage.heartbeat_s > 0 and size > 1:
             self._liveness = self._start_liveness(store, lineage)
@@ -633,6 +634,13 @@ class Communicator:
     def _stop_watching(self) -> None:
         if self._liveness is not None:
             self._liveness.close()
+        if self._waiter_thread is not None:
+            self._waiter_thread.stop()
+
+    def _waiter(self) -> Waiter:
+        if self._waiter_thread is None:
+            self._waiter_thread = Waiter(f"{self._name}@g{self.generation}")
+        return self._waiter_thread
 
     def _orphaned(self, c10d_work: Any) -> None:
         """An op failed while the backend still runs it: keep the backend until it ends."""
@@ -750,6 +758,8 @@ class Communicator:
             c10d_work = issue()
             if c10d_work.__class__ is StagedWork:
                 finish = c10d_work.finisher(finish)
+            if self._watched and BACKEND_OPS[op] in self._spec.untimed_waits:
+                c10d_work = self._waiter().wrap(c10d_work)
         except (RuntimeError, CommError) as exc:
             err = self._classify_raw(exc, op, seq, timeout_s, (time.monotonic_ns() - start) / 1e9, peer)
             failed = Work(self, op, seq, op_id, timeout_s, start, None, None, peer, record)

@@ -11,6 +11,8 @@ when the caller has moved on.
 from __future__ import annotations
 
 import enum
+import queue
+import threading
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Callable, Optional
@@ -265,3 +267,61 @@ class Work:
 
     def __repr__(self) -> str:
         return f"<Work {self.comm.get_name()}:{self.op}#{self.seq} {self._status.value}>"
+
+
+class WaitedElsewhere:
+    """A backend work whose ``wait(timeout)`` ignores the timeout (Gloo's
+    reduce-scatter), waited on by the communicator's ``Waiter`` thread instead, so
+    that the caller can wait in slices and be interrupted like any other op.
+    Exactly one thread waits on the real work: two waiters corrupted FSDP2's
+    gradients (measured)."""
+
+    __slots__ = ("work", "done", "error")
+
+    def __init__(self, work) -> None:
+        self.work = work
+        self.done = threading.Event()
+        self.error: Optional[BaseException] = None
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        if not self.done.wait(None if timeout is None else timeout.total_seconds()):
+            raise RuntimeError("Operation timed out!")
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+    def get_future(self):
+        raise RuntimeError("this work has no future")
+
+
+class Waiter:
+    """One daemon thread per communicator that waits on ``WaitedElsewhere`` works in turn."""
+
+    def __init__(self, label: str) -> None:
+        self._queue: "queue.SimpleQueue[Optional[WaitedElsewhere]]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"commslayer-waiter-{label}", daemon=True)
+        self._thread.start()
+
+    def wrap(self, work) -> WaitedElsewhere:
+        waited = WaitedElsewhere(work)
+        self._queue.put(waited)
+        return waited
+
+    def _run(self) -> None:
+        while True:
+            waited = self._queue.get()
+            if waited is None:
+                return
+            try:
+                waited.work.wait()
+            except BaseException as exc:  # handed to the caller's wait
+                waited.error = exc
+            waited.done.set()
+            waited = None
+
+    def stop(self) -> None:
+        """End the thread once the works queued before have ended (idempotent)."""
+        self._queue.put(None)
