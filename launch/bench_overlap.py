@@ -134,7 +134,8 @@ def run_world(world: int, args: argparse.Namespace) -> List[dict]:
         env.pop("COMMSLAYER_TRACE_DIR", None)
         worker_args = [sys.executable, str(Path(__file__).resolve()), "--worker", out,
                        "--repeats", str(args.repeats), "--steps", str(args.steps), "--layers", str(args.layers),
-                       "--dim", str(args.dim), "--batch", str(args.batch)]
+                       "--dim", str(args.dim), "--batch", str(args.batch),
+                       "--reduce-dtype", args.reduce_dtype]
         logs = [open(Path(out, f"rank{r}.log"), "wb") for r in range(world)]
         procs = [subprocess.Popen(["ip", "netns", "exec", ns, *worker_args], env={**env, "RANK": str(r)},
                                   stdout=logs[r], stderr=subprocess.STDOUT)
@@ -202,6 +203,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--reduce-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="gradient reduce-scatter dtype (bfloat16: FSDP2's MixedPrecisionPolicy(reduce_dtype=...))")
     p.add_argument("--timeout", type=float, default=900, help="seconds one world size may take")
     p.add_argument("--json", help="write the raw results here")
     p.add_argument("--worker", metavar="OUT_DIR", help=argparse.SUPPRESS)
@@ -241,7 +244,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     import torch.nn as nn
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import commslayer  # noqa: F401  (registers the backend)
     import fsdp_overlap
@@ -252,13 +255,14 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("commslayer")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
+    mp = {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)} if args.reduce_dtype == "bfloat16" else {}
 
     def build(cfg: str) -> nn.Module:
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(args.dim, args.dim) for _ in range(args.layers)])
         for layer in model:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **mp)
+        fully_shard(model, mesh=mesh, **mp)
         if cfg == "native":
             model.set_separate_reduce_scatter_group(True)
         elif cfg.startswith("ours"):
