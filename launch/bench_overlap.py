@@ -25,6 +25,9 @@ the share of reduce-scatter time hidden under all-gather (the viewer's
 the bytes rank 0 sent on each rail (tc counters), which show where the traffic went.
 
     python launch/bench_overlap.py --ranks 2 4 --json docs/data/overlap.json   # as root
+
+``--configs`` runs a subset; ``--trace-dir DIR`` also leaves every rank's
+trace there, for ``commslayer-trace overlap DIR``.
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 PREFIX = "csov"  # namespace names: csov<pid>-hub, csov<pid>-r<rank>
-CONFIGS = ["default", "default (A/A)", "native", "ours, 1 link", "ours, 2 links"]
+# command-line key -> the name in tables
+CONFIGS = {"default": "default", "default-aa": "default (A/A)", "native": "native",
+           "ours-1link": "ours, 1 link", "ours-2links": "ours, 2 links"}
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -135,7 +140,10 @@ def run_world(world: int, args: argparse.Namespace) -> List[dict]:
         worker_args = [sys.executable, str(Path(__file__).resolve()), "--worker", out,
                        "--repeats", str(args.repeats), "--steps", str(args.steps), "--layers", str(args.layers),
                        "--dim", str(args.dim), "--batch", str(args.batch),
-                       "--reduce-dtype", args.reduce_dtype]
+                       "--reduce-dtype", args.reduce_dtype,
+                       "--configs", *args.configs]
+        if args.trace_dir:
+            worker_args += ["--trace-dir", str(Path(args.trace_dir).resolve())]
         logs = [open(Path(out, f"rank{r}.log"), "wb") for r in range(world)]
         procs = [subprocess.Popen(["ip", "netns", "exec", ns, *worker_args], env={**env, "RANK": str(r)},
                                   stdout=logs[r], stderr=subprocess.STDOUT)
@@ -161,7 +169,7 @@ def run_world(world: int, args: argparse.Namespace) -> List[dict]:
 def summarize(world: int, ranks: List[dict]) -> Dict[str, dict]:
     """Per config: median and range over repeats of the slowest rank's median step figures."""
     table = {}
-    for cfg in CONFIGS:
+    for cfg in ranks[0]["configs"]:
         blocks = [[r["blocks"][i] for r in ranks] for i, b in enumerate(ranks[0]["blocks"]) if b["config"] == cfg]
         row = {}
         for key in ("backward_s", "step_s"):
@@ -176,9 +184,13 @@ def summarize(world: int, ranks: List[dict]) -> Dict[str, dict]:
     return table
 
 
+def _ratio(reference: Optional[float], value: float) -> str:
+    return "–" if reference is None else f"{reference / value:.2f}×"
+
+
 def markdown(world: int, table: Dict[str, dict]) -> str:
-    base = table["default"]["backward_s"]["median"]
-    native = table["native"]["backward_s"]["median"]
+    base = table["default"]["backward_s"]["median"] if "default" in table else None
+    native = table["native"]["backward_s"]["median"] if "native" in table else None
     lines = [f"**{world} ranks**", "",
              "| configuration | backward ms, median [min–max] | step ms, median [min–max] | RS hidden under AG, "
              "median [min–max] | rank 0 sent per step, rail 1 / rail 2 (MB) | backward speed-up vs default / vs native |",
@@ -190,7 +202,7 @@ def markdown(world: int, table: Dict[str, dict]) -> str:
             f"| {1e3 * s['median']:.1f} [{1e3 * s['min']:.1f}–{1e3 * s['max']:.1f}] "
             f"| {100 * h['median']:.1f}% [{100 * h['min']:.1f}–{100 * h['max']:.1f}%] "
             f"| {row['rank0_bytes']['ag'] / 1e6:.1f} / {row['rank0_bytes']['rs'] / 1e6:.1f} "
-            f"| {base / b['median']:.2f}× / {native / b['median']:.2f}× |")
+            f"| {_ratio(base, b['median'])} / {_ratio(native, b['median'])} |")
     return "\n".join(lines)
 
 
@@ -205,6 +217,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--reduce-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="gradient reduce-scatter dtype (bfloat16: FSDP2's MixedPrecisionPolicy(reduce_dtype=...))")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
+                   help="which configurations to run (default: all)")
+    p.add_argument("--trace-dir", help="each rank also dumps its trace records here (for commslayer-trace)")
     p.add_argument("--timeout", type=float, default=900, help="seconds one world size may take")
     p.add_argument("--json", help="write the raw results here")
     p.add_argument("--worker", metavar="OUT_DIR", help=argparse.SUPPRESS)
@@ -251,7 +266,7 @@ def worker(args: argparse.Namespace) -> None:
     from tracing.analysis import overlap_by_rank
     from tracing.recorder import install
 
-    rec = install(tempfile.mkdtemp(), capacity=1 << 16, signals=False)
+    rec = install(args.trace_dir or tempfile.mkdtemp(), capacity=1 << 16, signals=False)
     dist.init_process_group("commslayer")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
@@ -269,7 +284,8 @@ def worker(args: argparse.Namespace) -> None:
             fsdp_overlap.enable(model, interface="rs" if "2 links" in cfg else "ag")
         return model
 
-    models = {cfg: build(cfg) for cfg in CONFIGS}
+    configs = [CONFIGS[key] for key in args.configs]
+    models = {cfg: build(cfg) for cfg in configs}
     optims = {cfg: torch.optim.SGD(m.parameters(), lr=1e-3) for cfg, m in models.items()}
     x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(rank))
 
@@ -285,7 +301,7 @@ def worker(args: argparse.Namespace) -> None:
 
     blocks = []
     for repeat in range(args.repeats):
-        order = CONFIGS[repeat % len(CONFIGS):] + CONFIGS[:repeat % len(CONFIGS)]
+        order = configs[repeat % len(configs):] + configs[:repeat % len(configs)]
         for cfg in order:
             step(cfg)  # warm-up: the previous config's buffers are cold now
             dist.barrier()
@@ -306,7 +322,10 @@ def worker(args: argparse.Namespace) -> None:
                 "rs_comms": sorted({r["comm_id"] for r in backward if r["op"] == "reduce_scatter_single"}),
             })
             dist.barrier()
-    Path(args.worker, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "blocks": blocks}))
+    Path(args.worker, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "configs": configs,
+                                                                 "blocks": blocks}))
+    if args.trace_dir:
+        rec.dump("end of benchmark")
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # torch 2.13 Gloo can abort at interpreter exit (docs/api.md, Known limits)
