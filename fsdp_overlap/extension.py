@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 
 from commslayer import Communicator, InvalidArgument
 from commslayer.c10d import CommslayerProcessGroup
@@ -96,10 +97,6 @@ def disable(module: nn.Module, *, recurse: bool = True) -> None:
 # ------------------------------------------------------------- FSDP2 contacts
 def _param_groups(module: nn.Module, recurse: bool) -> list:
     """The FSDP2 parameter groups of ``module`` (and its submodules) that shard."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError as exc:  # pragma: no cover - torch without FSDP2
-        raise FsdpInternalsChanged(f"torch {torch.__version__} has no FSDP2 (torch.distributed.fsdp.FSDPModule)") from exc
     if not isinstance(module, nn.Module):
         raise TypeError(f"fsdp_overlap needs an nn.Module wrapped by FSDP2's fully_shard, got {type(module).__name__}")
     modules = list(module.modules()) if recurse else [module]
