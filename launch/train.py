@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import commslayer  # noqa: F401  (registers the "commslayer" backend)
+import fsdp_overlap
 
 
 class Block(nn.Module):
@@ -75,6 +76,9 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--overlap", action="store_true",
+                   help="reduce-scatter on its own communicator, overlapping all-gather (fsdp_overlap)")
+    p.add_argument("--rs-interface", help="with --overlap: the network interface for reduce-scatter")
     args = p.parse_args()
 
     dist.init_process_group("commslayer")
@@ -89,6 +93,8 @@ def main() -> None:
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if args.overlap:
+        fsdp_overlap.enable(model, interface=args.rs_interface)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     start = time.perf_counter()

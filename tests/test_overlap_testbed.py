@@ -1,0 +1,53 @@
+"""The network testbed of launch/bench_overlap.py: two capped rails per rank,
+and no namespace left behind when the benchmark fails or a run died."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from launch import bench_overlap as bench
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
+                                reason="needs root and iproute2")
+
+
+def _qdisc(ns: str, dev: str) -> dict:
+    out = subprocess.run(["ip", "netns", "exec", ns, "tc", "-j", "qdisc", "show", "dev", dev],
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out)[0]
+
+
+@pytest.mark.timeout(30)
+def test_testbed_is_built_capped_and_removed_when_the_benchmark_fails():
+    bed = bench.Testbed(2, "100mbit")
+    with pytest.raises(RuntimeError, match="benchmark failed"):
+        with bed:
+            assert {bed.hub, *bed.ranks} <= set(bench._namespaces())
+            for ns in bed.ranks:
+                for dev in ("ag", "rs"):
+                    q = _qdisc(ns, dev)
+                    assert q["kind"] == "tbf" and q["options"]["rate"] == 100_000_000 // 8
+            raise RuntimeError("benchmark failed")
+    assert not [n for n in bench._namespaces() if n.startswith(bed.tag)]
+
+
+@pytest.mark.timeout(30)
+def test_leftovers_of_dead_runs_are_removed_and_live_ones_kept():
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale, live = f"{bench.PREFIX}{dead.pid}-r0", f"{bench.PREFIX}{os.getpid()}-r0"
+    try:
+        for ns in (stale, live):
+            subprocess.run(["ip", "netns", "add", ns], check=True)
+        bench.remove_leftovers()
+        names = bench._namespaces()
+        assert stale not in names and live in names
+    finally:
+        for ns in (stale, live):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
