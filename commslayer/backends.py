@@ -56,6 +56,10 @@ class BackendSpec:
         opts.timeout = timeout
         return opts
 
+    def release(self, backend) -> None:
+        """Let go of a group whose generation ended (Gloo: dropping the last
+        reference closes its connections, which is all it takes)."""
+
     @staticmethod
     def abort(backend) -> None:
         """Tear the group down so blocked peers fail fast; never raises."""
@@ -113,6 +117,11 @@ class NcclSpec(BackendSpec):
         opts._timeout = timeout
         opts.is_high_priority_stream = hints.get("high_priority_stream", "0") == "1"
         return c10d.ProcessGroupNCCL(store, rank, size, opts)
+
+    def release(self, backend) -> None:
+        """NCCL: abort the communicator, which also stops its kernels still in flight
+        (a rebuilt group replaces it; ``shrink_group`` is not used yet)."""
+        self.abort(backend)
 
     def barrier_options(self, timeout, device):
         opts = super().barrier_options(timeout, device)

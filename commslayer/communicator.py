@@ -210,9 +210,18 @@ class Communicator:
     def get_timeout(self) -> timedelta:
         return timedelta(seconds=self._timeout_s)
 
+    @property
+    def state(self) -> str:
+        """"ok", "broken: <first failure>", or why it was closed ("aborted", "finalized",
+        "replaced by generation 2 (members [...])", "fenced out of generation 2: ...")."""
+        if self._closed:
+            return self._closed
+        if self._failure is not None:
+            return f"broken: {type(self._failure).__name__}: {self._failure.what}"
+        return "ok"
+
     def __repr__(self) -> str:
-        state = self._closed or ("broken" if self._failure else "ok")
-        return f"<Communicator {self._name!r} {self._spec.name} rank {self._rank}/{self._size} {state}>"
+        return f"<Communicator {self._name!r} {self._spec.name} rank {self._rank}/{self._size} {self.state}>"
 
     # ------------------------------------------------------------------- hooks
     def register_pre_hook(self, fn: Callable[[str, int, Dict[str, Any]], None]) -> HookHandle:
@@ -564,6 +573,7 @@ class Communicator:
             if self._process_group is None:  # a c10d group still refers to it otherwise
                 # Dropping the last reference closes the group's connections (the
                 # watchdog holds it instead while one of its ops still runs).
+                self._spec.release(self._backend)
                 self._backend = self._ops = _Released()
 
     # --------------------------------------------------------------- liveness

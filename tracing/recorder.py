@@ -131,7 +131,7 @@ class FlightRecorder:
     # ------------------------------------------------------------ attaching
     def attach(self, comm: "commslayer.Communicator") -> None:
         """Record every op of ``comm`` from now on."""
-        info = {"name": comm.get_name(), "backend": comm.get_backend(), "state": "ok"}
+        info = {"name": comm.get_name(), "backend": comm.get_backend()}
         ref = weakref.ref(comm)  # the recorder must not keep communicators alive
         self._comms[comm.uid] = (ref, info)
         self._refresh(comm, info)
@@ -146,7 +146,7 @@ class FlightRecorder:
     def _refresh(comm: "commslayer.Communicator", info: Dict[str, Any]) -> None:
         """Membership can change (recovery): read it from the live communicator."""
         info.update(rank=comm.get_rank(), size=comm.get_size(), global_ranks=comm.global_ranks,
-                    generation=comm.generation)
+                    generation=comm.generation, members=comm.members, state=comm.state)
 
     def scheduled(self, comm: "commslayer.Communicator", op: str, op_id: int, seq: int, io: tuple,
                   peer: Optional[int], async_op: bool, timeout_s: float) -> Record:
@@ -185,18 +185,19 @@ class FlightRecorder:
         return r
 
     def _failed(self, info: Dict[str, Any], err: Exception) -> None:
-        info["state"] = f"broken: {type(err).__name__}"
+        info["state"] = f"broken: {type(err).__name__}: {err}"
         self.request_dump(f"{type(err).__name__}: {err}")
 
     def _aborted(self, uid: str, info: Dict[str, Any]) -> None:
-        info["state"] = "aborted"
+        comm = self._comms[uid][0]()
+        info["state"] = "aborted" if comm is None else comm.state
         now = time.monotonic_ns()
         for r in list(self._ring):
             if r is not None and r.comm_id == uid and r.end_ns is None:
                 r.state, r.end_ns, r.error = ABORTED, now, "communicator aborted"
                 for sink in self.sinks:
                     sink.enqueue(r)
-        self.request_dump(f"communicator {info['name']!r} aborted")
+        self.request_dump(f"communicator {info['name']!r} {info['state']}")
 
     # --------------------------------------------------------------- reading
     def records(self) -> List[Dict[str, Any]]:
@@ -243,7 +244,9 @@ class FlightRecorder:
         """Write this rank's dump now; the path, or None if it could not be written.
         Its ``reason`` lists every reason this process has dumped for, oldest first,
         since a later dump replaces the earlier file."""
-        if self.writer is None:
+        if self.writer is None or not self._comms:
+            # A process that never had a communicator (torchrun's agent, which imports torch
+            # too) has nothing to say, and as "rank 0" it would write over rank 0's dump.
             return None
         with self._dump_lock:
             self._reasons.update(dict.fromkeys(reason.split("; ")))
