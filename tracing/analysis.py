@@ -11,8 +11,13 @@ Imports neither torch nor commslayer.
 
 from __future__ import annotations
 
+import math
+from array import array
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from .records import COMPLETED, SCHEDULED, STARTED, STATES
+from .traceio import RankSource, discover, rank_records
 
 RS_OPS = frozenset(("reduce_scatter_single", "reduce_scatter"))
 AG_OPS = frozenset(("all_gather_single", "all_gather"))
@@ -139,3 +144,489 @@ def overlap_by_rank(records: Iterable[Dict[str, Any]]) -> Dict[int, OverlapStats
             exposed_comm_s=length(union(lanes["blocked"])) / 1e9,
         )
     return out
+
+
+# ---------------------------------------------------------------- one pass over a job
+
+# Ops whose end on any rank needs every rank's start: they bound clock offsets.
+SYMMETRIC_OPS = frozenset(("all_reduce", "all_gather_single", "all_gather", "reduce_scatter_single",
+                           "reduce_scatter", "all_to_all_single", "barrier"))
+_STATE_CODES = {s: i for i, s in enumerate(STATES)}
+_COMPLETED = _STATE_CODES[COMPLETED]
+_W = 6  # a collective's array holds, per rank: rank, enqueue, start, end (-1: none), fingerprint, state
+
+
+def bus_factor(op: str, n: int) -> Optional[float]:
+    """busbw / algbw for ``op`` on ``n`` ranks (nccl-tests' factors); None: no bandwidth (barrier)."""
+    if op == "barrier" or n < 1:
+        return None
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("broadcast", "reduce", "send", "recv"):
+        return 1.0
+    return (n - 1) / n  # all_gather*, reduce_scatter*, all_to_all_single, gather, scatter
+
+
+def op_bytes(r: Dict[str, Any]) -> int:
+    """S of nccl-tests: the bytes of the whole array the op moves, per rank's call."""
+    op = r["op"]
+    if op in AG_OPS or op == "scatter":
+        return int(r.get("out_bytes") or 0)
+    if op == "recv":
+        return int(r.get("out_bytes") or r.get("in_bytes") or 0)
+    return int(r.get("in_bytes") or 0)
+
+
+def _fingerprint(r: Dict[str, Any]) -> Tuple[Any, ...]:
+    """What must agree across ranks at one sequence number."""
+    op = r["op"]
+    if op == "all_to_all_single":
+        size = None  # uneven splits differ per rank legitimately
+    elif op == "scatter":
+        size = r.get("out_bytes")
+    else:
+        size = r.get("in_bytes")
+    return (op, r.get("dtype"), r.get("reduce_op"), size, r.get("root"))
+
+
+FINGERPRINT_FIELDS = ("op", "dtype", "reduce_op", "bytes", "root")
+
+
+def percentile(sorted_values: List[float], p: float) -> float:
+    """Nearest-rank percentile of an ascending list."""
+    k = max(0, math.ceil(p / 100 * len(sorted_values)) - 1)
+    return sorted_values[k]
+
+
+@dataclass
+class ClockOffset:
+    """A rank's clock against the reference rank, after the wall-clock anchor.
+
+    ``offset_ns`` is subtracted from the rank's times; the true offset lies
+    in [``low_ns``, ``high_ns``] (None: no collective shared with the
+    reference, the anchor alone is used).  ``consistent`` is False when the
+    bounds cross (clock drift, or a trace that breaks the model).
+    """
+
+    rank: int
+    reference: int
+    offset_ns: int
+    low_ns: Optional[int]
+    high_ns: Optional[int]
+    collectives: int
+    consistent: bool = True
+
+    @property
+    def uncertainty_ns(self) -> Optional[int]:
+        """The largest error the estimate can have, from its bounds."""
+        if self.low_ns is None or self.high_ns is None:
+            return None
+        return max(abs(self.offset_ns - self.low_ns), abs(self.high_ns - self.offset_ns))
+
+
+class JobScan:
+    """One streaming pass over every rank's records, keeping what the
+    summary, the diagnosis, the clock alignment and the exports need."""
+
+    def __init__(self, paths: Sequence[str], *, skip_bad: bool = False) -> None:
+        self.paths = list(paths)
+        self.skip_bad = skip_bad
+        self.problems: List[str] = []
+        self.sources: Dict[int, RankSource] = discover(paths, skip_bad=skip_bad, problems=self.problems)
+        self.communicators: Dict[str, Dict[str, Any]] = {}
+        # (comm_id, generation, seq) -> flat array of _W values per rank, ranks in ascending order
+        self.collectives: Dict[Tuple[str, int, int], array] = {}
+        self.coll_ops: Dict[Tuple[str, int, int], str] = {}
+        self.fingerprints: Dict[Tuple[Any, ...], int] = {}
+        # (comm_id, op, bucket) -> [count, sum of S, sum of durations ns, durations in ms]
+        self.groups: Dict[Tuple[str, str, int], List[Any]] = {}
+        self.last_entered: Dict[Tuple[int, str], Dict[str, Any]] = {}   # (rank, comm_id) -> record
+        self.last_completed: Dict[Tuple[int, str], Dict[str, Any]] = {}
+        self.last_record: Dict[int, Dict[str, Any]] = {}                 # rank -> record with the largest op_id
+        self.unfinished: Dict[int, List[Dict[str, Any]]] = {}            # rank -> records not completed
+        self.t_min: Optional[int] = None
+        self.t_max: Optional[int] = None
+        for rank in sorted(self.sources):
+            self._scan_rank(self.sources[rank])
+        self.offsets: Dict[int, ClockOffset] = self._align()
+
+    # ------------------------------------------------------------------ reading
+    def _scan_rank(self, src: RankSource) -> None:
+        rank = src.rank
+        fps = self.fingerprints
+        colls, coll_ops, groups = self.collectives, self.coll_ops, self.groups
+        last_entered, last_completed = self.last_entered, self.last_completed
+        unfinished: List[Dict[str, Any]] = []
+        last: Optional[Dict[str, Any]] = None
+        off: Optional[int] = None
+        t_min, t_max = self.t_min, self.t_max
+        for r in rank_records(src, skip_bad=self.skip_bad, problems=self.problems):
+            if off is None:
+                off = src.wall_minus_mono_ns
+            op, comm, state = r["op"], r["comm_id"], r["state"]
+            enq = r["enqueue_ns"] + off
+            start = r.get("start_ns")
+            start = enq if start is None else start + off
+            end = r.get("end_ns")
+            if end is None:
+                end = -1
+            else:
+                end += off
+                if t_max is None or end > t_max:
+                    t_max = end
+            if t_min is None or enq < t_min:
+                t_min = enq
+            if last is None or r["op_id"] > last["op_id"]:
+                last = r
+            if state == COMPLETED:
+                s = op_bytes(r)
+                key = (comm, op, s.bit_length())
+                g = groups.get(key)
+                if g is None:
+                    g = groups[key] = [0, 0, 0, array("d")]
+                g[0] += 1
+                g[1] += s
+                g[2] += end - start
+                g[3].append((end - start) / 1e6)
+            elif len(unfinished) < 1000:
+                unfinished.append(r)
+            if op in P2P_OPS:
+                continue
+            gen = r.get("generation") or 0
+            ckey = (comm, gen, r["seq"])
+            fp = _fingerprint(r)
+            fid = fps.get(fp)
+            if fid is None:
+                fid = fps[fp] = len(fps)
+            a = colls.get(ckey)
+            if a is None:
+                a = colls[ckey] = array("q")
+                coll_ops[ckey] = op
+            a.extend((rank, enq, start, end, fid, _STATE_CODES.get(state, 0)))
+            rkey = (rank, comm)
+            prev = last_entered.get(rkey)
+            order = (gen, r["seq"])
+            if prev is None or order > ((prev.get("generation") or 0), prev["seq"]):
+                last_entered[rkey] = r
+            if state == COMPLETED:
+                prev = last_completed.get(rkey)
+                if prev is None or order > ((prev.get("generation") or 0), prev["seq"]):
+                    last_completed[rkey] = r
+        self.t_min, self.t_max = t_min, t_max
+        if last is not None:
+            self.last_record[rank] = last
+        self.unfinished[rank] = sorted(unfinished, key=lambda x: x["op_id"])
+        for uid, info in src.communicators.items():
+            known = self.communicators.setdefault(uid, {"name": info.get("name"), "backend": info.get("backend"),
+                                                        "size": info.get("size"), "global_ranks": None,
+                                                        "states": {}})
+            if info.get("global_ranks") and not known["global_ranks"]:
+                known["global_ranks"] = list(info["global_ranks"])
+            if info.get("size") and not known["size"]:
+                known["size"] = info["size"]
+            known["states"][rank] = info.get("state")
+
+    # ---------------------------------------------------------------- clocks
+    def _align(self) -> Dict[int, ClockOffset]:
+        """Per-rank offsets from causality: a symmetric collective cannot end on
+        rank A before rank B handed it to the backend.  So for every such op
+        both ranks completed, x = e_r - e_ref (the rank's clock error against
+        the reference) obeys start_r - end_ref <= x <= end_r - start_ref.  The
+        estimate is the smallest correction of the wall-clock anchor that meets
+        every bound (0 when the anchor already does), chained through other
+        ranks for ranks that share no collective with the reference."""
+        bounds: Dict[Tuple[int, int], List[int]] = {}
+        for key, a in self.collectives.items():
+            if len(a) < 2 * _W or self.coll_ops[key] not in SYMMETRIC_OPS:
+                continue
+            ref, ref_start, ref_end, ref_state = a[0], a[2], a[3], a[5]
+            if ref_state != _COMPLETED:
+                continue
+            for i in range(_W, len(a), _W):
+                if a[i + 5] != _COMPLETED:
+                    continue
+                lo, hi = a[i + 2] - ref_end, a[i + 3] - ref_start
+                b = bounds.get((ref, a[i]))
+                if b is None:
+                    bounds[(ref, a[i])] = [lo, hi, 1]
+                else:
+                    if lo > b[0]:
+                        b[0] = lo
+                    if hi < b[1]:
+                        b[1] = hi
+                    b[2] += 1
+        edges: Dict[int, List[Tuple[int, int, int, int]]] = {}
+        for (u, v), (lo, hi, n) in bounds.items():
+            edges.setdefault(u, []).append((v, lo, hi, n))
+            edges.setdefault(v, []).append((u, -hi, -lo, n))
+        out: Dict[int, ClockOffset] = {}
+        if not self.sources:
+            return out
+        root = min(self.sources)
+        out[root] = ClockOffset(root, root, 0, 0, 0, 0)
+        todo = [root]
+        while todo:
+            u = todo.pop()
+            base = out[u]
+            for v, lo, hi, n in edges.get(u, ()):
+                if v in out:
+                    continue
+                consistent = lo <= hi
+                step = min(max(0, lo), hi) if consistent else (lo + hi) // 2
+                out[v] = ClockOffset(v, root, base.offset_ns + step, base.low_ns + lo, base.high_ns + hi, n,
+                                     consistent and base.consistent)
+                todo.append(v)
+        for rank in self.sources:
+            if rank not in out:  # shares no collective with the reference's component: anchor only
+                out[rank] = ClockOffset(rank, root, 0, None, None, 0)
+        return out
+
+    def comm_size(self, uid: str) -> int:
+        """Members of communicator ``uid``: from the dumps, else the ranks that recorded it."""
+        return self.communicators.get(uid, {}).get("size") or \
+            len({r for (r, c) in self.last_entered if c == uid}) or 1
+
+    def axis_ns(self, rank: int, mono_ns: int) -> int:
+        """A monotonic time of ``rank``'s record on the job's common time axis (wall ns)."""
+        return mono_ns + self.sources[rank].wall_minus_mono_ns - self.offsets[rank].offset_ns
+
+
+# ---------------------------------------------------------------- summary
+
+def _bucket_label(bits: int) -> str:
+    if bits == 0:
+        return "0 B"
+    lo, hi = 1 << (bits - 1), 1 << bits
+    return f"{_human_bytes(lo)}-{_human_bytes(hi)}"
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:g} {unit}"
+        n /= 1024
+    return f"{n:g} GiB"
+
+
+def summary(scan: JobScan) -> Dict[str, Any]:
+    """Latency and bandwidth per communicator x op x size bucket, straggler
+    time per rank, clock offsets: plain values (times in ms, bandwidth in GB/s)."""
+    groups = []
+    for (comm, op, bits), (count, total_s, total_ns, durs) in sorted(scan.groups.items()):
+        info = scan.communicators.get(comm, {})
+        n = scan.comm_size(comm)
+        ds = sorted(durs)
+        algbw = total_s / total_ns if total_ns else None  # bytes per ns = GB/s
+        factor = bus_factor(op, n)
+        groups.append({
+            "comm": comm, "comm_name": info.get("name"), "op": op, "ranks": n,
+            "bucket": _bucket_label(bits), "bucket_min_bytes": (1 << (bits - 1)) if bits else 0,
+            "bucket_max_bytes": 1 << bits, "count": count, "mean_bytes": total_s / count,
+            "total_ms": total_ns / 1e6, "mean_ms": total_ns / 1e6 / count,
+            "p50_ms": percentile(ds, 50), "p99_ms": percentile(ds, 99),
+            "algbw_gbps": None if factor is None else algbw,
+            "busbw_gbps": None if factor is None or algbw is None else algbw * factor,
+        })
+    return {
+        "ranks": sorted(scan.sources), "problems": list(scan.problems),
+        "groups": groups, "stragglers": stragglers(scan),
+        "clock": [{"rank": c.rank, "reference": c.reference, "offset_us": c.offset_ns / 1e3,
+                   "low_us": None if c.low_ns is None else c.low_ns / 1e3,
+                   "high_us": None if c.high_ns is None else c.high_ns / 1e3,
+                   "uncertainty_us": None if c.uncertainty_ns is None else c.uncertainty_ns / 1e3,
+                   "collectives": c.collectives, "consistent": c.consistent}
+                  for c in sorted(scan.offsets.values(), key=lambda c: c.rank)],
+    }
+
+
+def stragglers(scan: JobScan) -> List[Dict[str, Any]]:
+    """Per rank, over the collectives every member recorded: the time it waited
+    for the last member to arrive (max aligned enqueue - its own), summed."""
+    wait = {r: 0 for r in scan.sources}
+    counted = dict.fromkeys(scan.sources, 0)
+    last = dict.fromkeys(scan.sources, 0)
+    off = {r: c.offset_ns for r, c in scan.offsets.items()}
+    for (comm, _, _), a in scan.collectives.items():
+        n = len(a) // _W
+        if n < 2 or n != scan.comm_size(comm):
+            continue
+        arrivals = [(a[i + 1] - off[a[i]], a[i]) for i in range(0, len(a), _W)]
+        latest, late_rank = max(arrivals)
+        last[late_rank] += 1
+        for t, rank in arrivals:
+            wait[rank] += latest - t
+            counted[rank] += 1
+    return [{"rank": r, "collectives": counted[r], "wait_s": wait[r] / 1e9, "last_arrivals": last[r]}
+            for r in sorted(scan.sources)]
+
+
+# ---------------------------------------------------------------- diagnosis
+
+def _op_name(r: Dict[str, Any]) -> str:
+    return f"{r['op']} #{r['seq']}"
+
+
+def _where(r: Dict[str, Any]) -> str:
+    return f"{_op_name(r)} of '{r['comm']}' ({r['state']}) at {r.get('call_site') or '?'}"
+
+
+def _ranks(rs: Iterable[int]) -> str:
+    rs = sorted(rs)
+    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
+
+
+@dataclass
+class Finding:
+    """One thing wrong (``error``) or worth knowing (``warning``, ``info``)."""
+
+    severity: str
+    text: str
+    ranks: List[int]
+
+
+def diagnose(scan: JobScan) -> Dict[str, Any]:
+    """Who is stuck where and why: plain values, ``ok`` False when something is wrong."""
+    findings: List[Finding] = []
+    culprits: Dict[int, str] = {}
+    present = set(scan.sources)
+    expected = set(present)
+    for info in scan.communicators.values():
+        expected.update(info.get("global_ranks") or ())
+    missing = sorted(expected - present)
+    for r in missing:
+        findings.append(Finding("error", f"rank {r} left no trace file (no dump, no JSON lines): it was killed "
+                                         "(SIGKILL) or is still hung (SIGSTOP), or its files were not copied", [r]))
+    for r, src in sorted(scan.sources.items()):
+        if src.dump_path is None and src.jsonl_path is not None:
+            findings.append(Finding("warning", f"rank {r} left JSON lines but no dump: it never exited, failed "
+                                               "or got SIGTERM/SIGUSR1 (killed, or stopped)", [r]))
+        if src.dropped_records:
+            findings.append(Finding("info", f"rank {r}: {src.dropped_records} older records were lost "
+                                            "(ring overwritten or failed writes)", [r]))
+    mismatches = _mismatches(scan, findings, culprits)
+    comms = []
+    for uid in sorted({k[0] for k in scan.collectives} | set(scan.communicators)):
+        comms.append(_diagnose_comm(scan, uid, missing, mismatches, findings, culprits))
+    ranks = []
+    for r in sorted(expected):
+        src = scan.sources.get(r)
+        if src is None:
+            ranks.append({"rank": r, "files": [], "stands": "no trace file", "call_site": None, "reason": None})
+            continue
+        stuck = scan.unfinished.get(r) or []
+        last = scan.last_record.get(r)
+        if stuck:
+            stands, site = f"in {_where(stuck[0])}", stuck[0].get("call_site")
+        elif last is not None:
+            stands, site = f"last seen after {_where(last)}", last.get("call_site")
+        else:
+            stands, site = "no records", None
+        ranks.append({"rank": r, "files": src.files, "host": src.host, "pid": src.pid, "reason": src.reason,
+                      "dump": src.dump_path is not None, "stands": stands, "call_site": site})
+    errors = [f for f in findings if f.severity == "error"]
+    if culprits:
+        head = "Likely culprit: " + "; ".join(f"rank {r} ({why})" for r, why in sorted(culprits.items()))
+    elif errors:
+        head = f"Something went wrong ({len(errors)} problems below), no single rank to blame."
+    else:
+        head = f"No problem found in {len(present)} ranks' traces."
+    return {"ok": not errors, "headline": head, "culprits": sorted(culprits), "missing_ranks": missing,
+            "findings": [asdict(f) for f in findings], "communicators": comms, "ranks": ranks,
+            "problems": list(scan.problems)}
+
+
+def _mismatches(scan: JobScan, findings: List[Finding], culprits: Dict[int, str]) -> Dict[Tuple[str, int, int], List[int]]:
+    """Collectives whose ranks disagree on op, dtype, reduce op, size or root."""
+    by_id = {fid: fp for fp, fid in scan.fingerprints.items()}
+    out: Dict[Tuple[str, int, int], List[int]] = {}
+    for key, a in scan.collectives.items():
+        fids = a[4::_W]
+        if len(set(fids)) < 2:
+            continue
+        ranks = a[0::_W]
+        groups: Dict[int, List[int]] = {}
+        for rank, fid in zip(ranks, fids):
+            groups.setdefault(fid, []).append(rank)
+        major = max(groups, key=lambda f: (len(groups[f]), -min(groups[f])))
+        ref = by_id[major]
+        name = scan.communicators.get(key[0], {}).get("name") or key[0]
+        parts, odd = [], []
+        for fid, rs in sorted(groups.items(), key=lambda kv: min(kv[1])):
+            if fid == major:
+                continue
+            fp = by_id[fid]
+            diff = ", ".join(f"{f} {fp[i]} instead of {ref[i]}" for i, f in enumerate(FINGERPRINT_FIELDS)
+                             if fp[i] != ref[i])
+            parts.append(f"{_ranks(rs)} called {fp[0]} with {diff}")
+            odd += rs
+        findings.append(Finding("error", f"mismatch in '{name}' ({key[0]}) at #{key[2]}: "
+                                         f"{_ranks(groups[major])} called {ref[0]}; " + "; ".join(parts), odd))
+        for r in odd:
+            culprits.setdefault(r, f"mismatched {ref[0]} #{key[2]} of '{name}'")
+        out[key] = odd
+    return out
+
+
+def _diagnose_comm(scan: JobScan, uid: str, missing: List[int], mismatches: Dict[Tuple[str, int, int], List[int]],
+                   findings: List[Finding], culprits: Dict[int, str]) -> Dict[str, Any]:
+    info = scan.communicators.get(uid, {})
+    name = info.get("name") or uid
+    members = sorted(info.get("global_ranks") or {r for (r, c) in scan.last_entered if c == uid})
+    present = [r for r in members if r in scan.sources]
+    rows = []
+    for r in members:
+        le, lc = scan.last_entered.get((r, uid)), scan.last_completed.get((r, uid))
+        rows.append({"rank": r, "present": r in scan.sources,
+                     "last_entered": None if le is None else f"{_op_name(le)} ({le['state']})",
+                     "last_completed": None if lc is None else _op_name(lc),
+                     "call_site": None if le is None else le.get("call_site")})
+    # The first op some member did not complete: where the communicator went wrong.
+    trouble: Optional[Dict[str, Any]] = None
+    for r in present:
+        for rec in scan.unfinished.get(r, ()):
+            if rec["comm_id"] == uid and rec["op"] not in P2P_OPS:
+                order = (rec.get("generation") or 0, rec["seq"])
+                if trouble is None or order < ((trouble.get("generation") or 0), trouble["seq"]):
+                    trouble = rec
+                break
+    if trouble is not None:
+        gen, seq = trouble.get("generation") or 0, trouble["seq"]
+        key = (uid, gen, seq)
+        a = scan.collectives.get(key, array("q"))
+        entered = {a[i]: STATES[a[i + 5]] for i in range(0, len(a), _W)}
+        never = [r for r in present if r not in entered and _before(scan.last_entered.get((r, uid)), gen, seq)]
+        by_state: Dict[str, List[int]] = {}
+        for r, st in entered.items():
+            by_state.setdefault(st, []).append(r)
+        states = "; ".join(f"{_ranks(rs)} {st}" for st, rs in sorted(by_state.items()))
+        text = f"'{name}' ({uid}) went wrong at {trouble['op']} #{seq}: {states}"
+        errs = {trouble.get("error")} - {None}
+        if errs:
+            text += f" ({sorted(errs)[0]})"
+        absent = [r for r in members if r in missing]
+        if never:
+            for r in never:
+                le = scan.last_entered.get((r, uid))
+                seen = "no op of this communicator recorded" if le is None else f"last entered {_where(le)}"
+                culprits.setdefault(r, f"never entered {trouble['op']} #{seq} of '{name}'; {seen}")
+            text += f"; {_ranks(never)} never entered it"
+        elif absent and key not in mismatches:
+            for r in absent:
+                culprits.setdefault(r, f"left no trace while its peers failed in {trouble['op']} #{seq} of '{name}'")
+            text += f"; {_ranks(absent)} left no trace"
+        in_flight_everywhere = not never and not absent and set(by_state) <= {STARTED, SCHEDULED}
+        findings.append(Finding("warning" if in_flight_everywhere else "error", text, never or absent))
+    else:
+        fronts = {r: scan.last_entered[(r, uid)]["seq"] for r in present if (r, uid) in scan.last_entered}
+        if fronts and len(set(fronts.values())) > 1:
+            top = max(fronts.values())
+            behind = [r for r, s in fronts.items() if s < top]
+            findings.append(Finding("warning", f"'{name}' ({uid}): {_ranks(behind)} stopped before #{top}, "
+                                               "which the others completed (dumps taken at different times?)",
+                                    behind))
+    return {"uid": uid, "name": name, "members": members, "rows": rows}
+
+
+def _before(rec: Optional[Dict[str, Any]], gen: int, seq: int) -> bool:
+    """True when ``rec`` (a rank's last entered op) comes before (gen, seq)."""
+    return rec is None or ((rec.get("generation") or 0), rec["seq"]) < (gen, seq)

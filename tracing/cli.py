@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from . import analysis
 from .traceio import TraceFileError, iter_records
@@ -47,11 +47,102 @@ def cmd_overlap(args: argparse.Namespace) -> int:
     return 0
 
 
+def _num(v: Optional[float], fmt: str = ".3f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def print_summary(s: Dict[str, Any]) -> None:
+    """The summary as tables for a terminal."""
+    print(f"ranks: {', '.join(map(str, s['ranks'])) or 'none'}")
+    print()
+    print(f"{'communicator':<22} {'op':<22} {'size':<18} {'n':>3} {'count':>7} {'total ms':>10} {'mean ms':>9} "
+          f"{'p50 ms':>9} {'p99 ms':>9} {'algbw GB/s':>11} {'busbw GB/s':>11}")
+    for g in s["groups"]:
+        print(f"{g['comm'][:22]:<22} {g['op'][:22]:<22} {g['bucket']:<18} {g['ranks']:>3} {g['count']:>7} "
+              f"{g['total_ms']:>10.3f} {g['mean_ms']:>9.3f} {g['p50_ms']:>9.3f} {g['p99_ms']:>9.3f} "
+              f"{_num(g['algbw_gbps'], '.4f'):>11} {_num(g['busbw_gbps'], '.4f'):>11}")
+    print()
+    print("straggler time: how long each rank waited for the last member to arrive")
+    print(f"{'rank':>4} {'collectives':>11} {'waited s':>10} {'last to arrive':>15}")
+    for r in s["stragglers"]:
+        print(f"{r['rank']:>4} {r['collectives']:>11} {r['wait_s']:>10.4f} {r['last_arrivals']:>15}")
+    print()
+    print("clock offsets against the reference rank (subtracted from the rank's times; true value within bounds)")
+    print(f"{'rank':>4} {'ref':>4} {'offset us':>11} {'low us':>11} {'high us':>11} {'+/- us':>10} {'from ops':>8}")
+    for c in s["clock"]:
+        note = "" if c["consistent"] else "  bounds cross: clocks drift?"
+        print(f"{c['rank']:>4} {c['reference']:>4} {c['offset_us']:>11.1f} {_num(c['low_us'], '.1f'):>11} "
+              f"{_num(c['high_us'], '.1f'):>11} {_num(c['uncertainty_us'], '.1f'):>10} {c['collectives']:>8}{note}")
+
+
+def cmd_summary(args: argparse.Namespace) -> int:
+    """Print the bandwidth/latency tables, stragglers and clock offsets."""
+    scan = analysis.JobScan(args.paths, skip_bad=args.skip_bad)
+    s = analysis.summary(scan)
+    _warn(scan.problems)
+    if args.json:
+        print(json.dumps(s, indent=1))
+    else:
+        print_summary(s)
+    return 0
+
+
+def print_diagnosis(d: Dict[str, Any]) -> None:
+    """The diagnosis in plain words for a terminal."""
+    print(d["headline"])
+    for f in d["findings"]:
+        print(f"  {f['severity']}: {f['text']}")
+    print()
+    print("where each rank stands:")
+    for r in d["ranks"]:
+        files = "no files" if not r["files"] else ("dump" if r.get("dump") else "JSON lines only, no dump")
+        why = f", dumped on: {r['reason']}" if r.get("reason") else ""
+        print(f"  rank {r['rank']}: {r['stands']} [{files}{why}]")
+    for c in d["communicators"]:
+        print()
+        print(f"communicator '{c['name']}' ({c['uid']}), ranks {', '.join(map(str, c['members']))}:")
+        for row in c["rows"]:
+            if not row["present"]:
+                print(f"  rank {row['rank']}: no trace")
+            else:
+                print(f"  rank {row['rank']}: last entered {row['last_entered'] or '-'}, "
+                      f"last completed {row['last_completed'] or '-'}, at {row['call_site'] or '?'}")
+
+
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    """Print the diagnosis; exit 1 when something is wrong."""
+    scan = analysis.JobScan(args.paths, skip_bad=args.skip_bad)
+    d = analysis.diagnose(scan)
+    _warn(scan.problems)
+    if args.json:
+        print(json.dumps(d, indent=1))
+    else:
+        print_diagnosis(d)
+    return 0 if d["ok"] else 1
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser, one subcommand per question."""
     top = argparse.ArgumentParser(prog="commslayer-trace",
                                   description="Merge, check and show the collective traces of one job.")
     sub = top.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("summary", help="latency and bandwidth per communicator, op and size; stragglers; clocks",
+                       description="Per communicator x op x message-size bucket (powers of two): count, total, "
+                                   "mean, p50 and p99 latency, algorithm and bus bandwidth (nccl-tests "
+                                   "formulas); per rank, time spent waiting for the last arrival; the "
+                                   "estimated clock offsets with their bounds.")
+    _add_input(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(fn=cmd_summary)
+    p = sub.add_parser("diagnose", help="who is stuck where and why; exit status 1 when something is wrong",
+                       description="For each communicator: the last op every rank entered and completed, "
+                                   "ranks that never entered the op the others wait or failed in, mismatched "
+                                   "op/dtype/size/reduce op/root at one sequence number, ranks without files, "
+                                   "the likely culprits and where each rank stands. Exit 0: nothing wrong; "
+                                   "1: a problem; 2: unusable input.")
+    _add_input(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(fn=cmd_diagnose)
     p = sub.add_parser("overlap", help="per rank: reduce-scatter time hidden under all-gather, exposed comm time",
                        description="Per rank: union of reduce-scatter and all-gather busy time, the part of "
                                    "RS time during which an AG was in flight, and the time the issuing thread "
