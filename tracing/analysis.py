@@ -153,7 +153,7 @@ SYMMETRIC_OPS = frozenset(("all_reduce", "all_gather_single", "all_gather", "red
                            "reduce_scatter", "all_to_all_single", "barrier"))
 _STATE_CODES = {s: i for i, s in enumerate(STATES)}
 _COMPLETED = _STATE_CODES[COMPLETED]
-_W = 6  # a collective's array holds, per rank: rank, enqueue, start, end (-1: none), fingerprint, state
+_W = 7  # a collective's array holds, per rank: rank, enqueue, start, end (-1: none), fingerprint, state, call site
 
 
 def bus_factor(op: str, n: int) -> Optional[float]:
@@ -238,14 +238,14 @@ class JobScan:
         self.collectives: Dict[Tuple[str, int, int], array] = {}
         self.coll_ops: Dict[Tuple[str, int, int], str] = {}
         self.fingerprints: Dict[Tuple[Any, ...], int] = {}
+        self.call_sites: Dict[str, int] = {}
         # (comm_id, op, bucket) -> [count, sum of S, sum of durations ns, durations in ms]
         self.groups: Dict[Tuple[str, str, int], List[Any]] = {}
         self.last_entered: Dict[Tuple[int, str], Dict[str, Any]] = {}   # (rank, comm_id) -> record
         self.last_completed: Dict[Tuple[int, str], Dict[str, Any]] = {}
         self.last_record: Dict[int, Dict[str, Any]] = {}                 # rank -> record with the largest op_id
         self.unfinished: Dict[int, List[Dict[str, Any]]] = {}            # rank -> records not completed
-        self.t_min: Optional[int] = None
-        self.t_max: Optional[int] = None
+        self.rank_span: Dict[int, Tuple[int, int]] = {}                  # earliest enqueue, latest end (anchor axis)
         for rank in sorted(self.sources):
             self._scan_rank(self.sources[rank])
         self.offsets: Dict[int, ClockOffset] = self._align()
@@ -253,13 +253,13 @@ class JobScan:
     # ------------------------------------------------------------------ reading
     def _scan_rank(self, src: RankSource) -> None:
         rank = src.rank
-        fps = self.fingerprints
+        fps, sites = self.fingerprints, self.call_sites
         colls, coll_ops, groups = self.collectives, self.coll_ops, self.groups
         last_entered, last_completed = self.last_entered, self.last_completed
         unfinished: List[Dict[str, Any]] = []
         last: Optional[Dict[str, Any]] = None
         off: Optional[int] = None
-        t_min, t_max = self.t_min, self.t_max
+        lo = hi = None  # this rank's earliest enqueue and latest end
         for r in rank_records(src, skip_bad=self.skip_bad, problems=self.problems):
             if off is None:
                 off = src.wall_minus_mono_ns
@@ -272,10 +272,10 @@ class JobScan:
                 end = -1
             else:
                 end += off
-                if t_max is None or end > t_max:
-                    t_max = end
-            if t_min is None or enq < t_min:
-                t_min = enq
+                if hi is None or end > hi:
+                    hi = end
+            if lo is None or enq < lo:
+                lo = enq
             if last is None or r["op_id"] > last["op_id"]:
                 last = r
             if state == COMPLETED:
@@ -302,7 +302,11 @@ class JobScan:
             if a is None:
                 a = colls[ckey] = array("q")
                 coll_ops[ckey] = op
-            a.extend((rank, enq, start, end, fid, _STATE_CODES.get(state, 0)))
+            site = r.get("call_site") or "?"
+            sid = sites.get(site)
+            if sid is None:
+                sid = sites[site] = len(sites)
+            a.extend((rank, enq, start, end, fid, _STATE_CODES.get(state, 0), sid))
             rkey = (rank, comm)
             prev = last_entered.get(rkey)
             order = (gen, r["seq"])
@@ -312,19 +316,21 @@ class JobScan:
                 prev = last_completed.get(rkey)
                 if prev is None or order > ((prev.get("generation") or 0), prev["seq"]):
                     last_completed[rkey] = r
-        self.t_min, self.t_max = t_min, t_max
+        if lo is not None:
+            self.rank_span[rank] = (lo, lo if hi is None else max(lo, hi))
         if last is not None:
             self.last_record[rank] = last
         self.unfinished[rank] = sorted(unfinished, key=lambda x: x["op_id"])
         for uid, info in src.communicators.items():
             known = self.communicators.setdefault(uid, {"name": info.get("name"), "backend": info.get("backend"),
                                                         "size": info.get("size"), "global_ranks": None,
-                                                        "states": {}})
+                                                        "states": {}, "comm_ranks": {}})
             if info.get("global_ranks") and not known["global_ranks"]:
                 known["global_ranks"] = list(info["global_ranks"])
             if info.get("size") and not known["size"]:
                 known["size"] = info["size"]
             known["states"][rank] = info.get("state")
+            known["comm_ranks"][rank] = info.get("rank")
 
     # ---------------------------------------------------------------- clocks
     def _align(self) -> Dict[int, ClockOffset]:
@@ -381,6 +387,27 @@ class JobScan:
                 out[rank] = ClockOffset(rank, root, 0, None, None, 0)
         return out
 
+    def members(self, uid: str) -> List[int]:
+        """Global ranks of communicator ``uid``.  A communicator built on an
+        explicit store does not know them; when every rank that recorded it
+        holds the same rank in it as in the job, it is taken to span ranks
+        0..size-1 (else only the ranks that recorded it are known)."""
+        info = self.communicators.get(uid, {})
+        if info.get("global_ranks"):
+            return sorted(info["global_ranks"])
+        seen = info.get("comm_ranks") or {}
+        if seen and info.get("size") and all(g == c for g, c in seen.items()):
+            return list(range(info["size"]))
+        return sorted(set(seen) | {r for (r, c) in self.last_entered if c == uid})
+
+    def span(self) -> Tuple[int, int]:
+        """First and last instant of the job's records on the common time axis (wall ns)."""
+        if not self.rank_span:
+            return (0, 0)
+        off = self.offsets
+        return (min(lo - off[r].offset_ns for r, (lo, _) in self.rank_span.items()),
+                max(hi - off[r].offset_ns for r, (_, hi) in self.rank_span.items()))
+
     def comm_size(self, uid: str) -> int:
         """Members of communicator ``uid``: from the dumps, else the ranks that recorded it."""
         return self.communicators.get(uid, {}).get("size") or \
@@ -389,6 +416,56 @@ class JobScan:
     def axis_ns(self, rank: int, mono_ns: int) -> int:
         """A monotonic time of ``rank``'s record on the job's common time axis (wall ns)."""
         return mono_ns + self.sources[rank].wall_minus_mono_ns - self.offsets[rank].offset_ns
+
+
+# ---------------------------------------------------------------- timelines
+
+@dataclass
+class Slice:
+    """One op of one rank on the common time axis, in a lane of its communicator
+    (ops of one communicator that overlap in time go to different lanes)."""
+
+    start_ns: int
+    end_ns: int
+    comm: str
+    lane: int
+    record: Dict[str, Any]
+    in_flight: bool  # no end recorded: drawn up to the end of the trace
+
+
+def rank_timeline(scan: JobScan, rank: int) -> List[Slice]:
+    """Rank ``rank``'s ops (read again from its files) with lanes assigned first-fit."""
+    src = scan.sources[rank]
+    off = src.wall_minus_mono_ns - scan.offsets[rank].offset_ns
+    t_end = scan.span()[1]
+    by_comm: Dict[str, List[Tuple[int, int, Dict[str, Any], bool]]] = {}
+    for r in rank_records(src, skip_bad=True):
+        start = (r.get("start_ns") or r["enqueue_ns"]) + off
+        end = r.get("end_ns")
+        by_comm.setdefault(r["comm_id"], []).append(
+            (start, max(start, t_end) if end is None else end + off, r, end is None))
+    out: List[Slice] = []
+    for comm in sorted(by_comm):
+        lane_ends: List[int] = []
+        for start, end, r, open_ in sorted(by_comm[comm], key=lambda x: (x[0], x[1])):
+            lane = next((i for i, e in enumerate(lane_ends) if e <= start), len(lane_ends))
+            if lane == len(lane_ends):
+                lane_ends.append(end)
+            else:
+                lane_ends[lane] = end
+            out.append(Slice(start, end, comm, lane, r, open_))
+    return out
+
+
+def flow_order(scan: JobScan, key: Tuple[str, int, int]) -> List[int]:
+    """The ranks of one collective ordered by the middle of their op on the common
+    axis: the order in which a flow arrow links them (empty for an unknown key)."""
+    a = scan.collectives.get(key, ())
+    mids = []
+    for i in range(0, len(a), _W):
+        rank, start, end = a[i], a[i + 2], a[i + 3]
+        mids.append(((start + (start if end < 0 else end)) // 2 - scan.offsets[rank].offset_ns, rank))
+    return [rank for _, rank in sorted(mids)]
 
 
 # ---------------------------------------------------------------- summary
@@ -490,8 +567,8 @@ def diagnose(scan: JobScan) -> Dict[str, Any]:
     culprits: Dict[int, str] = {}
     present = set(scan.sources)
     expected = set(present)
-    for info in scan.communicators.values():
-        expected.update(info.get("global_ranks") or ())
+    for uid in scan.communicators:
+        expected.update(scan.members(uid))
     missing = sorted(expected - present)
     for r in missing:
         findings.append(Finding("error", f"rank {r} left no trace file (no dump, no JSON lines): it was killed "
@@ -504,6 +581,7 @@ def diagnose(scan: JobScan) -> Dict[str, Any]:
             findings.append(Finding("info", f"rank {r}: {src.dropped_records} older records were lost "
                                             "(ring overwritten or failed writes)", [r]))
     mismatches = _mismatches(scan, findings, culprits)
+    _call_site_splits(scan, findings)
     comms = []
     for uid in sorted({k[0] for k in scan.collectives} | set(scan.communicators)):
         comms.append(_diagnose_comm(scan, uid, missing, mismatches, findings, culprits))
@@ -535,6 +613,37 @@ def diagnose(scan: JobScan) -> Dict[str, Any]:
             "problems": list(scan.problems)}
 
 
+def _describe(fp: Tuple[Any, ...]) -> str:
+    """``all_reduce(float32, 32 B, SUM)``: an op's fingerprint in words."""
+    op, dtype, reduce_op, size, root = fp
+    parts = [str(dtype), "? B" if size is None else f"{size} B"]
+    if reduce_op is not None:
+        parts.append(reduce_op)
+    if root is not None:
+        parts.append(f"root {root}")
+    return f"{op}({', '.join(parts)})"
+
+
+def _call_site_splits(scan: JobScan, findings: List[Finding]) -> None:
+    """Same collective, different lines of code: the ranks took different paths
+    (a rank that skipped or added a collective is one call ahead from there on)."""
+    names = {sid: site for site, sid in scan.call_sites.items()}
+    reported: Dict[str, int] = {}
+    for key in sorted(scan.collectives, key=lambda k: (k[0], k[1], k[2])):
+        a = scan.collectives[key]
+        sids = a[6::_W]
+        if len(set(sids)) < 2 or reported.get(key[0], 0) >= 3:
+            continue
+        reported[key[0]] = reported.get(key[0], 0) + 1
+        groups: Dict[int, List[int]] = {}
+        for rank, sid in zip(a[0::_W], sids):
+            groups.setdefault(sid, []).append(rank)
+        where = "; ".join(f"{_ranks(rs)} at {names[sid]}" for sid, rs in sorted(groups.items(), key=lambda kv: min(kv[1])))
+        name = scan.communicators.get(key[0], {}).get("name") or key[0]
+        findings.append(Finding("warning", f"'{name}' #{key[2]} ({scan.coll_ops[key]}) was called from different "
+                                           f"lines: {where}", sorted(min(groups.values(), key=len))))
+
+
 def _mismatches(scan: JobScan, findings: List[Finding], culprits: Dict[int, str]) -> Dict[Tuple[str, int, int], List[int]]:
     """Collectives whose ranks disagree on op, dtype, reduce op, size or root."""
     by_id = {fid: fp for fp, fid in scan.fingerprints.items()}
@@ -552,15 +661,13 @@ def _mismatches(scan: JobScan, findings: List[Finding], culprits: Dict[int, str]
         name = scan.communicators.get(key[0], {}).get("name") or key[0]
         parts, odd = [], []
         for fid, rs in sorted(groups.items(), key=lambda kv: min(kv[1])):
-            if fid == major:
-                continue
-            fp = by_id[fid]
-            diff = ", ".join(f"{f} {fp[i]} instead of {ref[i]}" for i, f in enumerate(FINGERPRINT_FIELDS)
-                             if fp[i] != ref[i])
-            parts.append(f"{_ranks(rs)} called {fp[0]} with {diff}")
-            odd += rs
+            if fid != major:
+                fp = by_id[fid]
+                differs = ", ".join(f for i, f in enumerate(FINGERPRINT_FIELDS) if fp[i] != ref[i])
+                parts.append(f"{_ranks(rs)} called {_describe(fp)} [differs: {differs}]")
+                odd += rs
         findings.append(Finding("error", f"mismatch in '{name}' ({key[0]}) at #{key[2]}: "
-                                         f"{_ranks(groups[major])} called {ref[0]}; " + "; ".join(parts), odd))
+                                         f"{_ranks(groups[major])} called {_describe(ref)}; " + "; ".join(parts), odd))
         for r in odd:
             culprits.setdefault(r, f"mismatched {ref[0]} #{key[2]} of '{name}'")
         out[key] = odd
@@ -571,7 +678,7 @@ def _diagnose_comm(scan: JobScan, uid: str, missing: List[int], mismatches: Dict
                    findings: List[Finding], culprits: Dict[int, str]) -> Dict[str, Any]:
     info = scan.communicators.get(uid, {})
     name = info.get("name") or uid
-    members = sorted(info.get("global_ranks") or {r for (r, c) in scan.last_entered if c == uid})
+    members = scan.members(uid)
     present = [r for r in members if r in scan.sources]
     rows = []
     for r in members:

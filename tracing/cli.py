@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
 from . import analysis
+from .perfetto import export_perfetto
 from .traceio import TraceFileError, iter_records
+from .viewer import MAX_OPS, write_html
 
 
 def _add_input(p: argparse.ArgumentParser) -> None:
@@ -121,6 +124,25 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     return 0 if d["ok"] else 1
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write the Chrome trace-event JSON."""
+    scan = analysis.JobScan(args.paths, skip_bad=args.skip_bad)
+    counts = export_perfetto(scan, args.perfetto)
+    _warn(scan.problems)
+    print(f"wrote {args.perfetto}: {counts['ranks']} ranks, {counts['slices']} ops, {counts['flows']} flows "
+          "(open it in https://ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    """Write the self-contained HTML view."""
+    scan = analysis.JobScan(args.paths, skip_bad=args.skip_bad)
+    write_html(scan, args.output, args.title or f"commslayer trace: {', '.join(args.paths)}", max_ops=args.max_ops)
+    _warn(scan.problems)
+    print(f"wrote {args.output}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser, one subcommand per question."""
     top = argparse.ArgumentParser(prog="commslayer-trace",
@@ -143,6 +165,21 @@ def parser() -> argparse.ArgumentParser:
     _add_input(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(fn=cmd_diagnose)
+    p = sub.add_parser("export", help="Chrome trace-event JSON for Perfetto UI / chrome://tracing",
+                       description="One process per rank, one thread per communicator lane, one slice per op, "
+                                   "flows linking each collective across ranks; clocks aligned.")
+    _add_input(p)
+    p.add_argument("--perfetto", required=True, metavar="OUT.json", help="the file to write")
+    p.set_defaults(fn=cmd_export)
+    p = sub.add_parser("view", help="one self-contained HTML file: diagnosis, timeline, tables",
+                       description="The diagnosis on top, a zoomable timeline per rank and communicator lane "
+                                   "with hover details, the summary and overlap tables; no network needed.")
+    _add_input(p)
+    p.add_argument("-o", "--output", required=True, metavar="OUT.html", help="the file to write")
+    p.add_argument("--title", help="page title (default: the input paths)")
+    p.add_argument("--max-ops", type=int, default=MAX_OPS,
+                   help=f"ops drawn one by one (default {MAX_OPS}); older ones are aggregated into time bins")
+    p.set_defaults(fn=cmd_view)
     p = sub.add_parser("overlap", help="per rank: reduce-scatter time hidden under all-gather, exposed comm time",
                        description="Per rank: union of reduce-scatter and all-gather busy time, the part of "
                                    "RS time during which an AG was in flight, and the time the issuing thread "
@@ -158,6 +195,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.fn(args)
+    except BrokenPipeError:  # `| head`: the reader left
+        sys.stdout = open(os.devnull, "w")
+        return 0
     except TraceFileError as exc:
         print(f"commslayer-trace: error: {exc}", file=sys.stderr)
         print("commslayer-trace: --skip-bad leaves such files or lines out", file=sys.stderr)
