@@ -248,6 +248,8 @@ class JobScan:
         self.rank_span: Dict[int, Tuple[int, int]] = {}                  # earliest enqueue, latest end (anchor axis)
         for rank in sorted(self.sources):
             self._scan_rank(self.sources[rank])
+        for rank in [r for r, src in self.sources.items() if not src.files]:
+            del self.sources[rank]  # every file of it was unusable (skip_bad): it counts as missing
         self.offsets: Dict[int, ClockOffset] = self._align()
 
     # ------------------------------------------------------------------ reading
