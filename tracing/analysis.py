@@ -12,7 +12,10 @@ Imports neither torch nor commslayer.
 from __future__ import annotations
 
 import math
+import multiprocessing
+import os
 from array import array
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -167,28 +170,12 @@ def bus_factor(op: str, n: int) -> Optional[float]:
     return (n - 1) / n  # all_gather*, reduce_scatter*, all_to_all_single, gather, scatter
 
 
-def op_bytes(r: Dict[str, Any]) -> int:
-    """S of nccl-tests: the bytes of the whole array the op moves, per rank's call."""
-    op = r["op"]
-    if op in AG_OPS or op == "scatter":
-        return int(r.get("out_bytes") or 0)
-    if op == "recv":
-        return int(r.get("out_bytes") or r.get("in_bytes") or 0)
-    return int(r.get("in_bytes") or 0)
+# S of nccl-tests, the bytes of the whole array an op moves: out_bytes for these, else in_bytes.
+_OUT_SIZED = AG_OPS | {"scatter", "recv"}
 
 
-def _fingerprint(r: Dict[str, Any]) -> Tuple[Any, ...]:
-    """What must agree across ranks at one sequence number."""
-    op = r["op"]
-    if op == "all_to_all_single":
-        size = None  # uneven splits differ per rank legitimately
-    elif op == "scatter":
-        size = r.get("out_bytes")
-    else:
-        size = r.get("in_bytes")
-    return (op, r.get("dtype"), r.get("reduce_op"), size, r.get("root"))
-
-
+# What must agree across ranks at one sequence number (bytes: in_bytes; out_bytes for
+# scatter; none for all_to_all_single, whose uneven splits differ per rank legitimately).
 FINGERPRINT_FIELDS = ("op", "dtype", "reduce_op", "bytes", "root")
 
 
@@ -224,15 +211,42 @@ class ClockOffset:
         return max(abs(self.offset_ns - self.low_ns), abs(self.high_ns - self.offset_ns))
 
 
+PARALLEL_BYTES = 32 << 20  # below this, forking readers costs more than it saves
+
+
 class JobScan:
     """One streaming pass over every rank's records, keeping what the
     summary, the diagnosis, the clock alignment and the exports need."""
 
-    def __init__(self, paths: Sequence[str], *, skip_bad: bool = False) -> None:
+    def __init__(self, paths: Sequence[str], *, skip_bad: bool = False, jobs: int = 1) -> None:
+        """Read every rank's files under ``paths``.  With ``jobs`` > 1 and more
+        than ``PARALLEL_BYTES`` of input, ranks are read by that many forked
+        processes (contiguous rank ranges), whose results are merged here."""
         self.paths = list(paths)
         self.skip_bad = skip_bad
         self.problems: List[str] = []
         self.sources: Dict[int, RankSource] = discover(paths, skip_bad=skip_bad, problems=self.problems)
+        self._empty_state()
+        ranks = sorted(self.sources)
+        size = sum(os.path.getsize(p) for src in self.sources.values() for p in src.files)
+        if jobs > 1 and len(ranks) > 1 and size > PARALLEL_BYTES:
+            chunks = [ranks[i * len(ranks) // jobs:(i + 1) * len(ranks) // jobs] for i in range(jobs)]
+            with ProcessPoolExecutor(len(chunks), mp_context=multiprocessing.get_context("fork")) as pool:
+                parts = list(pool.map(_scan_chunk, [[self.sources[r] for r in c] for c in chunks if c],
+                                      [skip_bad] * len(chunks)))
+            for part in parts:
+                self._merge(part)
+        else:
+            for rank in ranks:
+                self._scan_rank(self.sources[rank])
+        for rank in ranks:
+            if not self.sources[rank].files:
+                del self.sources[rank]  # every file of it was unusable (skip_bad): it counts as missing
+            else:
+                self._note_communicators(self.sources[rank])
+        self.offsets: Dict[int, ClockOffset] = self._align()
+
+    def _empty_state(self) -> None:
         self.communicators: Dict[str, Dict[str, Any]] = {}
         # (comm_id, generation, seq) -> flat array of _W values per rank, ranks in ascending order
         self.collectives: Dict[Tuple[str, int, int], array] = {}
@@ -246,25 +260,57 @@ class JobScan:
         self.last_record: Dict[int, Dict[str, Any]] = {}                 # rank -> record with the largest op_id
         self.unfinished: Dict[int, List[Dict[str, Any]]] = {}            # rank -> records not completed
         self.rank_span: Dict[int, Tuple[int, int]] = {}                  # earliest enqueue, latest end (anchor axis)
-        for rank in sorted(self.sources):
-            self._scan_rank(self.sources[rank])
-        for rank in [r for r, src in self.sources.items() if not src.files]:
-            del self.sources[rank]  # every file of it was unusable (skip_bad): it counts as missing
-        self.offsets: Dict[int, ClockOffset] = self._align()
+
+    def _merge(self, part: "JobScan") -> None:
+        """Add a worker's ranks (higher than any read so far) to this scan."""
+        self.problems += part.problems
+        self.sources.update(part.sources)
+        fmap = [self.fingerprints.setdefault(fp, len(self.fingerprints))
+                for fp, _ in sorted(part.fingerprints.items(), key=lambda kv: kv[1])]
+        smap = [self.call_sites.setdefault(site, len(self.call_sites))
+                for site, _ in sorted(part.call_sites.items(), key=lambda kv: kv[1])]
+        same_ids = fmap == list(range(len(fmap))) and smap == list(range(len(smap)))
+        for key, a in part.collectives.items():
+            if not same_ids:
+                for i in range(0, len(a), _W):
+                    a[i + 4], a[i + 6] = fmap[a[i + 4]], smap[a[i + 6]]
+            mine = self.collectives.get(key)
+            if mine is None:
+                self.collectives[key] = a
+                self.coll_ops[key] = part.coll_ops[key]
+            else:
+                mine.extend(a)
+        for key, g in part.groups.items():
+            mine = self.groups.get(key)
+            if mine is None:
+                self.groups[key] = g
+            else:
+                mine[0] += g[0]
+                mine[1] += g[1]
+                mine[2] += g[2]
+                mine[3].extend(g[3])
+        for name in ("last_entered", "last_completed", "last_record", "unfinished", "rank_span"):
+            getattr(self, name).update(getattr(part, name))
 
     # ------------------------------------------------------------------ reading
     def _scan_rank(self, src: RankSource) -> None:
+        # The hot loop of the viewer (once per record): locals, no helper calls.
         rank = src.rank
         fps, sites = self.fingerprints, self.call_sites
         colls, coll_ops, groups = self.collectives, self.coll_ops, self.groups
-        last_entered, last_completed = self.last_entered, self.last_completed
+        entered: Dict[str, Tuple[int, Dict[str, Any]]] = {}    # comm -> (order, record): this rank's last op
+        completed: Dict[str, Tuple[int, Dict[str, Any]]] = {}
+        no_op = (-1, None)
+        out_sized = _OUT_SIZED
         unfinished: List[Dict[str, Any]] = []
         last: Optional[Dict[str, Any]] = None
+        last_id = -1
         off: Optional[int] = None
-        lo = hi = None  # this rank's earliest enqueue and latest end
+        lo, hi = None, -1  # this rank's earliest enqueue and latest end
         for r in rank_records(src, skip_bad=self.skip_bad, problems=self.problems):
             if off is None:
                 off = src.wall_minus_mono_ns
+                lo = r["enqueue_ns"] + off
             op, comm, state = r["op"], r["comm_id"], r["state"]
             enq = r["enqueue_ns"] + off
             start = r.get("start_ns")
@@ -274,55 +320,62 @@ class JobScan:
                 end = -1
             else:
                 end += off
-                if hi is None or end > hi:
+                if end > hi:
                     hi = end
-            if lo is None or enq < lo:
+            if enq < lo:
                 lo = enq
-            if last is None or r["op_id"] > last["op_id"]:
-                last = r
-            if state == COMPLETED:
-                s = op_bytes(r)
-                key = (comm, op, s.bit_length())
+            if r["op_id"] > last_id:
+                last, last_id = r, r["op_id"]
+            done = state == COMPLETED
+            if done:
+                nbytes = (r.get("out_bytes") if op in out_sized else r.get("in_bytes")) or 0
+                key = (comm, op, nbytes.bit_length())
                 g = groups.get(key)
                 if g is None:
                     g = groups[key] = [0, 0, 0, array("d")]
                 g[0] += 1
-                g[1] += s
+                g[1] += nbytes
                 g[2] += end - start
                 g[3].append((end - start) / 1e6)
             elif len(unfinished) < 1000:
                 unfinished.append(r)
             if op in P2P_OPS:
                 continue
-            gen = r.get("generation") or 0
-            ckey = (comm, gen, r["seq"])
-            fp = _fingerprint(r)
+            gen, seq = r.get("generation") or 0, r["seq"]
+            order = (gen << 40) + seq
+            ckey = (comm, gen, seq)
+            fp = (op, r.get("dtype"), r.get("reduce_op"),
+                  None if op == "all_to_all_single" else r.get("out_bytes" if op == "scatter" else "in_bytes"),
+                  r.get("root"))
             fid = fps.get(fp)
             if fid is None:
                 fid = fps[fp] = len(fps)
-            a = colls.get(ckey)
-            if a is None:
-                a = colls[ckey] = array("q")
-                coll_ops[ckey] = op
             site = r.get("call_site") or "?"
             sid = sites.get(site)
             if sid is None:
                 sid = sites[site] = len(sites)
+            a = colls.get(ckey)
+            if a is None:
+                a = colls[ckey] = array("q")
+                coll_ops[ckey] = op
             a.extend((rank, enq, start, end, fid, _STATE_CODES.get(state, 0), sid))
-            rkey = (rank, comm)
-            prev = last_entered.get(rkey)
-            order = (gen, r["seq"])
-            if prev is None or order > ((prev.get("generation") or 0), prev["seq"]):
-                last_entered[rkey] = r
-            if state == COMPLETED:
-                prev = last_completed.get(rkey)
-                if prev is None or order > ((prev.get("generation") or 0), prev["seq"]):
-                    last_completed[rkey] = r
+            if order > entered.get(comm, no_op)[0]:
+                entered[comm] = (order, r)
+            if done and order > completed.get(comm, no_op)[0]:
+                completed[comm] = (order, r)
+        for comm, (_, r) in entered.items():
+            self.last_entered[(rank, comm)] = r
+        for comm, (_, r) in completed.items():
+            self.last_completed[(rank, comm)] = r
         if lo is not None:
-            self.rank_span[rank] = (lo, lo if hi is None else max(lo, hi))
+            self.rank_span[rank] = (lo, max(lo, hi))
         if last is not None:
             self.last_record[rank] = last
         self.unfinished[rank] = sorted(unfinished, key=lambda x: x["op_id"])
+
+    def _note_communicators(self, src: RankSource) -> None:
+        """What rank ``src.rank``'s files say about its communicators, merged over ranks."""
+        rank = src.rank
         for uid, info in src.communicators.items():
             known = self.communicators.setdefault(uid, {"name": info.get("name"), "backend": info.get("backend"),
                                                         "size": info.get("size"), "global_ranks": None,
@@ -418,6 +471,17 @@ class JobScan:
     def axis_ns(self, rank: int, mono_ns: int) -> int:
         """A monotonic time of ``rank``'s record on the job's common time axis (wall ns)."""
         return mono_ns + self.sources[rank].wall_minus_mono_ns - self.offsets[rank].offset_ns
+
+
+def _scan_chunk(sources: List[RankSource], skip_bad: bool) -> JobScan:
+    """A worker's part of a parallel scan: these ranks only, not yet aligned."""
+    part = JobScan.__new__(JobScan)
+    part.paths, part.skip_bad, part.problems = [], skip_bad, []
+    part.sources = {src.rank: src for src in sources}
+    part._empty_state()
+    for src in sources:
+        part._scan_rank(src)
+    return part
 
 
 # ---------------------------------------------------------------- timelines

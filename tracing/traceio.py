@@ -123,12 +123,16 @@ def _read_dump(path: str) -> Dict[str, Any]:
 
 
 def _check_record(r: Any, path: str, line: int, index: Optional[int] = None) -> None:
+    try:
+        if None not in (r["op_id"], r["comm_id"], r["seq"], r["op"], r["state"], r["enqueue_ns"]):
+            return
+    except (KeyError, TypeError):
+        pass
     where = "" if index is None else f"record #{index}: "
     if not isinstance(r, dict):
         raise TraceFileError(path, line, f"{where}a record must be a JSON object")
-    for k in REQUIRED:
-        if r.get(k) is None:
-            raise TraceFileError(path, line, f"{where}record without {k!r}")
+    missing = [k for k in REQUIRED if r.get(k) is None]
+    raise TraceFileError(path, line, f"{where}record without {', '.join(map(repr, missing))}")
 
 
 def discover(paths: Sequence[str], *, skip_bad: bool = False,
@@ -190,25 +194,16 @@ def _jsonl_records(src: RankSource, skip_bad: bool, problems: List[str]) -> Iter
     bad = 0
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
-            try:
-                try:
-                    ev = loads(line)
-                except JSONDecodeError as exc:
-                    raise TraceFileError(path, lineno, f"truncated or corrupt JSON line ({exc})") from None
-                kind = ev.get("event") if isinstance(ev, dict) else None
-                if kind == "collective":
-                    _check_record(ev, path, lineno)
+            try:  # the common case first, in one try: a whole collective record
+                ev = loads(line)
+                if ev["event"] == "collective" and \
+                        None not in (ev["op_id"], ev["comm_id"], ev["seq"], ev["op"], ev["state"], ev["enqueue_ns"]):
                     yield ev
-                elif kind in ("communicator_created", "communicator_split"):
-                    src.communicators.setdefault(ev["comm_id"], {
-                        "name": ev.get("comm"), "backend": ev.get("backend"), "rank": ev.get("comm_rank"),
-                        "size": ev.get("size"), "global_ranks": ev.get("global_ranks"),
-                        "generation": ev.get("generation"), "state": "ok"})
-                elif kind == "trace_started" and ev.get("schema") != SCHEMA_VERSION:
-                    raise TraceFileError(path, lineno, f"trace schema {ev.get('schema')}; "
-                                                       f"this reader knows {SCHEMA_VERSION}")
-                elif kind is None:
-                    raise TraceFileError(path, lineno, "not a trace event (no 'event' field)")
+                    continue
+            except (JSONDecodeError, KeyError, TypeError):
+                pass
+            try:
+                _other_line(src, path, lineno, line)
             except TraceFileError as exc:
                 if not skip_bad:
                     raise
@@ -217,6 +212,26 @@ def _jsonl_records(src: RankSource, skip_bad: bool, problems: List[str]) -> Iter
                     problems.append(f"skipped {exc}")
     if bad > 5:
         problems.append(f"skipped {bad - 5} more bad lines of {path}")
+
+
+def _other_line(src: RankSource, path: str, lineno: int, line: bytes) -> None:
+    """A JSONL line that is not a whole collective record: an event to note, or an error."""
+    try:
+        ev = loads(line)
+    except JSONDecodeError as exc:
+        raise TraceFileError(path, lineno, f"truncated or corrupt JSON line ({exc})") from None
+    kind = ev.get("event") if isinstance(ev, dict) else None
+    if kind == "collective":
+        _check_record(ev, path, lineno)
+    elif kind in ("communicator_created", "communicator_split"):
+        src.communicators.setdefault(ev["comm_id"], {
+            "name": ev.get("comm"), "backend": ev.get("backend"), "rank": ev.get("comm_rank"),
+            "size": ev.get("size"), "global_ranks": ev.get("global_ranks"),
+            "generation": ev.get("generation"), "state": "ok"})
+    elif kind == "trace_started" and ev.get("schema") != SCHEMA_VERSION:
+        raise TraceFileError(path, lineno, f"trace schema {ev.get('schema')}; this reader knows {SCHEMA_VERSION}")
+    elif kind is None:
+        raise TraceFileError(path, lineno, "not a trace event (no 'event' field)")
 
 
 def rank_records(src: RankSource, *, skip_bad: bool = False,
@@ -242,7 +257,8 @@ def rank_records(src: RankSource, *, skip_bad: bool = False,
     n = 0
     if src.jsonl_path:
         for r in _jsonl_records(src, skip_bad, problems):
-            from_dump.pop(r["op_id"], None)
+            if from_dump:
+                from_dump.pop(r["op_id"], None)
             n += 1
             yield r
     for op_id in sorted(from_dump):
