@@ -18,7 +18,7 @@ alignment and the straggler table have work to do.  Commands run one after
 another, alternating, ``--repeats`` times; the report gives the median and
 the min-max per command and layout.
 
-    python launch/bench_viewer.py --ranks 16 --records 100000 --repeats 3
+    python launch/bench_viewer.py --ranks 16 --records 100000 --repeats 3 --view
 """
 
 from __future__ import annotations
@@ -109,7 +109,10 @@ def generate(directory: str, ranks: int, n: int, layout: str) -> int:
 
 def measure(command: str, directory: str) -> Tuple[float, float, int]:
     """(wall s, max RSS MiB, exit status) of one ``commslayer-trace`` run."""
-    cmd = [sys.executable, "-m", "tracing.cli", command, "--json", directory]
+    if command == "view":
+        cmd = [sys.executable, "-m", "tracing.cli", "view", directory, "-o", os.path.join(directory, "view.html")]
+    else:
+        cmd = [sys.executable, "-m", "tracing.cli", command, "--json", directory]
     start = time.perf_counter()
     with open(os.devnull, "wb") as devnull:
         p = subprocess.Popen(cmd, stdout=devnull, cwd=ROOT)
@@ -125,6 +128,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layouts", default="jsonl,dump")
     ap.add_argument("--keep", metavar="DIR", help="generate into DIR and leave it there")
+    ap.add_argument("--view", action="store_true", help="also time `view` once per layout (HTML size reported)")
     args = ap.parse_args()
     base = args.keep or tempfile.mkdtemp(prefix="bench-viewer-")
     results: Dict[Tuple[str, str], List[Tuple[float, float, int]]] = {}
@@ -143,11 +147,18 @@ def main() -> None:
                     results.setdefault((layout, command), []).append(res)
                     print(f"repeat {i + 1} {layout} {command}: {res[0]:.2f} s, {res[1]:.0f} MiB, exit {res[2]}",
                           flush=True)
+        if args.view:
+            for layout in args.layouts.split(","):
+                res = measure("view", os.path.join(base, layout))
+                results[(layout, "view")] = [res]
+                html_mib = os.path.getsize(os.path.join(base, layout, "view.html")) / 2**20
+                print(f"{layout} view: {res[0]:.2f} s, {res[1]:.0f} MiB, exit {res[2]}, HTML {html_mib:.1f} MiB",
+                      flush=True)
     finally:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
     print()
-    print(f"{args.ranks} ranks x {args.records} records, {args.repeats} repeats; median (min-max)")
+    print(f"{args.ranks} ranks x {args.records} records, {args.repeats} repeats (view: once); median (min-max)")
     print("| layout | files | command | wall s | max RSS MiB | exit |")
     print("|---|---|---|---|---|---|")
     for (layout, command), rs in results.items():
