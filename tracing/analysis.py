@@ -222,7 +222,6 @@ class JobScan:
         """Read every rank's files under ``paths``.  With ``jobs`` > 1 and more
         than ``PARALLEL_BYTES`` of input, ranks are read by that many forked
         processes (contiguous rank ranges), whose results are merged here."""
-        self.paths = list(paths)
         self.skip_bad = skip_bad
         self.problems: List[str] = []
         self.sources: Dict[int, RankSource] = discover(paths, skip_bad=skip_bad, problems=self.problems)
@@ -468,15 +467,10 @@ class JobScan:
         return self.communicators.get(uid, {}).get("size") or \
             len({r for (r, c) in self.last_entered if c == uid}) or 1
 
-    def axis_ns(self, rank: int, mono_ns: int) -> int:
-        """A monotonic time of ``rank``'s record on the job's common time axis (wall ns)."""
-        return mono_ns + self.sources[rank].wall_minus_mono_ns - self.offsets[rank].offset_ns
-
-
 def _scan_chunk(sources: List[RankSource], skip_bad: bool) -> JobScan:
     """A worker's part of a parallel scan: these ranks only, not yet aligned."""
     part = JobScan.__new__(JobScan)
-    part.paths, part.skip_bad, part.problems = [], skip_bad, []
+    part.skip_bad, part.problems = skip_bad, []
     part.sources = {src.rank: src for src in sources}
     part._empty_state()
     for src in sources:
@@ -643,9 +637,13 @@ def diagnose(scan: JobScan) -> Dict[str, Any]:
         if src.dump_path is None and src.jsonl_path is not None:
             findings.append(Finding("warning", f"rank {r} left JSON lines but no dump: it never exited, failed "
                                                "or got SIGTERM/SIGUSR1 (killed, or stopped)", [r]))
-        if src.dropped_records:
-            findings.append(Finding("info", f"rank {r}: {src.dropped_records} older records were lost "
-                                            "(ring overwritten or failed writes)", [r]))
+    lost: Dict[int, List[int]] = {}
+    for r, src in sorted(scan.sources.items()):
+        if src.lost_records:
+            lost.setdefault(src.lost_records, []).append(r)
+    for n, rs in sorted(lost.items()):
+        findings.append(Finding("info", f"{_ranks(rs)}: {n} records each are in no file "
+                                        "(ring overwritten, queue overflow or failed writes)", rs))
     mismatches = _mismatches(scan, findings, culprits)
     _call_site_splits(scan, findings)
     comms = []

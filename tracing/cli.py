@@ -13,21 +13,12 @@ import gc
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from . import analysis
 from .perfetto import export_perfetto
 from .traceio import TraceFileError, iter_records
 from .viewer import MAX_OPS, write_html
-
-
-def _add_input(p: argparse.ArgumentParser) -> None:
-    p.add_argument("paths", nargs="+", metavar="DIR",
-                   help="a trace directory (rank<R>.json / rank<R>.jsonl), or trace files")
-    p.add_argument("--skip-bad", action="store_true",
-                   help="leave out corrupt or unreadable files and lines (and say so) instead of stopping")
-    p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), metavar="N",
-                   help="processes reading ranks in parallel when the input is large (default: the usable CPUs)")
 
 
 def _warn(problems: List[str]) -> None:
@@ -81,15 +72,22 @@ def print_summary(s: Dict[str, Any]) -> None:
               f"{_num(c['high_us'], '.1f'):>11} {_num(c['uncertainty_us'], '.1f'):>10} {c['collectives']:>8}{note}")
 
 
-def cmd_summary(args: argparse.Namespace) -> int:
-    """Print the bandwidth/latency tables, stragglers and clock offsets."""
+def _report(args: argparse.Namespace, compute: Callable[[analysis.JobScan], Dict[str, Any]],
+            show: Callable[[Dict[str, Any]], None]) -> Dict[str, Any]:
+    """Scan the input, compute, print as JSON or through ``show``; the result."""
     scan = analysis.JobScan(args.paths, skip_bad=args.skip_bad, jobs=args.jobs)
-    s = analysis.summary(scan)
+    result = compute(scan)
     _warn(scan.problems)
     if args.json:
-        print(json.dumps(s, indent=1))
+        print(json.dumps(result, indent=1))
     else:
-        print_summary(s)
+        show(result)
+    return result
+
+
+def cmd_summary(args: argparse.Namespace) -> int:
+    """Print the bandwidth/latency tables, stragglers and clock offsets."""
+    _report(args, analysis.summary, print_summary)
     return 0
 
 
@@ -117,14 +115,7 @@ def print_diagnosis(d: Dict[str, Any]) -> None:
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
     """Print the diagnosis; exit 1 when something is wrong."""
-    scan = analysis.JobScan(args.paths, skip_bad=args.skip_bad, jobs=args.jobs)
-    d = analysis.diagnose(scan)
-    _warn(scan.problems)
-    if args.json:
-        print(json.dumps(d, indent=1))
-    else:
-        print_diagnosis(d)
-    return 0 if d["ok"] else 1
+    return 0 if _report(args, analysis.diagnose, print_diagnosis)["ok"] else 1
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -146,50 +137,51 @@ def cmd_view(args: argparse.Namespace) -> int:
     return 0
 
 
+def _command(sub: Any, name: str, fn: Callable[[argparse.Namespace], int], brief: str, description: str,
+             *, json_out: bool = False, parallel: bool = True) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=brief, description=description)
+    p.add_argument("paths", nargs="+", metavar="DIR",
+                   help="a trace directory (rank<R>.json / rank<R>.jsonl), or trace files")
+    p.add_argument("--skip-bad", action="store_true",
+                   help="leave out corrupt or unreadable files and lines (and say so) instead of stopping")
+    if parallel:
+        p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), metavar="N",
+                       help="processes reading ranks in parallel when the input is large (default: the usable CPUs)")
+    if json_out:
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(fn=fn)
+    return p
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser, one subcommand per question."""
     top = argparse.ArgumentParser(prog="commslayer-trace",
                                   description="Merge, check and show the collective traces of one job.")
     sub = top.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("summary", help="latency and bandwidth per communicator, op and size; stragglers; clocks",
-                       description="Per communicator x op x message-size bucket (powers of two): count, total, "
-                                   "mean, p50 and p99 latency, algorithm and bus bandwidth (nccl-tests "
-                                   "formulas); per rank, time spent waiting for the last arrival; the "
-                                   "estimated clock offsets with their bounds.")
-    _add_input(p)
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(fn=cmd_summary)
-    p = sub.add_parser("diagnose", help="who is stuck where and why; exit status 1 when something is wrong",
-                       description="For each communicator: the last op every rank entered and completed, "
-                                   "ranks that never entered the op the others wait or failed in, mismatched "
-                                   "op/dtype/size/reduce op/root at one sequence number, ranks without files, "
-                                   "the likely culprits and where each rank stands. Exit 0: nothing wrong; "
-                                   "1: a problem; 2: unusable input.")
-    _add_input(p)
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(fn=cmd_diagnose)
-    p = sub.add_parser("export", help="Chrome trace-event JSON for Perfetto UI / chrome://tracing",
-                       description="One process per rank, one thread per communicator lane, one slice per op, "
-                                   "flows linking each collective across ranks; clocks aligned.")
-    _add_input(p)
+    _command(sub, "summary", cmd_summary, "latency and bandwidth per communicator, op and size; stragglers; clocks",
+             "Per communicator x op x message-size bucket (powers of two): count, total, mean, p50 and p99 "
+             "latency, algorithm and bus bandwidth (nccl-tests formulas); per rank, time spent waiting for the "
+             "last arrival; the estimated clock offsets with their bounds.", json_out=True)
+    _command(sub, "diagnose", cmd_diagnose, "who is stuck where and why; exit status 1 when something is wrong",
+             "For each communicator: the last op every rank entered and completed, ranks that never entered the "
+             "op the others wait or failed in, mismatched op/dtype/size/reduce op/root at one sequence number, "
+             "ranks without files, the likely culprits and where each rank stands. Exit 0: nothing wrong; "
+             "1: a problem; 2: unusable input.", json_out=True)
+    p = _command(sub, "export", cmd_export, "Chrome trace-event JSON for Perfetto UI / chrome://tracing",
+                 "One process per rank, one thread per communicator lane, one slice per op, flows linking each "
+                 "collective across ranks; clocks aligned.")
     p.add_argument("--perfetto", required=True, metavar="OUT.json", help="the file to write")
-    p.set_defaults(fn=cmd_export)
-    p = sub.add_parser("view", help="one self-contained HTML file: diagnosis, timeline, tables",
-                       description="The diagnosis on top, a zoomable timeline per rank and communicator lane "
-                                   "with hover details, the summary and overlap tables; no network needed.")
-    _add_input(p)
+    p = _command(sub, "view", cmd_view, "one self-contained HTML file: diagnosis, timeline, tables",
+                 "The diagnosis on top, a zoomable timeline per rank and communicator lane with hover details, "
+                 "the summary and overlap tables; no network needed.")
     p.add_argument("-o", "--output", required=True, metavar="OUT.html", help="the file to write")
     p.add_argument("--title", help="page title (default: the input paths)")
     p.add_argument("--max-ops", type=int, default=MAX_OPS,
                    help=f"ops drawn one by one (default {MAX_OPS}); older ones are aggregated into time bins")
-    p.set_defaults(fn=cmd_view)
-    p = sub.add_parser("overlap", help="per rank: reduce-scatter time hidden under all-gather, exposed comm time",
-                       description="Per rank: union of reduce-scatter and all-gather busy time, the part of "
-                                   "RS time during which an AG was in flight, and the time the issuing thread "
-                                   "was blocked in synchronous calls (see docs/viewer.md).")
-    _add_input(p)
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(fn=cmd_overlap)
+    _command(sub, "overlap", cmd_overlap, "per rank: reduce-scatter time hidden under all-gather, exposed comm time",
+             "Per rank: union of reduce-scatter and all-gather busy time, the part of RS time during which an AG "
+             "was in flight, and the time the issuing thread was blocked in synchronous calls (see "
+             "docs/viewer.md).", json_out=True, parallel=False)
     return top
 
 

@@ -16,7 +16,7 @@ The file is written as it is produced, one rank at a time.
 from __future__ import annotations
 
 import json
-from typing import IO, Any, Dict, Tuple
+from typing import Any, Dict, Tuple
 
 from .analysis import P2P_OPS, JobScan, flow_order, rank_timeline
 
