@@ -1,7 +1,10 @@
 """How fast and how lean the trace viewer is on a large job: 16 ranks x
 100,000 records each, generated, then ``commslayer-trace summary`` and
-``diagnose`` timed as subprocesses (wall time, and peak memory as the
-child's max RSS from ``wait4``).
+``diagnose`` timed as subprocesses: wall time, the max RSS of the largest
+process (``wait4``: the command or one of the readers it forks), and the
+peak resident memory of the whole process tree (readers run at the same
+time), sampled from /proc every 20 ms (a sum of RSS: pages a forked reader
+still shares with its parent count twice, so it is an upper bound).
 
 Two layouts of the same records, as a job leaves them:
 
@@ -107,18 +110,44 @@ def generate(directory: str, ranks: int, n: int, layout: str) -> int:
     return sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory))
 
 
-def measure(command: str, directory: str) -> Tuple[float, float, int]:
-    """(wall s, max RSS MiB, exit status) of one ``commslayer-trace`` run."""
+def _tree_rss_kib(pid: int) -> int:
+    """Resident memory of ``pid`` and its descendants now (KiB), from /proc."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            pass
+    return total
+
+
+def measure(command: str, directory: str) -> Tuple[float, float, float, int]:
+    """(wall s, max RSS MiB of the largest process, peak MiB of the process tree
+    sampled every 20 ms, exit status) of one ``commslayer-trace`` run."""
     if command == "view":
         cmd = [sys.executable, "-m", "tracing.cli", "view", directory, "-o", os.path.join(directory, "view.html")]
     else:
         cmd = [sys.executable, "-m", "tracing.cli", command, "--json", directory]
+    peak = 0
     start = time.perf_counter()
     with open(os.devnull, "wb") as devnull:
         p = subprocess.Popen(cmd, stdout=devnull, cwd=ROOT)
-        _, status, usage = os.wait4(p.pid, 0)
+        while True:
+            pid, status, usage = os.wait4(p.pid, os.WNOHANG)
+            if pid:
+                break
+            peak = max(peak, _tree_rss_kib(p.pid))
+            time.sleep(0.02)
     wall = time.perf_counter() - start
-    return wall, usage.ru_maxrss / 1024, os.waitstatus_to_exitcode(status)
+    return wall, usage.ru_maxrss / 1024, peak / 1024, os.waitstatus_to_exitcode(status)
+
+
+def _spread(values: List[float], fmt: str) -> str:
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
 
 
 def main() -> None:
@@ -131,7 +160,7 @@ def main() -> None:
     ap.add_argument("--view", action="store_true", help="also time `view` once per layout (HTML size reported)")
     args = ap.parse_args()
     base = args.keep or tempfile.mkdtemp(prefix="bench-viewer-")
-    results: Dict[Tuple[str, str], List[Tuple[float, float, int]]] = {}
+    results: Dict[Tuple[str, str], List[Tuple[float, float, float, int]]] = {}
     sizes: Dict[str, int] = {}
     try:
         for layout in args.layouts.split(","):
@@ -145,27 +174,27 @@ def main() -> None:
                 for command in ("summary", "diagnose"):
                     res = measure(command, os.path.join(base, layout))
                     results.setdefault((layout, command), []).append(res)
-                    print(f"repeat {i + 1} {layout} {command}: {res[0]:.2f} s, {res[1]:.0f} MiB, exit {res[2]}",
-                          flush=True)
+                    print(f"repeat {i + 1} {layout} {command}: {res[0]:.2f} s, max RSS {res[1]:.0f} MiB, "
+                          f"tree {res[2]:.0f} MiB, exit {res[3]}", flush=True)
         if args.view:
             for layout in args.layouts.split(","):
                 res = measure("view", os.path.join(base, layout))
                 results[(layout, "view")] = [res]
                 html_mib = os.path.getsize(os.path.join(base, layout, "view.html")) / 2**20
-                print(f"{layout} view: {res[0]:.2f} s, {res[1]:.0f} MiB, exit {res[2]}, HTML {html_mib:.1f} MiB",
-                      flush=True)
+                print(f"{layout} view: {res[0]:.2f} s, max RSS {res[1]:.0f} MiB, tree {res[2]:.0f} MiB, "
+                      f"exit {res[3]}, HTML {html_mib:.1f} MiB", flush=True)
     finally:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
     print()
     print(f"{args.ranks} ranks x {args.records} records, {args.repeats} repeats (view: once); median (min-max)")
-    print("| layout | files | command | wall s | max RSS MiB | exit |")
-    print("|---|---|---|---|---|---|")
+    print("| layout | files | command | wall s | max RSS MiB (largest process) | peak MiB (process tree) | exit |")
+    print("|---|---|---|---|---|---|---|")
     for (layout, command), rs in results.items():
-        walls, rss = [r[0] for r in rs], [r[1] for r in rs]
-        print(f"| {layout} | {sizes[layout] / 2**20:.0f} MiB | {command} | {statistics.median(walls):.2f} "
-              f"({min(walls):.2f}-{max(walls):.2f}) | {statistics.median(rss):.0f} ({min(rss):.0f}-{max(rss):.0f}) "
-              f"| {sorted({r[2] for r in rs})} |")
+        cols = [_spread([r[0] for r in rs], ".2f"), _spread([r[1] for r in rs], ".0f"),
+                _spread([r[2] for r in rs], ".0f")]
+        print(f"| {layout} | {sizes[layout] / 2**20:.0f} MiB | {command} | {' | '.join(cols)} "
+              f"| {sorted({r[3] for r in rs})} |")
 
 
 if __name__ == "__main__":

@@ -381,6 +381,20 @@ def test_overlap_matches_a_brute_force_sweep(clean):
         assert 0 < g["exposed_comm_s"] <= g["comm_s"]
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("scenario", ["clean", "skipped", "mismatched"])  # skipped: call-site ids remapped
+def test_parallel_reading_gives_the_same_answers(scenario, request, monkeypatch):
+    from tracing import analysis
+
+    d = request.getfixturevalue(scenario)
+    one = analysis.JobScan([d])
+    monkeypatch.setattr(analysis, "PARALLEL_BYTES", 0)
+    split = analysis.JobScan([d], jobs=SIZE)  # one rank per worker: ids interned apart, then remapped
+    assert analysis.summary(split) == analysis.summary(one)
+    assert analysis.diagnose(split) == analysis.diagnose(one)
+    assert {k: list(a) for k, a in split.collectives.items()} == {k: list(a) for k, a in one.collectives.items()}
+
+
 # ------------------------------------------------------------------ Perfetto export
 
 @pytest.mark.timeout(60)

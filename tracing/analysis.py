@@ -228,11 +228,12 @@ class JobScan:
         self._empty_state()
         ranks = sorted(self.sources)
         size = sum(os.path.getsize(p) for src in self.sources.values() for p in src.files)
-        if jobs > 1 and len(ranks) > 1 and size > PARALLEL_BYTES:
+        jobs = min(jobs, len(ranks))
+        if jobs > 1 and size > PARALLEL_BYTES:
             chunks = [ranks[i * len(ranks) // jobs:(i + 1) * len(ranks) // jobs] for i in range(jobs)]
             with ProcessPoolExecutor(len(chunks), mp_context=multiprocessing.get_context("fork")) as pool:
-                parts = list(pool.map(_scan_chunk, [[self.sources[r] for r in c] for c in chunks if c],
-                                      [skip_bad] * len(chunks)))
+                parts = list(pool.map(_scan_chunk, [[self.sources[r] for r in c] for c in chunks],
+                                      [skip_bad] * jobs))
             for part in parts:
                 self._merge(part)
         else:
