@@ -11,8 +11,16 @@ Imports neither torch nor commslayer.
 
 from __future__ import annotations
 
+import math
+import multiprocessing
+import os
+from array import array
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from .records import COMPLETED, SCHEDULED, STARTED, STATES
+from .traceio import RankSource, discover, rank_records
 
 RS_OPS = frozenset(("reduce_scatter_single", "reduce_scatter"))
 AG_OPS = frozenset(("all_gather_single", "all_gather"))
@@ -139,3 +147,658 @@ def overlap_by_rank(records: Iterable[Dict[str, Any]]) -> Dict[int, OverlapStats
             exposed_comm_s=length(union(lanes["blocked"])) / 1e9,
         )
     return out
+
+
+# ---------------------------------------------------------------- one pass over a job
+
+# Ops whose end on any rank needs every rank's start: they bound clock offsets.
+SYMMETRIC_OPS = frozenset(("all_reduce", "all_gather_single", "all_gather", "reduce_scatter_single",
+                           "reduce_scatter", "all_to_all_single", "barrier"))
+_STATE_CODES = {s: i for i, s in enumerate(STATES)}
+_COMPLETED = _STATE_CODES[COMPLETED]
+_W = 7  # a collective's array holds, per rank: rank, enqueue, start, end (-1: none), fingerprint, state, call site
+
+
+def bus_factor(op: str, n: int) -> Optional[float]:
+    """busbw / algbw for ``op`` on ``n`` ranks (nccl-tests' factors); None: no bandwidth (barrier)."""
+    if op == "barrier" or n < 1:
+        return None
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("broadcast", "reduce", "send", "recv"):
+        return 1.0
+    return (n - 1) / n  # all_gather*, reduce_scatter*, all_to_all_single, gather, scatter
+
+
+# S of nccl-tests, the bytes of the whole array an op moves: out_bytes for these, else in_bytes.
+_OUT_SIZED = AG_OPS | {"scatter", "recv"}
+
+
+# What must agree across ranks at one sequence number (bytes: in_bytes; out_bytes for
+# scatter; none for all_to_all_single, whose uneven splits differ per rank legitimately).
+FINGERPRINT_FIELDS = ("op", "dtype", "reduce_op", "bytes", "root")
+
+
+def percentile(sorted_values: List[float], p: float) -> float:
+    """Nearest-rank percentile of an ascending list."""
+    k = max(0, math.ceil(p / 100 * len(sorted_values)) - 1)
+    return sorted_values[k]
+
+
+@dataclass
+class ClockOffset:
+    """A rank's clock against the reference rank, after the wall-clock anchor.
+
+    ``offset_ns`` is subtracted from the rank's times; the true offset lies
+    in [``low_ns``, ``high_ns``] (None: no collective shared with the
+    reference, the anchor alone is used).  ``consistent`` is False when the
+    bounds cross (clock drift, or a trace that breaks the model).
+    """
+
+    rank: int
+    reference: int
+    offset_ns: int
+    low_ns: Optional[int]
+    high_ns: Optional[int]
+    collectives: int
+    consistent: bool = True
+
+    @property
+    def uncertainty_ns(self) -> Optional[int]:
+        """The largest error the estimate can have, from its bounds."""
+        if self.low_ns is None or self.high_ns is None:
+            return None
+        return max(abs(self.offset_ns - self.low_ns), abs(self.high_ns - self.offset_ns))
+
+
+PARALLEL_BYTES = 32 << 20  # below this, forking readers costs more than it saves
+
+
+class JobScan:
+    """One streaming pass over every rank's records, keeping what the
+    summary, the diagnosis, the clock alignment and the exports need."""
+
+    def __init__(self, paths: Sequence[str], *, skip_bad: bool = False, jobs: int = 1) -> None:
+        """Read every rank's files under ``paths``.  With ``jobs`` > 1 and more
+        than ``PARALLEL_BYTES`` of input, ranks are read by that many forked
+        processes (contiguous rank ranges), whose results are merged here."""
+        self.skip_bad = skip_bad
+        self.problems: List[str] = []
+        self.sources: Dict[int, RankSource] = discover(paths, skip_bad=skip_bad, problems=self.problems)
+        self._empty_state()
+        ranks = sorted(self.sources)
+        size = sum(os.path.getsize(p) for src in self.sources.values() for p in src.files)
+        jobs = min(jobs, len(ranks))
+        if jobs > 1 and size > PARALLEL_BYTES:
+            chunks = [ranks[i * len(ranks) // jobs:(i + 1) * len(ranks) // jobs] for i in range(jobs)]
+            with ProcessPoolExecutor(len(chunks), mp_context=multiprocessing.get_context("fork")) as pool:
+                parts = list(pool.map(_scan_chunk, [[self.sources[r] for r in c] for c in chunks],
+                                      [skip_bad] * jobs))
+            for part in parts:
+                self._merge(part)
+        else:
+            for rank in ranks:
+                self._scan_rank(self.sources[rank])
+        for rank in ranks:
+            if not self.sources[rank].files:
+                del self.sources[rank]  # every file of it was unusable (skip_bad): it counts as missing
+            else:
+                self._note_communicators(self.sources[rank])
+        self.offsets: Dict[int, ClockOffset] = self._align()
+
+    def _empty_state(self) -> None:
+        self.communicators: Dict[str, Dict[str, Any]] = {}
+        # (comm_id, generation, seq) -> flat array of _W values per rank, ranks in ascending order
+        self.collectives: Dict[Tuple[str, int, int], array] = {}
+        self.coll_ops: Dict[Tuple[str, int, int], str] = {}
+        self.fingerprints: Dict[Tuple[Any, ...], int] = {}
+        self.call_sites: Dict[str, int] = {}
+        # (comm_id, op, bucket) -> [count, sum of S, sum of durations ns, durations in ms]
+        self.groups: Dict[Tuple[str, str, int], List[Any]] = {}
+        self.last_entered: Dict[Tuple[int, str], Dict[str, Any]] = {}   # (rank, comm_id) -> record
+        self.last_completed: Dict[Tuple[int, str], Dict[str, Any]] = {}
+        self.last_record: Dict[int, Dict[str, Any]] = {}                 # rank -> record with the largest op_id
+        self.unfinished: Dict[int, List[Dict[str, Any]]] = {}            # rank -> records not completed
+        self.rank_span: Dict[int, Tuple[int, int]] = {}                  # earliest enqueue, latest end (anchor axis)
+
+    def _merge(self, part: "JobScan") -> None:
+        """Add a worker's ranks (higher than any read so far) to this scan."""
+        self.problems += part.problems
+        self.sources.update(part.sources)
+        fmap = [self.fingerprints.setdefault(fp, len(self.fingerprints))
+                for fp, _ in sorted(part.fingerprints.items(), key=lambda kv: kv[1])]
+        smap = [self.call_sites.setdefault(site, len(self.call_sites))
+                for site, _ in sorted(part.call_sites.items(), key=lambda kv: kv[1])]
+        same_ids = fmap == list(range(len(fmap))) and smap == list(range(len(smap)))
+        for key, a in part.collectives.items():
+            if not same_ids:
+                for i in range(0, len(a), _W):
+                    a[i + 4], a[i + 6] = fmap[a[i + 4]], smap[a[i + 6]]
+            mine = self.collectives.get(key)
+            if mine is None:
+                self.collectives[key] = a
+                self.coll_ops[key] = part.coll_ops[key]
+            else:
+                mine.extend(a)
+        for key, g in part.groups.items():
+            mine = self.groups.get(key)
+            if mine is None:
+                self.groups[key] = g
+            else:
+                mine[0] += g[0]
+                mine[1] += g[1]
+                mine[2] += g[2]
+                mine[3].extend(g[3])
+        for name in ("last_entered", "last_completed", "last_record", "unfinished", "rank_span"):
+            getattr(self, name).update(getattr(part, name))
+
+    # ------------------------------------------------------------------ reading
+    def _scan_rank(self, src: RankSource) -> None:
+        # The hot loop of the viewer (once per record): locals, no helper calls.
+        rank = src.rank
+        fps, sites = self.fingerprints, self.call_sites
+        colls, coll_ops, groups = self.collectives, self.coll_ops, self.groups
+        entered: Dict[str, Tuple[int, Dict[str, Any]]] = {}    # comm -> (order, record): this rank's last op
+        completed: Dict[str, Tuple[int, Dict[str, Any]]] = {}
+        no_op = (-1, None)
+        out_sized = _OUT_SIZED
+        unfinished: List[Dict[str, Any]] = []
+        last: Optional[Dict[str, Any]] = None
+        last_id = -1
+        off: Optional[int] = None
+        lo, hi = None, -1  # this rank's earliest enqueue and latest end
+        for r in rank_records(src, skip_bad=self.skip_bad, problems=self.problems):
+            if off is None:
+                off = src.wall_minus_mono_ns
+                lo = r["enqueue_ns"] + off
+            op, comm, state = r["op"], r["comm_id"], r["state"]
+            enq = r["enqueue_ns"] + off
+            start = r.get("start_ns")
+            start = enq if start is None else start + off
+            end = r.get("end_ns")
+            if end is None:
+                end = -1
+            else:
+                end += off
+                if end > hi:
+                    hi = end
+            if enq < lo:
+                lo = enq
+            if r["op_id"] > last_id:
+                last, last_id = r, r["op_id"]
+            done = state == COMPLETED
+            if done:
+                nbytes = (r.get("out_bytes") if op in out_sized else r.get("in_bytes")) or 0
+                key = (comm, op, nbytes.bit_length())
+                g = groups.get(key)
+                if g is None:
+                    g = groups[key] = [0, 0, 0, array("d")]
+                g[0] += 1
+                g[1] += nbytes
+                g[2] += end - start
+                g[3].append((end - start) / 1e6)
+            elif len(unfinished) < 1000:
+                unfinished.append(r)
+            if op in P2P_OPS:
+                continue
+            gen, seq = r.get("generation") or 0, r["seq"]
+            order = (gen << 40) + seq
+            ckey = (comm, gen, seq)
+            fp = (op, r.get("dtype"), r.get("reduce_op"),
+                  None if op == "all_to_all_single" else r.get("out_bytes" if op == "scatter" else "in_bytes"),
+                  r.get("root"))
+            fid = fps.get(fp)
+            if fid is None:
+                fid = fps[fp] = len(fps)
+            site = r.get("call_site") or "?"
+            sid = sites.get(site)
+            if sid is None:
+                sid = sites[site] = len(sites)
+            a = colls.get(ckey)
+            if a is None:
+                a = colls[ckey] = array("q")
+                coll_ops[ckey] = op
+            a.extend((rank, enq, start, end, fid, _STATE_CODES.get(state, 0), sid))
+            if order > entered.get(comm, no_op)[0]:
+                entered[comm] = (order, r)
+            if done and order > completed.get(comm, no_op)[0]:
+                completed[comm] = (order, r)
+        for comm, (_, r) in entered.items():
+            self.last_entered[(rank, comm)] = r
+        for comm, (_, r) in completed.items():
+            self.last_completed[(rank, comm)] = r
+        if lo is not None:
+            self.rank_span[rank] = (lo, max(lo, hi))
+        if last is not None:
+            self.last_record[rank] = last
+        self.unfinished[rank] = sorted(unfinished, key=lambda x: x["op_id"])
+
+    def _note_communicators(self, src: RankSource) -> None:
+        """What rank ``src.rank``'s files say about its communicators, merged over ranks."""
+        rank = src.rank
+        for uid, info in src.communicators.items():
+            known = self.communicators.setdefault(uid, {"name": info.get("name"), "backend": info.get("backend"),
+                                                        "size": info.get("size"), "global_ranks": None,
+                                                        "states": {}, "comm_ranks": {}})
+            if info.get("global_ranks") and not known["global_ranks"]:
+                known["global_ranks"] = list(info["global_ranks"])
+            if info.get("size") and not known["size"]:
+                known["size"] = info["size"]
+            known["states"][rank] = info.get("state")
+            known["comm_ranks"][rank] = info.get("rank")
+
+    # ---------------------------------------------------------------- clocks
+    def _align(self) -> Dict[int, ClockOffset]:
+        """Per-rank offsets from causality: a symmetric collective cannot end on
+        rank A before rank B handed it to the backend.  So for every such op
+        both ranks completed, x = e_r - e_ref (the rank's clock error against
+        the reference) obeys start_r - end_ref <= x <= end_r - start_ref.  The
+        estimate is the smallest correction of the wall-clock anchor that meets
+        every bound (0 when the anchor already does), chained through other
+        ranks for ranks that share no collective with the reference."""
+        bounds: Dict[Tuple[int, int], List[int]] = {}
+        for key, a in self.collectives.items():
+            if len(a) < 2 * _W or self.coll_ops[key] not in SYMMETRIC_OPS:
+                continue
+            ref, ref_start, ref_end, ref_state = a[0], a[2], a[3], a[5]
+            if ref_state != _COMPLETED:
+                continue
+            for i in range(_W, len(a), _W):
+                if a[i + 5] != _COMPLETED:
+                    continue
+                lo, hi = a[i + 2] - ref_end, a[i + 3] - ref_start
+                b = bounds.get((ref, a[i]))
+                if b is None:
+                    bounds[(ref, a[i])] = [lo, hi, 1]
+                else:
+                    if lo > b[0]:
+                        b[0] = lo
+                    if hi < b[1]:
+                        b[1] = hi
+                    b[2] += 1
+        edges: Dict[int, List[Tuple[int, int, int, int]]] = {}
+        for (u, v), (lo, hi, n) in bounds.items():
+            edges.setdefault(u, []).append((v, lo, hi, n))
+            edges.setdefault(v, []).append((u, -hi, -lo, n))
+        out: Dict[int, ClockOffset] = {}
+        if not self.sources:
+            return out
+        root = min(self.sources)
+        out[root] = ClockOffset(root, root, 0, 0, 0, 0)
+        todo = [root]
+        while todo:
+            u = todo.pop()
+            base = out[u]
+            for v, lo, hi, n in edges.get(u, ()):
+                if v in out:
+                    continue
+                consistent = lo <= hi
+                step = min(max(0, lo), hi) if consistent else (lo + hi) // 2
+                out[v] = ClockOffset(v, root, base.offset_ns + step, base.low_ns + lo, base.high_ns + hi, n,
+                                     consistent and base.consistent)
+                todo.append(v)
+        for rank in self.sources:
+            if rank not in out:  # shares no collective with the reference's component: anchor only
+                out[rank] = ClockOffset(rank, root, 0, None, None, 0)
+        return out
+
+    def members(self, uid: str) -> List[int]:
+        """Global ranks of communicator ``uid``.  A communicator built on an
+        explicit store does not know them; when every rank that recorded it
+        holds the same rank in it as in the job, it is taken to span ranks
+        0..size-1 (else only the ranks that recorded it are known)."""
+        info = self.communicators.get(uid, {})
+        if info.get("global_ranks"):
+            return sorted(info["global_ranks"])
+        seen = info.get("comm_ranks") or {}
+        if seen and info.get("size") and all(g == c for g, c in seen.items()):
+            return list(range(info["size"]))
+        return sorted(set(seen) | {r for (r, c) in self.last_entered if c == uid})
+
+    def span(self) -> Tuple[int, int]:
+        """First and last instant of the job's records on the common time axis (wall ns)."""
+        if not self.rank_span:
+            return (0, 0)
+        off = self.offsets
+        return (min(lo - off[r].offset_ns for r, (lo, _) in self.rank_span.items()),
+                max(hi - off[r].offset_ns for r, (_, hi) in self.rank_span.items()))
+
+    def comm_size(self, uid: str) -> int:
+        """Members of communicator ``uid``: from the dumps, else the ranks that recorded it."""
+        return self.communicators.get(uid, {}).get("size") or \
+            len({r for (r, c) in self.last_entered if c == uid}) or 1
+
+def _scan_chunk(sources: List[RankSource], skip_bad: bool) -> JobScan:
+    """A worker's part of a parallel scan: these ranks only, not yet aligned."""
+    part = JobScan.__new__(JobScan)
+    part.skip_bad, part.problems = skip_bad, []
+    part.sources = {src.rank: src for src in sources}
+    part._empty_state()
+    for src in sources:
+        part._scan_rank(src)
+    return part
+
+
+# ---------------------------------------------------------------- timelines
+
+@dataclass
+class Slice:
+    """One op of one rank on the common time axis, in a lane of its communicator
+    (ops of one communicator that overlap in time go to different lanes)."""
+
+    start_ns: int
+    end_ns: int
+    comm: str
+    lane: int
+    record: Dict[str, Any]
+    in_flight: bool  # no end recorded: drawn up to the end of the trace
+
+
+def rank_timeline(scan: JobScan, rank: int) -> List[Slice]:
+    """Rank ``rank``'s ops (read again from its files) with lanes assigned first-fit."""
+    src = scan.sources[rank]
+    off = src.wall_minus_mono_ns - scan.offsets[rank].offset_ns
+    t_end = scan.span()[1]
+    by_comm: Dict[str, List[Tuple[int, int, Dict[str, Any], bool]]] = {}
+    for r in rank_records(src, skip_bad=True):
+        start = (r.get("start_ns") or r["enqueue_ns"]) + off
+        end = r.get("end_ns")
+        by_comm.setdefault(r["comm_id"], []).append(
+            (start, max(start, t_end) if end is None else end + off, r, end is None))
+    out: List[Slice] = []
+    for comm in sorted(by_comm):
+        lane_ends: List[int] = []
+        for start, end, r, open_ in sorted(by_comm[comm], key=lambda x: (x[0], x[1])):
+            lane = next((i for i, e in enumerate(lane_ends) if e <= start), len(lane_ends))
+            if lane == len(lane_ends):
+                lane_ends.append(end)
+            else:
+                lane_ends[lane] = end
+            out.append(Slice(start, end, comm, lane, r, open_))
+    return out
+
+
+def flow_order(scan: JobScan, key: Tuple[str, int, int]) -> List[int]:
+    """The ranks of one collective ordered by the middle of their op on the common
+    axis: the order in which a flow arrow links them (empty for an unknown key)."""
+    a = scan.collectives.get(key, ())
+    mids = []
+    for i in range(0, len(a), _W):
+        rank, start, end = a[i], a[i + 2], a[i + 3]
+        mids.append(((start + (start if end < 0 else end)) // 2 - scan.offsets[rank].offset_ns, rank))
+    return [rank for _, rank in sorted(mids)]
+
+
+# ---------------------------------------------------------------- summary
+
+def _bucket_label(bits: int) -> str:
+    if bits == 0:
+        return "0 B"
+    lo, hi = 1 << (bits - 1), 1 << bits
+    return f"{_human_bytes(lo)}-{_human_bytes(hi)}"
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:g} {unit}"
+        n /= 1024
+    return f"{n:g} GiB"
+
+
+def summary(scan: JobScan) -> Dict[str, Any]:
+    """Latency and bandwidth per communicator x op x size bucket, straggler
+    time per rank, clock offsets: plain values (times in ms, bandwidth in GB/s)."""
+    groups = []
+    for (comm, op, bits), (count, total_s, total_ns, durs) in sorted(scan.groups.items()):
+        info = scan.communicators.get(comm, {})
+        n = scan.comm_size(comm)
+        ds = sorted(durs)
+        algbw = total_s / total_ns if total_ns else None  # bytes per ns = GB/s
+        factor = bus_factor(op, n)
+        groups.append({
+            "comm": comm, "comm_name": info.get("name"), "op": op, "ranks": n,
+            "bucket": _bucket_label(bits), "bucket_min_bytes": (1 << (bits - 1)) if bits else 0,
+            "bucket_max_bytes": 1 << bits, "count": count, "mean_bytes": total_s / count,
+            "total_ms": total_ns / 1e6, "mean_ms": total_ns / 1e6 / count,
+            "p50_ms": percentile(ds, 50), "p99_ms": percentile(ds, 99),
+            "algbw_gbps": None if factor is None else algbw,
+            "busbw_gbps": None if factor is None or algbw is None else algbw * factor,
+        })
+    return {
+        "ranks": sorted(scan.sources), "problems": list(scan.problems),
+        "groups": groups, "stragglers": stragglers(scan),
+        "clock": [{"rank": c.rank, "reference": c.reference, "offset_us": c.offset_ns / 1e3,
+                   "low_us": None if c.low_ns is None else c.low_ns / 1e3,
+                   "high_us": None if c.high_ns is None else c.high_ns / 1e3,
+                   "uncertainty_us": None if c.uncertainty_ns is None else c.uncertainty_ns / 1e3,
+                   "collectives": c.collectives, "consistent": c.consistent}
+                  for c in sorted(scan.offsets.values(), key=lambda c: c.rank)],
+    }
+
+
+def stragglers(scan: JobScan) -> List[Dict[str, Any]]:
+    """Per rank, over the collectives every member recorded: the time it waited
+    for the last member to arrive (max aligned enqueue - its own), summed."""
+    wait = {r: 0 for r in scan.sources}
+    counted = dict.fromkeys(scan.sources, 0)
+    last = dict.fromkeys(scan.sources, 0)
+    off = {r: c.offset_ns for r, c in scan.offsets.items()}
+    for (comm, _, _), a in scan.collectives.items():
+        n = len(a) // _W
+        if n < 2 or n != scan.comm_size(comm):
+            continue
+        arrivals = [(a[i + 1] - off[a[i]], a[i]) for i in range(0, len(a), _W)]
+        latest, late_rank = max(arrivals)
+        last[late_rank] += 1
+        for t, rank in arrivals:
+            wait[rank] += latest - t
+            counted[rank] += 1
+    return [{"rank": r, "collectives": counted[r], "wait_s": wait[r] / 1e9, "last_arrivals": last[r]}
+            for r in sorted(scan.sources)]
+
+
+# ---------------------------------------------------------------- diagnosis
+
+def _op_name(r: Dict[str, Any]) -> str:
+    return f"{r['op']} #{r['seq']}"
+
+
+def _where(r: Dict[str, Any]) -> str:
+    return f"{_op_name(r)} of '{r['comm']}' ({r['state']}) at {r.get('call_site') or '?'}"
+
+
+def _ranks(rs: Iterable[int]) -> str:
+    rs = sorted(rs)
+    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
+
+
+@dataclass
+class Finding:
+    """One thing wrong (``error``) or worth knowing (``warning``, ``info``)."""
+
+    severity: str
+    text: str
+    ranks: List[int]
+
+
+def diagnose(scan: JobScan) -> Dict[str, Any]:
+    """Who is stuck where and why: plain values, ``ok`` False when something is wrong."""
+    findings: List[Finding] = []
+    culprits: Dict[int, str] = {}
+    present = set(scan.sources)
+    expected = set(present)
+    for uid in scan.communicators:
+        expected.update(scan.members(uid))
+    missing = sorted(expected - present)
+    for r in missing:
+        findings.append(Finding("error", f"rank {r} left no trace file (no dump, no JSON lines): it was killed "
+                                         "(SIGKILL) or is still hung (SIGSTOP), or its files were not copied", [r]))
+    for r, src in sorted(scan.sources.items()):
+        if src.dump_path is None and src.jsonl_path is not None:
+            findings.append(Finding("warning", f"rank {r} left JSON lines but no dump: it never exited, failed "
+                                               "or got SIGTERM/SIGUSR1 (killed, or stopped)", [r]))
+    lost: Dict[int, List[int]] = {}
+    for r, src in sorted(scan.sources.items()):
+        if src.lost_records:
+            lost.setdefault(src.lost_records, []).append(r)
+    for n, rs in sorted(lost.items()):
+        findings.append(Finding("info", f"{_ranks(rs)}: {n} records each are in no file "
+                                        "(ring overwritten, queue overflow or failed writes)", rs))
+    mismatches = _mismatches(scan, findings, culprits)
+    _call_site_splits(scan, findings)
+    comms = []
+    for uid in sorted({k[0] for k in scan.collectives} | set(scan.communicators)):
+        comms.append(_diagnose_comm(scan, uid, missing, mismatches, findings, culprits))
+    ranks = []
+    for r in sorted(expected):
+        src = scan.sources.get(r)
+        if src is None:
+            ranks.append({"rank": r, "files": [], "stands": "no trace file", "call_site": None, "reason": None})
+            continue
+        stuck = scan.unfinished.get(r) or []
+        last = scan.last_record.get(r)
+        if stuck:
+            stands, site = f"in {_where(stuck[0])}", stuck[0].get("call_site")
+        elif last is not None:
+            stands, site = f"last seen after {_where(last)}", last.get("call_site")
+        else:
+            stands, site = "no records", None
+        ranks.append({"rank": r, "files": src.files, "host": src.host, "pid": src.pid, "reason": src.reason,
+                      "dump": src.dump_path is not None, "stands": stands, "call_site": site})
+    errors = [f for f in findings if f.severity == "error"]
+    if culprits:
+        head = "Likely culprit: " + "; ".join(f"rank {r} ({why})" for r, why in sorted(culprits.items()))
+    elif errors:
+        head = f"Something went wrong ({len(errors)} problems below), no single rank to blame."
+    else:
+        head = f"No problem found in {len(present)} ranks' traces."
+    return {"ok": not errors, "headline": head, "culprits": sorted(culprits), "missing_ranks": missing,
+            "findings": [asdict(f) for f in findings], "communicators": comms, "ranks": ranks,
+            "problems": list(scan.problems)}
+
+
+def _describe(fp: Tuple[Any, ...]) -> str:
+    """``all_reduce(float32, 32 B, SUM)``: an op's fingerprint in words."""
+    op, dtype, reduce_op, size, root = fp
+    parts = [str(dtype), "? B" if size is None else f"{size} B"]
+    if reduce_op is not None:
+        parts.append(reduce_op)
+    if root is not None:
+        parts.append(f"root {root}")
+    return f"{op}({', '.join(parts)})"
+
+
+def _call_site_splits(scan: JobScan, findings: List[Finding]) -> None:
+    """Same collective, different lines of code: the ranks took different paths
+    (a rank that skipped or added a collective is one call ahead from there on)."""
+    names = {sid: site for site, sid in scan.call_sites.items()}
+    reported: Dict[str, int] = {}
+    for key in sorted(scan.collectives, key=lambda k: (k[0], k[1], k[2])):
+        a = scan.collectives[key]
+        sids = a[6::_W]
+        if len(set(sids)) < 2 or reported.get(key[0], 0) >= 3:
+            continue
+        reported[key[0]] = reported.get(key[0], 0) + 1
+        groups: Dict[int, List[int]] = {}
+        for rank, sid in zip(a[0::_W], sids):
+            groups.setdefault(sid, []).append(rank)
+        where = "; ".join(f"{_ranks(rs)} at {names[sid]}" for sid, rs in sorted(groups.items(), key=lambda kv: min(kv[1])))
+        name = scan.communicators.get(key[0], {}).get("name") or key[0]
+        findings.append(Finding("warning", f"'{name}' #{key[2]} ({scan.coll_ops[key]}) was called from different "
+                                           f"lines: {where}", sorted(min(groups.values(), key=len))))
+
+
+def _mismatches(scan: JobScan, findings: List[Finding], culprits: Dict[int, str]) -> Dict[Tuple[str, int, int], List[int]]:
+    """Collectives whose ranks disagree on op, dtype, reduce op, size or root."""
+    by_id = {fid: fp for fp, fid in scan.fingerprints.items()}
+    out: Dict[Tuple[str, int, int], List[int]] = {}
+    for key, a in scan.collectives.items():
+        fids = a[4::_W]
+        if len(set(fids)) < 2:
+            continue
+        ranks = a[0::_W]
+        groups: Dict[int, List[int]] = {}
+        for rank, fid in zip(ranks, fids):
+            groups.setdefault(fid, []).append(rank)
+        major = max(groups, key=lambda f: (len(groups[f]), -min(groups[f])))
+        ref = by_id[major]
+        name = scan.communicators.get(key[0], {}).get("name") or key[0]
+        parts, odd = [], []
+        for fid, rs in sorted(groups.items(), key=lambda kv: min(kv[1])):
+            if fid != major:
+                fp = by_id[fid]
+                differs = ", ".join(f for i, f in enumerate(FINGERPRINT_FIELDS) if fp[i] != ref[i])
+                parts.append(f"{_ranks(rs)} called {_describe(fp)} [differs: {differs}]")
+                odd += rs
+        findings.append(Finding("error", f"mismatch in '{name}' ({key[0]}) at #{key[2]}: "
+                                         f"{_ranks(groups[major])} called {_describe(ref)}; " + "; ".join(parts), odd))
+        for r in odd:
+            culprits.setdefault(r, f"mismatched {ref[0]} #{key[2]} of '{name}'")
+        out[key] = odd
+    return out
+
+
+def _diagnose_comm(scan: JobScan, uid: str, missing: List[int], mismatches: Dict[Tuple[str, int, int], List[int]],
+                   findings: List[Finding], culprits: Dict[int, str]) -> Dict[str, Any]:
+    info = scan.communicators.get(uid, {})
+    name = info.get("name") or uid
+    members = scan.members(uid)
+    present = [r for r in members if r in scan.sources]
+    rows = []
+    for r in members:
+        le, lc = scan.last_entered.get((r, uid)), scan.last_completed.get((r, uid))
+        rows.append({"rank": r, "present": r in scan.sources,
+                     "last_entered": None if le is None else f"{_op_name(le)} ({le['state']})",
+                     "last_completed": None if lc is None else _op_name(lc),
+                     "call_site": None if le is None else le.get("call_site")})
+    # The first op some member did not complete: where the communicator went wrong.
+    trouble: Optional[Dict[str, Any]] = None
+    for r in present:
+        for rec in scan.unfinished.get(r, ()):
+            if rec["comm_id"] == uid and rec["op"] not in P2P_OPS:
+                order = (rec.get("generation") or 0, rec["seq"])
+                if trouble is None or order < ((trouble.get("generation") or 0), trouble["seq"]):
+                    trouble = rec
+                break
+    if trouble is not None:
+        gen, seq = trouble.get("generation") or 0, trouble["seq"]
+        key = (uid, gen, seq)
+        a = scan.collectives.get(key, array("q"))
+        entered = {a[i]: STATES[a[i + 5]] for i in range(0, len(a), _W)}
+        never = [r for r in present if r not in entered and _before(scan.last_entered.get((r, uid)), gen, seq)]
+        by_state: Dict[str, List[int]] = {}
+        for r, st in entered.items():
+            by_state.setdefault(st, []).append(r)
+        states = "; ".join(f"{_ranks(rs)} {st}" for st, rs in sorted(by_state.items()))
+        text = f"'{name}' ({uid}) went wrong at {trouble['op']} #{seq}: {states}"
+        errs = {trouble.get("error")} - {None}
+        if errs:
+            text += f" ({sorted(errs)[0]})"
+        absent = [r for r in members if r in missing]
+        if never:
+            for r in never:
+                le = scan.last_entered.get((r, uid))
+                seen = "no op of this communicator recorded" if le is None else f"last entered {_where(le)}"
+                culprits.setdefault(r, f"never entered {trouble['op']} #{seq} of '{name}'; {seen}")
+            text += f"; {_ranks(never)} never entered it"
+        elif absent and key not in mismatches:
+            for r in absent:
+                culprits.setdefault(r, f"left no trace while its peers failed in {trouble['op']} #{seq} of '{name}'")
+            text += f"; {_ranks(absent)} left no trace"
+        in_flight_everywhere = not never and not absent and set(by_state) <= {STARTED, SCHEDULED}
+        findings.append(Finding("warning" if in_flight_everywhere else "error", text, never or absent))
+    else:
+        fronts = {r: scan.last_entered[(r, uid)]["seq"] for r in present if (r, uid) in scan.last_entered}
+        if fronts and len(set(fronts.values())) > 1:
+            top = max(fronts.values())
+            behind = [r for r, s in fronts.items() if s < top]
+            findings.append(Finding("warning", f"'{name}' ({uid}): {_ranks(behind)} stopped before #{top}, "
+                                               "which the others completed (dumps taken at different times?)",
+                                    behind))
+    return {"uid": uid, "name": name, "members": members, "rows": rows}
+
+
+def _before(rec: Optional[Dict[str, Any]], gen: int, seq: int) -> bool:
+    """True when ``rec`` (a rank's last entered op) comes before (gen, seq)."""
+    return rec is None or ((rec.get("generation") or 0), rec["seq"]) < (gen, seq)

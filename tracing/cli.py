@@ -9,19 +9,16 @@ Imports neither torch nor commslayer, so it starts fast and runs anywhere.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import sys
-from typing import List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from . import analysis
+from .perfetto import export_perfetto
 from .traceio import TraceFileError, iter_records
-
-
-def _add_input(p: argparse.ArgumentParser) -> None:
-    p.add_argument("paths", nargs="+", metavar="DIR",
-                   help="a trace directory (rank<R>.json / rank<R>.jsonl), or trace files")
-    p.add_argument("--skip-bad", action="store_true",
-                   help="leave out corrupt or unreadable files and lines (and say so) instead of stopping")
+from .viewer import MAX_OPS, write_html
 
 
 def _warn(problems: List[str]) -> None:
@@ -47,26 +44,158 @@ def cmd_overlap(args: argparse.Namespace) -> int:
     return 0
 
 
+def _num(v: Optional[float], fmt: str = ".3f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def print_summary(s: Dict[str, Any]) -> None:
+    """The summary as tables for a terminal."""
+    print(f"ranks: {', '.join(map(str, s['ranks'])) or 'none'}")
+    print()
+    print(f"{'communicator':<22} {'op':<22} {'size':<18} {'n':>3} {'count':>7} {'total ms':>10} {'mean ms':>9} "
+          f"{'p50 ms':>9} {'p99 ms':>9} {'algbw GB/s':>11} {'busbw GB/s':>11}")
+    for g in s["groups"]:
+        print(f"{g['comm'][:22]:<22} {g['op'][:22]:<22} {g['bucket']:<18} {g['ranks']:>3} {g['count']:>7} "
+              f"{g['total_ms']:>10.3f} {g['mean_ms']:>9.3f} {g['p50_ms']:>9.3f} {g['p99_ms']:>9.3f} "
+              f"{_num(g['algbw_gbps'], '.4f'):>11} {_num(g['busbw_gbps'], '.4f'):>11}")
+    print()
+    print("straggler time: how long each rank waited for the last member to arrive")
+    print(f"{'rank':>4} {'collectives':>11} {'waited s':>10} {'last to arrive':>15}")
+    for r in s["stragglers"]:
+        print(f"{r['rank']:>4} {r['collectives']:>11} {r['wait_s']:>10.4f} {r['last_arrivals']:>15}")
+    print()
+    print("clock offsets against the reference rank (subtracted from the rank's times; true value within bounds)")
+    print(f"{'rank':>4} {'ref':>4} {'offset us':>11} {'low us':>11} {'high us':>11} {'+/- us':>10} {'from ops':>8}")
+    for c in s["clock"]:
+        note = "" if c["consistent"] else "  bounds cross: clocks drift?"
+        print(f"{c['rank']:>4} {c['reference']:>4} {c['offset_us']:>11.1f} {_num(c['low_us'], '.1f'):>11} "
+              f"{_num(c['high_us'], '.1f'):>11} {_num(c['uncertainty_us'], '.1f'):>10} {c['collectives']:>8}{note}")
+
+
+def _report(args: argparse.Namespace, compute: Callable[[analysis.JobScan], Dict[str, Any]],
+            show: Callable[[Dict[str, Any]], None]) -> Dict[str, Any]:
+    """Scan the input, compute, print as JSON or through ``show``; the result."""
+    scan = analysis.JobScan(args.paths, skip_bad=args.skip_bad, jobs=args.jobs)
+    result = compute(scan)
+    _warn(scan.problems)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        show(result)
+    return result
+
+
+def cmd_summary(args: argparse.Namespace) -> int:
+    """Print the bandwidth/latency tables, stragglers and clock offsets."""
+    _report(args, analysis.summary, print_summary)
+    return 0
+
+
+def print_diagnosis(d: Dict[str, Any]) -> None:
+    """The diagnosis in plain words for a terminal."""
+    print(d["headline"])
+    for f in d["findings"]:
+        print(f"  {f['severity']}: {f['text']}")
+    print()
+    print("where each rank stands:")
+    for r in d["ranks"]:
+        files = "no files" if not r["files"] else ("dump" if r.get("dump") else "JSON lines only, no dump")
+        why = f", dumped on: {r['reason']}" if r.get("reason") else ""
+        print(f"  rank {r['rank']}: {r['stands']} [{files}{why}]")
+    for c in d["communicators"]:
+        print()
+        print(f"communicator '{c['name']}' ({c['uid']}), ranks {', '.join(map(str, c['members']))}:")
+        for row in c["rows"]:
+            if not row["present"]:
+                print(f"  rank {row['rank']}: no trace")
+            else:
+                print(f"  rank {row['rank']}: last entered {row['last_entered'] or '-'}, "
+                      f"last completed {row['last_completed'] or '-'}, at {row['call_site'] or '?'}")
+
+
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    """Print the diagnosis; exit 1 when something is wrong."""
+    return 0 if _report(args, analysis.diagnose, print_diagnosis)["ok"] else 1
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write the Chrome trace-event JSON."""
+    scan = analysis.JobScan(args.paths, skip_bad=args.skip_bad, jobs=args.jobs)
+    counts = export_perfetto(scan, args.perfetto)
+    _warn(scan.problems)
+    print(f"wrote {args.perfetto}: {counts['ranks']} ranks, {counts['slices']} ops, {counts['flows']} flows "
+          "(open it in https://ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    """Write the self-contained HTML view."""
+    scan = analysis.JobScan(args.paths, skip_bad=args.skip_bad, jobs=args.jobs)
+    write_html(scan, args.output, args.title or f"commslayer trace: {', '.join(args.paths)}", max_ops=args.max_ops)
+    _warn(scan.problems)
+    print(f"wrote {args.output}")
+    return 0
+
+
+def _command(sub: Any, name: str, fn: Callable[[argparse.Namespace], int], brief: str, description: str,
+             *, json_out: bool = False, parallel: bool = True) -> argparse.ArgumentParser:
+    p = sub.add_parser(name, help=brief, description=description)
+    p.add_argument("paths", nargs="+", metavar="DIR",
+                   help="a trace directory (rank<R>.json / rank<R>.jsonl), or trace files")
+    p.add_argument("--skip-bad", action="store_true",
+                   help="leave out corrupt or unreadable files and lines (and say so) instead of stopping")
+    if parallel:
+        p.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), metavar="N",
+                       help="processes reading ranks in parallel when the input is large (default: the usable CPUs)")
+    if json_out:
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(fn=fn)
+    return p
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser, one subcommand per question."""
     top = argparse.ArgumentParser(prog="commslayer-trace",
                                   description="Merge, check and show the collective traces of one job.")
     sub = top.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("overlap", help="per rank: reduce-scatter time hidden under all-gather, exposed comm time",
-                       description="Per rank: union of reduce-scatter and all-gather busy time, the part of "
-                                   "RS time during which an AG was in flight, and the time the issuing thread "
-                                   "was blocked in synchronous calls (see docs/viewer.md).")
-    _add_input(p)
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(fn=cmd_overlap)
+    _command(sub, "summary", cmd_summary, "latency and bandwidth per communicator, op and size; stragglers; clocks",
+             "Per communicator x op x message-size bucket (powers of two): count, total, mean, p50 and p99 "
+             "latency, algorithm and bus bandwidth (nccl-tests formulas); per rank, time spent waiting for the "
+             "last arrival; the estimated clock offsets with their bounds.", json_out=True)
+    _command(sub, "diagnose", cmd_diagnose, "who is stuck where and why; exit status 1 when something is wrong",
+             "For each communicator: the last op every rank entered and completed, ranks that never entered the "
+             "op the others wait or failed in, mismatched op/dtype/size/reduce op/root at one sequence number, "
+             "ranks without files, the likely culprits and where each rank stands. Exit 0: nothing wrong; "
+             "1: a problem; 2: unusable input.", json_out=True)
+    p = _command(sub, "export", cmd_export, "Chrome trace-event JSON for Perfetto UI / chrome://tracing",
+                 "One process per rank, one thread per communicator lane, one slice per op, flows linking each "
+                 "collective across ranks; clocks aligned.")
+    p.add_argument("--perfetto", required=True, metavar="OUT.json", help="the file to write")
+    p = _command(sub, "view", cmd_view, "one self-contained HTML file: diagnosis, timeline, tables",
+                 "The diagnosis on top, a zoomable timeline per rank and communicator lane with hover details, "
+                 "the summary and overlap tables; no network needed.")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.html", help="the file to write")
+    p.add_argument("--title", help="page title (default: the input paths)")
+    p.add_argument("--max-ops", type=int, default=MAX_OPS,
+                   help=f"ops drawn one by one (default {MAX_OPS}); older ones are aggregated into time bins")
+    _command(sub, "overlap", cmd_overlap, "per rank: reduce-scatter time hidden under all-gather, exposed comm time",
+             "Per rank: union of reduce-scatter and all-gather busy time, the part of RS time during which an AG "
+             "was in flight, and the time the issuing thread was blocked in synchronous calls (see "
+             "docs/viewer.md).", json_out=True, parallel=False)
     return top
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``commslayer-trace`` console script."""
     args = parser().parse_args(argv)
+    # Reading builds millions of short-lived dicts and no cycles: the cyclic GC
+    # only re-scans them (measured: it doubled the time to parse a large dump).
+    gc.disable()
     try:
         return args.fn(args)
+    except BrokenPipeError:  # `| head`: the reader left
+        sys.stdout = open(os.devnull, "w")
+        return 0
     except TraceFileError as exc:
         print(f"commslayer-trace: error: {exc}", file=sys.stderr)
         print("commslayer-trace: --skip-bad leaves such files or lines out", file=sys.stderr)

@@ -32,7 +32,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from .records import DUMP_KIND, SCHEMA_VERSION
 
-try:  # orjson parses 3-5x faster; the viewer still runs without it
+try:  # orjson (a dependency of the package) is faster; the viewer also runs without it
     from orjson import JSONDecodeError, loads
 except ImportError:  # pragma: no cover - orjson is a dependency of the package
     from json import JSONDecodeError, loads  # type: ignore[assignment]
@@ -62,10 +62,16 @@ class RankSource:
     pid: Optional[int] = None
     job: Optional[str] = None
     reason: Optional[str] = None              # why the dump was written
-    dropped_records: int = 0                  # records the ring or a failed write lost
+    ring_dropped: int = 0                     # records the dump's ring (or a failed dump write) lost
+    jsonl_dropped: int = 0                    # records the JSON-lines sink dropped (its sink_dropped events)
     wall_minus_mono_ns: Optional[int] = None  # from the clock anchor
     communicators: Dict[str, Dict[str, Any]] = field(default_factory=dict)
-    n_records: int = 0
+
+    @property
+    def lost_records(self) -> int:
+        """Records of this rank that no file holds: with JSON lines, those its sink
+        dropped (the ring's losses are in the JSON lines); else those the ring lost."""
+        return self.jsonl_dropped if self.jsonl_path else self.ring_dropped
 
     @property
     def files(self) -> List[str]:
@@ -123,12 +129,16 @@ def _read_dump(path: str) -> Dict[str, Any]:
 
 
 def _check_record(r: Any, path: str, line: int, index: Optional[int] = None) -> None:
+    try:
+        if None not in (r["op_id"], r["comm_id"], r["seq"], r["op"], r["state"], r["enqueue_ns"]):
+            return
+    except (KeyError, TypeError):
+        pass
     where = "" if index is None else f"record #{index}: "
     if not isinstance(r, dict):
         raise TraceFileError(path, line, f"{where}a record must be a JSON object")
-    for k in REQUIRED:
-        if r.get(k) is None:
-            raise TraceFileError(path, line, f"{where}record without {k!r}")
+    missing = [k for k in REQUIRED if r.get(k) is None]
+    raise TraceFileError(path, line, f"{where}record without {', '.join(map(repr, missing))}")
 
 
 def discover(paths: Sequence[str], *, skip_bad: bool = False,
@@ -175,7 +185,7 @@ def _load_dump_into(src: RankSource) -> Dict[int, Dict[str, Any]]:
     src.wall_minus_mono_ns = clock["wall_ns"] - clock["mono_ns"]
     src.host, src.pid, src.job = doc.get("host"), doc.get("pid"), doc.get("job")
     src.reason = doc.get("reason")
-    src.dropped_records = int(doc.get("dropped_records") or 0)
+    src.ring_dropped = int(doc.get("dropped_records") or 0)
     for uid, info in (doc.get("communicators") or {}).items():
         src.communicators[uid] = dict(info)
     out: Dict[int, Dict[str, Any]] = {}
@@ -190,25 +200,16 @@ def _jsonl_records(src: RankSource, skip_bad: bool, problems: List[str]) -> Iter
     bad = 0
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
-            try:
-                try:
-                    ev = loads(line)
-                except JSONDecodeError as exc:
-                    raise TraceFileError(path, lineno, f"truncated or corrupt JSON line ({exc})") from None
-                kind = ev.get("event") if isinstance(ev, dict) else None
-                if kind == "collective":
-                    _check_record(ev, path, lineno)
+            try:  # the common case first, in one try: a whole collective record
+                ev = loads(line)
+                if ev["event"] == "collective" and \
+                        None not in (ev["op_id"], ev["comm_id"], ev["seq"], ev["op"], ev["state"], ev["enqueue_ns"]):
                     yield ev
-                elif kind in ("communicator_created", "communicator_split"):
-                    src.communicators.setdefault(ev["comm_id"], {
-                        "name": ev.get("comm"), "backend": ev.get("backend"), "rank": ev.get("comm_rank"),
-                        "size": ev.get("size"), "global_ranks": ev.get("global_ranks"),
-                        "generation": ev.get("generation"), "state": "ok"})
-                elif kind == "trace_started" and ev.get("schema") != SCHEMA_VERSION:
-                    raise TraceFileError(path, lineno, f"trace schema {ev.get('schema')}; "
-                                                       f"this reader knows {SCHEMA_VERSION}")
-                elif kind is None:
-                    raise TraceFileError(path, lineno, "not a trace event (no 'event' field)")
+                    continue
+            except (JSONDecodeError, KeyError, TypeError):
+                pass
+            try:
+                _other_line(src, path, lineno, line)
             except TraceFileError as exc:
                 if not skip_bad:
                     raise
@@ -217,6 +218,28 @@ def _jsonl_records(src: RankSource, skip_bad: bool, problems: List[str]) -> Iter
                     problems.append(f"skipped {exc}")
     if bad > 5:
         problems.append(f"skipped {bad - 5} more bad lines of {path}")
+
+
+def _other_line(src: RankSource, path: str, lineno: int, line: bytes) -> None:
+    """A JSONL line that is not a whole collective record: an event to note, or an error."""
+    try:
+        ev = loads(line)
+    except JSONDecodeError as exc:
+        raise TraceFileError(path, lineno, f"truncated or corrupt JSON line ({exc})") from None
+    kind = ev.get("event") if isinstance(ev, dict) else None
+    if kind == "collective":
+        _check_record(ev, path, lineno)
+    elif kind in ("communicator_created", "communicator_split"):
+        src.communicators.setdefault(ev["comm_id"], {
+            "name": ev.get("comm"), "backend": ev.get("backend"), "rank": ev.get("comm_rank"),
+            "size": ev.get("size"), "global_ranks": ev.get("global_ranks"),
+            "generation": ev.get("generation"), "state": "ok"})
+    elif kind == "sink_dropped":
+        src.jsonl_dropped += int(ev.get("dropped") or 0)
+    elif kind == "trace_started" and ev.get("schema") != SCHEMA_VERSION:
+        raise TraceFileError(path, lineno, f"trace schema {ev.get('schema')}; this reader knows {SCHEMA_VERSION}")
+    elif kind is None:
+        raise TraceFileError(path, lineno, "not a trace event (no 'event' field)")
 
 
 def rank_records(src: RankSource, *, skip_bad: bool = False,
@@ -239,16 +262,13 @@ def rank_records(src: RankSource, *, skip_bad: bool = False,
     if src.wall_minus_mono_ns is None and src.jsonl_path:
         problems.append(f"rank {src.rank}: no clock anchor in {src.jsonl_path}; its times are taken as wall time")
         src.wall_minus_mono_ns = 0
-    n = 0
     if src.jsonl_path:
         for r in _jsonl_records(src, skip_bad, problems):
-            from_dump.pop(r["op_id"], None)
-            n += 1
+            if from_dump:
+                from_dump.pop(r["op_id"], None)
             yield r
     for op_id in sorted(from_dump):
-        n += 1
         yield from_dump[op_id]
-    src.n_records = n
 
 
 def iter_records(paths: Sequence[str], *, skip_bad: bool = False,

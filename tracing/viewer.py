@@ -1,0 +1,332 @@
+"""The self-contained HTML view of a job's traces: one file, no network.
+
+On top, the diagnosis in plain words (``analysis.diagnose``); then a canvas
+timeline, one row per rank x communicator lane on the common time axis, with
+zoom (wheel, buttons), pan (drag) and hover details of each op; then the
+summary tables (bandwidth, stragglers, clock offsets) and the overlap table.
+
+Every string that comes from a trace is escaped: in the HTML parts with
+``html.escape``, and the timeline's data travels as JSON in a
+``<script type="application/json">`` block (``<``, ``>`` and ``&`` written as
+``\\u003c`` etc., so no trace text can close the block) that the script reads
+with ``JSON.parse`` and shows only through ``textContent`` and the canvas.
+A Content-Security-Policy of ``default-src 'none'`` keeps the page from
+loading anything.
+
+Scale: at most ``MAX_OPS`` ops are drawn one by one.  Beyond that each rank
+keeps its latest ops (where a hang is) and every op that did not complete;
+its older ops are aggregated per lane into ``BINS`` time bins, drawn as
+shaded blocks whose darkness is the fraction of the bin the lane was busy,
+with the op count in the hover text.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from typing import Any, Dict, List, Optional
+
+from .analysis import JobScan, OverlapStats, Slice, diagnose, overlap_by_rank, rank_timeline, summary
+
+MAX_OPS = 60_000
+BINS = 600
+_STATE_CODE = {"completed": 0, "started": 1, "scheduled": 1, "timed_out": 2, "failed": 2, "aborted": 3}
+
+
+def _e(v: Any) -> str:
+    return html.escape("" if v is None else str(v), quote=True)
+
+
+def _detail(r: Dict[str, Any], rank: int, in_flight: bool) -> str:
+    size = r.get("in_bytes") if r.get("in_bytes") is not None else r.get("out_bytes")
+    lines = [f"rank {rank}: {r['op']} #{r['seq']} of '{r.get('comm')}' ({r['comm_id']})",
+             f"state {r['state']}" + (" (no end recorded)" if in_flight else "")
+             + ("" if r.get("duration_ms") is None else f", {r['duration_ms']:.3f} ms"),
+             f"{r.get('dtype')}, in {size} B, out {r.get('out_bytes')} B"
+             + ("" if r.get("reduce_op") is None else f", {r['reduce_op']}")
+             + ("" if r.get("root") is None else f", root {r['root']}")
+             + ("" if r.get("peer") is None else f", peer {r['peer']}"),
+             f"{'async' if r.get('async_op') else 'sync'}, timeout {r.get('timeout_s')} s, thread {r.get('thread')}",
+             f"at {r.get('call_site')}"]
+    if r.get("error"):
+        lines.append(f"error: {r['error']}")
+    return "\n".join(lines)
+
+
+class _Timeline:
+    """Collects the timeline's plain values rank by rank (times in us from the first op)."""
+
+    def __init__(self, scan: JobScan, culprits: List[int], max_ops: int, bins: int) -> None:
+        self.t0, t1 = scan.span()
+        self.span_us = (t1 - self.t0) / 1e3
+        self.culprits = set(culprits)
+        self.budget = max(1, max_ops // max(1, len(scan.sources)))
+        self.bins = bins
+        self.lanes: List[Dict[str, Any]] = []
+        self.ops: List[List[Any]] = []
+        self.details: List[str] = []
+        self.agg: List[List[Any]] = []
+        self.aggregated = 0
+
+    def add(self, rank: int, slices: List[Slice]) -> None:
+        """Lay out one rank: its latest ``budget`` ops and every unfinished one in
+        detail, the older ones binned."""
+        t0 = self.t0
+        lane_ids: Dict[Any, int] = {}
+        for sl in sorted(slices, key=lambda s: (s.comm, s.lane)):
+            if (sl.comm, sl.lane) not in lane_ids:
+                lane_ids[(sl.comm, sl.lane)] = len(self.lanes)
+                name = sl.record.get("comm") or sl.comm
+                self.lanes.append({"rank": rank, "culprit": rank in self.culprits,
+                                   "label": f"rank {rank} {name}" + (f" #{sl.lane + 1}" if sl.lane else "")})
+        keep = slices
+        if len(slices) > self.budget:
+            cut = sorted(s.end_ns for s in slices)[-self.budget]
+            detailed = [s.end_ns >= cut or s.in_flight or s.record["state"] != "completed" for s in slices]
+            keep = [s for s, d in zip(slices, detailed) if d]
+            old = [s for s, d in zip(slices, detailed) if not d]
+            self.aggregated += len(old)
+            width = max(1, (cut - t0) // self.bins + 1)
+            cells: Dict[Any, List[int]] = {}
+            for s in old:
+                c = cells.setdefault((lane_ids[(s.comm, s.lane)], (s.start_ns - t0) // width), [0, 0])
+                c[0] += 1
+                c[1] += s.end_ns - s.start_ns
+            for (lane, b), (n, busy) in cells.items():
+                self.agg.append([lane, b * width / 1e3, width / 1e3, n, busy / 1e3])
+        for s in keep:
+            self.ops.append([lane_ids[(s.comm, s.lane)], (s.start_ns - t0) / 1e3, (s.end_ns - s.start_ns) / 1e3,
+                             _STATE_CODE.get(s.record["state"], 1), len(self.details), s.record["op"]])
+            self.details.append(_detail(s.record, rank, s.in_flight))
+
+    def data(self) -> Dict[str, Any]:
+        """What the page's script reads."""
+        return {"span_us": self.span_us, "lanes": self.lanes, "ops": self.ops, "details": self.details,
+                "bins": self.agg, "aggregated": self.aggregated}
+
+
+def _table(head: List[str], rows: List[List[Any]]) -> str:
+    out = ["<table><tr>", *(f"<th>{_e(h)}</th>" for h in head), "</tr>"]
+    for row in rows:
+        out.append("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>")
+    out.append("</table>")
+    return "".join(out)
+
+
+def _f(v: Optional[float], fmt: str = ".3f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def render(scan: JobScan, title: str, *, max_ops: int = MAX_OPS) -> str:
+    """The whole page."""
+    d = diagnose(scan)
+    s = summary(scan)
+    ov: Dict[int, OverlapStats] = {}
+    tl = _Timeline(scan, d["culprits"], max_ops, BINS)
+    for rank in sorted(scan.sources):
+        slices = rank_timeline(scan, rank)
+        ov.update(overlap_by_rank(dict(sl.record, rank=rank) for sl in slices))
+        tl.add(rank, slices)
+    data = tl.data()
+    payload = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c").replace(">", "\\u003e") \
+        .replace("&", "\\u0026")
+    status = "ok" if d["ok"] else "bad"
+    findings = "".join(f"<li class='{_e(f['severity'])}'><b>{_e(f['severity'])}</b>: {_e(f['text'])}</li>"
+                       for f in d["findings"])
+    stands = _table(["rank", "where it stands", "call site", "files", "dumped on"],
+                    [[r["rank"], r["stands"], r["call_site"] or "-", ", ".join(r["files"]) or "none",
+                      r.get("reason") or "-"] for r in d["ranks"]])
+    comm_tables = "".join(
+        f"<h3>communicator {_e(c['name'])} ({_e(c['uid'])})</h3>"
+        + _table(["rank", "last entered", "last completed", "call site"],
+                 [[row["rank"], row["last_entered"] or ("no trace" if not row["present"] else "-"),
+                   row["last_completed"] or "-", row["call_site"] or "-"] for row in c["rows"]])
+        for c in d["communicators"])
+    groups = _table(["communicator", "op", "size", "ranks", "count", "total ms", "mean ms", "p50 ms", "p99 ms",
+                     "algbw GB/s", "busbw GB/s"],
+                    [[g["comm"], g["op"], g["bucket"], g["ranks"], g["count"], _f(g["total_ms"]), _f(g["mean_ms"]),
+                      _f(g["p50_ms"]), _f(g["p99_ms"]), _f(g["algbw_gbps"], ".4f"), _f(g["busbw_gbps"], ".4f")]
+                     for g in s["groups"]])
+    strag = _table(["rank", "collectives", "waited s", "last to arrive"],
+                   [[r["rank"], r["collectives"], _f(r["wait_s"], ".4f"), r["last_arrivals"]] for r in s["stragglers"]])
+    clock = _table(["rank", "reference", "offset us", "low us", "high us", "+/- us", "from ops"],
+                   [[c["rank"], c["reference"], _f(c["offset_us"], ".1f"), _f(c["low_us"], ".1f"),
+                     _f(c["high_us"], ".1f"), _f(c["uncertainty_us"], ".1f"), c["collectives"]] for c in s["clock"]])
+    overlap = _table(["rank", "RS ops", "AG ops", "RS s", "AG s", "hidden RS s", "hidden %", "comm s", "exposed s"],
+                     [[o.rank, o.rs_count, o.ag_count, _f(o.rs_s, ".4f"), _f(o.ag_s, ".4f"), _f(o.hidden_rs_s, ".4f"),
+                       _f(100 * o.hidden_fraction, ".1f"), _f(o.comm_s, ".4f"), _f(o.exposed_comm_s, ".4f")]
+                      for o in ov.values()])
+    problems = "".join(f"<li>{_e(p)}</li>" for p in d["problems"])
+    note = (f"{data['aggregated']} older ops are aggregated into shaded time bins (darker: busier); "
+            f"{len(data['ops'])} ops are drawn one by one." if data["aggregated"] else
+            f"{len(data['ops'])} ops.")
+    return (_PAGE.replace("%TITLE%", _e(title)).replace("%STATUS%", status)
+            .replace("%HEADLINE%", _e(d["headline"])).replace("%FINDINGS%", findings)
+            .replace("%PROBLEMS%", f"<h3>input problems</h3><ul>{problems}</ul>" if problems else "")
+            .replace("%STANDS%", stands).replace("%COMMS%", comm_tables).replace("%NOTE%", _e(note))
+            .replace("%GROUPS%", groups).replace("%STRAG%", strag).replace("%CLOCK%", clock)
+            .replace("%OVERLAP%", overlap).replace("%SCRIPT%", _SCRIPT).replace("%DATA%", payload))
+
+
+def write_html(scan: JobScan, path: str, title: str, *, max_ops: int = MAX_OPS) -> None:
+    """Write the page to ``path``."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(render(scan, title, max_ops=max_ops))
+
+
+_PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta http-equiv="Content-Security-Policy"
+ content="default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:">
+<link rel="icon" href="data:,">
+<title>%TITLE%</title>
+<style>
+body{font:13px/1.4 system-ui,sans-serif;margin:12px;color:#222}
+h1{font-size:18px;margin:0 0 8px} h2{font-size:15px;margin:18px 0 6px} h3{font-size:13px;margin:10px 0 4px}
+#diagnosis{padding:8px 12px;border-radius:6px;border:1px solid #ccc}
+#diagnosis.bad{background:#fdecea;border-color:#e0a09a} #diagnosis.ok{background:#eaf6ea;border-color:#9ac79a}
+#headline{font-size:15px;font-weight:600} li.error b{color:#b00} li.warning b{color:#a60} li.info b{color:#555}
+table{border-collapse:collapse;margin:4px 0} td,th{border:1px solid #ddd;padding:2px 6px;text-align:left}
+th{background:#f3f3f3} #tl{border:1px solid #ccc;display:block;cursor:grab;width:100%}
+#tip{position:fixed;display:none;background:#222;color:#fff;padding:6px 8px;border-radius:4px;
+ white-space:pre;font:12px monospace;pointer-events:none;max-width:720px;overflow:hidden;z-index:9}
+#controls button{margin-right:4px} .legend span{display:inline-block;width:10px;height:10px;margin:0 3px 0 10px}
+</style></head>
+<body>
+<h1>%TITLE%</h1>
+<div id="diagnosis" class="%STATUS%"><div id="headline">%HEADLINE%</div><ul>%FINDINGS%</ul>%PROBLEMS%
+<h3>where each rank stands</h3>%STANDS%</div>
+<h2>timeline</h2>
+<div id="controls"><button id="zin">zoom in</button><button id="zout">zoom out</button><button id="reset">reset</button>
+ wheel: zoom at the pointer, drag: pan, double-click: reset. <span id="range"></span>
+ <span class="legend"><span style="background:#4a7fc1"></span>completed<span style="background:#e08a1e"></span>in
+ flight<span style="background:#c62828"></span>timed out / failed<span style="background:#888"></span>aborted</span></div>
+<p>%NOTE%</p>
+<canvas id="tl"></canvas><div id="tip"></div>
+<h2>communicators</h2>%COMMS%
+<h2>summary</h2>%GROUPS%
+<h3>straggler time (waiting for the last arrival)</h3>%STRAG%
+<h3>clock offsets (subtracted from each rank's times; the true offset lies within the bounds)</h3>%CLOCK%
+<h2>reduce-scatter / all-gather overlap</h2>%OVERLAP%
+<div id="errors"></div>
+<script type="application/json" id="data">%DATA%</script>
+<script>%SCRIPT%</script>
+</body></html>
+"""
+
+_SCRIPT = r"""
+"use strict";
+window.addEventListener("error", function (e) {
+  document.getElementById("errors").textContent += "script error: " + e.message + "\n";
+});
+(function () {
+  const data = JSON.parse(document.getElementById("data").textContent);
+  const canvas = document.getElementById("tl"), tip = document.getElementById("tip");
+  const ctx = canvas.getContext("2d");
+  const ROW = 18, LABEL = 190, AXIS = 22;
+  const COLORS = ["#4a7fc1", "#e08a1e", "#c62828", "#888"];
+  const lanes = data.lanes, nl = lanes.length;
+  const byLane = lanes.map(function () { return []; });
+  data.ops.forEach(function (o) { byLane[o[0]].push(o); });
+  byLane.forEach(function (l) { l.sort(function (a, b) { return a[1] - b[1]; }); });
+  const binsByLane = lanes.map(function () { return []; });
+  data.bins.forEach(function (b) { binsByLane[b[0]].push(b); });
+  const full = Math.max(data.span_us, 1);
+  let v0 = 0, v1 = full, dragX = null, dragV0 = 0;
+
+  function size() {
+    const w = canvas.clientWidth || 1000, h = AXIS + Math.max(1, nl) * ROW + 4;
+    const dpr = window.devicePixelRatio || 1;
+    canvas.width = w * dpr; canvas.height = h * dpr; canvas.style.height = h + "px";
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    return w;
+  }
+  let W = size();
+  function x(t) { return LABEL + (t - v0) / (v1 - v0) * (W - LABEL); }
+  function t(px) { return v0 + (px - LABEL) / (W - LABEL) * (v1 - v0); }
+  function fmt(us) {
+    const a = Math.abs(us);
+    return a >= 1e6 ? (us / 1e6).toFixed(3) + " s" : a >= 1e3 ? (us / 1e3).toFixed(3) + " ms" : us.toFixed(1) + " us";
+  }
+  function draw() {
+    ctx.clearRect(0, 0, W, canvas.height);
+    ctx.font = "11px sans-serif"; ctx.textBaseline = "middle";
+    const step = Math.pow(10, Math.floor(Math.log10((v1 - v0) / 5 || 1)));
+    ctx.fillStyle = "#666"; ctx.strokeStyle = "#eee";
+    for (let s = Math.ceil(v0 / step) * step; s <= v1; s += step) {
+      const px = x(s);
+      ctx.beginPath(); ctx.moveTo(px, AXIS - 4); ctx.lineTo(px, canvas.height); ctx.stroke();
+      ctx.fillText(fmt(s), px + 2, 8);
+    }
+    for (let i = 0; i < nl; i++) {
+      const y = AXIS + i * ROW;
+      if (i > 0 && lanes[i].rank !== lanes[i - 1].rank) {
+        ctx.strokeStyle = "#999"; ctx.beginPath(); ctx.moveTo(0, y); ctx.lineTo(W, y); ctx.stroke();
+      }
+      ctx.fillStyle = lanes[i].culprit ? "#fdecea" : "#fafafa"; ctx.fillRect(0, y, LABEL - 4, ROW - 1);
+      ctx.fillStyle = lanes[i].culprit ? "#b00" : "#222";
+      ctx.fillText(lanes[i].label.slice(0, 30), 4, y + ROW / 2);
+      binsByLane[i].forEach(function (b) {
+        if (b[1] + b[2] < v0 || b[1] > v1) return;
+        ctx.fillStyle = "rgba(74,127,193," + Math.min(1, 0.15 + b[4] / b[2]).toFixed(3) + ")";
+        ctx.fillRect(x(b[1]), y + 3, Math.max(1, x(b[1] + b[2]) - x(b[1])), ROW - 7);
+      });
+      const ops = byLane[i];
+      for (let k = 0; k < ops.length; k++) {
+        const o = ops[k];
+        if (o[1] > v1) break;
+        if (o[1] + o[2] < v0) continue;
+        const a = Math.max(LABEL, x(o[1])), b = Math.min(W, x(o[1] + o[2]));
+        ctx.fillStyle = COLORS[o[3]];
+        ctx.fillRect(a, y + 2, Math.max(1, b - a), ROW - 5);
+        if (b - a > 40) { ctx.fillStyle = "#fff"; ctx.fillText(o[5], a + 3, y + ROW / 2); }
+      }
+    }
+    document.getElementById("range").textContent = "showing " + fmt(v0) + " to " + fmt(v1);
+  }
+  function zoom(f, at) {
+    const c = at === undefined ? (v0 + v1) / 2 : at;
+    const nv0 = c - (c - v0) * f, nv1 = c + (v1 - c) * f;
+    if (nv1 - nv0 < 0.01) return;
+    v0 = Math.max(-full * 0.05, nv0); v1 = Math.min(full * 1.05, nv1); draw();
+  }
+  function hit(ev) {
+    const r = canvas.getBoundingClientRect(), px = ev.clientX - r.left, py = ev.clientY - r.top;
+    const lane = Math.floor((py - AXIS) / ROW);
+    if (lane < 0 || lane >= nl || px < LABEL) return null;
+    const at = t(px), slack = 2 * (v1 - v0) / (W - LABEL), ops = byLane[lane];
+    let lo = 0, hi = ops.length - 1, best = -1;
+    while (lo <= hi) { const m = (lo + hi) >> 1; if (ops[m][1] <= at + slack) { best = m; lo = m + 1; } else hi = m - 1; }
+    if (best >= 0 && ops[best][1] + ops[best][2] >= at - slack) return data.details[ops[best][4]];
+    const bin = binsByLane[lane].find(function (b) { return b[1] <= at && at <= b[1] + b[2]; });
+    return bin ? lanes[lane].label + ": " + bin[3] + " ops aggregated, busy " + fmt(bin[4]) + " of " + fmt(bin[2]) : null;
+  }
+  canvas.addEventListener("wheel", function (ev) {
+    ev.preventDefault();
+    const r = canvas.getBoundingClientRect();
+    zoom(ev.deltaY < 0 ? 0.8 : 1.25, t(ev.clientX - r.left));
+  }, {passive: false});
+  canvas.addEventListener("mousedown", function (ev) { dragX = ev.clientX; dragV0 = v0; canvas.style.cursor = "grabbing"; });
+  window.addEventListener("mouseup", function () { dragX = null; canvas.style.cursor = "grab"; });
+  canvas.addEventListener("mousemove", function (ev) {
+    if (dragX !== null) {
+      const d = (ev.clientX - dragX) / (W - LABEL) * (v1 - v0), w = v1 - v0;
+      v0 = dragV0 - d; v1 = v0 + w; draw(); tip.style.display = "none"; return;
+    }
+    const text = hit(ev);
+    if (text) {
+      tip.textContent = text; tip.style.display = "block";
+      tip.style.left = Math.min(ev.clientX + 12, window.innerWidth - 400) + "px"; tip.style.top = (ev.clientY + 12) + "px";
+    } else tip.style.display = "none";
+  });
+  canvas.addEventListener("mouseleave", function () { tip.style.display = "none"; });
+  canvas.addEventListener("dblclick", function () { v0 = 0; v1 = full; draw(); });
+  document.getElementById("zin").onclick = function () { zoom(0.5); };
+  document.getElementById("zout").onclick = function () { zoom(2); };
+  document.getElementById("reset").onclick = function () { v0 = 0; v1 = full; draw(); };
+  window.addEventListener("resize", function () { W = size(); draw(); });
+  draw();
+  document.body.dataset.rendered = String(data.ops.length);
+  console.log("commslayer-trace view rendered " + data.ops.length + " ops");
+})();
+"""
