@@ -525,7 +525,7 @@ class Communicator:
         if len(set(members)) != len(members) or not members:
             raise chk.fail(f"members must be a non-empty list without duplicates, got {members}")
         generation = self.generation + 1
-        decided = lineage.membership.agree_on(generation, members, self.members[self._rank])
+        decided = lineage.membership.agree_on(generation, members, self.members[self._rank], self.members)
         return self._next_generation(generation, decided, timeout_s)
 
     def pending_members(self, *, timeout: Timeout = None) -> List[int]:
@@ -912,8 +912,8 @@ def join(
     if not isinstance(member, int) or member < 0:
         raise chk.fail(f"member must be a non-negative int, got {member!r}")
     lineage = make_lineage(store)
-    lineage.membership.announce(member)
-    generation, members = lineage.membership.wait_for_admission(member, timeout_s)
+    before = lineage.membership.announce(member)
+    generation, members = lineage.membership.wait_for_admission(member, before, timeout_s)
     return Communicator(
         spec, device, name=name, store=dist.PrefixStore(f"g{generation}/", lineage.root_store),
         rank=members.index(member), size=len(members), timeout_s=timeout_s,

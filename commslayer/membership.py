@@ -25,7 +25,8 @@ in their next ``reconfigure``.
 Keys live under ``membership/`` of the communicator's root store prefix:
 ``g<g>/joined``, ``g<g>/suspects`` (appended lists), ``g<g>/decision``
 (the member list), ``current`` (the newest decided generation), ``wanted``
-(announced joiners).
+(one entry per announcement of a joiner) and ``admitted`` (one entry per
+admission), so a rank killed again after joining must announce again.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from __future__ import annotations
 import json
 import time
 from datetime import timedelta
-from typing import Callable, List, Optional, Sequence, Set
+from typing import Callable, Dict, List, Optional, Sequence, Set
 
 import torch.distributed as dist
 
@@ -64,10 +65,14 @@ class Membership:
         key = "current"
         return int(self._store.get(key)) if self._store.check([key]) else 0
 
-    def _decide(self, generation: int, members: Sequence[int]) -> List[int]:
+    def _decide(self, generation: int, members: Sequence[int], previous: Sequence[int]) -> List[int]:
         won = self._store.compare_set(f"g{generation}/decision", "", json.dumps(list(members)))
         decision = json.loads(won)
-        if list(decision) == list(members):
+        # Several callers may propose the same list; exactly one records the outcome.
+        if self._store.add(f"g{generation}/recorded", 1) == 1:
+            joined = [m for m in decision if m not in previous]
+            if joined:
+                self._store.append("admitted", "".join(f"{m}," for m in joined))
             self._store.set("current", str(generation))
         return decision
 
@@ -97,16 +102,16 @@ class Membership:
                 if len(proposal) < min_size:
                     raise CommError(f"only {len(proposal)} member(s) {proposal} survived; min_size is {min_size}",
                                     comm=self._name, op="shrink", elapsed_s=waited)
-                return self._check_in(self._decide(generation, proposal), generation, me)
+                return self._check_in(self._decide(generation, proposal, members), generation, me)
             if waited >= timeout_s:
                 raise CommError(f"no agreement on generation {generation} within {timeout_s:g}s",
                                 comm=self._name, op="shrink", timeout_s=timeout_s, elapsed_s=waited)
             time.sleep(_POLL_S)
 
-    def agree_on(self, generation: int, members: Sequence[int], me: int) -> List[int]:
+    def agree_on(self, generation: int, members: Sequence[int], me: int, previous: Sequence[int]) -> List[int]:
         """The members of ``generation`` when the callers name them (``reconfigure``):
-        the first caller's list wins."""
-        return self._check_in(self._decide(generation, members), generation, me)
+        the first caller's list wins; ``previous`` are the members before it."""
+        return self._check_in(self._decide(generation, members, previous), generation, me)
 
     def _check_in(self, decision: List[int], generation: int, me: int) -> List[int]:
         if me not in decision:
@@ -115,29 +120,41 @@ class Membership:
         return decision
 
     # ------------------------------------------------------------- growing
-    def announce(self, me: int) -> None:
-        """A joining rank says it wants in."""
+    def announce(self, me: int) -> int:
+        """A joining rank says it wants in; returns the newest generation decided
+        before that, so the joiner waits for the ones after it."""
+        before = self.current()  # read first: the members may decide as soon as they see us
         self._store.append("wanted", f"{me},")
+        return before
 
     def pending(self, generation: int, call: int, members: Sequence[int], leader: bool, timeout_s: float) -> List[int]:
-        """Announced joiners that are not members yet, in announcement order, the same
-        list on every member: the leader reads it and publishes it as call ``call``."""
+        """Joiners whose latest announcement has not been admitted yet, in announcement
+        order, the same list on every member: the leader reads it and publishes it as
+        call ``call``."""
         key = f"g{generation}/pending/{call}"
         if leader:
-            wanted = self._store.get("wanted").decode().split(",") if self._store.check(["wanted"]) else []
-            seen: List[int] = []
-            for w in wanted:
-                if w.strip() and int(w) not in members and int(w) not in seen:
-                    seen.append(int(w))
+            announced = self._counts("wanted")
+            admitted = self._counts("admitted")
+            seen = [m for m in announced if announced[m] > admitted.get(m, 0) and m not in members]
             self._store.set(key, json.dumps(seen))
             return seen
         self._store.wait([key], timedelta(seconds=timeout_s))
         return json.loads(self._store.get(key))
 
-    def wait_for_admission(self, me: int, timeout_s: float) -> tuple:
-        """A joiner's wait: (generation, members) of the first decision that names ``me``."""
+    def _counts(self, key: str) -> Dict[int, int]:
+        """How often each member id appears in an appended list, in first-seen order."""
+        counts: Dict[int, int] = {}
+        if self._store.check([key]):
+            for m in self._store.get(key).decode().split(","):
+                if m.strip():
+                    counts[int(m)] = counts.get(int(m), 0) + 1
+        return counts
+
+    def wait_for_admission(self, me: int, after: int, timeout_s: float) -> tuple:
+        """A joiner's wait: (generation, members) of the first decision after generation
+        ``after`` that names ``me``."""
         start = time.monotonic()
-        generation = self.current() + 1
+        generation = after + 1
         while True:
             decision = self.decided(generation)
             if decision is not None:

@@ -6,7 +6,9 @@ Variants, interleaved in rounds: plain c10d (``dist.all_reduce`` on a
 1-rank Gloo group), a commslayer communicator, a commslayer communicator
 watched by a flight recorder (``tracing.recorder``), and the recorder's own
 per-op calls without an op (``scheduled``, ``started``, ``ended`` on a
-finished ``Work``, called from as deep a stack as the op path's).  This
+finished ``Work``, called from as deep a stack as the op path's), and a
+communicator with write isolation (``isolate_writes=True``: a staging copy
+in and out per op).  This
 complements ``bench_overhead.py``, whose cold per-op numbers (one op after a
 barrier, between other groups' ops) are what a training loop sees.
 
@@ -37,6 +39,7 @@ def main() -> int:
     dist.init_process_group("gloo", store=dist.PrefixStore("plain/", store), rank=0, world_size=1)
     plain = commslayer.new_comm("gloo", name="hot", store=store, rank=0, size=1)
     traced = commslayer.new_comm("gloo", name="hot-traced", store=store, rank=0, size=1)
+    isolated = commslayer.new_comm("gloo", name="hot-isolated", store=store, rank=0, size=1, isolate_writes=True)
     with tempfile.TemporaryDirectory() as trace_dir:
         rec = FlightRecorder(4096, trace_dir, job="bench")
         rec.attach(traced)
@@ -51,6 +54,7 @@ def main() -> int:
 
         variants = {"plain c10d": lambda: dist.all_reduce(t), "commslayer": lambda: plain.all_reduce(t),
                     "commslayer + recorder": lambda: traced.all_reduce(t),
+                    "commslayer, isolate_writes": lambda: isolated.all_reduce(t),
                     "recorder calls alone": lambda: record_only()}
         per_op = {v: [] for v in variants}
         for _ in range(args.rounds):
@@ -68,8 +72,8 @@ def main() -> int:
     for name, xs in per_op.items():
         med = statistics.median(xs)
         print(f"| {name} | {med:.2f} | {min(xs):.2f}–{max(xs):.2f} | {med - base:+.2f} |")
-    plain.finalize()
-    traced.finalize()
+    for comm in (plain, traced, isolated):
+        comm.finalize()
     dist.destroy_process_group()
     return 0
 

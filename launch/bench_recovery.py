@@ -47,16 +47,21 @@ from tests.harness import free_port, run_ranks  # noqa: E402
 SIZE, VICTIM = 4, 2
 
 
+def _signal_self(store, sig: int) -> None:
+    """The victim: 0.3 s after the others entered the op, note the time and take the signal."""
+    store.set("victim_pid", str(os.getpid()))
+    time.sleep(0.3)
+    store.set("signal_at", repr(time.time()))
+    os.kill(os.getpid(), sig)
+
+
 def _ours(rank: int, size: int, store, sig: int) -> Optional[float]:
     import commslayer
 
     comm = commslayer.new_comm("gloo", name="bench", store=store, rank=rank, size=size, timeout=600)
     comm.barrier()
     if rank == VICTIM:
-        store.set("victim_pid", str(os.getpid()))
-        time.sleep(0.3)
-        store.set("signal_at", repr(time.time()))
-        os.kill(os.getpid(), sig)
+        _signal_self(store, sig)
         return None
     try:
         comm.all_reduce(torch.ones(1 << 12))
@@ -75,10 +80,7 @@ def _plain(rank: int, size: int, store, sig: int, timeout_s: float, cap_s: float
     pg = dist.ProcessGroupGloo(dist.PrefixStore("plain/", store), rank, size, timedelta(seconds=timeout_s))
     pg.barrier().wait()
     if rank == VICTIM:
-        store.set("victim_pid", str(os.getpid()))
-        time.sleep(0.3)
-        store.set("signal_at", repr(time.time()))
-        os.kill(os.getpid(), sig)
+        _signal_self(store, sig)
         return None
     work = pg.allreduce([torch.ones(1 << 12)])
     try:

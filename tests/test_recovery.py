@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import RankDied, run_ranks
+from tracing.records import load_dump
 
 OP_TIMEOUT = 600
 DETECT_BOUND_S = 3.0  # generous: the benchmark has the exact figures
@@ -54,8 +55,13 @@ def _plain(store, tag: str, rank: int, size: int, op: str, out, inp) -> torch.Te
 
 def _kill_and_recover(rank, size, store, victims, op, when):
     import commslayer
+    from tracing.recorder import install, recorder
+
+    if os.environ.get("COMMSLAYER_TRACE_DIR"):  # forked after import torch: start it here
+        install(signals=False)
 
     comm = commslayer.new_comm("gloo", name="rec", store=store, rank=rank, size=size, timeout=OP_TIMEOUT)
+    split = comm.split(list(range(size)), "everyone")
     comm.barrier()
     if rank in victims:
         if when == "during":
@@ -77,8 +83,10 @@ def _kill_and_recover(rank, size, store, victims, op, when):
     _issue(new, op, out, inp)
     ref_out, ref_inp = _inputs(op, new.get_rank(), new.get_size())
     ref = _plain(store, f"{op}-{when}", new.get_rank(), new.get_size(), op, ref_out, ref_inp)
+    if recorder() is not None:  # traced: the ops of generation 1 too
+        recorder().dump("end of the scenario")
     return {"detected_s": detected_s, "ranks": ranks, "members": new.members, "generation": new.generation,
-            "equal": torch.equal(out, ref), "old_closed": _raises_closed(comm)}
+            "equal": torch.equal(out, ref), "old_closed": _raises_closed(comm), "split": _raises_closed(split)}
 
 
 def _raises_closed(comm) -> str:
@@ -87,7 +95,7 @@ def _raises_closed(comm) -> str:
     try:
         comm.barrier()
     except commslayer.CommError as err:
-        return type(err).__name__
+        return f"{type(err).__name__}: {err}"
     return "barrier passed"
 
 
@@ -101,7 +109,8 @@ def _check_survivors(results, victims, size):
         assert r["members"] == expected and r["generation"] == 1, r
         assert r["equal"], "result after recovery differs from plain c10d on the survivors"
         assert r["detected_s"] < DETECT_BOUND_S, r
-        assert r["old_closed"] == "CommAborted"
+        assert r["old_closed"].startswith("CommAborted: communicator was replaced by generation 1"), r
+        assert r["split"].startswith("CommAborted") and "split the new generation again" in r["split"], r
     # the lost ranks are named (Gloo may see one survivor's own failure first; the monitor names the dead)
     assert all(set(r["ranks"]) & set(victims) for r in survivors), [r["ranks"] for r in survivors]
 
@@ -119,6 +128,22 @@ def test_sigkill_during_op(victim, op):
 def test_sigkill_before_op(victim, op):
     results = run_ranks(_kill_and_recover, 4, (victim,), op, "before", timeout=60, allow_errors=True, env=ENV)
     _check_survivors(results, (victim,), 4)
+
+
+@pytest.mark.timeout(120)
+def test_loss_and_decision_are_in_every_survivors_dump(tmp_path):
+    env = {**ENV, "COMMSLAYER_TRACE_DIR": str(tmp_path)}
+    results = run_ranks(_kill_and_recover, 4, (1,), "all_reduce", "during", timeout=60, allow_errors=True, env=env)
+    _check_survivors(results, (1,), 4)
+    for rank in (0, 2, 3):
+        doc = load_dump(str(tmp_path / f"rank{rank}.json"))
+        assert "PeerLost" in doc["reason"], doc["reason"]
+        comms = {c["generation"]: c for c in doc["communicators"].values() if c["name"] == "rec"}
+        assert comms[0]["state"] == "replaced by generation 1 (members [0, 2, 3])", comms[0]
+        assert comms[1]["members"] == [0, 2, 3] and comms[1]["state"] == "ok", comms[1]
+        failed = [r for r in doc["records"] if r["comm"] == "rec" and r["state"] == "failed"]
+        assert failed and "peer lost" in failed[0]["error"].lower(), failed
+        assert any(r["generation"] == 1 and r["state"] == "completed" for r in doc["records"])
 
 
 @pytest.mark.timeout(120)

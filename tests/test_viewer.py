@@ -263,8 +263,8 @@ def test_stopped_rank_named_with_its_call_site(stopped):
     assert f"ranks 0, 1 timed_out" in wrong and f"rank {SIZE - 1} never entered it" in wrong
     for r in d["ranks"][:-1]:
         assert r["stands"].startswith("in all_reduce #4 of 'a' (timed_out)")
-        # the dump on error (recorder's thread) may land after the one asked for here
-        assert r["reason"] == "gave up" or r["reason"].startswith("CollectiveTimeout"), r["reason"]
+        # a dump lists every reason so far; the dump on error (recorder's thread) may land after this one
+        assert "gave up" in r["reason"] or r["reason"].startswith("CollectiveTimeout"), r["reason"]
 
 
 @pytest.mark.timeout(120)
