@@ -114,6 +114,7 @@ if restart == 0:
 elif rank == 0:
     with open(out + ".done", "w") as f:
         f.write(repr(time.time()))
+os._exit(0)  # torch 2.13's Gloo can abort at interpreter exit (docs/api.md, Known limits)
 '''
 
 
