@@ -120,7 +120,7 @@ class Work:
         try:
             self._c10d.wait(_SLICE if sliced else timeout)
         except RuntimeError as exc:
-            if not sliced or self._c10d.is_completed():
+            if not sliced:
                 self._backend_failed(exc)
                 raise self._error from None
             self._settle_from_backend((self.deadline_ns - time.monotonic_ns()) / 1e9)
@@ -195,21 +195,25 @@ class Work:
             self._expire(time.monotonic_ns())
             return
         end_ns = time.monotonic_ns() + int(remaining_s * 1e9)
+        sliceable = self.comm._watched and self.peer is None
         while True:
-            watched = self.comm._watched and self.peer is None and remaining_s > _SLICE_S
+            watched = sliceable and remaining_s > _SLICE_S
             try:
                 # c10d truncates to whole milliseconds, and 0 would mean "forever"
                 self._c10d.wait(_SLICE if watched else timedelta(milliseconds=max(remaining_s * 1e3, 1.0)))
             except RuntimeError as exc:
-                if watched and not self._c10d.is_completed():
-                    err = self.comm._interrupted(self)
-                    if err is None:
-                        remaining_s = (end_ns - time.monotonic_ns()) / 1e9
-                        continue
-                    self._fail(err, time.monotonic_ns())
+                if not watched:
+                    self._backend_failed(exc)
                     return
-                self._backend_failed(exc)
-                return
+                if self._c10d.is_completed():  # it ended as the slice ran out: one more wait tells how
+                    sliceable = False
+                else:
+                    err = self.comm._interrupted(self)
+                    if err is not None:
+                        self._fail(err, time.monotonic_ns())
+                        return
+                remaining_s = (end_ns - time.monotonic_ns()) / 1e9
+                continue
             break
         self._complete()
 
