@@ -260,7 +260,7 @@ def test_stopped_rank_named_with_its_call_site(stopped):
     assert "last seen after all_reduce #3 of 'a' (completed)" in hung["stands"]
     assert any("JSON lines but no dump" in f["text"] for f in d["findings"])
     wrong = next(f["text"] for f in d["findings"] if "went wrong" in f["text"])
-    assert f"ranks 0, 1 timed_out" in wrong and f"rank {SIZE - 1} never entered it" in wrong
+    assert "ranks 0, 1 timed_out" in wrong and f"rank {SIZE - 1} never entered it" in wrong
     for r in d["ranks"][:-1]:
         assert r["stands"].startswith("in all_reduce #4 of 'a' (timed_out)")
         # a dump lists every reason so far; the dump on error (recorder's thread) may land after this one

@@ -41,8 +41,6 @@ from typing import Any, Dict, List, Optional
 import orjson
 import structlog
 
-import commslayer
-
 from .dumps import AppendWriter
 from .records import COMPLETED, SCHEMA_VERSION
 from .recorder import FlightRecorder, Record
