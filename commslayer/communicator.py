@@ -506,7 +506,10 @@ class Communicator:
         self._retire("being shrunk after a loss")
         generation = self.generation + 1
         members = lineage.membership.agree_after_loss(
-            generation, self.members, self.members[self._rank], lambda: {self.members[r] for r in self.lost_ranks},
+            # Members that said goodbye are not suspects: the others close this generation on
+            # purpose when they shrink first; one that really left will not join in time.
+            generation, self.members, self.members[self._rank],
+            lambda: {self.members[r] for r in self.lost_ranks if r not in self._departed},
             join_window_s=lineage.peer_timeout_s, timeout_s=timeout_s, min_size=min_size)
         return self._next_generation(generation, members, timeout_s)
 
