@@ -85,6 +85,11 @@ def _in_place(call: Callable, t: torch.Tensor, op: ReduceOp, opts) -> Callable[[
     return lambda: call([t], opts)
 
 
+def _in_child(ranks: Set[int], child_ranks: List[int]) -> Set[int]:
+    """Which of ``ranks`` (of a parent) belong to a split over ``child_ranks``, as its ranks."""
+    return {child_ranks.index(r) for r in ranks if r in child_ranks}
+
+
 def _average(t: torch.Tensor, size: int) -> None:
     if t.dtype.is_floating_point or t.is_complex():
         t.div_(size)
@@ -114,6 +119,12 @@ class Lineage:
     heartbeat_s: float  # 0: no liveness monitor
     peer_timeout_s: float
     isolate: bool  # write isolation (commslayer.isolation)
+
+    def store_for(self, generation: int) -> dist.Store:
+        return self.root_store if generation == 0 else dist.PrefixStore(f"g{generation}/", self.root_store)
+
+    def uid_for(self, generation: int) -> str:
+        return self.base_uid if generation == 0 else f"{self.base_uid}@g{generation}"
 
 
 class Communicator:
@@ -152,13 +163,15 @@ class Communicator:
         self.members = list(range(size)) if members is None else list(members)  # member ids, in rank order
         self.lost_ranks: Set[int] = set()  # ranks the liveness monitor (or a failed op) named as lost
         self._departed: Dict[int, float] = {}  # rank -> when it closed the group on purpose (monotonic)
-        self._lineage = lineage
+        # A split shares its parent's lineage (timing, isolation) but cannot change membership.
+        self._lineage = lineage if parent is None else parent._lineage
+        self._split = parent is not None
         try:
             self._backend = spec.create(store, rank, size, timedelta(seconds=timeout_s), hints)
         except RuntimeError as exc:  # the rendezvous of the new group failed
             raise backends.classify(exc)(f"could not build the {spec.name} group: {exc}", comm=name,
                                          op="new_comm", timeout_s=timeout_s) from exc
-        isolate = lineage.isolate if lineage is not None else (parent is not None and parent._ops is not parent._backend)
+        isolate = self._lineage is not None and self._lineage.isolate
         self._ops = IsolatedBackend(self._backend) if isolate else self._backend  # what op closures call
         self._check = CrossRankCheck(store, name, rank, size) if check else None
         self._seq = 0
@@ -187,6 +200,10 @@ class Communicator:
         if parent is None and lineage is not None and lineage.heartbeat_s > 0 and size > 1:
             self._liveness = self._start_liveness(store, lineage)
             self._watched = True
+        # Our ops whose backend work ignores wait timeouts: a helper thread waits for them.
+        self._waited_elsewhere = frozenset(
+            op for op, backend_op in BACKEND_OPS.items() if backend_op in spec.untimed_waits) \
+            if self._watched else frozenset()
         self.recorder: Optional[OpRecorder] = None  # set by tracing's flight recorder
         _live.add(self)
         _created(self)
@@ -463,8 +480,9 @@ class Communicator:
             generation=self.generation, members=[self.members[r] for r in ranks], parent=self,
         )
         self._children.append((weakref.ref(child), list(ranks)))
-        if self.lost_ranks & set(ranks):
-            child._peers_lost({ranks.index(r) for r in self.lost_ranks & set(ranks)}, "lost before the split")
+        lost = _in_child(self.lost_ranks, list(ranks))
+        if lost:
+            child._peers_lost(lost, "lost before the split")
         return child
 
     def abort(self) -> None:
@@ -511,9 +529,9 @@ class Communicator:
             generation, self.members, self.members[self._rank],
             lambda: {self.members[r] for r in self.lost_ranks if r not in self._departed},
             join_window_s=lineage.peer_timeout_s, timeout_s=timeout_s, min_size=min_size)
-        return self._next_generation(generation, members, timeout_s)
+        return self._next_generation(generation, members)
 
-    def reconfigure(self, members: Sequence[int], *, timeout: Timeout = None) -> "Communicator":
+    def reconfigure(self, members: Sequence[int]) -> "Communicator":
         """The next generation with exactly ``members`` (member ids, in the new rank order).
 
         torchcomms' ``reconfigure``: every current member that stays calls it,
@@ -522,14 +540,13 @@ class Communicator:
         shrink: ``comm.reconfigure(comm.members + comm.pending_members())``.
         """
         chk = self._checker("reconfigure")
-        timeout_s = timeout_seconds(timeout, self._timeout_s, chk)
         lineage = self._lineage_for(chk)
         members = [int(m) for m in members]
         if len(set(members)) != len(members) or not members:
             raise chk.fail(f"members must be a non-empty list without duplicates, got {members}")
         generation = self.generation + 1
         decided = lineage.membership.agree_on(generation, members, self.members[self._rank], self.members)
-        return self._next_generation(generation, decided, timeout_s)
+        return self._next_generation(generation, decided)
 
     def pending_members(self, *, timeout: Timeout = None) -> List[int]:
         """Member ids that announced themselves (``commslayer.join``) and are not in
@@ -542,19 +559,18 @@ class Communicator:
         return lineage.membership.pending(self.generation, seq, self.members, self._rank == 0, timeout_s)
 
     def _lineage_for(self, chk: Checker) -> Lineage:
-        if self._lineage is None:
+        if self._lineage is None or self._split:
             raise chk.fail("only a communicator made by new_comm or join (not a split or a c10d group) "
                            "can change its membership; rebuild splits from the new generation")
         return self._lineage
 
-    def _next_generation(self, generation: int, members: List[int], timeout_s: float) -> "Communicator":
+    def _next_generation(self, generation: int, members: List[int]) -> "Communicator":
         lineage = self._lineage
         me = self.members[self._rank]
         nxt = Communicator(
-            self._spec, self._device, name=self._name,
-            store=dist.PrefixStore(f"g{generation}/", lineage.root_store),
+            self._spec, self._device, name=self._name, store=lineage.store_for(generation),
             rank=members.index(me), size=len(members), timeout_s=self._timeout_s, hints=self._hints,
-            check=self._check is not None, uid=f"{lineage.base_uid}@g{generation}",
+            check=self._check is not None, uid=lineage.uid_for(generation),
             global_ranks=members if self.global_ranks is not None else None,
             lineage=lineage, generation=generation, members=members,
         )
@@ -563,11 +579,9 @@ class Communicator:
 
     def _retire(self, why: str) -> None:
         """Close this generation, and the communicators split from it."""
-        for ref, _ in self._children:
-            child = ref()
-            if child is not None:
-                child._retire(f"split from {self._name!r} generation {self.generation}, which was {why}; "
-                              f"split the new generation again")
+        for child, _ in self._live_children():
+            child._retire(f"split from {self._name!r} generation {self.generation}, which was {why}; "
+                          f"split the new generation again")
         first = not self._closed
         self._closed = why
         if first:
@@ -619,10 +633,8 @@ class Communicator:
         members = ", ".join(f"rank {r} (member {self.members[r]})" for r in sorted(ranks))
         self._on_failure(PeerLost(f"peer lost: {members}: {why}", comm=self._name, op="liveness",
                                   seq=self._seq, ranks=ranks))
-        for ref, parent_ranks in self._children:
-            child = ref()
-            if child is not None:
-                child._peers_lost({parent_ranks.index(r) for r in ranks if r in parent_ranks}, why)
+        for child, parent_ranks in self._live_children():
+            child._peers_lost(_in_child(ranks, parent_ranks), why)
 
     def _peers_left(self, ranks: Set[int]) -> None:
         """Peers finalized or exited normally: nothing is wrong until an op needs them
@@ -630,10 +642,8 @@ class Communicator:
         now = time.monotonic()
         for r in ranks:
             self._departed.setdefault(r, now)
-        for ref, parent_ranks in self._children:
-            child = ref()
-            if child is not None:
-                child._peers_left({parent_ranks.index(r) for r in ranks if r in parent_ranks})
+        for child, parent_ranks in self._live_children():
+            child._peers_left(_in_child(ranks, parent_ranks))
 
     def _departure_matters(self, grace_s: float) -> None:
         """Turn members that left at least ``grace_s`` ago into a loss."""
@@ -643,6 +653,11 @@ class Communicator:
             if gone:
                 self._peers_lost(gone, "it left the communicator (finalize or exit) while this rank still "
                                        "needs it")
+
+    def _live_children(self) -> List[Tuple["Communicator", List[int]]]:
+        """The communicators split from this one that still exist, with the ranks
+        (of this one) they were split over."""
+        return [(child, ranks) for ref, ranks in self._children if (child := ref()) is not None]
 
     def _stop_watching(self) -> None:
         if self._liveness is not None:
@@ -771,7 +786,7 @@ class Communicator:
             c10d_work = issue()
             if c10d_work.__class__ is StagedWork:
                 finish = c10d_work.finisher(finish)
-            if self._watched and BACKEND_OPS[op] in self._spec.untimed_waits:
+            if op in self._waited_elsewhere:
                 c10d_work = self._waiter().wrap(c10d_work)
         except (RuntimeError, CommError) as exc:
             err = self._classify_raw(exc, op, seq, timeout_s, (time.monotonic_ns() - start) / 1e9, peer)
@@ -809,8 +824,7 @@ class Communicator:
     def _await_lost_ranks(self) -> Set[int]:
         """The backend saw a connection drop; the monitor names the rank within
         milliseconds when its process died (give it up to one heartbeat period)."""
-        period = self._lineage.heartbeat_s if self._lineage is not None else 0.25
-        deadline = time.monotonic() + max(period, 0.2)
+        deadline = time.monotonic() + max(self._lineage.heartbeat_s, 0.2)
         while not self.lost_ranks and time.monotonic() < deadline:
             time.sleep(0.005)
         return set(self.lost_ranks)
@@ -829,7 +843,7 @@ class Communicator:
         """The error an op in flight ends with once this communicator is broken
         or closed (None while it is usable)."""
         if self._departed:  # a member that finished its part may leave while this op completes
-            self._departure_matters(self._lineage.peer_timeout_s if self._lineage is not None else 3.0)
+            self._departure_matters(self._lineage.peer_timeout_s)
         first = self._failure
         if first is None and not self._closed:
             return None
@@ -885,10 +899,10 @@ def new_comm(
         raise chk.fail(f"rank {rank} / size {size} is not a valid position in a group")
     lineage = make_lineage(store)
     return Communicator(
-        spec, device, name=name, store=lineage.root_store, rank=rank, size=size, timeout_s=timeout_s,
+        spec, device, name=name, store=lineage.store_for(0), rank=rank, size=size, timeout_s=timeout_s,
         hints={k: str(v) for k, v in hints.items()},
         check=config.check_mode() if check is None else check,
-        uid=lineage.base_uid, global_ranks=global_ranks, lineage=lineage,
+        uid=lineage.uid_for(0), global_ranks=global_ranks, lineage=lineage,
     )
 
 
@@ -918,10 +932,10 @@ def join(
     before = lineage.membership.announce(member)
     generation, members = lineage.membership.wait_for_admission(member, before, timeout_s)
     return Communicator(
-        spec, device, name=name, store=dist.PrefixStore(f"g{generation}/", lineage.root_store),
+        spec, device, name=name, store=lineage.store_for(generation),
         rank=members.index(member), size=len(members), timeout_s=timeout_s,
         hints={k: str(v) for k, v in hints.items()}, check=config.check_mode() if check is None else check,
-        uid=f"{lineage.base_uid}@g{generation}", lineage=lineage, generation=generation, members=members,
+        uid=lineage.uid_for(generation), lineage=lineage, generation=generation, members=members,
     )
 
 

@@ -79,7 +79,6 @@ class Liveness:
         self._lost: Set[int] = set()
         self._left: Set[int] = set()
         self._closing = False
-        self._lock = threading.Lock()
         self._wake_r, self._wake_w = socket.socketpair()  # close() wakes the thread through it
         self._connect(store, connect_timeout_s)
         _open.add(self)
@@ -131,12 +130,6 @@ class Liveness:
         self._last_seen[peer] = time.monotonic()
 
     # ------------------------------------------------------------ running
-    @property
-    def lost(self) -> Set[int]:
-        """Ranks declared lost so far."""
-        with self._lock:
-            return set(self._lost)
-
     def _run(self) -> None:
         sel = selectors.DefaultSelector()
         sel.register(self._wake_r, selectors.EVENT_READ, None)
@@ -199,9 +192,8 @@ class Liveness:
                 pass  # the reader sees the same failure
 
     def _declare(self, dead: Dict[int, str]) -> None:
-        with self._lock:
-            new = {p: why for p, why in dead.items() if p not in self._lost}
-            self._lost.update(new)
+        new = {p: why for p, why in dead.items() if p not in self._lost}  # only this thread writes _lost
+        self._lost.update(new)
         if not new:
             return
         for p in new:

@@ -43,10 +43,6 @@ from .errors import CommAborted, CommError
 _POLL_S = 0.005
 
 
-def _ids(raw: bytes) -> Set[int]:
-    return {int(x) for x in raw.decode().replace(";", ",").split(",") if x.strip()}
-
-
 class Membership:
     """The membership keys of one root communicator (every generation of it)."""
 
@@ -54,8 +50,11 @@ class Membership:
         self._store = dist.PrefixStore("membership/", store)
         self._name = name
 
-    def _read_list(self, key: str) -> Set[int]:
-        return _ids(self._store.get(key)) if self._store.check([key]) else set()
+    def _entries(self, key: str) -> List[int]:
+        """The member ids appended to ``key`` (``1,2,`` or ``1;2,3;``), in order."""
+        if not self._store.check([key]):
+            return []
+        return [int(x) for x in self._store.get(key).decode().replace(";", ",").split(",") if x.strip()]
 
     def decided(self, generation: int) -> Optional[List[int]]:
         key = f"g{generation}/decision"
@@ -93,8 +92,8 @@ class Membership:
             decision = self.decided(generation)
             if decision is not None:
                 return self._check_in(decision, generation, me)
-            joined = self._read_list(f"g{generation}/joined")
-            suspected = self._read_list(f"g{generation}/suspects")
+            joined = set(self._entries(f"g{generation}/joined"))
+            suspected = set(self._entries(f"g{generation}/suspects"))
             expected = [m for m in members if m not in suspected]
             waited = time.monotonic() - start
             if set(expected) <= joined or waited >= join_window_s:
@@ -144,10 +143,8 @@ class Membership:
     def _counts(self, key: str) -> Dict[int, int]:
         """How often each member id appears in an appended list, in first-seen order."""
         counts: Dict[int, int] = {}
-        if self._store.check([key]):
-            for m in self._store.get(key).decode().split(","):
-                if m.strip():
-                    counts[int(m)] = counts.get(int(m), 0) + 1
+        for m in self._entries(key):
+            counts[m] = counts.get(m, 0) + 1
         return counts
 
     def wait_for_admission(self, me: int, after: int, timeout_s: float) -> tuple:

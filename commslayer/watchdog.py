@@ -91,13 +91,11 @@ class Watchdog:
                 if settled:
                     done = set(map(id, settled))
                     self._works = [w for w in self._works if id(w) not in done]
-                graves = self._graves
-            if graves:
-                freed = [g for g in graves if g[1].is_completed()]
-                if freed:
-                    with self._cond:
-                        self._graves = [g for g in self._graves if not any(g is f for f in freed)]
-                    del freed  # the backends go here, off the caller's thread, once idle
+                kept, ended = [], []
+                for grave in self._graves:
+                    (ended if grave[1].is_completed() else kept).append(grave)
+                self._graves = kept
+            ended.clear()  # the backends whose op ended are freed here, outside the lock
 
 
 WATCHDOG = Watchdog()

@@ -138,8 +138,8 @@ class FlightRecorder:
         uid = comm.uid
         comm.recorder = self
         self._handles += [
-            comm.register_error_hook(lambda err: self._failed(info, err)),
-            comm.register_abort_hook(lambda: self._aborted(uid, info)),
+            comm.register_error_hook(lambda err: self._failed(uid, err)),
+            comm.register_abort_hook(lambda: self._aborted(uid)),
         ]
 
     @staticmethod
@@ -184,13 +184,12 @@ class FlightRecorder:
         self._count += 1
         return r
 
-    def _failed(self, info: Dict[str, Any], err: Exception) -> None:
-        info["state"] = f"broken: {type(err).__name__}: {err}"
+    def _failed(self, uid: str, err: Exception) -> None:
+        self.communicator_info(uid)  # keeps its state ("broken: ...") should it be collected before the dump
         self.request_dump(f"{type(err).__name__}: {err}")
 
-    def _aborted(self, uid: str, info: Dict[str, Any]) -> None:
-        comm = self._comms[uid][0]()
-        info["state"] = "aborted" if comm is None else comm.state
+    def _aborted(self, uid: str) -> None:
+        info = self.communicator_info(uid)  # its state says why it closed
         now = time.monotonic_ns()
         for r in list(self._ring):
             if r is not None and r.comm_id == uid and r.end_ns is None:
