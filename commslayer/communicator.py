@@ -27,7 +27,7 @@ from torch._C import _distributed_c10d as c10d
 
 from . import backends, config
 from .check import CrossRankCheck
-from .errors import CollectiveMismatch, CommAborted, CommError, PeerLost
+from .errors import CollectiveMismatch, CollectiveTimeout, CommAborted, CommError, PeerLost
 from .hooks import HookHandle, Hooks, OpRecorder
 from .isolation import IsolatedBackend, StagedWork
 from .liveness import Liveness
@@ -175,6 +175,7 @@ class Communicator:
         self._ops = IsolatedBackend(self._backend) if isolate else self._backend  # what op closures call
         self._check = CrossRankCheck(store, name, rank, size) if check else None
         self._seq = 0
+        self._commits = 0  # should_commit rounds of this generation
         self._p2p_seq: Dict[tuple, int] = {}
         self._failure: Optional[CommError] = None
         self._closed: Optional[str] = None  # "aborted" or "finalized"
@@ -519,16 +520,21 @@ class Communicator:
         chk = self._checker("shrink")
         timeout_s = timeout_seconds(timeout, self._timeout_s, chk)
         lineage = self._lineage_for(chk)
-        # Close this generation's connections first: a survivor still blocked inside the
-        # backend on this group (Gloo's reduce-scatter waits in the caller) is let go at once.
-        self._retire("being shrunk after a loss")
+        # Close this generation's backend first: a survivor still blocked inside it on this
+        # group (Gloo's reduce-scatter waits in the caller) is let go at once. The liveness
+        # monitor keeps watching until the agreement is over, so that a member that dies
+        # during it is a suspect at once rather than after the whole join window.
+        self._retire("being shrunk after a loss", stop_watching=False)
         generation = self.generation + 1
-        members = lineage.membership.agree_after_loss(
-            # Members that said goodbye are not suspects: the others close this generation on
-            # purpose when they shrink first; one that really left will not join in time.
-            generation, self.members, self.members[self._rank],
-            lambda: {self.members[r] for r in self.lost_ranks if r not in self._departed},
-            join_window_s=lineage.peer_timeout_s, timeout_s=timeout_s, min_size=min_size)
+        try:
+            members = lineage.membership.agree_after_loss(
+                # Members that said goodbye are not suspects: the others close this generation
+                # on purpose once they agreed; one that really left will not join in time.
+                generation, self.members, self.members[self._rank],
+                lambda: {self.members[r] for r in self.lost_ranks if r not in self._departed},
+                join_window_s=lineage.peer_timeout_s, timeout_s=timeout_s, min_size=min_size)
+        finally:
+            self._stop_watching()
         return self._next_generation(generation, members)
 
     def reconfigure(self, members: Sequence[int]) -> "Communicator":
@@ -556,7 +562,34 @@ class Communicator:
         lineage = self._lineage_for(chk)
         self._seq = seq = self._seq + 1
         self._ensure_usable("pending_members", seq)
-        return lineage.membership.pending(self.generation, seq, self.members, self._rank == 0, timeout_s)
+        return lineage.membership.pending(self.generation, seq, self.members, self._rank == 0,
+                                          lambda: self._broken("pending_members", seq), timeout_s)
+
+    def should_commit(self, ok: bool = True, *, timeout: Timeout = None) -> bool:
+        """Whether every member's part of a step succeeded: the same answer on every member.
+
+        A collective that every member calls once per step, after the step's
+        last op and before applying its result (torchft's ``should_commit``).
+        ``ok=False`` (this member's part failed) or a member lost before it
+        voted makes it ``False`` everywhere; then shrink and redo the step. A
+        member that voted yes and died afterwards does not undo a commit. On a
+        communicator already broken by a loss it returns ``False`` (after
+        casting that vote). Raises ``CollectiveTimeout`` when a member neither
+        votes nor is found lost within the timeout.
+        """
+        chk = self._checker("should_commit")
+        timeout_s = timeout_seconds(timeout, self._timeout_s, chk)
+        lineage = self._lineage_for(chk)
+        if self._closed:
+            raise CommAborted(f"communicator was {self._closed}", comm=self._name, op="should_commit")
+        self._commits += 1
+        call = self._commits
+        try:
+            return lineage.membership.vote(self.generation, call, self._size, ok and self._failure is None,
+                                           lambda: self._broken("should_commit", call), timeout_s)
+        except CollectiveTimeout as err:
+            self._on_failure(err)
+            raise
 
     def _lineage_for(self, chk: Checker) -> Lineage:
         if self._lineage is None or self._split:
@@ -577,7 +610,7 @@ class Communicator:
         self._retire(f"replaced by generation {generation} (members {members})")
         return nxt
 
-    def _retire(self, why: str) -> None:
+    def _retire(self, why: str, stop_watching: bool = True) -> None:
         """Close this generation, and the communicators split from it."""
         for child, _ in self._live_children():
             child._retire(f"split from {self._name!r} generation {self.generation}, which was {why}; "
@@ -585,7 +618,8 @@ class Communicator:
         first = not self._closed
         self._closed = why
         if first:
-            self._stop_watching()
+            if stop_watching:
+                self._stop_watching()
             self._abort_hooks()
             if self._process_group is None:  # a c10d group still refers to it otherwise
                 # Dropping the last reference closes the group's connections (the
@@ -842,17 +876,22 @@ class Communicator:
     def _interrupted(self, work: Work) -> Optional[CommError]:
         """The error an op in flight ends with once this communicator is broken
         or closed (None while it is usable)."""
+        return self._broken(work.op, work.seq, work.timeout_s, (time.monotonic_ns() - work.start_ns) / 1e9)
+
+    def _broken(self, op: str, seq: int, timeout_s: Optional[float] = None,
+                elapsed_s: Optional[float] = None) -> Optional[CommError]:
+        """The error a wait inside ``op`` ends with once this communicator is broken
+        or closed (None while it is usable)."""
         if self._departed:  # a member that finished its part may leave while this op completes
             self._departure_matters(self._lineage.peer_timeout_s)
         first = self._failure
         if first is None and not self._closed:
             return None
-        elapsed_s = (time.monotonic_ns() - work.start_ns) / 1e9
         if first is None:
-            return CommAborted(f"communicator was {self._closed}", comm=self._name, op=work.op, seq=work.seq,
-                               timeout_s=work.timeout_s, elapsed_s=elapsed_s)
-        return type(first)(f"interrupted: {first.what}", comm=self._name, op=work.op, seq=work.seq,
-                           timeout_s=work.timeout_s, elapsed_s=elapsed_s, ranks=first.ranks)
+            return CommAborted(f"communicator was {self._closed}", comm=self._name, op=op, seq=seq,
+                               timeout_s=timeout_s, elapsed_s=elapsed_s)
+        return type(first)(f"interrupted: {first.what}", comm=self._name, op=op, seq=seq,
+                           timeout_s=timeout_s, elapsed_s=elapsed_s, ranks=first.ranks)
 
 
 def new_comm(

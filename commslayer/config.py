@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import Optional
 
 
 def _positive(name: str, default, kind=float):
@@ -57,6 +58,14 @@ def trace_dir() -> str:
     """``COMMSLAYER_TRACE_DIR``: where trace dumps go; setting it turns tracing on
     for every communicator of the process (empty: tracing off)."""
     return os.environ.get("COMMSLAYER_TRACE_DIR", "")
+
+
+def trace_rank() -> Optional[int]:
+    """``COMMSLAYER_TRACE_RANK``: the rank in trace file names and records' ``rank``
+    (default: the default process group's rank). A job run as several torchruns,
+    one per replica group, sets it so that ranks do not collide."""
+    value = os.environ.get("COMMSLAYER_TRACE_RANK", "")
+    return int(value) if value else None
 
 
 def trace_buffer() -> int:

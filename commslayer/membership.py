@@ -27,20 +27,31 @@ Keys live under ``membership/`` of the communicator's root store prefix:
 (the member list), ``current`` (the newest decided generation), ``wanted``
 (one entry per announcement of a joiner) and ``admitted`` (one entry per
 admission), so a rank killed again after joining must announce again.
+
+Committing a step: the last op of a step can succeed on some members and
+fail on others (a ring all-reduce ends on a rank once it has every piece it
+needs, while a peer that died later leaves another rank waiting), so "my op
+succeeded" does not mean "the step happened everywhere".  ``vote`` settles it
+in the store: each member that succeeded adds one to ``g<g>/commit/<n>/yes``;
+the member that brings it to the generation's size writes ``commit`` into the
+outcome key, a member that failed or saw a loss writes ``abort`` there, both
+with compare-and-set, so the first outcome written is everyone's answer.  A
+member that dies after voting yes cannot undo a commit, and one fenced out
+later cannot turn an abort into a commit.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from datetime import timedelta
 from typing import Callable, Dict, List, Optional, Sequence, Set
 
 import torch.distributed as dist
 
-from .errors import CommAborted, CommError
+from .errors import CollectiveTimeout, CommAborted, CommError
 
 _POLL_S = 0.005
+_FIRST_POLL_S = 0.0002  # waits that usually end within a millisecond start polling this fast
 
 
 class Membership:
@@ -126,7 +137,8 @@ class Membership:
         self._store.append("wanted", f"{me},")
         return before
 
-    def pending(self, generation: int, call: int, members: Sequence[int], leader: bool, timeout_s: float) -> List[int]:
+    def pending(self, generation: int, call: int, members: Sequence[int], leader: bool,
+                interrupted: Callable[[], Optional[CommError]], timeout_s: float) -> List[int]:
         """Joiners whose latest announcement has not been admitted yet, in announcement
         order, the same list on every member: the leader reads it and publishes it as
         call ``call``."""
@@ -137,8 +149,47 @@ class Membership:
             seen = [m for m in announced if announced[m] > admitted.get(m, 0) and m not in members]
             self._store.set(key, json.dumps(seen))
             return seen
-        self._store.wait([key], timedelta(seconds=timeout_s))
+        self._wait_for(key, interrupted, timeout_s, "pending_members")
         return json.loads(self._store.get(key))
+
+    def vote(self, generation: int, call: int, size: int, ok: bool,
+             interrupted: Callable[[], Optional[CommError]], timeout_s: float) -> bool:
+        """Whether every one of the ``size`` members of ``generation`` voted yes in commit
+        round ``call`` (see the module doc); the same answer on every member."""
+        key = f"g{generation}/commit/{call}"
+        if not ok:
+            return self._settle(key, "abort")
+        if self._store.add(f"{key}/yes", 1) == size:
+            return self._settle(key, "commit")
+        try:
+            self._wait_for(f"{key}/outcome", interrupted, timeout_s, "should_commit")
+        except CollectiveTimeout:
+            if self._settle(key, "abort"):  # the last vote came in as we gave up
+                return True
+            raise
+        except CommError:  # a member was lost before everyone voted: too late to commit
+            return self._settle(key, "abort")
+        return self._store.get(f"{key}/outcome") == b"commit"
+
+    def _settle(self, key: str, outcome: str) -> bool:
+        return self._store.compare_set(f"{key}/outcome", "", outcome) == b"commit"
+
+    def _wait_for(self, key: str, interrupted: Callable[[], Optional[CommError]], timeout_s: float,
+                  op: str) -> None:
+        """Wait until ``key`` exists; raise what ``interrupted()`` returns once the
+        communicator breaks (a member lost), or ``CollectiveTimeout``."""
+        start = time.monotonic()
+        pause = _FIRST_POLL_S
+        while not self._store.check([key]):
+            err = interrupted()
+            if err is not None:
+                raise err
+            waited = time.monotonic() - start
+            if waited >= timeout_s:
+                raise CollectiveTimeout(f"{key!r} was not written within {timeout_s:g}s", comm=self._name,
+                                        op=op, timeout_s=timeout_s, elapsed_s=waited)
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_S)
 
     def _counts(self, key: str) -> Dict[int, int]:
         """How often each member id appears in an appended list, in first-seen order."""

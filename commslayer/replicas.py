@@ -1,0 +1,271 @@
+"""The replicate dimension of an HSDP job, kept alive while replica groups die and come back.
+
+An HSDP job is ``replicas`` replica groups of ``shards`` ranks each: a model
+is sharded across the ranks of one replica group (FSDP2, over the group's own
+process group) and replicated across the groups, whose gradients are
+averaged.  The unit of failure is the replica group: when one of its ranks
+dies its shards are gone, but every other replica group holds the same state.
+torchrun (one per replica group) restarts the whole group; the others keep
+training without it, and let it back in once it has healed.
+
+What this module owns, on top of commslayer's recovery (``shrink``,
+``join``, ``reconfigure``, ``should_commit``):
+
+- ``world``: one communicator over every rank of every live replica group
+  (member id ``replica * shards + shard``).  It carries liveness, the
+  membership decisions and the commit votes; the averaging runs on
+  ``replicate``, its split over the ranks that hold the same shard.
+- Atomic steps (``average``): the gradient average of a step counts only if
+  every rank of every live replica group voted that its part succeeded
+  (``should_commit``); otherwise the survivors shrink and redo the average
+  from the same local gradients, so the optimizer step is applied once, on
+  every live replica, with the average over exactly the live ones.
+- Whole replica groups only: a rank whose own group lost a member leaves
+  (``ReplicaBroken``: its torchrun restarts the group), and a generation that
+  still holds part of a group drops it.
+- Growing back (``admit``, ``heal``): at a step boundary the members admit
+  every restarted replica group whose ranks have all announced themselves;
+  its ranks receive the state (the caller's tensors: parameters, optimizer
+  state) and the step number from a live replica over ``replicate``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .communicator import Communicator, join, new_comm
+from .errors import CommAborted, CommError
+from .reduce_op import ReduceOp
+
+
+class ReplicaBroken(CommError):
+    """This rank's own replica group lost a member: the process must exit so that
+    its launcher restarts the whole group, which then heals and rejoins."""
+
+
+@dataclass
+class Recovery:
+    """One loss the survivors recovered from, as this rank saw it (wall-clock times)."""
+
+    step: int
+    lost_replicas: List[int]
+    generation: int  # the generation the survivors went on with
+    detected_at: float  # the step's average failed or was voted down
+    resumed_at: float  # the new generation was built (the redo starts)
+    committed_at: Optional[float] = None  # the redone step was committed
+
+
+@dataclass
+class Admission:
+    """A replica group let back in at a step boundary."""
+
+    step: int
+    replicas: List[int]
+    generation: int
+    heal_s: float  # the reconfigure and the state transfer, on this rank
+
+
+class Replicas:
+    """This rank's view of the live replica groups (see the module doc).
+
+    ``store`` is the job's store, outside every replica group (the launcher's
+    coordinator holds it), so losing any group, rank 0's included, is
+    survivable.  ``rejoin``: this process is a restart of ``replica`` and
+    joins the running job instead of starting it.
+    """
+
+    def __init__(self, *, replica: int, replicas: int, shard: int, shards: int, store: dist.Store,
+                 rejoin: bool = False, timeout: timedelta = timedelta(seconds=60), name: str = "replicas") -> None:
+        self.replica, self.replicas, self.shard, self.shards = replica, replicas, shard, shards
+        self.member = replica * shards + shard
+        self._timeout = timeout
+        self.recoveries: List[Recovery] = []
+        self.admissions: List[Admission] = []
+        self._healed = False
+        if rejoin:
+            self.world = join("gloo", name=name, member=self.member, store=store, timeout=timeout,
+                              isolate_writes=True)
+        else:
+            self.world = new_comm("gloo", name=name, store=store, rank=self.member, size=replicas * shards,
+                                  timeout=timeout, isolate_writes=True)
+        self.replicate = self._split()
+
+    # ------------------------------------------------------------ who is live
+    @property
+    def live(self) -> List[int]:
+        """The replica groups in the current generation."""
+        return sorted({m // self.shards for m in self.world.members})
+
+    @property
+    def generation(self) -> int:
+        return self.world.generation
+
+    def _split(self) -> Communicator:
+        mine = [r for r, m in enumerate(self.world.members) if m % self.shards == self.shard]
+        return self.world.split(mine, name=f"replicate{self.shard}")
+
+    def _complete(self, members: Sequence[int]) -> List[int]:
+        """``members`` without the replica groups that are not all there."""
+        counts = {}
+        for m in members:
+            counts[m // self.shards] = counts.get(m // self.shards, 0) + 1
+        return [m for m in members if counts[m // self.shards] == self.shards]
+
+    # ------------------------------------------------------------ atomic steps
+    def average(self, local: torch.Tensor, step: int) -> torch.Tensor:
+        """The average of ``local`` over the live replica groups, committed on every
+        rank of every one of them (``local`` itself is never written).  Redone on the
+        survivors after a loss; raises ``ReplicaBroken`` if this rank's own group
+        lost a member."""
+        while True:
+            out = local.clone()
+            ok = True
+            try:
+                self.replicate.all_reduce(out, ReduceOp.AVG)
+            except CommAborted:
+                raise  # fenced out: the others went on without this replica group
+            except CommError:
+                ok = False
+            detected = time.time()
+            try:
+                committed = self.world.should_commit(ok)
+            except CommError:
+                committed = False
+            if committed:
+                if self.recoveries and self.recoveries[-1].committed_at is None:
+                    self.recoveries[-1].committed_at = time.time()
+                return out
+            self._recover(step, detected)
+
+    def _recover(self, step: int, detected: float) -> None:
+        before = self.live
+        self._leave_if_broken()
+        world = self.world.shrink()
+        complete = self._complete(world.members)
+        if self.member not in complete:
+            raise ReplicaBroken(f"replica group {self.replica} is incomplete in generation "
+                                f"{world.generation} (members {world.members})", comm=world.get_name(),
+                                op="shrink")
+        if complete != world.members:  # part of a group got in: go on with whole groups only
+            world = world.reconfigure(complete)
+        self.world = world
+        self.replicate = self._split()
+        self.recoveries.append(Recovery(step, sorted(set(before) - set(self.live)), self.generation,
+                                        detected, time.time()))
+
+    def _leave_if_broken(self) -> None:
+        lost = {self.world.members[r] for r in self.world.lost_ranks}
+        mates = sorted(m for m in lost if m // self.shards == self.replica)
+        if mates:
+            raise ReplicaBroken(f"member(s) {mates} of this rank's replica group {self.replica} were lost",
+                                comm=self.world.get_name(), op="shrink", ranks=self.world.lost_ranks)
+
+    # ------------------------------------------------------------ growing back
+    def admit(self, state: Sequence[torch.Tensor], step: int) -> List[int]:
+        """At a step boundary (every live rank calls it): let in the restarted replica
+        groups whose ranks have all announced themselves and send them ``state`` and
+        ``step``. Returns the replica groups admitted."""
+        if self._healed:  # a rank that just healed took part in this boundary's admission
+            self._healed = False
+            return []
+        try:
+            pending = self.world.pending_members()
+            ready = {m // self.shards for m in self._complete(pending)}
+            if not ready:
+                return []
+            start = time.perf_counter()
+            joiners = [m for m in pending if m // self.shards in ready]
+            self.world = self.world.reconfigure(sorted(self.world.members + joiners))
+            self.replicate = self._split()
+            self._transfer(state, step, survivor=True)
+        except CommAborted:
+            raise
+        except CommError:  # a member was lost meanwhile: go on without it, admit later
+            self._recover(step, time.time())
+            return []
+        admitted = sorted(ready)
+        self.admissions.append(Admission(step, admitted, self.generation, time.perf_counter() - start))
+        return admitted
+
+    def heal(self, state: Sequence[torch.Tensor]) -> int:
+        """A restarted rank, once admitted: overwrite ``state`` with a live replica's
+        and return the step to continue from."""
+        step = self._transfer(state, -1, survivor=False)
+        self._healed = True
+        return step
+
+    def _transfer(self, state: Sequence[torch.Tensor], step: int, *, survivor: bool) -> int:
+        """Broadcast ``state`` and ``step`` from the first rank of ``replicate`` that
+        was live before the admission (the same on every member: they all say which)."""
+        comm = self.replicate
+        flags = torch.zeros(comm.get_size(), dtype=torch.int64)
+        comm.all_gather_single(flags, torch.tensor([int(survivor)], dtype=torch.int64))
+        root = int(torch.nonzero(flags)[0])
+        head = torch.tensor([step], dtype=torch.int64)
+        comm.broadcast(head, root)
+        flat = flatten(state)
+        comm.broadcast(flat, root)
+        if not survivor:
+            unflatten(flat, state)
+        return int(head)
+
+    def wait_for(self, state: Sequence[torch.Tensor], step: int, gone: Callable[[int], bool],
+                 timeout_s: float, poll_s: float = 0.1) -> None:
+        """At the end of the run: keep admitting until every replica group is live
+        again, the rest are ``gone`` (their launcher gave up), or ``timeout_s``
+        passed. World rank 0 decides each round, so all leave together."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.admit(state, step)
+            missing = [r for r in range(self.replicas) if r not in self.live and not gone(r)]
+            again = torch.tensor([int(bool(missing) and time.monotonic() < deadline)])
+            try:
+                self.world.broadcast(again, 0)
+            except CommAborted:
+                raise
+            except CommError:
+                self._recover(step, time.time())
+                continue
+            if not int(again):
+                return
+            time.sleep(poll_s)
+
+    def fingerprints(self, state: Sequence[torch.Tensor]) -> List[int]:
+        """A 63-bit hash of ``state`` on every replica group's rank of this shard, in
+        ``replicate`` rank order: equal values mean bitwise-identical state."""
+        mine = torch.tensor([fingerprint(state)], dtype=torch.int64)
+        out = torch.zeros(self.replicate.get_size(), dtype=torch.int64)
+        self.replicate.all_gather_single(out, mine)
+        return out.tolist()
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One contiguous float copy of ``tensors`` (all of one dtype)."""
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy ``flat`` back into ``tensors``, in order (the inverse of ``flatten``)."""
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset:offset + n].view_as(t))
+            offset += n
+
+
+def fingerprint(tensors: Sequence[torch.Tensor]) -> int:
+    """A 63-bit hash of the bytes of ``tensors``, in order."""
+    h = hashlib.blake2b(digest_size=8)
+    for t in tensors:
+        t = t.detach().contiguous()
+        h.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
+    return int.from_bytes(h.digest(), "little") >> 1

@@ -1,0 +1,258 @@
+"""The launcher of a resilient job: one torchrun per replica group, and a coordinator outside them.
+
+torchrun's agent ends every worker of its group when one dies, so a job that
+must outlive a rank runs one torchrun per replica group, each with
+``--max-restarts`` (it restarts its own group), and a coordinator that none of
+them can take down: it holds the job's store, where the membership of the
+replicate dimension is decided (commslayer.membership) and where each
+group's launcher records that it finished (``replica/<r>/done``) or gave up
+(``replica/<r>/gone``).
+
+One host, everything (the coordinator and every replica group)::
+
+    python launch/run.py --replicas 2 --nproc-per-replica 2 --run-dir runs/x -- --steps 40 --kill 1:10:allreduce
+
+Several hosts: the coordinator on one, each host's replica groups on it::
+
+    python launch/run.py --replicas 2 --replica-ids none --host 0.0.0.0 --port 29600     # coordinator only
+    python launch/run.py --replicas 2 --replica-ids 1 --coordinator 10.0.0.1:29600 -- ...   # replica group 1
+
+The workers get ``COMMSLAYER_JOB_STORE``, ``COMMSLAYER_REPLICA``,
+``COMMSLAYER_REPLICAS`` and, with ``--run-dir``, ``COMMSLAYER_TRACE_DIR``
+(``<run-dir>/traces``) and ``--run-dir`` itself.  Every process started here
+runs in its own process group and is ended (SIGTERM, then SIGKILL after
+``--grace``) when the launcher exits, Ctrl-C included.  Exit status: 0 when
+every replica group started here finished, 1 otherwise.  With ``--run-dir``,
+the end prints the run's summary (commslayer's recoveries, the survivor
+stall per fault, whether the replicas' state matches) and ``--compare-to``
+compares its loss curve with another run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Launcher:
+    """The torchruns of this host, ended together whatever way the launcher exits."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.procs: Dict[int, subprocess.Popen] = {}
+        self._grace_s = grace_s
+        self._printing: List[threading.Thread] = []
+
+    def start(self, replica: int, cmd: List[str], env: Dict[str, str]) -> None:
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, text=True, bufsize=1)
+        self.procs[replica] = proc
+        t = threading.Thread(target=self._relay, args=(replica, proc), daemon=True)
+        t.start()
+        self._printing.append(t)
+
+    @staticmethod
+    def _relay(replica: int, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            sys.stdout.write(f"[replica {replica}] {line}")
+            sys.stdout.flush()
+
+    def stop(self) -> None:
+        """End every process group started here that is still running."""
+        live = [p for p in self.procs.values() if p.poll() is None]
+        for p in live:
+            _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + self._grace_s
+        for p in live:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in self.procs.values():
+            _signal_group(p, signal.SIGKILL)  # also workers an agent left behind
+            p.wait()
+        for t in self._printing:
+            t.join(timeout=1)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _replica_ids(spec: str, replicas: int) -> List[int]:
+    if spec == "all":
+        return list(range(replicas))
+    if spec == "none":
+        return []
+    ids = [int(x) for x in spec.split(",")]
+    if any(not 0 <= r < replicas for r in ids):
+        raise SystemExit(f"--replica-ids {spec}: replica ids are 0..{replicas - 1}")
+    return ids
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--replicas", type=int, default=2, help="replica groups in the job")
+    p.add_argument("--nproc-per-replica", type=int, default=2, help="ranks per replica group")
+    p.add_argument("--replica-ids", default="all", help="the replica groups to run here: all, none, or 0,2,...")
+    p.add_argument("--coordinator", help="HOST:PORT of a running coordinator (default: be the coordinator)")
+    p.add_argument("--host", default="127.0.0.1", help="the address the coordinator listens on")
+    p.add_argument("--port", type=int, default=0, help="the coordinator's port (default: a free one)")
+    p.add_argument("--max-restarts", type=int, default=3, help="restarts of each replica group (torchrun's)")
+    p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL on exit")
+    p.add_argument("--run-dir", help="results and traces go here")
+    p.add_argument("--compare-to", help="a fault-free run's --run-dir: compare the loss curves")
+    p.add_argument("--loss-tolerance", type=float, default=0.05,
+                   help="largest relative loss difference per step against --compare-to")
+    p.add_argument("--script", default=str(ROOT / "launch" / "train.py"))
+    p.add_argument("args", nargs=argparse.REMAINDER, help="-- then the script's arguments")
+    a = p.parse_args(argv)
+    script_args = a.args[1:] if a.args[:1] == ["--"] else a.args
+    ids = _replica_ids(a.replica_ids, a.replicas)
+
+    import torch.distributed as dist  # after parsing: --help stays fast
+
+    if a.coordinator:
+        host, port = a.coordinator.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60), use_libuv=True)
+        address = a.coordinator
+    else:
+        store = dist.TCPStore(a.host, a.port, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=60), use_libuv=True)
+        address = f"{a.host if a.host != '0.0.0.0' else '127.0.0.1'}:{store.port}"
+        print(f"coordinator: job store at {a.host}:{store.port} for {a.replicas} replica group(s) of "
+              f"{a.nproc_per_replica}", flush=True)
+
+    launcher = Launcher(a.grace)
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    codes: Dict[int, int] = {}
+    try:
+        for r in ids:
+            env = dict(os.environ, COMMSLAYER_JOB_STORE=address, COMMSLAYER_REPLICA=str(r),
+                       COMMSLAYER_REPLICAS=str(a.replicas), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+            args = list(script_args)
+            if a.run_dir:
+                env["COMMSLAYER_TRACE_DIR"] = os.path.join(a.run_dir, "traces")
+                args += ["--run-dir", a.run_dir]
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+                   "--nproc-per-node", str(a.nproc_per_replica), "--max-restarts", str(a.max_restarts),
+                   "--monitor-interval", "0.1", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                   "--role", f"replica{r}", a.script, *args]
+            launcher.start(r, cmd, env)
+        while len(codes) < len(ids) or (not ids and not _all_ended(store, a.replicas)):
+            for r, proc in launcher.procs.items():
+                if r not in codes and proc.poll() is not None:
+                    codes[r] = proc.returncode
+                    store.set(f"replica/{r}/{'done' if proc.returncode == 0 else 'gone'}", str(proc.returncode))
+                    print(f"coordinator: replica group {r} {'finished' if proc.returncode == 0 else 'gave up'} "
+                          f"(torchrun exit {proc.returncode})", flush=True)
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        print("launcher: interrupted; ending every process it started", flush=True)
+        return 130
+    finally:
+        launcher.stop()
+    ok = all(c == 0 for c in codes.values())
+    if a.run_dir and ids:
+        ok = summarize(a.run_dir, store, a.compare_to, a.loss_tolerance) and ok
+    return 0 if ok else 1
+
+
+def _all_ended(store, replicas: int) -> bool:
+    return all(store.check([f"replica/{r}/done"]) or store.check([f"replica/{r}/gone"]) for r in range(replicas))
+
+
+def load_results(run_dir: str) -> List[dict]:
+    """Every rank's result file of a run (one per process incarnation)."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(run_dir, "result-m*-r*.json"))):
+        with open(path) as f:
+            out.append(json.load(f))
+    return out
+
+
+def summarize(run_dir: str, store, compare_to: Optional[str], tolerance: float) -> bool:
+    """Print what the run did and whether its invariants hold; False if one does not."""
+    results = load_results(run_dir)
+    if not results:
+        print(f"summary: no results in {run_dir}", flush=True)
+        return False
+    ok = True
+    steps = results[0]["steps"]
+    finals = [r for r in results if r.get("live") is not None]
+    lengths = {r["member"]: r["start_step"] + len(r["step_s"]) for r in finals}
+    print(f"summary: {len(finals)} rank(s) finished, every one at step {steps}: "
+          f"{all(n == steps for n in lengths.values())}", flush=True)
+    ok &= all(n == steps for n in lengths.values())
+    for shard in sorted({r["rank"] for r in finals}):
+        prints = {r["replica"]: r["fingerprints"] for r in finals if r["rank"] == shard}
+        same = len({tuple(v) for v in prints.values()}) == 1 and len(set(next(iter(prints.values())))) == 1
+        ok &= same
+        print(f"summary: shard {shard}: parameters and optimizer state bitwise identical across replicas "
+              f"{sorted(prints)}: {same}", flush=True)
+    killed = _killed(store)
+    leader = min(finals, key=lambda r: r["member"])
+    for k in killed:
+        rec = next((x for x in leader["recoveries"] if x["committed_at"] and x["detected_at"] >= k["t"] - 1), None)
+        stall = f"{rec['committed_at'] - k['t']:.3f}s" if rec else "n/a (no recovery seen)"
+        print(f"summary: fault: replica {k['replica']} SIGKILLed at step {k['step']} ({k['phase']}); "
+              f"survivor stall (kill to next committed step) {stall}", flush=True)
+    for adm in leader["admissions"]:
+        print(f"summary: replica(s) {adm['replicas']} rejoined at step {adm['step']} (generation "
+              f"{adm['generation']}); join and state transfer {adm['heal_s']:.3f}s", flush=True)
+    losses = {int(s): v for s, v in leader["losses"].items()}
+    if compare_to:
+        ref = {int(s): v for s, v in min((r for r in load_results(compare_to) if r.get("live") is not None),
+                                          key=lambda r: r["member"])["losses"].items()}
+        worst = max(abs(losses[s] - ref[s]) / ref[s] for s in ref if s in losses)
+        final = losses[steps - 1] / ref[steps - 1] - 1
+        within = worst <= tolerance
+        ok &= within
+        print(f"summary: loss vs the fault-free run {compare_to}: largest relative difference {worst:.4f} "
+              f"(tolerance {tolerance}), final loss {losses[steps - 1]:.4f} vs {ref[steps - 1]:.4f} "
+              f"({final:+.2%}): {'within' if within else 'OUTSIDE'} tolerance", flush=True)
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump({"ok": bool(ok), "killed": killed, "losses": losses, "recoveries": leader["recoveries"],
+                   "admissions": leader["admissions"]}, f, indent=1)
+    return bool(ok)
+
+
+def _killed(store) -> List[dict]:
+    if not store.check(["faults/killed"]):
+        return []
+    out = []
+    for entry in store.get("faults/killed").decode().split(";"):
+        if entry:
+            r, step, phase, t = entry.split(":")
+            out.append({"replica": int(r), "step": int(step), "phase": phase, "t": float(t)})
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
