@@ -86,13 +86,17 @@ class CommslayerProcessGroup(dist.ProcessGroup):
         timeout_s = (config.default_timeout() if config.timeout_is_set() else timeout).total_seconds()
         self._comms = {}
         kinds = ["gloo"] + (["nccl"] if torch.cuda.is_available() and dist.is_nccl_available() else [])
+        global_ranks = global_ranks or list(range(size))
+        # In a job of several torchruns, this torchrun's ranks are a block of the job's ranks.
+        shift = 0 if config.job_rank() is None else config.job_rank() - global_ranks[rank]
         for kind in kinds:
             spec, device = backends.resolve(kind, None)
+            uid = f"c10d:{group_name}:{spec.device_type}" + (f"+{shift}" if shift else "")
             comm = Communicator(
                 spec, device, name=f"c10d:{group_name}:{spec.device_type}",
                 store=dist.PrefixStore(f"commslayer/{spec.device_type}/", store), rank=rank, size=size,
                 timeout_s=timeout_s, hints={}, check=config.check_mode(),
-                uid=f"c10d:{group_name}:{spec.device_type}", global_ranks=global_ranks or list(range(size)),
+                uid=uid, global_ranks=[g + shift for g in global_ranks],
             )
             self._attach(comm)
 

@@ -60,11 +60,12 @@ def trace_dir() -> str:
     return os.environ.get("COMMSLAYER_TRACE_DIR", "")
 
 
-def trace_rank() -> Optional[int]:
-    """``COMMSLAYER_TRACE_RANK``: the rank in trace file names and records' ``rank``
-    (default: the default process group's rank). A job run as several torchruns,
-    one per replica group, sets it so that ranks do not collide."""
-    value = os.environ.get("COMMSLAYER_TRACE_RANK", "")
+def job_rank() -> Optional[int]:
+    """``COMMSLAYER_JOB_RANK``: this process's rank in a job made of several torchruns
+    (one per replica group, ``launch/run.py``), each of which numbers its ranks
+    from 0. It names trace files, and c10d groups map their ranks into it
+    (a torchrun's ranks are taken to be one contiguous block of the job's)."""
+    value = os.environ.get("COMMSLAYER_JOB_RANK", "")
     return int(value) if value else None
 
 

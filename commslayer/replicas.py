@@ -96,6 +96,7 @@ class Replicas:
         else:
             self.world = new_comm("gloo", name=name, store=store, rank=self.member, size=replicas * shards,
                                   timeout=timeout, isolate_writes=True)
+        self.world.global_ranks = list(self.world.members)  # member ids are the job's ranks
         self.replicate = self._split()
 
     # ------------------------------------------------------------ who is live

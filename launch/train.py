@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import os
 
-# Tracing starts when torch is imported (COMMSLAYER_TRACE_DIR): name this process's trace files
-# by its member id, and keep a restarted group's traces apart from those of the run it replaces.
+# Tracing starts when torch is imported (COMMSLAYER_TRACE_DIR): this process's rank in the job
+# (its member id) names its trace files and shifts its torchrun's ranks; keep a restarted group's traces apart from those of the run it replaces.
 _REPLICA = int(os.environ.get("COMMSLAYER_REPLICA", "0"))
 _RESTART = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 _MEMBER = _REPLICA * int(os.environ.get("WORLD_SIZE", "1")) + int(os.environ.get("RANK", "0"))
-os.environ.setdefault("COMMSLAYER_TRACE_RANK", str(_MEMBER))
+os.environ.setdefault("COMMSLAYER_JOB_RANK", str(_MEMBER))
 if os.environ.get("COMMSLAYER_TRACE_DIR") and _RESTART:
     os.environ["COMMSLAYER_TRACE_DIR"] = os.path.join(os.environ["COMMSLAYER_TRACE_DIR"],
                                                       f"replica{_REPLICA}-restart{_RESTART}")
@@ -169,11 +169,11 @@ def replica_store(timeout: timedelta) -> dist.Store:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -269,7 +269,7 @@ def main() -> None:
     if rep is not None:
         result.update(generation=rep.generation, live=rep.live, fingerprints=prints,
                       recoveries=[vars(r) for r in rep.recoveries], admissions=[vars(a) for a in rep.admissions])
-        if rep.world.get_rank() == 0:
+        if rep.world.get_rank() == 0 and step_s:
             print(f"done: steps {start_step}..{args.steps - 1} in {elapsed:.1f}s, {len(rep.recoveries)} "
                   f"recoveries, {len(rep.admissions)} admissions, replicas {rep.live}/{replicas} live at the end, "
                   f"generation {rep.generation}", flush=True)
@@ -307,8 +307,11 @@ def plain_average(store: dist.Store, replica: int, replicas: int, shard: int, sh
 def finish(code: int) -> None:
     """Dump this rank's trace and leave without running interpreter teardown (torch
     2.13's Gloo can abort there)."""
+    from commslayer.liveness import close_all
     from tracing.recorder import recorder
 
+    if code == 0:  # say goodbye: the others must not take this exit for a loss (and must, otherwise)
+        close_all()
     rec = recorder()
     if rec is not None:
         rec.dump("exit" if code == 0 else f"exit {code}")

@@ -288,10 +288,10 @@ class FlightRecorder:
 
 
 def _global_rank() -> int:
-    """The rank this process's dumps and sinks are named by: ``COMMSLAYER_TRACE_RANK``
+    """The rank this process's dumps and sinks are named by: ``COMMSLAYER_JOB_RANK``
     (a job of several torchruns names its ranks itself), else the default group's."""
-    if config.trace_rank() is not None:
-        return config.trace_rank()
+    if config.job_rank() is not None:
+        return config.job_rank()
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
