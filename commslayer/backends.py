@@ -88,7 +88,8 @@ class GlooSpec(BackendSpec):
     untimed_waits = frozenset({"_reduce_scatter_base", "reduce_scatter"})
 
     def create(self, store, rank, size, timeout, hints):
-        interface = hints.get("interface")
+        # c10d reads GLOO_SOCKET_IFNAME for the groups it builds; so do we (several hosts).
+        interface = hints.get("interface") or os.environ.get("GLOO_SOCKET_IFNAME") or None
         threads = hints.get("threads")
         if interface is None and threads is None:
             return c10d.ProcessGroupGloo(store, rank, size, timeout)
@@ -96,7 +97,7 @@ class GlooSpec(BackendSpec):
         opts._timeout = timeout
         opts._threads = int(threads) if threads is not None else 2
         if interface is not None:
-            opts._devices = [c10d.ProcessGroupGloo.create_device(interface=interface)]
+            opts._devices = [c10d.ProcessGroupGloo.create_device(interface=i) for i in interface.split(",")]
         else:
             opts._devices = [c10d.ProcessGroupGloo.create_default_device()]
         return c10d.ProcessGroupGloo(store, rank, size, opts)
