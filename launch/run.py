@@ -199,7 +199,8 @@ def _all_ended(store, replicas: int) -> bool:
 
 
 def load_results(run_dir: str) -> List[dict]:
-    """Every rank's result file of a run (one per process incarnation)."""
+    """The result files of a run: one per process that reached the end (a rank killed
+    on the way writes none; its restarted incarnation does)."""
     out = []
     for path in sorted(glob.glob(os.path.join(run_dir, "result-m*-r*.json"))):
         with open(path) as f:
@@ -215,19 +216,18 @@ def summarize(run_dir: str, store, compare_to: Optional[str], tolerance: float) 
         return False
     ok = True
     steps = results[0]["steps"]
-    finals = [r for r in results if r.get("live") is not None]
-    lengths = {r["member"]: r["start_step"] + len(r["step_s"]) for r in finals}
-    print(f"summary: {len(finals)} rank(s) finished, every one at step {steps}: "
+    lengths = {r["member"]: r["start_step"] + len(r["step_s"]) for r in results}
+    print(f"summary: {len(results)} rank(s) finished, every one at step {steps}: "
           f"{all(n == steps for n in lengths.values())}", flush=True)
     ok &= all(n == steps for n in lengths.values())
-    for shard in sorted({r["rank"] for r in finals}):
-        prints = {r["replica"]: r["fingerprints"] for r in finals if r["rank"] == shard}
+    for shard in sorted({r["rank"] for r in results if r["fingerprints"] is not None}):
+        prints = {r["replica"]: r["fingerprints"] for r in results if r["rank"] == shard}
         same = len({tuple(v) for v in prints.values()}) == 1 and len(set(next(iter(prints.values())))) == 1
         ok &= same
         print(f"summary: shard {shard}: parameters and optimizer state bitwise identical across replicas "
               f"{sorted(prints)}: {same}", flush=True)
     killed = _killed(store)
-    leader = min(finals, key=lambda r: (r["start_step"], r["member"]))  # the rank that saw the whole run
+    leader = min(results, key=lambda r: (r["start_step"], r["member"]))  # the rank that saw the whole run
     for k in killed:
         rec = next((x for x in leader["recoveries"] if x["committed_at"] and x["detected_at"] >= k["t"] - 1), None)
         stall = f"{rec['committed_at'] - k['t']:.3f}s" if rec else "n/a (no recovery seen)"
@@ -238,8 +238,7 @@ def summarize(run_dir: str, store, compare_to: Optional[str], tolerance: float) 
               f"{adm['generation']}); join and state transfer {adm['heal_s']:.3f}s", flush=True)
     losses = {int(s): v for s, v in leader["losses"].items()}
     if compare_to:
-        ref_run = min((r for r in load_results(compare_to) if r.get("live") is not None),
-                      key=lambda r: (r["start_step"], r["member"]))
+        ref_run = min(load_results(compare_to), key=lambda r: (r["start_step"], r["member"]))
         ok &= compare_losses(losses, {int(s): v for s, v in ref_run["losses"].items()},
                              min((k["step"] for k in killed), default=steps), tolerance, compare_to)
     with open(os.path.join(run_dir, "summary.json"), "w") as f:

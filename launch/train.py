@@ -22,9 +22,10 @@ a healed replica continues at the survivors' step.  Without the launcher
 (plain ``torchrun train.py``) the job is one replica group.
 
 ``--kill R:STEP:PHASE[:RANK]`` SIGKILLs rank RANK (default 0) of replica
-group R at STEP, during ``forward``, ``backward``, ``allreduce`` (entering the
-gradient average) or ``optimizer`` (after the step was committed); each
-fault fires once per job.  ``--plain`` runs the same job on plain Gloo groups
+group R at STEP (or the first step after it at which every replica group is
+live), during ``forward``, ``backward``, ``allreduce`` (entering the gradient
+average) or ``optimizer`` (after the step was committed); each fault fires
+once per job.  ``--plain`` runs the same job on plain Gloo groups
 without any of it, the baseline of ``launch/bench_training.py``.
 """
 
@@ -126,21 +127,27 @@ class Faults:
     """The ``--kill`` faults of this job that concern this rank; each fires once per
     job (a key in the job's store), so a restarted group does not replay it."""
 
-    def __init__(self, specs: List[str], replica: int, rank: int, store: Optional[dist.Store]) -> None:
+    def __init__(self, specs: List[str], replica: int, rank: int, store: Optional[dist.Store],
+                 whole: Callable[[], bool]) -> None:
         self._store = store
-        self._mine: Dict[Tuple[int, str], int] = {}
+        self._whole = whole
+        self._mine: List[Tuple[int, str, int]] = []  # (step, phase, index in the job's list)
         for i, spec in enumerate(specs):
             parts = spec.split(":")
             if len(parts) not in (3, 4) or parts[2] not in PHASES:
                 raise SystemExit(f"--kill {spec!r}: expected REPLICA:STEP:PHASE[:RANK], PHASE one of {PHASES}")
             r, step, phase = int(parts[0]), int(parts[1]), parts[2]
             if r == replica and int(parts[3] if len(parts) == 4 else 0) == rank:
-                self._mine[(step, phase)] = i
+                self._mine.append((step, phase, i))
 
     def point(self, step: int, phase: str) -> None:
-        """SIGKILL this process if a fault is due here."""
-        i = self._mine.get((step, phase))
-        if i is None or self._store is None or self._store.add(f"faults/fired/{i}", 1) != 1:
+        """SIGKILL this process if a fault is due here: at its step, or at the first later
+        step at which every replica group is live (a fault never ends the whole job)."""
+        due = [f for f in self._mine if f[1] == phase and f[0] <= step]
+        if not due or self._store is None or not self._whole():
+            return
+        self._mine.remove(due[0])
+        if self._store.add(f"faults/fired/{due[0][2]}", 1) != 1:
             return
         self._store.append("faults/killed", f"{_REPLICA}:{step}:{phase}:{time.time():.6f};")
         print(f"[replica {_REPLICA} rank {int(os.environ.get('RANK', '0'))}] injected fault: SIGKILL at step "
@@ -193,7 +200,8 @@ def main() -> None:
     dist.init_process_group("gloo" if args.plain else "commslayer", store=replica_store(timeout),
                             rank=rank, world_size=shards, timeout=timeout)
     store, replica, replicas = job_store(timeout)
-    faults = Faults(args.kill, replica, rank, store if "COMMSLAYER_JOB_STORE" in os.environ else None)
+    faults = Faults(args.kill, replica, rank, store if "COMMSLAYER_JOB_STORE" in os.environ else None,
+                    lambda: rep is not None and len(rep.live) == replicas)
 
     torch.manual_seed(args.seed)
     model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq)
@@ -265,7 +273,9 @@ def main() -> None:
             print(f"shard {rank}: state of replicas {[m // shards for m in rep.replicate.members]} "
                   f"fingerprints {[f'{x:016x}' for x in prints]}: {same}", flush=True)
     result = {"member": _MEMBER, "replica": replica, "rank": rank, "restart": _RESTART, "steps": args.steps,
-              "start_step": start_step, "elapsed_s": elapsed, "step_s": step_s, "losses": losses}
+              "start_step": start_step, "elapsed_s": elapsed, "step_s": step_s, "losses": losses,
+              "optimizer_steps": [int(opt.state[q]["step"]) for q in params], "live": list(range(replicas)),
+              "fingerprints": None, "recoveries": [], "admissions": []}
     if rep is not None:
         result.update(generation=rep.generation, live=rep.live, fingerprints=prints,
                       recoveries=[vars(r) for r in rep.recoveries], admissions=[vars(a) for a in rep.admissions])
