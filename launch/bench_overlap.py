@@ -33,7 +33,6 @@ trace there, for ``commslayer-trace overlap DIR``.
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
 import signal
@@ -50,89 +49,14 @@ PREFIX = "csov"  # namespace names: csov<pid>-hub, csov<pid>-r<rank>
 CONFIGS = {"default": "default", "default-aa": "default (A/A)", "native": "native",
            "ours-1link": "ours, 1 link", "ours-2links": "ours, 2 links"}
 ROOT = Path(__file__).resolve().parent.parent
-
-
-# ------------------------------------------------------------------ testbed
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
-
-
-def _namespaces() -> List[str]:
-    out = _ip("netns", "list", check=False).stdout
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-def remove_leftovers() -> None:
-    """Delete the namespaces of earlier runs whose process is gone."""
-    for ns in _namespaces():
-        if not ns.startswith(PREFIX):
-            continue
-        pid = ns[len(PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            _ip("netns", "del", ns, check=False)
-
-
-class Testbed:
-    """``world`` rank namespaces on two rate-capped rails; removed by ``close`` (idempotent)."""
-
-    def __init__(self, world: int, rate: str) -> None:
-        self.world = world
-        self.rate = rate
-        self.tag = f"{PREFIX}{os.getpid()}"
-        self.hub = f"{self.tag}-hub"
-        self.ranks = [f"{self.tag}-r{r}" for r in range(world)]
-        self._made: List[str] = []
-
-    @staticmethod
-    def address(rail: int, rank: int) -> str:
-        return f"10.77.{rail}.{rank + 1}"
-
-    def __enter__(self) -> "Testbed":
-        atexit.register(self.close)
-        try:
-            self._build()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _netns(self, name: str) -> None:
-        _ip("netns", "add", name)
-        self._made.append(name)
-        _ip("-n", name, "link", "set", "lo", "up")
-
-    def _cap(self, ns: str, dev: str) -> None:
-        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                        "rate", self.rate, "burst", "256kb", "latency", "50ms"], check=True, capture_output=True)
-
-    def _build(self) -> None:
-        self._netns(self.hub)
-        for rail in (1, 2):
-            _ip("-n", self.hub, "link", "add", f"br{rail}", "type", "bridge")
-            _ip("-n", self.hub, "link", "set", f"br{rail}", "up")
-        for rank, ns in enumerate(self.ranks):
-            self._netns(ns)
-            for rail, dev in ((1, "ag"), (2, "rs")):
-                hub_end = f"r{rank}{dev}"
-                _ip("-n", self.hub, "link", "add", hub_end, "type", "veth", "peer", "name", dev, "netns", ns)
-                _ip("-n", self.hub, "link", "set", hub_end, "master", f"br{rail}", "up")
-                _ip("-n", ns, "addr", "add", f"{self.address(rail, rank)}/24", "dev", dev)
-                _ip("-n", ns, "link", "set", dev, "up")
-                self._cap(ns, dev)             # what the rank sends
-                self._cap(self.hub, hub_end)   # what it receives
-
-    def close(self) -> None:
-        while self._made:
-            _ip("netns", "del", self._made.pop(), check=False)
+sys.path.insert(0, str(ROOT))
+from launch.netns import Network, remove_leftovers  # noqa: E402
 
 
 # ------------------------------------------------------------------ parent
 def run_world(world: int, args: argparse.Namespace) -> List[dict]:
     """Build the testbed, run one worker per rank namespace, return each rank's results."""
-    with Testbed(world, args.rate) as bed, tempfile.TemporaryDirectory() as out:
+    with Network(world, PREFIX, rails=("ag", "rs"), rate=args.rate) as bed, tempfile.TemporaryDirectory() as out:
         env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": bed.address(1, 0), "MASTER_PORT": "29500",
                "GLOO_SOCKET_IFNAME": "ag", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
                "COMMSLAYER_TIMEOUT_S": "120"}
@@ -147,7 +71,7 @@ def run_world(world: int, args: argparse.Namespace) -> List[dict]:
         logs = [open(Path(out, f"rank{r}.log"), "wb") for r in range(world)]
         procs = [subprocess.Popen(["ip", "netns", "exec", ns, *worker_args], env={**env, "RANK": str(r)},
                                   stdout=logs[r], stderr=subprocess.STDOUT)
-                 for r, ns in enumerate(bed.ranks)]
+                 for r, ns in enumerate(bed.hosts)]
         try:
             deadline = time.monotonic() + args.timeout
             while any(p.poll() is None for p in procs):
@@ -231,7 +155,7 @@ def main() -> None:
         sys.exit("bench_overlap.py builds network namespaces: run it as root")
     for sig in (signal.SIGTERM, signal.SIGHUP):  # unwind through the testbed's cleanup
         signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
-    remove_leftovers()
+    remove_leftovers(PREFIX)
     results = {"args": {k: v for k, v in vars(args).items() if k != "worker"}, "worlds": {}}
     for world in args.ranks:
         ranks = run_world(world, args)

@@ -12,10 +12,13 @@ One host, everything (the coordinator and every replica group)::
 
     python launch/run.py --replicas 2 --nproc-per-replica 2 --run-dir runs/x -- --steps 40 --kill 1:10:allreduce
 
-Several hosts: the coordinator on one, each host's replica groups on it::
+Several hosts: the coordinator on one, each host's replica groups on it (all of them
+with the same ``--run-dir`` on a shared filesystem, or none; ``GLOO_SOCKET_IFNAME``
+names the interface the ranks use)::
 
-    python launch/run.py --replicas 2 --replica-ids none --host 0.0.0.0 --port 29600     # coordinator only
-    python launch/run.py --replicas 2 --replica-ids 1 --coordinator 10.0.0.1:29600 -- ...   # replica group 1
+    python launch/run.py --replicas 2 --replica-ids none --host 10.0.0.1 --port 29600 --run-dir /shared/x
+    GLOO_SOCKET_IFNAME=eth0 python launch/run.py --replicas 2 --replica-ids 1 --coordinator 10.0.0.1:29600 \
+        --run-dir /shared/x -- --steps 40
 
 The workers get ``COMMSLAYER_JOB_STORE``, ``COMMSLAYER_REPLICA``,
 ``COMMSLAYER_REPLICAS`` and, with ``--run-dir``, ``COMMSLAYER_TRACE_DIR``
@@ -23,7 +26,7 @@ The workers get ``COMMSLAYER_JOB_STORE``, ``COMMSLAYER_REPLICA``,
 runs in its own process group and is ended (SIGTERM, then SIGKILL after
 ``--grace``) when the launcher exits, Ctrl-C included.  Exit status: 0 when
 every replica group started here finished, 1 otherwise.  With ``--run-dir``,
-the end prints the run's summary (commslayer's recoveries, the survivor
+the coordinator prints at the end the run's summary (commslayer's recoveries, the survivor
 stall per fault, whether the replicas' state matches) and ``--compare-to``
 compares its loss curve with another run's.
 """
@@ -189,7 +192,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         launcher.stop()
     ok = all(c == 0 for c in codes.values())
-    if a.run_dir and ids:
+    if a.run_dir and not a.coordinator:  # the coordinator has seen every replica group end
         ok = summarize(a.run_dir, store, a.compare_to, a.loss_tolerance) and ok
     return 0 if ok else 1
 

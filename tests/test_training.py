@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +20,10 @@ from typing import Dict, List
 
 import pytest
 
+from launch.netns import Network
+from launch.run import compare_losses, load_results
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "launch"))
-from run import compare_losses, load_results  # noqa: E402
 
 STEPS = 14
 FAULT_STEP = 5
@@ -101,3 +103,34 @@ def test_a_killed_replica_group_is_survived_healed_and_loses_nothing(clean, tmp_
     assert all(r["restart"] == 1 and r["start_step"] > FAULT_STEP for r in restarted)
     # Same seeds: identical losses before the fault, close after it.
     assert compare_losses(losses_of(tmp_path), losses_of(clean), FAULT_STEP, 0.05, str(clean))
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"), reason="needs root and iproute2")
+def test_replica_groups_on_separate_hosts(tmp_path):
+    """Three network-namespace hosts: the coordinator on one, a replica group on each of the
+    others, every launcher pointed at the coordinator's address; replica group 1 is killed."""
+    with Network(3, "cstr") as net:
+        coordinator = f"{net.address(1, 0)}:29650"
+        env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="", GLOO_SOCKET_IFNAME="eth0")
+        env.pop("COMMSLAYER_LIVENESS_HOST", None)
+        base = [sys.executable, str(ROOT / "launch" / "run.py"), "--replicas", "2", "--nproc-per-replica", "2",
+                "--run-dir", str(tmp_path)]
+        procs = [subprocess.Popen(net.run(0, [*base, "--replica-ids", "none", "--host", net.address(1, 0),
+                                              "--port", "29650"]), env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)]
+        for replica in (0, 1):
+            procs.append(subprocess.Popen(
+                net.run(replica + 1, [*base, "--replica-ids", str(replica), "--coordinator", coordinator, "--",
+                                      *TINY, "--kill", f"1:{FAULT_STEP}:allreduce"]),
+                env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        try:
+            outs = [p.communicate(timeout=150)[0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+        log = "\n".join(o[-3000:] for o in outs)
+        assert [p.returncode for p in procs] == [0, 0, 0], log
+    done = check_invariants(tmp_path, subprocess.CompletedProcess([], 0, log, ""))
+    whole = min(done, key=lambda r: (r["start_step"], r["member"]))
+    assert [r["lost_replicas"] for r in whole["recoveries"]] == [[1]]
+    assert "summary: shard 0: parameters and optimizer state bitwise identical across replicas [0, 1]: True" in outs[0]

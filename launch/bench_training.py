@@ -1,0 +1,385 @@
+"""What resilience costs a training job and what it saves: launch/train.py on
+commslayer next to the same job on plain Gloo, and next to the usual
+alternative, a torchrun restart that reloads a checkpoint, measured side by
+side in one run.
+
+    python launch/bench_training.py --repeats 3 --json docs/data/training.json
+
+The job is launch/train.py's decoder-only LM at its default size (dim 128,
+4 layers, seq 128, batch 8 per rank), 2 replica groups of 2 FSDP2 ranks
+(4 ranks), ``--steps`` steps.  Configurations:
+
+* ``ours``: ``launch/run.py`` running train.py on commslayer (the
+  ``"commslayer"`` backend inside each replica group, the resilient
+  replicate dimension across them, the flight recorder on, as run.py sets
+  it), no fault;
+* ``plain Gloo`` and ``plain Gloo (A/A)``: the same launcher and job with
+  ``--plain`` (plain Gloo groups, no resilience), twice: the second run
+  calibrates what two identical configurations differ by here;
+* ``ours, SIGKILL in PHASE`` (``--phases``): ``--kill 1:F:PHASE``, rank 0 of
+  replica group 1 SIGKILLs itself at step F (``--fault-step``);
+* ``torchrun + DCP``: the usual alternative, written below (``_DCP_JOB``):
+  one ``torchrun --max-restarts 1`` of all 4 ranks, FSDP2 HSDP on a 2x2
+  DeviceMesh ("replicate", "shard") over plain Gloo, the same model, data
+  and AdamW, a ``torch.distributed.checkpoint`` of model and optimizer
+  every ``--ckpt-every`` steps; global rank 2 (replica 1, rank 0) SIGKILLs
+  itself at the start of step F, torchrun restarts all 4 ranks, they load
+  the latest checkpoint and redo the steps since it.
+
+Every repeat runs each configuration once, the order rotated from repeat
+to repeat so drift hits them alike.  Figures:
+
+* fault-free step time: for each step from ``--warmup`` on, the slowest
+  rank's step time (train.py's ``step_s``: data, forward, backward, the
+  averages, the optimizer); a run's figure is the median over those steps,
+  its steps/s the inverse.  Overhead: the ratio of a repeat's step time
+  to plain Gloo's in the same repeat, minus 1 (and the same for the A/A);
+* survivor stall (ours): from the kill (the wall time the victim noted just
+  before SIGKILL) to the commit of the step it hit, on the survivor that saw
+  the whole run (``summary.json`` of run.py); also the loss detected to that
+  commit, and how much longer the faulted step took than the run's median
+  step before it;
+* restart (torchrun + DCP): from the kill to the first step committed by the
+  restarted job; to the job being back where it was (step F-1 committed
+  again); and to step F committed, the same end point as ours' stall.  The
+  restarted rank 0's own milestones (process started, torch and the model
+  imported, model built, checkpoint loaded) and the time of one checkpoint
+  save are reported too.
+
+Times are wall clock (``time.time``) on one host.  Progress goes to stderr,
+the Markdown tables to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "launch"))
+from run import load_results  # noqa: E402
+
+REPLICAS, RANKS = 2, 2
+VICTIM_REPLICA = 1  # rank 0 of this replica group dies (global rank 2 in the DCP job)
+MODEL = {"batch": 8, "seq": 128, "dim": 128, "layers": 4, "heads": 4, "vocab": 256, "lr": 3e-3, "seed": 0}
+
+# The baseline job: run by torchrun (argv[1]: its settings as JSON); launch/ and the repository are on PYTHONPATH.
+_DCP_JOB = r'''
+import os, time
+T_START = time.time()
+import json, signal, sys
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from train import TinyLM, batch
+T_IMPORTED = time.time()
+
+cfg = json.loads(sys.argv[1])
+restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+timeout = timedelta(seconds=60)
+store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout,
+                      use_libuv=True)
+# A per-restart prefix: a restarted job must not read the addresses the killed one left in torchrun's store.
+dist.init_process_group("gloo", store=dist.PrefixStore(f"restart{restart}/", store), rank=rank, world_size=size,
+                        timeout=timeout)
+shards = size // cfg["replicas"]
+mesh = init_device_mesh("cpu", (cfg["replicas"], shards), mesh_dim_names=("replicate", "shard"))
+torch.manual_seed(cfg["seed"])
+model = TinyLM(cfg["vocab"], cfg["dim"], cfg["layers"], cfg["heads"], cfg["seq"])
+for block in model.blocks:
+    fully_shard(block, mesh=mesh)
+fully_shard(model, mesh=mesh)
+opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
+T_BUILT = time.time()
+
+ckpt = os.path.join(cfg["out"], "ckpt")
+log = open(os.path.join(cfg["out"], "rank0.jsonl"), "a") if rank == 0 else None
+
+
+def record(**fields):
+    if log is not None:
+        log.write(json.dumps(dict(restart=restart, **fields)) + "\n")
+        log.flush()
+
+
+start = 0
+if os.path.exists(os.path.join(ckpt, "latest")):
+    with open(os.path.join(ckpt, "latest")) as f:
+        start = int(f.read())
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=os.path.join(ckpt, f"step{start}"))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+record(event="start", start_step=start, started=T_START, imported=T_IMPORTED, built=T_BUILT, loaded=time.time())
+
+replica, shard = rank // shards, rank % shards
+for step in range(start, cfg["steps"]):
+    t0 = time.perf_counter()
+    if restart == 0 and step == cfg["fault_step"] and rank == cfg["victim"]:
+        with open(os.path.join(cfg["out"], "kill"), "w") as f:
+            f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    data = batch(step, replica, shard, cfg["batch"], cfg["seq"], cfg["vocab"])
+    logits = model(data[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, cfg["vocab"]), data[:, 1:].reshape(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    record(event="step", step=step, t=time.time(), step_s=time.perf_counter() - t0, loss=loss.item())
+    if (step + 1) % cfg["ckpt_every"] == 0:
+        t1 = time.perf_counter()
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(ckpt, f"step{step + 1}"))
+        dist.barrier()
+        if rank == 0:  # the checkpoint is whole: point at it
+            with open(os.path.join(ckpt, "latest.tmp"), "w") as f:
+                f.write(str(step + 1))
+            os.replace(os.path.join(ckpt, "latest.tmp"), os.path.join(ckpt, "latest"))
+        record(event="save", step=step + 1, s=time.perf_counter() - t1)
+dist.barrier()
+os._exit(0)  # torch 2.13's Gloo can abort at interpreter exit (docs/api.md, Known limits)
+'''
+
+
+def _log(msg: str) -> None:
+    print(f"[bench_training] {msg}", file=sys.stderr, flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMMSLAYER_")}
+    env["OMP_NUM_THREADS"] = "1"
+    env.setdefault("PYTHONWARNINGS", "ignore:Failed to initialize NumPy")
+    return env
+
+
+def _train_args(args: argparse.Namespace) -> List[str]:
+    out = ["--steps", str(args.steps)]
+    for k, v in MODEL.items():
+        out += [f"--{k}", str(v)]
+    return out
+
+
+def _run_py(run_dir: str, train_args: List[str], log_path: str) -> int:
+    cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "--replicas", str(REPLICAS), "--nproc-per-replica",
+           str(RANKS), "--run-dir", run_dir, "--", *train_args]
+    with open(log_path, "w") as log:
+        return subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL, timeout=600).returncode
+
+
+def _fail(what: str, log_path: str) -> None:
+    with open(log_path) as f:
+        tail = f.read()[-3000:]
+    raise SystemExit(f"{what} (log {log_path}):\n{tail}")
+
+
+def fault_free(plain: bool, args: argparse.Namespace, work: str, name: str) -> dict:
+    """One fault-free run through run.py: the slowest rank's step time per step, its median from --warmup on."""
+    run_dir, log_path = os.path.join(work, name), os.path.join(work, name + ".log")
+    rc = _run_py(run_dir, _train_args(args) + (["--plain"] if plain else []), log_path)
+    results = [r for r in load_results(run_dir) if r["restart"] == 0]
+    if len(results) != REPLICAS * RANKS or any(len(r["step_s"]) != args.steps for r in results):
+        _fail(f"{name}: not every rank trained {args.steps} steps", log_path)
+    # run.py's summary reads the resilient job's fields and fails on a --plain run, so its exit status
+    # counts for ours only; the result files above are the check for both.
+    if not plain and rc != 0:
+        _fail(f"{name}: run.py exit status {rc}", log_path)
+    slowest = [max(r["step_s"][s] for r in results) for s in range(args.warmup, args.steps)]
+    step = statistics.median(slowest)
+    return {"step_s": step, "steps_per_s": 1 / step, "slowest_rank_step_s": slowest}
+
+
+def survivor_stall(phase: str, args: argparse.Namespace, work: str, name: str) -> dict:
+    """One run of ours with a replica group SIGKILLed at --fault-step in ``phase``."""
+    run_dir, log_path = os.path.join(work, name), os.path.join(work, name + ".log")
+    kill = f"{VICTIM_REPLICA}:{args.fault_step}:{phase}"
+    rc = _run_py(run_dir, _train_args(args) + ["--kill", kill], log_path)
+    summary_path = os.path.join(run_dir, "summary.json")
+    if rc != 0 or not os.path.exists(summary_path):
+        _fail(f"{name}: run.py exit status {rc}", log_path)
+    with open(summary_path) as f:
+        summary = json.load(f)
+    if len(summary["killed"]) != 1:
+        _fail(f"{name}: {len(summary['killed'])} faults fired, expected 1", log_path)
+    killed = summary["killed"][0]["t"]
+    rec = next((x for x in summary["recoveries"] if x["committed_at"] and x["detected_at"] >= killed - 1), None)
+    if rec is None or rec["step"] != args.fault_step:
+        _fail(f"{name}: no recovery committed step {args.fault_step}: {summary['recoveries']}", log_path)
+    leader = min((r for r in load_results(run_dir) if r.get("live") is not None),
+                 key=lambda r: (r["start_step"], r["member"]))  # the survivor that saw the whole run, as run.py
+    before = statistics.median(leader["step_s"][args.warmup:args.fault_step])
+    return {"stall_s": rec["committed_at"] - killed, "detected_to_committed_s": rec["committed_at"] - rec["detected_at"],
+            "killed_to_detected_s": rec["detected_at"] - killed,
+            "faulted_step_extra_s": leader["step_s"][args.fault_step] - before, "median_step_before_s": before,
+            "admissions": summary["admissions"]}
+
+
+def dcp_restart(args: argparse.Namespace, work: str, name: str) -> dict:
+    """One run of the torchrun + DCP baseline: the kill, the restart, the replay."""
+    out, log_path = os.path.join(work, name), os.path.join(work, name + ".log")
+    os.makedirs(os.path.join(out, "ckpt"))
+    job = os.path.join(work, "dcp_job.py")
+    with open(job, "w") as f:
+        f.write(_DCP_JOB)
+    cfg = dict(MODEL, replicas=REPLICAS, steps=args.steps, fault_step=args.fault_step, ckpt_every=args.ckpt_every,
+               victim=VICTIM_REPLICA * RANKS, out=out)
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "launch"), str(ROOT)] + env.get("PYTHONPATH", "").split(os.pathsep))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(REPLICAS * RANKS),
+           "--max-restarts", "1", "--monitor-interval", "0.1", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), job, json.dumps(cfg)]
+    with open(log_path, "w") as log:
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            timeout=600).returncode
+    if rc != 0 or not os.path.exists(os.path.join(out, "kill")):
+        _fail(f"{name}: torchrun exit status {rc}", log_path)
+    with open(os.path.join(out, "kill")) as f:
+        killed = float(f.read())
+    with open(os.path.join(out, "rank0.jsonl")) as f:
+        events = [json.loads(line) for line in f]
+    steps = {r: {e["step"]: e for e in events if e["event"] == "step" and e["restart"] == r} for r in (0, 1)}
+    start = next(e for e in events if e["event"] == "start" and e["restart"] == 1)
+    resumed = start["start_step"]
+    if resumed != args.fault_step // args.ckpt_every * args.ckpt_every or max(steps[1]) != args.steps - 1:
+        _fail(f"{name}: restarted at step {resumed}, last step {max(steps[1])}", log_path)
+    f_step = args.fault_step
+    return {
+        "first_commit_s": steps[1][resumed]["t"] - killed,
+        "back_where_it_was_s": (steps[1][f_step - 1]["t"] if f_step > resumed else start["loaded"]) - killed,
+        "fault_step_committed_s": steps[1][f_step]["t"] - killed,
+        "resumed_at_step": resumed,
+        "steps_redone": f_step - resumed,
+        "process_started_s": start["started"] - killed,
+        "imported_s": start["imported"] - killed,
+        "built_s": start["built"] - killed,
+        "checkpoint_loaded_s": start["loaded"] - killed,
+        "save_s": [e["s"] for e in events if e["event"] == "save" and e["restart"] == 0],
+        "median_step_before_s": statistics.median(steps[0][s]["step_s"] for s in range(args.warmup, f_step)),
+        "replayed_losses_identical": all(steps[1][s]["loss"] == steps[0][s]["loss"] for s in range(resumed, f_step)),
+    }
+
+
+def _fmt(xs: Sequence[float], scale: float = 1.0, digits: int = 3, unit: str = "") -> str:
+    """Two table cells: the median, and min–max."""
+    return (f"{statistics.median(xs) * scale:.{digits}f}{unit} | "
+            f"{min(xs) * scale:.{digits}f}–{max(xs) * scale:.{digits}f}{unit}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the step-time figures")
+    p.add_argument("--fault-step", type=int, default=12)
+    p.add_argument("--ckpt-every", type=int, default=5, help="the DCP baseline saves a checkpoint every N steps")
+    p.add_argument("--phases", nargs="+", default=["allreduce", "forward"],
+                   choices=["forward", "backward", "allreduce", "optimizer"], help="where ours' victim dies")
+    p.add_argument("--json", help="also write the raw figures here")
+    args = p.parse_args()
+    if not args.warmup < args.fault_step < args.steps or args.fault_step < args.ckpt_every:
+        raise SystemExit("need --warmup < --fault-step < --steps and a checkpoint before --fault-step")
+
+    runs: Dict[str, Callable[[str, str], dict]] = {
+        "ours": lambda work, name: fault_free(False, args, work, name),
+        "plain Gloo": lambda work, name: fault_free(True, args, work, name),
+        "plain Gloo (A/A)": lambda work, name: fault_free(True, args, work, name),
+    }
+    for phase in args.phases:
+        runs[f"ours, SIGKILL in {phase}"] = lambda work, name, phase=phase: survivor_stall(phase, args, work, name)
+    runs["torchrun + DCP"] = lambda work, name: dcp_restart(args, work, name)
+
+    figures: Dict[str, List[dict]] = {name: [] for name in runs}
+    began = time.time()
+    with tempfile.TemporaryDirectory(prefix="bench-training-") as work:
+        for i in range(args.repeats):
+            order = list(runs)[i % len(runs):] + list(runs)[:i % len(runs)]
+            for name in order:
+                t0 = time.time()
+                figures[name].append(runs[name](work, f"r{i}-{name.replace(' ', '_').replace('/', '')}"))
+                shown = {k: round(v, 4) for k, v in figures[name][-1].items() if isinstance(v, float)}
+                _log(f"repeat {i} {name} ({time.time() - t0:.0f} s): {shown}")
+    _log(f"done in {time.time() - began:.0f} s")
+
+    plain = [x["step_s"] for x in figures["plain Gloo"]]
+    for name in ("ours", "plain Gloo (A/A)"):
+        for x, base in zip(figures[name], plain):
+            x["vs_plain"] = x["step_s"] / base - 1
+
+    print(f"command: `{shlex.join(['python'] + sys.argv)}`; {REPLICAS} replica groups x {RANKS} ranks on "
+          f"{os.cpu_count()} CPU(s); {args.steps} steps, model {MODEL}; fault at step {args.fault_step}, checkpoint "
+          f"every {args.ckpt_every} steps; {args.repeats} repeats; {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
+    print(f"Fault-free: the slowest rank's step time, median over steps {args.warmup}..{args.steps - 1} of a run; "
+          "median and min–max over runs. Overhead: a run's step time / plain Gloo's in the same repeat − 1.\n")
+    print("| configuration | step time, median (ms) | min–max (ms) | steps/s, median | min–max "
+          "| vs plain Gloo, median | min–max |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name in ("ours", "plain Gloo", "plain Gloo (A/A)"):
+        xs = figures[name]
+        rel = _fmt([x["vs_plain"] for x in xs], 100, 2, " %") if "vs_plain" in xs[0] else "– | –"
+        print(f"| {name} | {_fmt([x['step_s'] for x in xs], 1e3, 1)} | {_fmt([x['steps_per_s'] for x in xs])} "
+              f"| {rel} |")
+
+    print(f"\nA fault at step {args.fault_step} (replica group {VICTIM_REPLICA}'s rank 0 SIGKILLed); seconds from "
+          "the kill, median and min–max over runs.\n")
+    print("| configuration | what is timed | median (s) | min–max (s) |")
+    print("|---|---|---:|---:|")
+    for phase in args.phases:
+        xs = figures[f"ours, SIGKILL in {phase}"]
+        name = f"ours, SIGKILL in {phase}"
+        print(f"| {name} | kill → step {args.fault_step} committed by the survivors (survivor stall) "
+              f"| {_fmt([x['stall_s'] for x in xs])} |")
+        print(f"| {name} | loss detected → step {args.fault_step} committed | "
+              f"{_fmt([x['detected_to_committed_s'] for x in xs])} |")
+        print(f"| {name} | step {args.fault_step}'s time − the run's median step before it "
+              f"| {_fmt([x['faulted_step_extra_s'] for x in xs])} |")
+    xs = figures["torchrun + DCP"]
+    resumed = xs[0]["resumed_at_step"]
+    rows = [("process_started_s", "kill → restarted rank 0 process started"),
+            ("imported_s", "kill → torch and train.py imported"),
+            ("built_s", "kill → process group up, model sharded"),
+            ("checkpoint_loaded_s", f"kill → checkpoint of step {resumed} loaded"),
+            ("first_commit_s", f"kill → first step committed after the restart (step {resumed})"),
+            ("back_where_it_was_s", f"kill → back where it was (step {args.fault_step - 1} committed again)"),
+            ("fault_step_committed_s", f"kill → step {args.fault_step} committed (ours' end point)")]
+    for key, what in rows:
+        print(f"| torchrun + DCP | {what} | {_fmt([x[key] for x in xs])} |")
+    saves = [s for x in xs for s in x["save_s"]]
+    print(f"| torchrun + DCP | one checkpoint save (all {len(saves)} saves before the fault) | {_fmt(saves)} |")
+    before = [x["median_step_before_s"] * 1e3 for x in xs]
+    print(f"\nTorchrun + DCP: losses of the redone steps bitwise equal to the first time: "
+          f"{[x['replayed_losses_identical'] for x in xs]}; median step time before the fault "
+          f"{statistics.median(before):.1f} ms ({min(before):.1f}–{max(before):.1f} ms over runs).")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": ["python"] + sys.argv, "cpus": os.cpu_count(), "replicas": REPLICAS,
+                       "ranks_per_replica": RANKS, "model": MODEL, "steps": args.steps, "warmup": args.warmup,
+                       "fault_step": args.fault_step, "ckpt_every": args.ckpt_every,
+                       "when": time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(began)), "runs": figures},
+                      f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Hosts made of network namespaces, for benchmarks and tests that need a real network.
+
+A ``Network`` is one namespace per host and a hub namespace with one bridge
+per rail; every host has a veth link on every rail, named after the rail,
+with the address ``10.77.<rail>.<host + 1>`` (rails count from 1), and
+optionally a ``tc tbf`` rate cap in both directions.  Links can be cut and
+restored (``set_link``).  Namespace names carry a prefix and this process's
+id; ``close`` deletes them (also at exit), and ``remove_leftovers`` deletes
+those of earlier runs whose process is gone.  Needs root and iproute2.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import subprocess
+from typing import List, Optional, Sequence
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
+
+
+def namespaces() -> List[str]:
+    out = _ip("netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def remove_leftovers(prefix: str) -> None:
+    """Delete the namespaces named ``<prefix><pid>-...`` whose process is gone."""
+    for ns in namespaces():
+        if not ns.startswith(prefix):
+            continue
+        pid = ns[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            _ip("netns", "del", ns, check=False)
+
+
+class Network:
+    """``hosts`` host namespaces on ``rails``; removed by ``close`` (idempotent)."""
+
+    def __init__(self, hosts: int, prefix: str, rails: Sequence[str] = ("eth0",), rate: Optional[str] = None) -> None:
+        self.rails = list(rails)
+        self.rate = rate
+        self.tag = f"{prefix}{os.getpid()}"
+        self.hub = f"{self.tag}-hub"
+        self.hosts = [f"{self.tag}-r{h}" for h in range(hosts)]
+        self._made: List[str] = []
+
+    @staticmethod
+    def address(rail: int, host: int) -> str:
+        return f"10.77.{rail}.{host + 1}"
+
+    def run(self, host: int, cmd: Sequence[str]) -> List[str]:
+        """``cmd`` run inside host ``host``."""
+        return ["ip", "netns", "exec", self.hosts[host], *cmd]
+
+    def set_link(self, host: int, rail: int, up: bool) -> None:
+        """Cut (``up=False``) or restore host ``host``'s link on rail ``rail``."""
+        _ip("-n", self.hosts[host], "link", "set", self.rails[rail - 1], "up" if up else "down")
+
+    def __enter__(self) -> "Network":
+        atexit.register(self.close)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _netns(self, name: str) -> None:
+        _ip("netns", "add", name)
+        self._made.append(name)
+        _ip("-n", name, "link", "set", "lo", "up")
+
+    def _cap(self, ns: str, dev: str) -> None:
+        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                        "rate", self.rate, "burst", "256kb", "latency", "50ms"], check=True, capture_output=True)
+
+    def _build(self) -> None:
+        self._netns(self.hub)
+        for rail in range(1, len(self.rails) + 1):
+            _ip("-n", self.hub, "link", "add", f"br{rail}", "type", "bridge")
+            _ip("-n", self.hub, "link", "set", f"br{rail}", "up")
+        for host, ns in enumerate(self.hosts):
+            self._netns(ns)
+            for rail, dev in enumerate(self.rails, start=1):
+                hub_end = f"h{host}{dev}"[:15]
+                _ip("-n", self.hub, "link", "add", hub_end, "type", "veth", "peer", "name", dev, "netns", ns)
+                _ip("-n", self.hub, "link", "set", hub_end, "master", f"br{rail}", "up")
+                _ip("-n", ns, "addr", "add", f"{self.address(rail, host)}/24", "dev", dev)
+                _ip("-n", ns, "link", "set", dev, "up")
+                if self.rate:
+                    self._cap(ns, dev)             # what the host sends
+                    self._cap(self.hub, hub_end)   # what it receives
+
+    def close(self) -> None:
+        while self._made:
+            _ip("netns", "del", self._made.pop(), check=False)
