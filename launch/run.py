@@ -211,6 +211,11 @@ def load_results(run_dir: str) -> List[dict]:
     return out
 
 
+def longest(results: List[dict]) -> dict:
+    """The result of the rank that saw the most of the run (the earliest start)."""
+    return min(results, key=lambda r: (r["start_step"], r["member"]))
+
+
 def summarize(run_dir: str, store, compare_to: Optional[str], tolerance: float) -> bool:
     """Print what the run did and whether its invariants hold; False if one does not."""
     results = load_results(run_dir)
@@ -230,7 +235,7 @@ def summarize(run_dir: str, store, compare_to: Optional[str], tolerance: float) 
         print(f"summary: shard {shard}: parameters and optimizer state bitwise identical across replicas "
               f"{sorted(prints)}: {same}", flush=True)
     killed = _killed(store)
-    leader = min(results, key=lambda r: (r["start_step"], r["member"]))  # the rank that saw the whole run
+    leader = longest(results)
     for k in killed:
         rec = next((x for x in leader["recoveries"] if x["committed_at"] and x["detected_at"] >= k["t"] - 1), None)
         stall = f"{rec['committed_at'] - k['t']:.3f}s" if rec else "n/a (no recovery seen)"
@@ -241,7 +246,7 @@ def summarize(run_dir: str, store, compare_to: Optional[str], tolerance: float) 
               f"{adm['generation']}); join and state transfer {adm['heal_s']:.3f}s", flush=True)
     losses = {int(s): v for s, v in leader["losses"].items()}
     if compare_to:
-        ref_run = min(load_results(compare_to), key=lambda r: (r["start_step"], r["member"]))
+        ref_run = longest(load_results(compare_to))
         ok &= compare_losses(losses, {int(s): v for s, v in ref_run["losses"].items()},
                              min((k["step"] for k in killed), default=steps), tolerance, compare_to)
     with open(os.path.join(run_dir, "summary.json"), "w") as f:

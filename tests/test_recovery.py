@@ -311,3 +311,35 @@ def test_fifty_kill_and_heal_rounds_leak_nothing():
     fds, threads = [u[0] for u in usage], [u[1] for u in usage]
     assert max(threads[-10:]) <= max(threads[10:20]) + 4, usage
     assert max(fds[-10:]) <= max(fds[10:20]) + 16, usage
+
+
+def _vote(rank, size, store, victim, when):
+    """Three rounds of should_commit; ``victim`` fails its part, or dies before or after voting."""
+    import commslayer
+
+    comm = commslayer.new_comm("gloo", name="vote", store=store, rank=rank, size=size, timeout=OP_TIMEOUT)
+    comm.barrier()
+    answers = [comm.should_commit()]  # everyone votes yes: commit
+    answers.append(comm.should_commit(ok=rank != victim or when != "fails"))
+    if rank == victim and when == "dies before voting":
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    answer = comm.should_commit()
+    if rank == victim and when == "dies after voting":
+        os.kill(os.getpid(), signal.SIGKILL)
+    answers.append(answer)
+    return answers, time.monotonic() - start
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("when,expected", [
+    ("fails", [True, False, True]),                # a no vote aborts that round only
+    ("dies before voting", [True, True, False]),   # a member lost before voting: too late to commit
+    ("dies after voting", [True, True, True]),     # its yes counts: the others commit
+])
+def test_should_commit_gives_every_member_the_same_answer(when, expected):
+    results = run_ranks(_vote, 4, 2, when, env=ENV, timeout=40, allow_errors=True)
+    survivors = [r for i, r in enumerate(results) if i != 2]
+    for answers, waited_s in survivors:
+        assert answers == expected, results
+        assert waited_s < DETECT_BOUND_S, results  # the loss ended the wait, not the 600 s deadline
