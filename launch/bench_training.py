@@ -88,6 +88,17 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from train import TinyLM, batch
 T_IMPORTED = time.time()
+import io
+import torch.distributed.distributed_c10d as c10d
+
+
+def _tensor_to_object(tensor, tensor_size, group):
+    """c10d's own without NumPy: torch 2.13 reads the gathered bytes with tensor.numpy(), which
+    fails where NumPy is not installed (commslayer does not need it); DCP's planning gathers objects."""
+    return c10d._unpickler(io.BytesIO(bytes(tensor.cpu().tolist())[:tensor_size])).load()
+
+
+c10d._tensor_to_object = _tensor_to_object
 
 cfg = json.loads(sys.argv[1])
 restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
