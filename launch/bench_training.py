@@ -67,7 +67,7 @@ from typing import Callable, Dict, List, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "launch"))
-from run import load_results  # noqa: E402
+from run import load_results, longest  # noqa: E402
 
 REPLICAS, RANKS = 2, 2
 VICTIM_REPLICA = 1  # rank 0 of this replica group dies (global rank 2 in the DCP job)
@@ -211,12 +211,8 @@ def fault_free(plain: bool, args: argparse.Namespace, work: str, name: str) -> d
     run_dir, log_path = os.path.join(work, name), os.path.join(work, name + ".log")
     rc = _run_py(run_dir, _train_args(args) + (["--plain"] if plain else []), log_path)
     results = [r for r in load_results(run_dir) if r["restart"] == 0]
-    if len(results) != REPLICAS * RANKS or any(len(r["step_s"]) != args.steps for r in results):
-        _fail(f"{name}: not every rank trained {args.steps} steps", log_path)
-    # run.py's summary reads the resilient job's fields and fails on a --plain run, so its exit status
-    # counts for ours only; the result files above are the check for both.
-    if not plain and rc != 0:
-        _fail(f"{name}: run.py exit status {rc}", log_path)
+    if rc != 0 or len(results) != REPLICAS * RANKS or any(len(r["step_s"]) != args.steps for r in results):
+        _fail(f"{name}: run.py exit status {rc}, {len(results)} ranks' results", log_path)
     slowest = [max(r["step_s"][s] for r in results) for s in range(args.warmup, args.steps)]
     step = statistics.median(slowest)
     return {"step_s": step, "steps_per_s": 1 / step, "slowest_rank_step_s": slowest}
@@ -238,10 +234,10 @@ def survivor_stall(phase: str, args: argparse.Namespace, work: str, name: str) -
     rec = next((x for x in summary["recoveries"] if x["committed_at"] and x["detected_at"] >= killed - 1), None)
     if rec is None or rec["step"] != args.fault_step:
         _fail(f"{name}: no recovery committed step {args.fault_step}: {summary['recoveries']}", log_path)
-    leader = min((r for r in load_results(run_dir) if r.get("live") is not None),
-                 key=lambda r: (r["start_step"], r["member"]))  # the survivor that saw the whole run, as run.py
+    leader = longest(load_results(run_dir))  # the survivor that saw the whole run, as in run.py's summary
     before = statistics.median(leader["step_s"][args.warmup:args.fault_step])
-    return {"stall_s": rec["committed_at"] - killed, "detected_to_committed_s": rec["committed_at"] - rec["detected_at"],
+    return {"stall_s": rec["committed_at"] - killed,
+            "detected_to_committed_s": rec["committed_at"] - rec["detected_at"],
             "killed_to_detected_s": rec["detected_at"] - killed,
             "faulted_step_extra_s": leader["step_s"][args.fault_step] - before, "median_step_before_s": before,
             "admissions": summary["admissions"]}
@@ -292,6 +288,16 @@ def dcp_restart(args: argparse.Namespace, work: str, name: str) -> dict:
     }
 
 
+def _revision() -> str:
+    """The commit measured, and whether the code the job runs differed from it."""
+    git = ["git", "-C", str(ROOT)]
+    head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    changed = subprocess.run(git + ["status", "--porcelain", "--", "commslayer", "launch", "tracing", "fsdp_overlap"],
+                             capture_output=True, text=True).stdout.split("\n")
+    changed = [line[3:] for line in changed if line.strip()]
+    return f"{head or 'unknown'}" + (f" with uncommitted changes to {', '.join(changed)}" if changed else "")
+
+
 def _fmt(xs: Sequence[float], scale: float = 1.0, digits: int = 3, unit: str = "") -> str:
     """Two table cells: the median, and min–max."""
     return (f"{statistics.median(xs) * scale:.{digits}f}{unit} | "
@@ -322,6 +328,7 @@ def main() -> int:
     runs["torchrun + DCP"] = lambda work, name: dcp_restart(args, work, name)
 
     figures: Dict[str, List[dict]] = {name: [] for name in runs}
+    revision = _revision()
     began = time.time()
     with tempfile.TemporaryDirectory(prefix="bench-training-") as work:
         for i in range(args.repeats):
@@ -340,7 +347,8 @@ def main() -> int:
 
     print(f"command: `{shlex.join(['python'] + sys.argv)}`; {REPLICAS} replica groups x {RANKS} ranks on "
           f"{os.cpu_count()} CPU(s); {args.steps} steps, model {MODEL}; fault at step {args.fault_step}, checkpoint "
-          f"every {args.ckpt_every} steps; {args.repeats} repeats; {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
+          f"every {args.ckpt_every} steps; {args.repeats} repeats; commit {revision}; "
+          f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
     print(f"Fault-free: the slowest rank's step time, median over steps {args.warmup}..{args.steps - 1} of a run; "
           "median and min–max over runs. Overhead: a run's step time / plain Gloo's in the same repeat − 1.\n")
     print("| configuration | step time, median (ms) | min–max (ms) | steps/s, median | min–max "
@@ -385,8 +393,8 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": ["python"] + sys.argv, "cpus": os.cpu_count(), "replicas": REPLICAS,
-                       "ranks_per_replica": RANKS, "model": MODEL, "steps": args.steps, "warmup": args.warmup,
-                       "fault_step": args.fault_step, "ckpt_every": args.ckpt_every,
+                       "ranks_per_replica": RANKS, "revision": revision, "model": MODEL, "steps": args.steps,
+                       "warmup": args.warmup, "fault_step": args.fault_step, "ckpt_every": args.ckpt_every,
                        "when": time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(began)), "runs": figures},
                       f, indent=1)
     return 0

@@ -23,7 +23,7 @@ a healed replica continues at the survivors' step.  Without the launcher
 
 ``--kill R:STEP:PHASE[:RANK]`` SIGKILLs rank RANK (default 0) of replica
 group R at STEP (or the first step after it at which every replica group is
-live), during ``forward``, ``backward``, ``allreduce`` (entering the gradient
+live and healed), during ``forward``, ``backward``, ``allreduce`` (entering the gradient
 average) or ``optimizer`` (after the step was committed); each fault fires
 once per job.  ``--plain`` runs the same job on plain Gloo groups
 without any of it, the baseline of ``launch/bench_training.py``.
@@ -200,8 +200,11 @@ def main() -> None:
     dist.init_process_group("gloo" if args.plain else "commslayer", store=replica_store(timeout),
                             rank=rank, world_size=shards, timeout=timeout)
     store, replica, replicas = job_store(timeout)
+    # A fault waits until every replica group is live and healed (each committed a step since it
+    # last came back): with one group healing and the other killed, no copy of the state is left.
     faults = Faults(args.kill, replica, rank, store if "COMMSLAYER_JOB_STORE" in os.environ else None,
-                    lambda: rep is not None and len(rep.live) == replicas)
+                    lambda: rep is not None and len(rep.live) == replicas
+                    and step > max([start_step if _RESTART else -1] + [a.step for a in rep.admissions]))
 
     torch.manual_seed(args.seed)
     model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq)
