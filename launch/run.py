@@ -236,18 +236,16 @@ def summarize(run_dir: str, store, compare_to: Optional[str], tolerance: float) 
               f"{sorted(prints)}: {same}", flush=True)
     killed = _killed(store)
     leader = longest(results)
-    # Each rank knows the recoveries of its own lifetime: together they cover the run. Of the
-    # survivors' views of one recovery, the slowest one's counts.
-    seen = sorted((r for res in results for r in res["recoveries"]), key=lambda r: r["committed_at"] or 0)
-    recoveries = sorted({(r["generation"], r["step"]): r for r in seen}.values(), key=lambda r: r["detected_at"])
-    for k in killed:
-        rec = next((x for x in recoveries if k["replica"] in x["lost_replicas"] and x["committed_at"]
-                    and x["detected_at"] >= k["t"]), None)
-        stall = f"{rec['committed_at'] - k['t']:.3f}s" if rec else "n/a (no recovery seen)"
+    recoveries, admissions = _records(store, "job/recoveries"), _records(store, "job/admissions")
+    for i, k in enumerate(killed):
+        until = killed[i + 1]["t"] if i + 1 < len(killed) else float("inf")
+        rec = next((x for x in recoveries if k["replica"] in x["lost_replicas"] and k["t"] <= x["detected_at"] < until),
+                   None)
+        k["stall_s"] = rec["committed_at"] - k["t"] if rec else None
+        stall = f"{k['stall_s']:.3f}s" if rec else "n/a (no recovery recorded)"
         print(f"summary: fault: replica {k['replica']} SIGKILLed at step {k['step']} ({k['phase']}); "
               f"survivor stall (kill to next committed step) {stall}", flush=True)
-    for adm in sorted({(a["generation"]): a for res in results for a in res["admissions"]}.values(),
-                      key=lambda a: a["generation"]):
+    for adm in admissions:
         print(f"summary: replica(s) {adm['replicas']} rejoined at step {adm['step']} (generation "
               f"{adm['generation']}); join and state transfer {adm['heal_s']:.3f}s", flush=True)
     losses = {int(s): v for s, v in leader["losses"].items()}
@@ -256,7 +254,8 @@ def summarize(run_dir: str, store, compare_to: Optional[str], tolerance: float) 
         ok &= compare_losses(losses, {int(s): v for s, v in ref_run["losses"].items()},
                              min((k["step"] for k in killed), default=steps), tolerance, compare_to)
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
-        json.dump({"ok": bool(ok), "killed": killed, "losses": losses, "recoveries": recoveries}, f, indent=1)
+        json.dump({"ok": bool(ok), "killed": killed, "losses": losses, "recoveries": recoveries,
+                   "admissions": admissions}, f, indent=1)
     return bool(ok)
 
 
@@ -281,6 +280,13 @@ def compare_losses(losses: Dict[int, float], ref: Dict[int, float], first_fault:
           f"tolerance {tolerance:.0%}); final loss {losses[last]:.4f} vs {ref[last]:.4f} "
           f"({losses[last] / ref[last] - 1:+.2%}): {'within' if within else 'OUTSIDE'} tolerance", flush=True)
     return within
+
+
+def _records(store, key: str) -> List[dict]:
+    """The JSON lines world rank 0 appended to ``key`` of the job's store, in order."""
+    if not store.check([key]):
+        return []
+    return [json.loads(line) for line in store.get(key).decode().splitlines() if line]
 
 
 def _killed(store) -> List[dict]:

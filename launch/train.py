@@ -128,9 +128,9 @@ class Faults:
     job (a key in the job's store), so a restarted group does not replay it."""
 
     def __init__(self, specs: List[str], replica: int, rank: int, store: Optional[dist.Store],
-                 whole: Callable[[], bool]) -> None:
+                 ready: Callable[[], Optional[int]]) -> None:
         self._store = store
-        self._whole = whole
+        self._ready = ready  # the generation in which a fault may fire now, or None
         self._mine: List[Tuple[int, str, int]] = []  # (step, phase, index in the job's list)
         for i, spec in enumerate(specs):
             parts = spec.split(":")
@@ -142,17 +142,33 @@ class Faults:
 
     def point(self, step: int, phase: str) -> None:
         """SIGKILL this process if a fault is due here: at its step, or at the first later
-        step at which every replica group is live (a fault never ends the whole job)."""
+        step at which every replica group is live and healed, and no other fault fired in
+        this generation (faults of two groups in one step would leave no copy of the state)."""
         due = [f for f in self._mine if f[1] == phase and f[0] <= step]
-        if not due or self._store is None or not self._whole():
+        if not due or self._store is None:
             return
-        self._mine.remove(due[0])
-        if self._store.add(f"faults/fired/{due[0][2]}", 1) != 1:
+        fault = due[0]
+        if self._store.check([f"faults/fired/{fault[2]}"]):  # an earlier life of this rank fired it
+            self._mine.remove(fault)
             return
+        generation = self._ready()
+        if generation is None or self._store.add(f"faults/generation/{generation}", 1) != 1:
+            return
+        self._mine.remove(fault)
+        self._store.set(f"faults/fired/{fault[2]}", "1")
         self._store.append("faults/killed", f"{_REPLICA}:{step}:{phase}:{time.time():.6f};")
         print(f"[replica {_REPLICA} rank {int(os.environ.get('RANK', '0'))}] injected fault: SIGKILL at step "
               f"{step} ({phase})", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fault_window(rep: Optional[Replicas], replicas: int, step: int, healed_at: int) -> Optional[int]:
+    """The generation if a fault may fire at ``step``: every replica group live, and each
+    committed a step since it last came back (with one group healing and the other one
+    killed, no copy of the state would be left); else None."""
+    if rep is None or len(rep.live) < replicas or step <= max([healed_at] + [a.step for a in rep.admissions]):
+        return None
+    return rep.generation
 
 
 def job_store(timeout: timedelta) -> Tuple[dist.Store, int, int]:
@@ -200,11 +216,8 @@ def main() -> None:
     dist.init_process_group("gloo" if args.plain else "commslayer", store=replica_store(timeout),
                             rank=rank, world_size=shards, timeout=timeout)
     store, replica, replicas = job_store(timeout)
-    # A fault waits until every replica group is live and healed (each committed a step since it
-    # last came back): with one group healing and the other killed, no copy of the state is left.
     faults = Faults(args.kill, replica, rank, store if "COMMSLAYER_JOB_STORE" in os.environ else None,
-                    lambda: rep is not None and len(rep.live) == replicas
-                    and step > max([start_step if _RESTART else -1] + [a.step for a in rep.admissions]))
+                    lambda: fault_window(rep, replicas, step, start_step if _RESTART else -1))
 
     torch.manual_seed(args.seed)
     model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq)
@@ -238,11 +251,11 @@ def main() -> None:
     for step in range(start_step, args.steps):
         t0 = time.perf_counter()
         if rep is not None:
-            for r in rep.admit(state, step):
-                if rep.world.get_rank() == 0:
-                    a = rep.admissions[-1]
-                    print(f"admitted replica {r} at step {step}: generation {a.generation}, "
-                          f"join and state transfer {a.heal_s:.3f}s", flush=True)
+            if rep.admit(state, step) and rep.world.get_rank() == 0:
+                a = rep.admissions[-1]
+                store.append("job/admissions", json.dumps(vars(a)) + "\n")
+                print(f"admitted replica(s) {a.replicas} at step {step}: generation {a.generation}, "
+                      f"join and state transfer {a.heal_s:.3f}s", flush=True)
         data = batch(step, replica, rank, args.batch, args.seq, args.vocab)
         logits = model(data[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, args.vocab), data[:, 1:].reshape(-1))
@@ -265,7 +278,7 @@ def main() -> None:
             print(f"step {step:4d}  loss {losses[step]:.4f}  tokens/s {tokens:8.0f}  replicas {live}/{replicas}"
                   f"  generation {gen}", flush=True)
             if rep is not None:
-                report_recovery(rep, step)
+                report_recovery(rep, step, store)
     elapsed = time.perf_counter() - begin
 
     if rep is not None:
@@ -293,12 +306,14 @@ def main() -> None:
     finish(0)
 
 
-def report_recovery(rep: Replicas, step: int) -> None:
-    """Print the recovery that the step just committed ended (world rank 0); the
-    launcher's summary adds the time from the kill."""
+def report_recovery(rep: Replicas, step: int, store: dist.Store) -> None:
+    """World rank 0: record in the job's store (it outlives every rank) and print the
+    recovery that the step just committed ended; the launcher's summary adds the time
+    from the kill."""
     r = rep.recoveries[-1] if rep.recoveries else None
     if r is None or r.step != step or r.committed_at is None:
         return
+    store.append("job/recoveries", json.dumps(vars(r)) + "\n")
     print(f"recovered: lost replica(s) {r.lost_replicas} at step {step}; generation {r.generation} built "
           f"{r.resumed_at - r.detected_at:.3f}s and the step committed {r.committed_at - r.detected_at:.3f}s "
           f"after the loss was seen", flush=True)

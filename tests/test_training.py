@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Dict, List
 
@@ -139,7 +141,7 @@ def test_soak_twenty_faults(tmp_path):
     phases = ["forward", "backward", "allreduce", "optimizer"]
     kills = [f"{i % 2}:{3 + 3 * i}:{phases[i % 4]}:{(i // 2) % 2}" for i in range(20)]
     env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="")
-    steps = 4000
+    steps = 5000  # enough for 20 restarts (several seconds each) at a few hundredths of a second per step
     args = [a if a != str(STEPS) else str(steps) for a in TINY]
     cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "--replicas", "2", "--nproc-per-replica", "2",
            "--max-restarts", "12", "--run-dir", str(tmp_path), "--", *args]
@@ -152,4 +154,58 @@ def test_soak_twenty_faults(tmp_path):
     # Every replica group was killed ten times, and came back each time: the ranks that
     # finished are the tenth restart of their group.
     assert sorted(r["restart"] for r in done) == [10, 10, 10, 10], [(r["member"], r["restart"]) for r in done]
-    assert all(r["committed_at"] is not None for r in summary["recoveries"])
+    # The job's store has a recovery for every kill, and an admission after each.
+    assert len(summary["recoveries"]) == 20 and len(summary["admissions"]) == 20
+    assert all(k["stall_s"] is not None for k in summary["killed"]), summary["killed"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_the_launcher_ends_every_process_it_started(tmp_path, sig):
+    """Ctrl-C (or SIGTERM) to the launcher mid-run: no torchrun agent or worker is left."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="")
+    cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "--replicas", "2", "--nproc-per-replica", "2",
+           "--run-dir", str(tmp_path), "--", *TINY[:-2], "--steps", "100000"]
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:  # wait until the job is training
+            if "step    2" in line:
+                break
+        assert _descendants(proc.pid), "no processes started"
+        started = _descendants(proc.pid)
+        proc.send_signal(sig)
+        proc.communicate(timeout=30)
+        assert proc.returncode == 130
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and [p for p in started if os.path.exists(f"/proc/{p}")]:
+            time.sleep(0.1)
+        left = [p for p in started if os.path.exists(f"/proc/{p}") and not _zombie(p)]
+        assert not left, left
+    finally:
+        proc.kill()
+
+
+def _descendants(pid: int) -> List[int]:
+    """Every live process below ``pid`` (from /proc)."""
+    children: Dict[int, List[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
