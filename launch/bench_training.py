@@ -35,9 +35,9 @@ to repeat so drift hits them alike.  Figures:
   its steps/s the inverse.  Overhead: the ratio of a repeat's step time
   to plain Gloo's in the same repeat, minus 1 (and the same for the A/A);
 * survivor stall (ours): from the kill (the wall time the victim noted just
-  before SIGKILL) to the commit of the step it hit, on the slowest survivor
-  (the recovery in run.py's ``summary.json``); also the loss detected to
-  that commit, and how much longer the faulted step took on the survivor
+  before SIGKILL) to the commit of the step it hit, as world rank 0 of the
+  survivors recorded the recovery (run.py's ``summary.json``); also the loss
+  detected to that commit, and how much longer the faulted step took on the survivor
   that saw the whole run than its median step before the fault: the work
   lost, as opposed to the rest of the step that the survivors do anyway;
 * restart (torchrun + DCP): from the kill to the first step committed by the
@@ -236,7 +236,7 @@ def survivor_stall(phase: str, args: argparse.Namespace, work: str, name: str) -
     if len(killed) != 1 or killed[0]["step"] != args.fault_step:
         _fail(f"{name}: faults fired {killed}, expected one at step {args.fault_step}", log_path)
     t = killed[0]["t"]
-    # As run.py's summary: the recovery that names the victim's group, the slowest survivor's view of it.
+    # As run.py's summary: the recovery that names the victim's group, after the kill.
     rec = next((x for x in summary["recoveries"] if VICTIM_REPLICA in x["lost_replicas"] and x["committed_at"]
                 and x["detected_at"] >= t), None)
     if rec is None or rec["step"] != args.fault_step:
