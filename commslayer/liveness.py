@@ -208,11 +208,13 @@ class Liveness:
         except Exception:
             log.exception("commslayer %s: handling a peer's change failed", self._label)
 
-    def close(self) -> None:
-        """Say goodbye to every peer and stop (idempotent)."""
+    def close(self, goodbye: bool = True) -> None:
+        """Say goodbye to every peer and stop (idempotent). ``goodbye=False`` hangs up
+        without it: the peers take this process as lost at once."""
         if self._closing:
             return
-        self._send_all(_BYE)
+        if goodbye:
+            self._send_all(_BYE)
         self._closing = True
         try:
             self._wake_w.send(b"x")
@@ -227,11 +229,13 @@ class Liveness:
                 pass
 
 
-def close_all() -> None:
+def close_all(goodbye: bool = True) -> None:
     """Say goodbye on every monitor of this process (runs at interpreter exit; a
-    process that ends with ``os._exit`` should call it first)."""
+    process that ends with ``os._exit`` should call it first). A process leaving
+    because of a failure passes ``goodbye=False``, so that its peers stop waiting
+    for it now rather than once it is gone."""
     for liveness in list(_open):
-        liveness.close()
+        liveness.close(goodbye)
 
 
 atexit.register(close_all)

@@ -251,8 +251,9 @@ def main() -> None:
     for step in range(start_step, args.steps):
         t0 = time.perf_counter()
         if rep is not None:
-            if rep.admit(state, step) and rep.world.get_rank() == 0:
-                a = rep.admissions[-1]
+            admitted = rep.admit(state, step)
+            if admitted and rep.member == min(m for m in rep.world.members if m // shards not in admitted):
+                a = rep.admissions[-1]  # recorded by the first survivor
                 store.append("job/admissions", json.dumps(vars(a)) + "\n")
                 print(f"admitted replica(s) {a.replicas} at step {step}: generation {a.generation}, "
                       f"join and state transfer {a.heal_s:.3f}s", flush=True)
@@ -338,8 +339,9 @@ def finish(code: int) -> None:
     from commslayer.liveness import close_all
     from tracing.recorder import recorder
 
-    if code == 0:  # say goodbye: the others must not take this exit for a loss (and must, otherwise)
-        close_all()
+    # First, so that the others do not wait on this rank while it dumps: a goodbye after a clean
+    # run, a plain hang-up (a loss, at once) after a failure.
+    close_all(goodbye=code == 0)
     rec = recorder()
     if rec is not None:
         rec.dump("exit" if code == 0 else f"exit {code}")

@@ -37,6 +37,7 @@ import commslayer
 from commslayer import config
 from commslayer.communicator import BACKEND_OPS
 from commslayer.work import WorkStatus
+from commslayer.liveness import close_all
 
 from . import fr_format
 from .dumps import DumpWriter
@@ -299,6 +300,7 @@ def _global_rank() -> int:
 
 _recorder: Optional[FlightRecorder] = None
 _lock = threading.Lock()
+_TERM_GRACE_S = 1.0  # after a SIGTERM dump, how long the main thread has to end the process
 
 
 def install(trace_dir: Optional[str] = None, *, capacity: Optional[int] = None,
@@ -346,8 +348,10 @@ def _install_signal_handlers(rec: FlightRecorder) -> None:
     interpreter, and a rank waiting in a Gloo op is not.  So the handlers are
     registered (that makes the C-level handler record the signal) and the
     signal number also goes to a wakeup pipe that a watcher thread reads:
-    the watcher dumps at once, and for SIGTERM with no handler of the
-    program's own it ends the process the default way.  A program that has
+    the watcher dumps at once.  For SIGTERM with no handler of the program's
+    own, the main thread then ends the process the default way once it is
+    back in Python; if it is still stuck in C a second later, the watcher
+    ends it with exit status 143 (only the main thread may restore a handler).  A program that has
     its own wakeup fd (asyncio) keeps it; then the handlers alone dump.
     """
     previous_term = signal.getsignal(signal.SIGTERM)
@@ -361,6 +365,10 @@ def _install_signal_handlers(rec: FlightRecorder) -> None:
         with term_lock:
             if not term_dumped:
                 term_dumped.append(True)
+                if not callable(previous_term):
+                    # This process ends: hang up first, so that its peers take it as lost
+                    # now rather than wait on it while it writes its dump.
+                    close_all(goodbye=False)
                 rec.dump("SIGTERM")
                 rec.flush_sinks()
 
@@ -393,7 +401,10 @@ def _install_signal_handlers(rec: FlightRecorder) -> None:
                 if signum == signal.SIGTERM:
                     dump_for_term()
                     if not callable(previous_term):
-                        die_of_term()
+                        # Only the main thread may restore the default handler: it does (on_term)
+                        # once it is back in Python; a main thread stuck in C is not waited for.
+                        time.sleep(_TERM_GRACE_S)
+                        os._exit(128 + signal.SIGTERM)
                 elif signum == signal.SIGUSR1:
                     rec.dump("SIGUSR1")
 
