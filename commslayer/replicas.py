@@ -222,14 +222,16 @@ class Replicas:
                  timeout_s: float, poll_s: float = 0.1) -> None:
         """At the end of the run: keep admitting until every replica group is live
         again, the rest are ``gone`` (their launcher gave up), or ``timeout_s``
-        passed. World rank 0 decides each round, so all leave together."""
+        passed. Each round ends in an all-reduce (any rank may ask for another),
+        so all leave together, and none leaves before every rank entered the last
+        op of ``world`` (one that did would count the others' goodbyes as a loss)."""
         deadline = time.monotonic() + timeout_s
         while True:
             self.admit(state, step)
             missing = [r for r in range(self.replicas) if r not in self.live and not gone(r)]
             again = torch.tensor([int(bool(missing) and time.monotonic() < deadline)])
             try:
-                self.world.broadcast(again, 0)
+                self.world.all_reduce(again, ReduceOp.MAX)
             except CommAborted:
                 raise
             except CommError:

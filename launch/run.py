@@ -21,8 +21,9 @@ names the interface the ranks use)::
         --run-dir /shared/x -- --steps 40
 
 The workers get ``COMMSLAYER_JOB_STORE``, ``COMMSLAYER_REPLICA``,
-``COMMSLAYER_REPLICAS`` and, with ``--run-dir``, ``COMMSLAYER_TRACE_DIR``
-(``<run-dir>/traces``) and ``--run-dir`` itself.  Every process started here
+``COMMSLAYER_REPLICAS`` and, with ``--run-dir``, ``--run-dir`` itself and
+``COMMSLAYER_TRACE_DIR=<run-dir>/traces`` unless it is set already (set it
+empty to run without tracing).  Every process started here
 runs in its own process group and is ended (SIGTERM, then SIGKILL after
 ``--grace``) when the launcher exits, Ctrl-C included.  Exit status: 0 when
 every replica group started here finished, 1 otherwise.  With ``--run-dir``,
@@ -171,7 +172,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                        COMMSLAYER_REPLICAS=str(a.replicas), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
             args = list(script_args)
             if a.run_dir:
-                env["COMMSLAYER_TRACE_DIR"] = os.path.join(a.run_dir, "traces")
+                if "COMMSLAYER_TRACE_DIR" not in os.environ:  # set empty, it keeps tracing off
+                    env["COMMSLAYER_TRACE_DIR"] = os.path.join(a.run_dir, "traces")
                 args += ["--run-dir", a.run_dir]
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                    "--nproc-per-node", str(a.nproc_per_replica), "--max-restarts", str(a.max_restarts),

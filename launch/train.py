@@ -237,6 +237,9 @@ def main() -> None:
         average, rep = plain_average(store, replica, replicas, rank, shards, timeout), None
         start_step = 0
     else:
+        if _RESTART > 0 and store.check(["job/finished"]):
+            print(f"[replica {replica} rank {rank}] the job finished while this group restarted", flush=True)
+            finish(0)
         rep = Replicas(replica=replica, replicas=replicas, shard=rank, shards=shards, store=store,
                        rejoin=_RESTART > 0, timeout=timeout)
         start_step = rep.heal(state) if _RESTART > 0 else 0
@@ -272,7 +275,8 @@ def main() -> None:
         opt.zero_grad()
         losses[step] = averaged[-1].item()
         step_s.append(time.perf_counter() - t0)
-        if rep is None or rep.world.get_rank() == 0:
+        reports = (rank, replica) == (0, 0) if rep is None else rep.world.get_rank() == 0
+        if reports:
             live = replicas if rep is None else len(rep.live)
             gen = "-" if rep is None else rep.generation
             tokens = live * shards * args.batch * args.seq / step_s[-1]
@@ -300,6 +304,8 @@ def main() -> None:
             print(f"done: steps {start_step}..{args.steps - 1} in {elapsed:.1f}s, {len(rep.recoveries)} "
                   f"recoveries, {len(rep.admissions)} admissions, replicas {rep.live}/{replicas} live at the end, "
                   f"generation {rep.generation}", flush=True)
+    if rep is not None:
+        store.set("job/finished", "1")  # a group restarting from now on has nothing to rejoin
     if args.run_dir:
         os.makedirs(args.run_dir, exist_ok=True)
         with open(os.path.join(args.run_dir, f"result-m{_MEMBER}-r{_RESTART}.json"), "w") as f:
