@@ -11,8 +11,11 @@ The job is launch/train.py's decoder-only LM at its default size (dim 128,
 
 * ``ours``: ``launch/run.py`` running train.py on commslayer (the
   ``"commslayer"`` backend inside each replica group, the resilient
-  replicate dimension across them, the flight recorder on, as run.py sets
-  it), no fault;
+  replicate dimension across them, tracing on: run.py's default,
+  ``COMMSLAYER_TRACE_DIR=<run dir>/traces``), no fault;
+* ``ours, untraced``: the same with ``COMMSLAYER_TRACE_DIR=""`` in run.py's
+  environment (tracing off), so that the resilience's cost and tracing's
+  cost can be told apart;
 * ``plain Gloo`` and ``plain Gloo (A/A)``: the same launcher and job with
   ``--plain`` (plain Gloo groups, no resilience), twice: the second run
   calibrates what two identical configurations differ by here;
@@ -34,12 +37,15 @@ to repeat so drift hits them alike.  Figures:
   averages, the optimizer); a run's figure is the median over those steps,
   its steps/s the inverse.  Overhead: the ratio of a repeat's step time
   to plain Gloo's in the same repeat, minus 1 (and the same for the A/A);
-* survivor stall (ours): from the kill (the wall time the victim noted just
-  before SIGKILL) to the commit of the step it hit, as world rank 0 of the
-  survivors recorded the recovery (run.py's ``summary.json``); also the loss
-  detected to that commit, and how much longer the faulted step took on the survivor
-  that saw the whole run than its median step before the fault: the work
-  lost, as opposed to the rest of the step that the survivors do anyway;
+  tracing's cost: ours' step time over ours, untraced's in the same repeat,
+  minus 1;
+* survivor stall (ours, traced: run.py's default): from the kill (the wall
+  time the victim noted just before SIGKILL) to the commit of the step it
+  hit, as world rank 0 of the survivors recorded the recovery (run.py's
+  ``summary.json``); also the loss detected to that commit, and how much
+  longer the faulted step took on the survivor that saw the whole run than
+  its median step before the fault: the work lost, as opposed to the rest
+  of the step that the survivors do anyway;
 * restart (torchrun + DCP): from the kill to the first step committed by the
   restarted job; to the job being back where it was (step F-1 committed
   again); and to step F committed, the same end point as ours' stall.  The
@@ -180,9 +186,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env() -> Dict[str, str]:
+def _env(trace: bool = True) -> Dict[str, str]:
+    """The launchers' environment; ``trace=False``: ``COMMSLAYER_TRACE_DIR=""``, which run.py leaves alone."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMMSLAYER_")}
     env["OMP_NUM_THREADS"] = "1"
+    if not trace:
+        env["COMMSLAYER_TRACE_DIR"] = ""
     env.setdefault("PYTHONWARNINGS", "ignore:Failed to initialize NumPy")
     return env
 
@@ -194,11 +203,11 @@ def _train_args(args: argparse.Namespace) -> List[str]:
     return out
 
 
-def _run_py(run_dir: str, train_args: List[str], log_path: str) -> int:
+def _run_py(run_dir: str, train_args: List[str], log_path: str, trace: bool = True) -> int:
     cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "--replicas", str(REPLICAS), "--nproc-per-replica",
            str(RANKS), "--run-dir", run_dir, "--", *train_args]
     with open(log_path, "w") as log:
-        return subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT,
+        return subprocess.run(cmd, cwd=ROOT, env=_env(trace), stdout=log, stderr=subprocess.STDOUT,
                               stdin=subprocess.DEVNULL, timeout=600).returncode
 
 
@@ -208,16 +217,20 @@ def _fail(what: str, log_path: str) -> None:
     raise SystemExit(f"{what} (log {log_path}):\n{tail}")
 
 
-def fault_free(plain: bool, args: argparse.Namespace, work: str, name: str) -> dict:
+def fault_free(plain: bool, args: argparse.Namespace, work: str, name: str, trace: bool = True) -> dict:
     """One fault-free run through run.py: the slowest rank's step time per step, its median from --warmup on."""
     run_dir, log_path = os.path.join(work, name), os.path.join(work, name + ".log")
-    rc = _run_py(run_dir, _train_args(args) + (["--plain"] if plain else []), log_path)
+    rc = _run_py(run_dir, _train_args(args) + (["--plain"] if plain else []), log_path, trace)
     results = [r for r in load_results(run_dir) if r["restart"] == 0]
     if rc != 0 or len(results) != REPLICAS * RANKS or any(len(r["step_s"]) != args.steps for r in results):
         _fail(f"{name}: run.py exit status {rc}, {len(results)} ranks' results", log_path)
+    traced = os.path.isdir(os.path.join(run_dir, "traces"))
+    if not plain and traced != trace:
+        _fail(f"{name}: traces {'written' if traced else 'not written'} with tracing {'on' if trace else 'off'}",
+              log_path)
     slowest = [max(r["step_s"][s] for r in results) for s in range(args.warmup, args.steps)]
     step = statistics.median(slowest)
-    return {"step_s": step, "steps_per_s": 1 / step, "slowest_rank_step_s": slowest}
+    return {"step_s": step, "steps_per_s": 1 / step, "slowest_rank_step_s": slowest, "traces_written": traced}
 
 
 def survivor_stall(phase: str, args: argparse.Namespace, work: str, name: str) -> dict:
@@ -327,6 +340,7 @@ def main() -> int:
 
     runs: Dict[str, Callable[[str, str], dict]] = {
         "ours": lambda work, name: fault_free(False, args, work, name),
+        "ours, untraced": lambda work, name: fault_free(False, args, work, name, trace=False),
         "plain Gloo": lambda work, name: fault_free(True, args, work, name),
         "plain Gloo (A/A)": lambda work, name: fault_free(True, args, work, name),
     }
@@ -342,7 +356,8 @@ def main() -> int:
         order = list(runs)[i % len(runs):] + list(runs)[:i % len(runs)]
         for name in order:
             t0 = time.time()
-            figures[name].append(runs[name](work, f"r{i}-{name.replace(' ', '_').replace('/', '')}"))
+            run = f"r{i}-{name.replace(' ', '_').replace('/', '').replace(',', '')}"
+            figures[name].append(runs[name](work, run))
             shown = {k: round(v, 4) for k, v in figures[name][-1].items() if isinstance(v, float)}
             if figures[name][-1].get("job_ok") is False:
                 shown["job failed after the recovery"] = figures[name][-1]["ranks_that_gave_up"]
@@ -355,9 +370,11 @@ def main() -> int:
     _log(f"done in {time.time() - began:.0f} s")
 
     plain = [x["step_s"] for x in figures["plain Gloo"]]
-    for name in ("ours", "plain Gloo (A/A)"):
+    for name in ("ours", "ours, untraced", "plain Gloo (A/A)"):
         for x, base in zip(figures[name], plain):
             x["vs_plain"] = x["step_s"] / base - 1
+    for x, base in zip(figures["ours"], figures["ours, untraced"]):
+        x["vs_untraced"] = x["step_s"] / base["step_s"] - 1
 
     print(f"command: `{shlex.join(['python'] + sys.argv)}`; {REPLICAS} replica groups x {RANKS} ranks on "
           f"{os.cpu_count()} CPU(s); {args.steps} steps, model {MODEL}; fault at step {args.fault_step}, checkpoint "
@@ -368,11 +385,13 @@ def main() -> int:
     print("| configuration | step time, median (ms) | min–max (ms) | steps/s, median | min–max "
           "| vs plain Gloo, median | min–max |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for name in ("ours", "plain Gloo", "plain Gloo (A/A)"):
+    for name in ("ours", "ours, untraced", "plain Gloo", "plain Gloo (A/A)"):
         xs = figures[name]
         rel = _fmt([x["vs_plain"] for x in xs], 100, 2, " %") if "vs_plain" in xs[0] else "– | –"
         print(f"| {name} | {_fmt([x['step_s'] for x in xs], 1e3, 1)} | {_fmt([x['steps_per_s'] for x in xs])} "
               f"| {rel} |")
+    print(f"\nTracing's cost (ours / ours, untraced in the same repeat − 1): median and min–max "
+          f"{_fmt([x['vs_untraced'] for x in figures['ours']], 100, 2, ' %').replace(' | ', ', ')}.")
 
     print(f"\nA fault at step {args.fault_step} (replica group {VICTIM_REPLICA}'s rank 0 SIGKILLed); seconds from "
           "the kill, median and min–max over runs.\n")
