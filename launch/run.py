@@ -74,7 +74,11 @@ class Launcher:
             sys.stdout.flush()
 
     def stop(self) -> None:
-        """End every process group started here that is still running."""
+        """End every process started here, and everything they started: SIGTERM to the
+        torchrun agents (each ends its workers), SIGKILL after the grace period to
+        whatever is left. torchrun puts its workers in sessions of their own, and a
+        worker whose agent died first is re-parented to this process (a subreaper),
+        so what is left is found among this process's descendants."""
         live = [p for p in self.procs.values() if p.poll() is None]
         for p in live:
             _signal_group(p, signal.SIGTERM)
@@ -84,11 +88,49 @@ class Launcher:
                 p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
+        while left := descendants(os.getpid()):
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            for p in self.procs.values():
+                p.poll()  # reap
+            time.sleep(0.05)
         for p in self.procs.values():
-            _signal_group(p, signal.SIGKILL)  # also workers an agent left behind
             p.wait()
         for t in self._printing:
             t.join(timeout=1)
+
+
+def descendants(pid: int) -> List[int]:
+    """Every live (not zombie) process below ``pid``, from /proc."""
+    children: Dict[int, List[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            except OSError:
+                continue
+            if state != "Z":
+                children.setdefault(int(ppid), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _become_subreaper() -> None:
+    """Orphaned descendants are re-parented to this process instead of init (Linux)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -158,6 +200,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     # Peers dial this host's liveness listener at the address it reaches the coordinator from.
     advertise = os.environ.get("COMMSLAYER_LIVENESS_HOST") or _address_towards(address)
+    _become_subreaper()
     launcher = Launcher(a.grace)
 
     def on_signal(signum, frame):

@@ -23,7 +23,7 @@ from typing import Dict, List
 import pytest
 
 from launch.netns import Network
-from launch.run import compare_losses, load_results, longest
+from launch.run import compare_losses, descendants, load_results, longest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -148,6 +148,7 @@ def test_soak_twenty_faults(tmp_path):
     for k in kills:
         cmd += ["--kill", k]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1100)
+    (tmp_path / "launcher.log").write_text(proc.stdout + proc.stderr)  # the whole story, for a failure
     done = check_invariants(tmp_path, proc, steps)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert len(summary["killed"]) == 20, summary["killed"]
@@ -170,8 +171,8 @@ def test_the_launcher_ends_every_process_it_started(tmp_path, sig):
         for line in proc.stdout:  # wait until the job is training
             if "step    2" in line:
                 break
-        assert _descendants(proc.pid), "no processes started"
-        started = _descendants(proc.pid)
+        assert descendants(proc.pid), "no processes started"
+        started = descendants(proc.pid)
         proc.send_signal(sig)
         proc.communicate(timeout=30)
         assert proc.returncode == 130
@@ -182,25 +183,6 @@ def test_the_launcher_ends_every_process_it_started(tmp_path, sig):
         assert not left, left
     finally:
         proc.kill()
-
-
-def _descendants(pid: int) -> List[int]:
-    """Every live process below ``pid`` (from /proc)."""
-    children: Dict[int, List[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def _zombie(pid: int) -> bool:
