@@ -136,11 +136,7 @@ class Replicas:
             except CommError:
                 ok = False
             detected = time.time()
-            try:
-                committed = self.world.should_commit(ok)
-            except CommError:
-                committed = False
-            if committed:
+            if self._agreed(ok):
                 if self.recoveries and self.recoveries[-1].committed_at is None:
                     self.recoveries[-1].committed_at = time.time()
                 return out
@@ -179,17 +175,28 @@ class Replicas:
             return []
         try:
             pending = self.world.pending_members()
-            ready = {m // self.shards for m in self._complete(pending)}
-            if not ready:
-                return []
-            start = time.perf_counter()
-            joiners = [m for m in pending if m // self.shards in ready]
+        except CommAborted:
+            raise
+        except CommError:
+            # A member was lost; its mates may have got the list before (the leader died
+            # after publishing it). Recovering here could leave them blocked on this rank in
+            # their own group's forward pass: the step's average finds the loss on every rank.
+            return []
+        ready = {m // self.shards for m in self._complete(pending)}
+        if not ready:
+            return []
+        start = time.perf_counter()
+        joiners = [m for m in pending if m // self.shards in ready]
+        ok = True
+        try:
             self.world = self.world.reconfigure(sorted(self.world.members + joiners))
             self.replicate = self._split()
             self._transfer(state, step, survivor=True)
         except CommAborted:
             raise
-        except CommError:  # a member was lost meanwhile: go on without it, admit later
+        except CommError:
+            ok = False
+        if not self._agreed(ok):  # a member (or a joiner) was lost meanwhile: admit later
             self._recover(step, time.time())
             return []
         admitted = sorted(ready)
@@ -200,8 +207,21 @@ class Replicas:
         """A restarted rank, once admitted: overwrite ``state`` with a live replica's
         and return the step to continue from."""
         step = self._transfer(state, -1, survivor=False)
+        if not self._agreed(True):
+            raise CommError("the state transfer failed on another rank", comm=self.world.get_name(), op="heal")
         self._healed = True
         return step
+
+    def _agreed(self, ok: bool) -> bool:
+        """Whether every rank's part of an admission succeeded, the same answer on all:
+        the ranks of one group must not go different ways (one recovering, its mate
+        stepping on and blocking on it in their group's collectives)."""
+        try:
+            return self.world.should_commit(ok)
+        except CommAborted:
+            raise
+        except CommError:
+            return False
 
     def _transfer(self, state: Sequence[torch.Tensor], step: int, *, survivor: bool) -> int:
         """Broadcast ``state`` and ``step`` from the first rank of ``replicate`` that
