@@ -141,7 +141,7 @@ def test_soak_twenty_faults(tmp_path):
     phases = ["forward", "backward", "allreduce", "optimizer"]
     kills = [f"{i % 2}:{3 + 3 * i}:{phases[i % 4]}:{(i // 2) % 2}" for i in range(20)]
     env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="")
-    steps = 5000  # enough for 20 restarts (several seconds each) at a few hundredths of a second per step
+    steps = 6000  # enough for 20 restarts (several seconds each) at a few hundredths of a second per step
     args = [a if a != str(STEPS) else str(steps) for a in TINY]
     cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "--replicas", "2", "--nproc-per-replica", "2",
            "--max-restarts", "12", "--run-dir", str(tmp_path), "--", *args]

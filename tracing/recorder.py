@@ -361,8 +361,11 @@ def _install_signal_handlers(rec: FlightRecorder) -> None:
 
     def dump_for_term() -> None:
         # The watcher and the main thread may both get here: the second one waits
-        # for the first one's dump to finish before either ends the process.
-        with term_lock:
+        # for the first one's dump to finish before either ends the process. The dump
+        # lock is taken first: the main thread may be inside a dump of its own (it holds
+        # that lock, and re-enters it here), and a watcher holding term_lock while
+        # waiting for it would deadlock with a main thread waiting for term_lock.
+        with rec._dump_lock, term_lock:
             if not term_dumped:
                 term_dumped.append(True)
                 if not callable(previous_term):
