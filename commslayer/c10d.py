@@ -86,9 +86,9 @@ class CommslayerProcessGroup(dist.ProcessGroup):
         timeout_s = (config.default_timeout() if config.timeout_is_set() else timeout).total_seconds()
         self._comms = {}
         kinds = ["gloo"] + (["nccl"] if torch.cuda.is_available() and dist.is_nccl_available() else [])
-        global_ranks = global_ranks or list(range(size))
-        # In a job of several torchruns, this torchrun's ranks are a block of the job's ranks.
-        shift = 0 if config.job_rank() is None else config.job_rank() - global_ranks[rank]
+        default_ranks = global_ranks or list(range(size))
+        global_ranks = job_ranks(default_ranks, default_ranks[rank])
+        shift = global_ranks[0] - default_ranks[0]
         for kind in kinds:
             spec, device = backends.resolve(kind, None)
             uid = f"c10d:{group_name}:{spec.device_type}" + (f"+{shift}" if shift else "")
@@ -96,7 +96,7 @@ class CommslayerProcessGroup(dist.ProcessGroup):
                 spec, device, name=f"c10d:{group_name}:{spec.device_type}",
                 store=dist.PrefixStore(f"commslayer/{spec.device_type}/", store), rank=rank, size=size,
                 timeout_s=timeout_s, hints={}, check=config.check_mode(),
-                uid=uid, global_ranks=[g + shift for g in global_ranks],
+                uid=uid, global_ranks=global_ranks,
             )
             self._attach(comm)
 
@@ -237,6 +237,16 @@ class CommslayerProcessGroup(dist.ProcessGroup):
             comm.finalize()
 
 
+def job_ranks(ranks: List[int], my_rank: int) -> List[int]:
+    """Ranks of the default group as ranks of the job (``COMMSLAYER_JOB_RANK``): a job
+    run as several torchruns numbers each one's ranks from 0, and each torchrun's
+    ranks are taken to be one contiguous block of the job's. ``my_rank``: this
+    process's rank in the default group."""
+    job = config.job_rank()
+    shift = 0 if job is None else job - my_rank
+    return [r + shift for r in ranks]
+
+
 def _create(dist_opts, backend_options) -> CommslayerProcessGroup:
     return CommslayerProcessGroup(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
                                   dist_opts.timeout, str(dist_opts.group_id),
@@ -254,8 +264,10 @@ def register_communicator(comm: Communicator) -> CommslayerProcessGroup:
     pg = CommslayerProcessGroup.wrapping(comm)
     name = f"commslayer:{comm.uid}"
     pg._set_group_name(name)
-    if comm.global_ranks is not None:
-        mapping = {g: i for i, g in enumerate(comm.global_ranks)}
+    if comm.global_ranks is not None:  # the job's ranks: back to the default group's
+        me = dist.get_rank() if dist.is_initialized() else comm.global_ranks[comm.get_rank()]
+        shift = job_ranks([me], me)[0] - me
+        mapping = {g - shift: i for i, g in enumerate(comm.global_ranks)}
     else:  # only our own place is known
         mapping = {dist.get_rank() if dist.is_initialized() else comm.get_rank(): comm.get_rank()}
     dc._register_pg_in_world(pg, backend_name=BACKEND_NAME, store=comm._store, group_name=name,

@@ -158,7 +158,9 @@ class Communicator:
         self._timeout_s = timeout_s
         self._hints = hints
         self.uid = uid  # the same on every member, unique in the job
-        self.global_ranks = global_ranks  # member i's rank in the default group, where known
+        # member i's rank in the job, where known: the default group's rank, unless the job is
+        # several torchruns (COMMSLAYER_JOB_RANK, commslayer.c10d.job_ranks)
+        self.global_ranks = global_ranks
         self.generation = generation  # bumped by recovery when the membership changes
         self.members = list(range(size)) if members is None else list(members)  # member ids, in rank order
         self.lost_ranks: Set[int] = set()  # ranks the liveness monitor (or a failed op) named as lost

@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from commslayer import Communicator, InvalidArgument
-from commslayer.c10d import CommslayerProcessGroup
+from commslayer.c10d import CommslayerProcessGroup, job_ranks
 
 
 class FsdpInternalsChanged(RuntimeError):
@@ -199,7 +199,7 @@ def _communicator_for(group: Any, comm: Optional[Communicator], interface: Optio
     """The cached reduce-scatter communicator for this group's shard ranks, split on first use."""
     device_type = group.device.type
     shard_pg = group.mesh_info.shard_process_group
-    shard_ranks = dist.get_process_group_ranks(shard_pg)
+    shard_ranks = job_ranks(dist.get_process_group_ranks(shard_pg), dist.get_rank())  # what comms record
     if comm is not None:
         parent = comm
     elif isinstance(shard_pg, CommslayerProcessGroup):
