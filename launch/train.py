@@ -219,16 +219,8 @@ def main() -> None:
     faults = Faults(args.kill, replica, rank, store if "COMMSLAYER_JOB_STORE" in os.environ else None,
                     lambda: fault_window(rep, replicas, step, start_step if _RESTART else -1))
 
-    torch.manual_seed(args.seed)
-    model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq)
-    mesh = init_device_mesh("cpu", (shards,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    if args.overlap:
-        fsdp_overlap.enable(model, interface=args.rs_interface)
+    model, opt = build(args, shards)
     params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=args.lr)
     state = [_local(q) for q in params] + optimizer_state(opt, params)
     opt.register_step_pre_hook(lambda *_: faults.point(step, "optimizer"))
     model.blocks[-1].register_forward_pre_hook(lambda *_: faults.point(step, "forward"))
@@ -256,10 +248,7 @@ def main() -> None:
         if rep is not None:
             admitted = rep.admit(state, step)
             if admitted and rep.member == min(m for m in rep.world.members if m // shards not in admitted):
-                a = rep.admissions[-1]  # recorded by the first survivor
-                store.append("job/admissions", json.dumps(vars(a)) + "\n")
-                print(f"admitted replica(s) {a.replicas} at step {step}: generation {a.generation}, "
-                      f"join and state transfer {a.heal_s:.3f}s", flush=True)
+                report_admission(rep, step, store)  # by the first survivor
         data = batch(step, replica, rank, args.batch, args.seq, args.vocab)
         logits = model(data[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, args.vocab), data[:, 1:].reshape(-1))
@@ -286,31 +275,56 @@ def main() -> None:
                 report_recovery(rep, step, store)
     elapsed = time.perf_counter() - begin
 
-    if rep is not None:
-        rep.wait_for(state, args.steps, lambda r: store.check([f"replica/{r}/gone"]), args.heal_timeout)
-        prints = rep.fingerprints(state)
-        if rep.replicate.get_rank() == 0:
-            same = "identical" if len(set(prints)) == 1 else "DIFFERENT"
-            print(f"shard {rank}: state of replicas {[m // shards for m in rep.replicate.members]} "
-                  f"fingerprints {[f'{x:016x}' for x in prints]}: {same}", flush=True)
     result = {"member": _MEMBER, "replica": replica, "rank": rank, "restart": _RESTART, "steps": args.steps,
               "start_step": start_step, "elapsed_s": elapsed, "step_s": step_s, "losses": losses,
               "optimizer_steps": [int(opt.state[q]["step"]) for q in params], "live": list(range(replicas)),
               "fingerprints": None, "recoveries": [], "admissions": []}
     if rep is not None:
-        result.update(generation=rep.generation, live=rep.live, fingerprints=prints,
+        rep.wait_for(state, args.steps, lambda r: store.check([f"replica/{r}/gone"]), args.heal_timeout)
+        result.update(generation=rep.generation, live=rep.live, fingerprints=compare_replicas(rep, state),
                       recoveries=[vars(r) for r in rep.recoveries], admissions=[vars(a) for a in rep.admissions])
         if rep.world.get_rank() == 0 and step_s:
             print(f"done: steps {start_step}..{args.steps - 1} in {elapsed:.1f}s, {len(rep.recoveries)} "
                   f"recoveries, {len(rep.admissions)} admissions, replicas {rep.live}/{replicas} live at the end, "
                   f"generation {rep.generation}", flush=True)
-    if rep is not None:
         store.set("job/finished", "1")  # a group restarting from now on has nothing to rejoin
     if args.run_dir:
         os.makedirs(args.run_dir, exist_ok=True)
         with open(os.path.join(args.run_dir, f"result-m{_MEMBER}-r{_RESTART}.json"), "w") as f:
             json.dump(result, f)
     finish(0)
+
+
+def build(args: argparse.Namespace, shards: int) -> Tuple[nn.Module, torch.optim.Optimizer]:
+    """The model, sharded over this replica group's ``shards`` ranks, and its optimizer;
+    the same initial values on every rank of every group (one seed)."""
+    torch.manual_seed(args.seed)
+    model = TinyLM(args.vocab, args.dim, args.layers, args.heads, args.seq)
+    mesh = init_device_mesh("cpu", (shards,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if args.overlap:
+        fsdp_overlap.enable(model, interface=args.rs_interface)
+    return model, torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+
+def compare_replicas(rep: Replicas, state: List[torch.Tensor]) -> List[int]:
+    """Every group's fingerprint of this shard's state; the shard's first rank prints them."""
+    prints = rep.fingerprints(state)
+    if rep.replicate.get_rank() == 0:
+        same = "identical" if len(set(prints)) == 1 else "DIFFERENT"
+        print(f"shard {rep.shard}: state of replicas {[m // rep.shards for m in rep.replicate.members]} "
+              f"fingerprints {[f'{x:016x}' for x in prints]}: {same}", flush=True)
+    return prints
+
+
+def report_admission(rep: Replicas, step: int, store: dist.Store) -> None:
+    """Record in the job's store and print the admission this boundary made."""
+    a = rep.admissions[-1]
+    store.append("job/admissions", json.dumps(vars(a)) + "\n")
+    print(f"admitted replica(s) {a.replicas} at step {step}: generation {a.generation}, "
+          f"join and state transfer {a.heal_s:.3f}s", flush=True)
 
 
 def report_recovery(rep: Replicas, step: int, store: dist.Store) -> None:
