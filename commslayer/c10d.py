@@ -87,8 +87,8 @@ class CommslayerProcessGroup(dist.ProcessGroup):
         self._comms = {}
         kinds = ["gloo"] + (["nccl"] if torch.cuda.is_available() and dist.is_nccl_available() else [])
         default_ranks = global_ranks or list(range(size))
-        global_ranks = job_ranks(default_ranks, default_ranks[rank])
-        shift = global_ranks[0] - default_ranks[0]
+        shift = job_rank_shift(default_ranks[rank])
+        global_ranks = [r + shift for r in default_ranks]
         for kind in kinds:
             spec, device = backends.resolve(kind, None)
             uid = f"c10d:{group_name}:{spec.device_type}" + (f"+{shift}" if shift else "")
@@ -237,14 +237,13 @@ class CommslayerProcessGroup(dist.ProcessGroup):
             comm.finalize()
 
 
-def job_ranks(ranks: List[int], my_rank: int) -> List[int]:
-    """Ranks of the default group as ranks of the job (``COMMSLAYER_JOB_RANK``): a job
-    run as several torchruns numbers each one's ranks from 0, and each torchrun's
-    ranks are taken to be one contiguous block of the job's. ``my_rank``: this
-    process's rank in the default group."""
+def job_rank_shift(my_rank: int) -> int:
+    """What to add to a default-group rank to get the job's rank (``COMMSLAYER_JOB_RANK``):
+    a job run as several torchruns numbers each one's ranks from 0, and each
+    torchrun's ranks are taken to be one contiguous block of the job's.
+    ``my_rank``: this process's rank in the default group."""
     job = config.job_rank()
-    shift = 0 if job is None else job - my_rank
-    return [r + shift for r in ranks]
+    return 0 if job is None else job - my_rank
 
 
 def _create(dist_opts, backend_options) -> CommslayerProcessGroup:
@@ -266,7 +265,7 @@ def register_communicator(comm: Communicator) -> CommslayerProcessGroup:
     pg._set_group_name(name)
     if comm.global_ranks is not None:  # the job's ranks: back to the default group's
         me = dist.get_rank() if dist.is_initialized() else comm.global_ranks[comm.get_rank()]
-        shift = job_ranks([me], me)[0] - me
+        shift = job_rank_shift(me)
         mapping = {g - shift: i for i, g in enumerate(comm.global_ranks)}
     else:  # only our own place is known
         mapping = {dist.get_rank() if dist.is_initialized() else comm.get_rank(): comm.get_rank()}

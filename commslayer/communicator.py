@@ -159,7 +159,7 @@ class Communicator:
         self._hints = hints
         self.uid = uid  # the same on every member, unique in the job
         # member i's rank in the job, where known: the default group's rank, unless the job is
-        # several torchruns (COMMSLAYER_JOB_RANK, commslayer.c10d.job_ranks)
+        # several torchruns (COMMSLAYER_JOB_RANK, commslayer.c10d.job_rank_shift)
         self.global_ranks = global_ranks
         self.generation = generation  # bumped by recovery when the membership changes
         self.members = list(range(size)) if members is None else list(members)  # member ids, in rank order

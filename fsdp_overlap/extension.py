@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from commslayer import Communicator, InvalidArgument
-from commslayer.c10d import CommslayerProcessGroup, job_ranks
+from commslayer.c10d import CommslayerProcessGroup, job_rank_shift
 
 
 class FsdpInternalsChanged(RuntimeError):
@@ -199,7 +199,8 @@ def _communicator_for(group: Any, comm: Optional[Communicator], interface: Optio
     """The cached reduce-scatter communicator for this group's shard ranks, split on first use."""
     device_type = group.device.type
     shard_pg = group.mesh_info.shard_process_group
-    shard_ranks = job_ranks(dist.get_process_group_ranks(shard_pg), dist.get_rank())  # what comms record
+    shift = job_rank_shift(dist.get_rank())  # communicators record the job's ranks
+    shard_ranks = [r + shift for r in dist.get_process_group_ranks(shard_pg)]
     if comm is not None:
         parent = comm
     elif isinstance(shard_pg, CommslayerProcessGroup):

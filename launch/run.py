@@ -279,7 +279,7 @@ def summarize(run_dir: str, store, compare_to: Optional[str], tolerance: float) 
         ok &= same
         print(f"summary: shard {shard}: parameters and optimizer state bitwise identical across replicas "
               f"{sorted(prints)}: {same}", flush=True)
-    killed = _killed(store)
+    killed = _records(store, "faults/killed")
     leader = longest(results)
     recoveries, admissions = _records(store, "job/recoveries"), _records(store, "job/admissions")
     for i, k in enumerate(killed):
@@ -328,21 +328,10 @@ def compare_losses(losses: Dict[int, float], ref: Dict[int, float], first_fault:
 
 
 def _records(store, key: str) -> List[dict]:
-    """The JSON lines world rank 0 appended to ``key`` of the job's store, in order."""
+    """The JSON lines the ranks appended to ``key`` of the job's store, in order."""
     if not store.check([key]):
         return []
     return [json.loads(line) for line in store.get(key).decode().splitlines() if line]
-
-
-def _killed(store) -> List[dict]:
-    if not store.check(["faults/killed"]):
-        return []
-    out = []
-    for entry in store.get("faults/killed").decode().split(";"):
-        if entry:
-            r, step, phase, t = entry.split(":")
-            out.append({"replica": int(r), "step": int(step), "phase": phase, "t": float(t)})
-    return out
 
 
 if __name__ == "__main__":

@@ -156,7 +156,8 @@ class Faults:
             return
         self._mine.remove(fault)
         self._store.set(f"faults/fired/{fault[2]}", "1")
-        self._store.append("faults/killed", f"{_REPLICA}:{step}:{phase}:{time.time():.6f};")
+        self._store.append("faults/killed", json.dumps({"replica": _REPLICA, "step": step, "phase": phase,
+                                                        "t": time.time()}) + "\n")
         print(f"[replica {_REPLICA} rank {int(os.environ.get('RANK', '0'))}] injected fault: SIGKILL at step "
               f"{step} ({phase})", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
