@@ -184,3 +184,13 @@ def test_the_launcher_ends_every_process_it_started(tmp_path, sig):
         assert not left, left
     finally:
         proc.kill()
+
+
+def test_fsdp_overlap_in_the_resilient_job(clean, tmp_path):
+    """fsdp_overlap's reduce-scatter communicator lives inside a replica group (split from the
+    group's c10d communicator, whose ranks are the job's): the job survives a kill with it,
+    and its gradients are those of plain FSDP2, so the losses before the fault are the
+    fault-free run's bit for bit."""
+    proc = launch(tmp_path, "--overlap", "--kill", f"1:{FAULT_STEP}:allreduce")
+    check_invariants(tmp_path, proc)
+    assert compare_losses(losses_of(tmp_path), losses_of(clean), FAULT_STEP, 0.05, str(clean))
