@@ -50,7 +50,7 @@ CONFIGS = {"default": "default", "default-aa": "default (A/A)", "native": "nativ
            "ours-1link": "ours, 1 link", "ours-2links": "ours, 2 links"}
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from launch.netns import Network, remove_leftovers  # noqa: E402
+from faults.netns import Network, remove_leftovers  # noqa: E402
 
 
 # ------------------------------------------------------------------ parent

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
+FAULT_LOG = "faults.jsonl"  # in --run-dir: injected faults and each communicator's first failure (faults.inject)
 
 
 class Launcher:
@@ -202,6 +203,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     advertise = os.environ.get("COMMSLAYER_LIVENESS_HOST") or _address_towards(address)
     _become_subreaper()
     launcher = Launcher(a.grace)
+    if a.run_dir:
+        os.makedirs(a.run_dir, exist_ok=True)
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
@@ -217,6 +220,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             if a.run_dir:
                 if "COMMSLAYER_TRACE_DIR" not in os.environ:  # set empty, it keeps tracing off
                     env["COMMSLAYER_TRACE_DIR"] = os.path.join(a.run_dir, "traces")
+                env.setdefault("COMMSLAYER_FAULTS_LOG", os.path.join(a.run_dir, FAULT_LOG))
                 args += ["--run-dir", a.run_dir]
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                    "--nproc-per-node", str(a.nproc_per_replica), "--max-restarts", str(a.max_restarts),
@@ -238,7 +242,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         launcher.stop()
     ok = all(c == 0 for c in codes.values())
     if a.run_dir and not a.coordinator:  # the coordinator has seen every replica group end
-        ok = summarize(a.run_dir, store, a.compare_to, a.loss_tolerance) and ok
+        ok = summarize(a.run_dir, store, a.nproc_per_replica, a.compare_to, a.loss_tolerance) and ok
     return 0 if ok else 1
 
 
@@ -261,7 +265,15 @@ def longest(results: List[dict]) -> dict:
     return min(results, key=lambda r: (r["start_step"], r["member"]))
 
 
-def summarize(run_dir: str, store, compare_to: Optional[str], tolerance: float) -> bool:
+def injections(run_dir: str, shards: int) -> List[dict]:
+    """The faults injected in a run (from its fault log), each with its replica group."""
+    from faults.inject import read_log
+
+    return [dict(e, replica=e["member"] // shards) for e in read_log(os.path.join(run_dir, FAULT_LOG))
+            if e["event"] == "injected"]
+
+
+def summarize(run_dir: str, store, shards: int, compare_to: Optional[str], tolerance: float) -> bool:
     """Print what the run did and whether its invariants hold; False if one does not."""
     results = load_results(run_dir)
     if not results:
@@ -279,7 +291,7 @@ def summarize(run_dir: str, store, compare_to: Optional[str], tolerance: float) 
         ok &= same
         print(f"summary: shard {shard}: parameters and optimizer state bitwise identical across replicas "
               f"{sorted(prints)}: {same}", flush=True)
-    killed = _records(store, "faults/killed")
+    killed = injections(run_dir, shards)
     leader = longest(results)
     recoveries, admissions = _records(store, "job/recoveries"), _records(store, "job/admissions")
     for i, k in enumerate(killed):
@@ -288,8 +300,8 @@ def summarize(run_dir: str, store, compare_to: Optional[str], tolerance: float) 
                    None)
         k["stall_s"] = rec["committed_at"] - k["t"] if rec else None
         stall = f"{k['stall_s']:.3f}s" if rec else "n/a (no recovery recorded)"
-        print(f"summary: fault: replica {k['replica']} SIGKILLed at step {k['step']} ({k['phase']}); "
-              f"survivor stall (kill to next committed step) {stall}", flush=True)
+        print(f"summary: fault: {k['what']} (replica group {k['replica']}); "
+              f"survivor stall (fault to next committed step) {stall}", flush=True)
     for adm in admissions:
         print(f"summary: replica(s) {adm['replicas']} rejoined at step {adm['step']} (generation "
               f"{adm['generation']}); join and state transfer {adm['heal_s']:.3f}s", flush=True)
@@ -297,7 +309,7 @@ def summarize(run_dir: str, store, compare_to: Optional[str], tolerance: float) 
     if compare_to:
         ref_run = longest(load_results(compare_to))
         ok &= compare_losses(losses, {int(s): v for s, v in ref_run["losses"].items()},
-                             min((k["step"] for k in killed), default=steps), tolerance, compare_to)
+                             min((k.get("step", steps) for k in killed), default=steps), tolerance, compare_to)
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump({"ok": bool(ok), "killed": killed, "losses": losses, "recoveries": recoveries,
                    "admissions": admissions}, f, indent=1)

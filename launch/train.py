@@ -25,14 +25,17 @@ a healed replica continues at the survivors' step.  Without the launcher
 group R at STEP (or the first step after it at which every replica group is
 live and healed), during ``forward``, ``backward``, ``allreduce`` (entering the gradient
 average) or ``optimizer`` (after the step was committed); each fault fires
-once per job.  ``--plain`` runs the same job on plain Gloo groups
+once per job.  The fault harness (``commslayer-faults``) fires its step faults
+at the same points, under the same rule (``faults.inject``).  ``--plain`` runs the same job on plain Gloo groups
 without any of it, the baseline of ``launch/bench_training.py``.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
+_STARTED = time.time()  # wall clock: the fault harness tells which processes lived through a fault
 # Tracing starts when torch is imported (COMMSLAYER_TRACE_DIR): this process's rank in the job
 # (its member id) names its trace files and shifts its torchrun's ranks; keep a restarted group's traces apart from those of the run it replaces.
 _REPLICA = int(os.environ.get("COMMSLAYER_REPLICA", "0"))
@@ -45,9 +48,7 @@ if os.environ.get("COMMSLAYER_TRACE_DIR") and _RESTART:
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import signal  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from datetime import timedelta  # noqa: E402
 from typing import Callable, Dict, List, Optional, Tuple  # noqa: E402
 
@@ -61,8 +62,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 import commslayer  # noqa: E402
 import fsdp_overlap  # noqa: E402
 from commslayer.replicas import ReplicaBroken, Replicas, flatten, unflatten  # noqa: E402
-
-PHASES = ("forward", "backward", "allreduce", "optimizer")
+from faults.inject import PHASES, Fault, injector  # noqa: E402
 
 
 class Block(nn.Module):
@@ -123,53 +123,26 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-class Faults:
-    """The ``--kill`` faults of this job that concern this rank; each fires once per
-    job (a key in the job's store), so a restarted group does not replay it."""
-
-    def __init__(self, specs: List[str], replica: int, rank: int, store: Optional[dist.Store],
-                 ready: Callable[[], Optional[int]]) -> None:
-        self._store = store
-        self._ready = ready  # the generation in which a fault may fire now, or None
-        self._mine: List[Tuple[int, str, int]] = []  # (step, phase, index in the job's list)
-        for i, spec in enumerate(specs):
-            parts = spec.split(":")
-            if len(parts) not in (3, 4) or parts[2] not in PHASES:
-                raise SystemExit(f"--kill {spec!r}: expected REPLICA:STEP:PHASE[:RANK], PHASE one of {PHASES}")
-            r, step, phase = int(parts[0]), int(parts[1]), parts[2]
-            if r == replica and int(parts[3] if len(parts) == 4 else 0) == rank:
-                self._mine.append((step, phase, i))
-
-    def point(self, step: int, phase: str) -> None:
-        """SIGKILL this process if a fault is due here: at its step, or at the first later
-        step at which every replica group is live and healed, and no other fault fired in
-        this generation (faults of two groups in one step would leave no copy of the state)."""
-        due = [f for f in self._mine if f[1] == phase and f[0] <= step]
-        if not due or self._store is None:
-            return
-        fault = due[0]
-        if self._store.check([f"faults/fired/{fault[2]}"]):  # an earlier life of this rank fired it
-            self._mine.remove(fault)
-            return
-        generation = self._ready()
-        if generation is None or self._store.add(f"faults/generation/{generation}", 1) != 1:
-            return
-        self._mine.remove(fault)
-        self._store.set(f"faults/fired/{fault[2]}", "1")
-        self._store.append("faults/killed", json.dumps({"replica": _REPLICA, "step": step, "phase": phase,
-                                                        "t": time.time()}) + "\n")
-        print(f"[replica {_REPLICA} rank {int(os.environ.get('RANK', '0'))}] injected fault: SIGKILL at step "
-              f"{step} ({phase})", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+def kill_faults(specs: List[str], shards: int) -> List[Fault]:
+    """``--kill R:STEP:PHASE[:RANK]`` as faults (SIGKILL, once per job, whichever life gets there)."""
+    out = []
+    for spec in specs:
+        parts = spec.split(":")
+        if len(parts) not in (3, 4) or parts[2] not in PHASES:
+            raise SystemExit(f"--kill {spec!r}: expected REPLICA:STEP:PHASE[:RANK], PHASE one of {PHASES}")
+        rank = int(parts[0]) * shards + int(parts[3] if len(parts) == 4 else 0)
+        out.append(Fault("sigkill", rank, life=None, step=int(parts[1]), phase=parts[2]))
+    return out
 
 
-def fault_window(rep: Optional[Replicas], replicas: int, step: int, healed_at: int) -> Optional[int]:
-    """The generation if a fault may fire at ``step``: every replica group live, and each
+def fault_window(rep: Optional[Replicas], replicas: int, step: int, healed_at: int, store: dist.Store) -> bool:
+    """Whether a step fault may fire at ``step``: every replica group live, each
     committed a step since it last came back (with one group healing and the other one
-    killed, no copy of the state would be left); else None."""
+    killed, no copy of the state would be left), and no other fault fired in this
+    generation (faults of two groups in one step would leave no copy either)."""
     if rep is None or len(rep.live) < replicas or step <= max([healed_at] + [a.step for a in rep.admissions]):
-        return None
-    return rep.generation
+        return False
+    return store.add(f"faults/generation/{rep.generation}", 1) == 1
 
 
 def job_store(timeout: timedelta) -> Tuple[dist.Store, int, int]:
@@ -217,14 +190,17 @@ def main() -> None:
     dist.init_process_group("gloo" if args.plain else "commslayer", store=replica_store(timeout),
                             rank=rank, world_size=shards, timeout=timeout)
     store, replica, replicas = job_store(timeout)
-    faults = Faults(args.kill, replica, rank, store if "COMMSLAYER_JOB_STORE" in os.environ else None,
-                    lambda: fault_window(rep, replicas, step, start_step if _RESTART else -1))
+    faults = injector()
+    faults.add(kill_faults(args.kill, shards))
+
+    def point(phase: str) -> None:
+        faults.point(step, phase, lambda: fault_window(rep, replicas, step, start_step if _RESTART else -1, store))
 
     model, opt = build(args, shards)
     params = list(model.parameters())
     state = [_local(q) for q in params] + optimizer_state(opt, params)
-    opt.register_step_pre_hook(lambda *_: faults.point(step, "optimizer"))
-    model.blocks[-1].register_forward_pre_hook(lambda *_: faults.point(step, "forward"))
+    opt.register_step_pre_hook(lambda *_: point("optimizer"))
+    model.blocks[-1].register_forward_pre_hook(lambda *_: point("forward"))
 
     if args.plain:
         average, rep = plain_average(store, replica, replicas, rank, shards, timeout), None
@@ -253,12 +229,12 @@ def main() -> None:
         data = batch(step, replica, rank, args.batch, args.seq, args.vocab)
         logits = model(data[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, args.vocab), data[:, 1:].reshape(-1))
-        logits.register_hook(lambda g: (faults.point(step, "backward"), g)[1])
+        logits.register_hook(lambda g: (point("backward"), g)[1])
         loss.backward()
         grads = [_local(q.grad) for q in params]
         mean_loss = loss.detach().reshape(1) / shards
         dist.all_reduce(mean_loss)
-        faults.point(step, "allreduce")
+        point("allreduce")
         averaged = average(torch.cat([flatten(grads), mean_loss]), step)
         unflatten(averaged[:-1], grads)
         opt.step()
@@ -276,7 +252,8 @@ def main() -> None:
                 report_recovery(rep, step, store)
     elapsed = time.perf_counter() - begin
 
-    result = {"member": _MEMBER, "replica": replica, "rank": rank, "restart": _RESTART, "steps": args.steps,
+    result = {"member": _MEMBER, "replica": replica, "rank": rank, "restart": _RESTART, "pid": os.getpid(),
+              "started": _STARTED, "steps": args.steps,
               "start_step": start_step, "elapsed_s": elapsed, "step_s": step_s, "losses": losses,
               "optimizer_steps": [int(opt.state[q]["step"]) for q in params], "live": list(range(replicas)),
               "fingerprints": None, "recoveries": [], "admissions": []}

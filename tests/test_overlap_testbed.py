@@ -1,4 +1,4 @@
-"""The network testbed of launch/bench_overlap.py (launch/netns.py): two capped rails per
+"""The network testbed of launch/bench_overlap.py (faults/netns.py): two capped rails per
 rank, links that can be cut, and no namespace left behind when the benchmark fails or a run died."""
 
 from __future__ import annotations

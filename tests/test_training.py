@@ -22,7 +22,7 @@ from typing import Dict, List
 
 import pytest
 
-from launch.netns import Network
+from faults.netns import Network
 from launch.run import compare_losses, descendants, load_results, longest
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -4,7 +4,7 @@ A ``Network`` is one namespace per host and a hub namespace with one bridge
 per rail; every host has a veth link on every rail, named after the rail,
 with the address ``10.77.<rail>.<host + 1>`` (rails count from 1), and
 optionally a ``tc tbf`` rate cap in both directions.  Links can be cut and
-restored (``set_link``).  Namespace names carry a prefix and this process's
+restored (``set_link``), and one host's cap changed (``cap``).  Namespace names carry a prefix and this process's
 id; ``close`` deletes them (also at exit), and ``remove_leftovers`` deletes
 those of earlier runs whose process is gone.  Needs root and iproute2.
 """
@@ -76,9 +76,20 @@ class Network:
         self._made.append(name)
         _ip("-n", name, "link", "set", "lo", "up")
 
-    def _cap(self, ns: str, dev: str) -> None:
-        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                        "rate", self.rate, "burst", "256kb", "latency", "50ms"], check=True, capture_output=True)
+    def cap(self, host: int, rate: Optional[str], rail: int = 1) -> None:
+        """Cap host ``host``'s link on rail ``rail`` to ``rate`` (tc's units, e.g. ``100mbit``)
+        both ways, replacing any cap; ``None`` lifts it."""
+        dev, hub_end = self.rails[rail - 1], self._hub_end(host, self.rails[rail - 1])
+        for ns, link in ((self.hosts[host], dev), (self.hub, hub_end)):  # what it sends; what it receives
+            tc = ["ip", "netns", "exec", ns, "tc", "qdisc"]
+            subprocess.run(tc + ["del", "dev", link, "root"], capture_output=True)
+            if rate:
+                subprocess.run(tc + ["add", "dev", link, "root", "tbf", "rate", rate, "burst", "256kb",
+                                     "latency", "50ms"], check=True, capture_output=True)
+
+    @staticmethod
+    def _hub_end(host: int, dev: str) -> str:
+        return f"h{host}{dev}"[:15]
 
     def _build(self) -> None:
         self._netns(self.hub)
@@ -88,14 +99,15 @@ class Network:
         for host, ns in enumerate(self.hosts):
             self._netns(ns)
             for rail, dev in enumerate(self.rails, start=1):
-                hub_end = f"h{host}{dev}"[:15]
+                hub_end = self._hub_end(host, dev)
                 _ip("-n", self.hub, "link", "add", hub_end, "type", "veth", "peer", "name", dev, "netns", ns)
                 _ip("-n", self.hub, "link", "set", hub_end, "master", f"br{rail}", "up")
                 _ip("-n", ns, "addr", "add", f"{self.address(rail, host)}/24", "dev", dev)
                 _ip("-n", ns, "link", "set", dev, "up")
-                if self.rate:
-                    self._cap(ns, dev)             # what the host sends
-                    self._cap(self.hub, hub_end)   # what it receives
+        if self.rate:
+            for host in range(len(self.hosts)):
+                for rail in range(1, len(self.rails) + 1):
+                    self.cap(host, self.rate, rail)
 
     def close(self) -> None:
         while self._made:

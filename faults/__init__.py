@@ -1,0 +1,1 @@
+"""The fault-injection harness: scripted faults against a real job, and what survived."""

@@ -1,0 +1,286 @@
+"""Faults fired from inside a job's own processes, and the log the harness reads.
+
+Timing a fault from outside (a signal sent when a log line appears) misses
+by the length of a step; a fault fired from inside the rank lands exactly
+where it was asked for.  So the harness describes its faults as JSON in
+``COMMSLAYER_FAULTS`` and every process of the job reads them when torch is
+imported (the ``torch.backends`` entry point, ``faults.autoload``).  A
+process keeps the faults aimed at its own job rank and fires each one:
+
+* at the ``nth`` call of a collective (``op``) on a communicator whose name
+  contains ``comm``: the communicator's method is wrapped on that instance,
+  so the fault lands before the op is issued or, with ``during``, while it
+  is in flight (needs no change to the job);
+* at a step and phase of the job's loop, where the job calls ``point(step,
+  phase)`` (launch/train.py does).
+
+Every process also appends to ``COMMSLAYER_FAULTS_LOG`` (JSON lines): each
+fault when it fires, and the first failure each of its communicators sees.
+The harness reads injection and detection times from there; a restarted
+process reads it to skip the faults an earlier life fired.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+ACTIONS = ("sigkill", "exit", "raise", "sigstop", "hang", "delay", "mismatch")
+PHASES = ("forward", "backward", "allreduce", "optimizer")
+MISMATCHES = ("shape", "dtype", "op")
+
+
+class InjectedFault(Exception):
+    """The exception a ``raise`` fault throws in the job's code."""
+
+
+@dataclass
+class Fault:
+    """One fault aimed at one process of the job.
+
+    ``rank`` is the job rank (``COMMSLAYER_JOB_RANK``, else ``RANK``).  ``life``
+    is the target's torchrun restart count; None: whichever life reaches the
+    trigger first, once per job (needs the log).  The trigger is ``step`` and
+    ``phase`` (the job's ``point``) or the ``nth`` call of ``op`` on a
+    communicator whose name contains ``comm``.  ``seconds``: how long a
+    ``sigstop`` lasts, or the delay a ``delay`` fault adds before every matching
+    op from the nth on.  ``mismatch``: what a ``mismatch`` fault changes in the
+    op's arguments (shape, dtype or the reduce op)."""
+
+    action: str
+    rank: int
+    life: Optional[int] = 0
+    step: Optional[int] = None
+    phase: Optional[str] = None
+    op: Optional[str] = None
+    comm: str = ""
+    nth: int = 1
+    during: bool = False
+    seconds: float = 0.0
+    mismatch: Optional[str] = None
+    index: int = field(default=0, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.action not in ACTIONS:
+            raise ValueError(f"fault action {self.action!r}: expected one of {ACTIONS}")
+        if (self.step is None) == (self.op is None):
+            raise ValueError(f"fault {self.action} on rank {self.rank}: give a step (and phase) or an op, not both")
+        if self.step is not None and self.phase not in PHASES:
+            raise ValueError(f"fault phase {self.phase!r}: expected one of {PHASES}")
+        if self.action == "mismatch" and (self.op is None or self.mismatch not in MISMATCHES
+                                          or (self.mismatch == "op" and self.op != "all_reduce")):
+            raise ValueError(f"a mismatch fault needs an op and mismatch one of {MISMATCHES} (op: all_reduce only)")
+        if self.nth < 1:
+            raise ValueError(f"fault nth={self.nth}: counts from 1")
+
+    def describe(self) -> str:
+        what = {"sigkill": "SIGKILL", "exit": "exit(1)", "raise": "Python exception", "hang": "hang",
+                "sigstop": f"SIGSTOP for {self.seconds:g}s", "delay": f"{self.seconds * 1e3:g} ms delay",
+                "mismatch": f"{self.mismatch} mismatch"}[self.action]
+        if self.step is not None:
+            where = f"at step {self.step} ({self.phase})"
+        else:
+            where = f"{'during' if self.during else 'before'} {self.op} #{self.nth}" + \
+                    (f" of '{self.comm}'" if self.comm else "")
+            if self.action == "delay":
+                where = f"before every {self.op}" + (f" of '{self.comm}'" if self.comm else "") + \
+                        (f" from #{self.nth}" if self.nth > 1 else "")
+        return f"{what} of rank {self.rank} {where}"
+
+
+def encode(faults: List[Fault]) -> str:
+    """The ``COMMSLAYER_FAULTS`` value for ``faults``."""
+    return json.dumps([{k: v for k, v in asdict(f).items() if k != "index"} for f in faults])
+
+
+def decode(text: str) -> List[Fault]:
+    return [Fault(**d) for d in json.loads(text)]
+
+
+def job_rank() -> int:
+    value = os.environ.get("COMMSLAYER_JOB_RANK") or os.environ.get("RANK") or "0"
+    return int(value)
+
+
+def life() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+class Log:
+    """The job's fault log: whole JSON lines appended by every process (O_APPEND)."""
+
+    def __init__(self, path: Optional[str]) -> None:
+        self.path = path
+
+    def write(self, event: str, **fields: Any) -> None:
+        if not self.path:
+            return
+        line = json.dumps({"event": event, "member": job_rank(), "life": life(), "pid": os.getpid(),
+                           "t": time.time(), **fields}) + "\n"
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
+        except OSError as exc:  # a full disk must not change what the job does
+            print(f"commslayer faults: cannot write {self.path}: {exc}", file=sys.stderr, flush=True)
+
+    def read(self) -> List[Dict[str, Any]]:
+        return read_log(self.path) if self.path else []
+
+
+def read_log(path: str) -> List[Dict[str, Any]]:
+    """The events of a fault log, in the order they were written."""
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+class Injector:
+    """This process's faults and the hooks that fire them."""
+
+    def __init__(self, log: Log) -> None:
+        self.log = log
+        self.faults: List[Fault] = []
+        self._count = 0  # faults of the job seen so far: a fault's index is its place among them
+        self._fired = {e["fault"] for e in log.read() if e["event"] == "injected"}
+        self._calls: Dict[int, int] = {}  # fault index -> matching calls so far
+        self._lock = threading.Lock()
+
+    def add(self, faults: List[Fault]) -> None:
+        """Take the job's ``faults`` (every process gets the same list, in the same
+        order) and keep those aimed at this process that no earlier life fired."""
+        me, now = job_rank(), life()
+        for f in faults:
+            f.index, self._count = self._count, self._count + 1
+            if f.rank == me and f.life in (None, now) and f.index not in self._fired:
+                self.faults.append(f)
+
+    # ---------------------------------------------------------- step points
+    def point(self, step: int, phase: str, claim: Optional[Callable[[], bool]] = None) -> None:
+        """Fire the first fault due at ``step`` (or earlier) in ``phase``; ``claim()``
+        says whether one may fire now (the job's own rule, e.g. one per generation)."""
+        due = [f for f in self.faults if f.phase == phase and f.step is not None and f.step <= step]
+        if not due or (claim is not None and not claim()):
+            return
+        self._fire(due[0], step=step, phase=phase)
+
+    # ------------------------------------------------------- collective hooks
+    def attach(self, comm: Any) -> None:
+        """Wrap the methods of ``comm`` that a fault of this process targets; log its first failure."""
+        name = comm.get_name()
+        comm.register_error_hook(lambda err: self.log.write(
+            "failure", comm=name, error=type(err).__name__, ranks=list(err.ranks),
+            members=_members(comm, err.ranks), what=err.what))
+        for f in self.faults:
+            if f.op is not None and f.comm in name:
+                setattr(comm, f.op, self._wrap(f, getattr(comm, f.op), name))
+
+    def _wrap(self, f: Fault, call: Callable[..., Any], name: str) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                n = self._calls[f.index] = self._calls.get(f.index, 0) + 1
+            if f.action == "delay":
+                if n >= f.nth:
+                    if n == f.nth:
+                        self.log.write("injected", fault=f.index, action=f.action, what=f.describe(), comm=name)
+                    time.sleep(f.seconds)
+                return call(*args, **kwargs)
+            if n != f.nth or f not in self.faults:
+                return call(*args, **kwargs)
+            if f.action == "mismatch":
+                self._fire(f, comm=name, act=False)
+                return call(*_mismatched(f.mismatch, args), **kwargs)
+            if f.during:
+                work = call(*args, **{**kwargs, "async_op": True})
+                self._fire(f, comm=name)
+                return work
+            self._fire(f, comm=name)
+            return call(*args, **kwargs)
+
+        return wrapper
+
+    # ---------------------------------------------------------------- firing
+    def _fire(self, f: Fault, act: bool = True, **where: Any) -> None:
+        self.faults.remove(f)
+        self.log.write("injected", fault=f.index, action=f.action, what=f.describe(), **where)
+        print(f"[rank {job_rank()}] injected fault: {f.describe()}", file=sys.stderr, flush=True)
+        if not act:
+            return
+        if f.action == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif f.action == "exit":
+            sys.exit(1)
+        elif f.action == "raise":
+            raise InjectedFault(f"injected fault: {f.describe()}")
+        elif f.action == "sigstop":
+            # A stopped process cannot wake itself: a child sends SIGCONT.
+            subprocess.Popen(["sh", "-c", f"sleep {f.seconds}; kill -CONT {os.getpid()}"],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            self.log.write("resumed", fault=f.index)
+        elif f.action == "hang":
+            while True:  # alive (heartbeats go on), but never issues the next op
+                time.sleep(3600)
+
+
+def _members(comm: Any, ranks: Any) -> List[int]:
+    """The job ranks of a communicator's ``ranks`` where it knows them."""
+    table = getattr(comm, "members", None) or getattr(comm, "global_ranks", None)
+    try:
+        return [int(table[r]) for r in ranks] if table else list(ranks)
+    except (IndexError, KeyError, TypeError):
+        return list(ranks)
+
+
+def _mismatched(kind: str, args: tuple) -> tuple:
+    """An op's positional arguments (its tensor first), changed the way a buggy rank
+    would: the tensor one element short or in float64, or (all_reduce) MAX for the
+    reduce op."""
+    import torch
+
+    from commslayer import ReduceOp
+
+    tensor, rest = args[0], args[1:]
+    if kind == "shape":
+        return (tensor.flatten()[:-1], *rest)
+    if kind == "dtype":
+        return (tensor.to(torch.float64), *rest)
+    return (tensor, ReduceOp.MAX, *rest[1:])
+
+
+_injector: Optional[Injector] = None
+
+
+def injector() -> Injector:
+    """This process's injector, built from ``COMMSLAYER_FAULTS`` the first time."""
+    global _injector
+    if _injector is None:
+        _injector = Injector(Log(os.environ.get("COMMSLAYER_FAULTS_LOG")))
+        _injector.add(decode(os.environ.get("COMMSLAYER_FAULTS") or "[]"))
+    return _injector
+
+
+def install() -> None:
+    """Attach the injector to every communicator this process builds from now on."""
+    from commslayer.communicator import live_communicators, register_communicator_hook
+
+    inj = injector()
+    register_communicator_hook(inj.attach)
+    for comm in live_communicators():
+        inj.attach(comm)
+
+
+def point(step: int, phase: str, claim: Optional[Callable[[], bool]] = None) -> None:
+    """The job's step points (``Injector.point`` of this process)."""
+    injector().point(step, phase, claim)

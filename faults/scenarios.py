@@ -1,0 +1,138 @@
+"""The scenarios: what each one injects, into which rank, and what the job must do.
+
+A scenario is data.  Its faults fired from inside the job (``faults.inject``)
+are built from the job's layout; a fault that must come from outside the
+ranks (the coordinator killed, a link cut, a bandwidth cap, a full disk) is
+named by ``external`` and carried out by ``faults.harness``.  ``expect``
+says what the job promises: ``survive`` (the survivors go on, the lost
+replica group is restarted and heals, nothing is lost) or ``stop`` (the job
+ends, every rank with an error that names the cause and a trace dump).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+from .inject import Fault
+
+FAULT_STEP = 10  # step faults fire here (or at the first step after it at which the job can survive them)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The job's shape: ``replicas`` replica groups of ``per_replica`` ranks each."""
+
+    replicas: int
+    per_replica: int
+
+    @property
+    def ranks(self) -> int:
+        return self.replicas * self.per_replica
+
+    @property
+    def target(self) -> int:
+        """The rank faults aim at: the last one (rank 1 of its group's communicators, so
+        that a check against rank 0's view names it)."""
+        return self.ranks - 1
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    family: str
+    summary: str
+    promise: str
+    faults: Callable[[Layout], List[Fault]] = lambda layout: []
+    external: Optional[str] = None           # coordinator-kill | link-cut | bandwidth-cap | disk-full
+    expect: str = "survive"                  # survive | stop
+    fast: bool = True                        # in the default test suite
+    needs_root: bool = False
+    per_replica: Optional[int] = None        # the layout it needs (default: the harness's)
+    env: Dict[str, str] = field(default_factory=dict)
+    max_restarts: int = 3
+    culprit: bool = False                    # the viewer's diagnose must name the target rank
+    straggler: bool = False                  # the viewer's summary must show the target as the straggler
+    stopped: bool = False                    # the target is stopped and resumed: it must be fenced
+
+
+def _at_step(action: str, phase: str, **kw) -> Callable[[Layout], List[Fault]]:
+    return lambda layout: [Fault(action, layout.target, step=FAULT_STEP, phase=phase, **kw)]
+
+
+def _at_op(action: str, op: str, comm: str, nth: int, **kw) -> Callable[[Layout], List[Fault]]:
+    return lambda layout: [Fault(action, layout.target, op=op, comm=comm, nth=nth, **kw)]
+
+
+def _mismatch(kind: str) -> Scenario:
+    return Scenario(
+        f"mismatch-{kind}", "bad-input",
+        f"rank issues the job's per-step loss all_reduce with a different {kind} at step {FAULT_STEP}",
+        "with COMMSLAYER_CHECK=1 every member of the communicator raises CollectiveMismatch naming the rank "
+        "before anything is sent; the rank's replica group leaves, is restarted and heals; the viewer names "
+        "the rank",
+        _at_op("mismatch", "all_reduce", "c10d", FAULT_STEP + 1, mismatch=kind),
+        env={"COMMSLAYER_CHECK": "1"}, culprit=True)
+
+
+SCENARIOS: List[Scenario] = [
+    Scenario("kill-step", "process-death", f"SIGKILL of a rank at step {FAULT_STEP}, in forward",
+             "the survivors see the loss in milliseconds, drop the rank's replica group and redo the step; "
+             "torchrun restarts the group, which heals from a survivor and rejoins at a step boundary",
+             _at_step("sigkill", "forward"), culprit=True),
+    Scenario("kill-collective", "process-death",
+             "SIGKILL of a rank while its 100th FSDP all-gather is in flight (fired from the op's own hook)",
+             "as kill-step: the op in flight fails with PeerLost on the rank's group mates, the survivors redo "
+             "the step",
+             _at_op("sigkill", "all_gather_single", "c10d", 100, during=True), culprit=True),
+    Scenario("exit", "process-death", f"a rank calls sys.exit(1) at step {FAULT_STEP}, before the optimizer step",
+             "a clean exit is a loss like any other: seen at once (the connection closes), survived, healed",
+             _at_step("exit", "optimizer")),
+    Scenario("exception", "process-death", f"a Python exception in a rank's backward at step {FAULT_STEP}",
+             "the exception ends the rank's process; survived and healed as a death",
+             _at_step("raise", "backward")),
+    Scenario("sigstop", "hang", f"SIGSTOP of a rank for 5 s at step {FAULT_STEP} (then SIGCONT)",
+             "the stopped rank is declared lost after the peer timeout (3 s), the survivors go on without it; "
+             "when it resumes it is fenced (its group was dropped; it never commits another step) and its "
+             "group is restarted and heals",
+             _at_step("sigstop", "forward", seconds=5.0), stopped=True),
+    Scenario("hang", "hang", "a rank never issues its 100th FSDP all-gather (alive, heartbeating, stuck)",
+             "liveness cannot see it (it is alive): its group mate's op fails at the op deadline "
+             "(COMMSLAYER_TIMEOUT_S=5 here) with CollectiveTimeout, the group leaves and is restarted; the "
+             "survivors redo the step",
+             _at_op("hang", "all_gather_single", "c10d", 100), env={"COMMSLAYER_TIMEOUT_S": "5"}),
+    Scenario("straggler", "straggler", "a rank sleeps 20 ms before every collective of every communicator",
+             "20 ms is far below the peer timeout: nobody is declared dead, no step is redone; the viewer's "
+             "summary names the rank as the straggler",
+             _at_op("delay", "*", "", 1, seconds=0.020), straggler=True),
+    Scenario("link-cut", "network", "a rank's network link cut for 8 s (ip link set down), then restored",
+             "the survivors declare the rank lost after the peer timeout and go on; the cut rank cannot reach "
+             "anyone; once the link is back it finds itself fenced, leaves, is restarted and heals",
+             external="link-cut", needs_root=True, per_replica=1, fast=False),
+    Scenario("bandwidth-cap", "network", "a rank's link capped to 200 Mbit/s (tc tbf) from step 10",
+             "the job slows to the capped link's pace; nobody is declared dead, no step is redone",
+             external="bandwidth-cap", needs_root=True, per_replica=1, fast=False),
+    Scenario("coordinator-kill", "coordinator", f"the coordinator process (the job's store) SIGKILLed at step "
+             f"{FAULT_STEP}",
+             "the coordinator is the job's single point of failure: every rank stops within the peer timeout "
+             "with an error naming the job's store, and dumps its trace; the launcher ends the job (exit 1)",
+             external="coordinator-kill", expect="stop"),
+    Scenario("trace-disk-full", "storage", "the trace directory on a full filesystem (a 2 MiB tmpfs, filled); "
+             f"SIGKILL of a rank at step {FAULT_STEP}",
+             "tracing never fails the job: each rank logs once that it cannot write, training survives and "
+             "heals as in kill-step, and no half-written trace file is left",
+             _at_step("sigkill", "forward"), external="disk-full", needs_root=True),
+    _mismatch("shape"),
+    _mismatch("dtype"),
+    _mismatch("op"),
+    Scenario("cascade", "cascade", f"SIGKILL of a rank at step {FAULT_STEP}; its restarted incarnation SIGKILLed "
+             "again during its heal (the state broadcast)",
+             "the second fault aborts the admission; the survivors go on, the group restarts again, heals and "
+             "rejoins; nothing is lost",
+             lambda layout: [Fault("sigkill", layout.target, step=FAULT_STEP, phase="forward"),
+                             Fault("sigkill", layout.target, life=1, op="broadcast", comm="replicas", nth=1,
+                                   during=True)]),
+]
+
+BY_NAME: Dict[str, Scenario] = {s.name: s for s in SCENARIOS}
+FAMILIES: List[str] = list(dict.fromkeys(s.family for s in SCENARIOS))
