@@ -19,6 +19,7 @@ from .errors import (
     CommError,
     InvalidArgument,
     PeerLost,
+    StoreUnreachable,
 )
 from .hooks import HookHandle
 from .reduce_op import ReduceOp
@@ -34,6 +35,7 @@ if _config.route_c10d():  # also when torch's entry-point autoload is off
 __all__ = [
     "new_comm", "join", "Communicator", "register_communicator_hook", "live_communicators", "Work", "WorkStatus", "ReduceOp", "HookHandle",
     "CommError", "CollectiveTimeout", "PeerLost", "CommAborted", "InvalidArgument", "CollectiveMismatch",
+    "StoreUnreachable",
 ]
 
 # `import commslayer` may be what first imports torch, and torch then loads the

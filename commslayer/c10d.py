@@ -27,7 +27,7 @@ import torch.distributed.distributed_c10d as dc
 from torch._C import _distributed_c10d as c10d
 
 from . import backends, config
-from .communicator import Communicator
+from .communicator import Communicator, watched_lineage
 from .errors import InvalidArgument
 from .work import Work
 
@@ -92,11 +92,12 @@ class CommslayerProcessGroup(dist.ProcessGroup):
         for kind in kinds:
             spec, device = backends.resolve(kind, None)
             uid = f"c10d:{group_name}:{spec.device_type}" + (f"+{shift}" if shift else "")
+            name = f"c10d:{group_name}:{spec.device_type}"
+            comm_store = dist.PrefixStore(f"commslayer/{spec.device_type}/", store)
             comm = Communicator(
-                spec, device, name=f"c10d:{group_name}:{spec.device_type}",
-                store=dist.PrefixStore(f"commslayer/{spec.device_type}/", store), rank=rank, size=size,
+                spec, device, name=name, store=comm_store, rank=rank, size=size,
                 timeout_s=timeout_s, hints={}, check=config.check_mode(),
-                uid=uid, global_ranks=global_ranks,
+                uid=uid, global_ranks=global_ranks, lineage=watched_lineage(comm_store, uid, name),
             )
             self._attach(comm)
 

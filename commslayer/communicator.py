@@ -27,7 +27,7 @@ from torch._C import _distributed_c10d as c10d
 
 from . import backends, config
 from .check import CrossRankCheck
-from .errors import CollectiveMismatch, CollectiveTimeout, CommAborted, CommError, PeerLost
+from .errors import CollectiveMismatch, CollectiveTimeout, CommAborted, CommError, PeerLost, first_line
 from .hooks import HookHandle, Hooks, OpRecorder
 from .isolation import IsolatedBackend, StagedWork
 from .liveness import Liveness
@@ -119,6 +119,7 @@ class Lineage:
     heartbeat_s: float  # 0: no liveness monitor
     peer_timeout_s: float
     isolate: bool  # write isolation (commslayer.isolation)
+    resizable: bool = True  # False for a c10d group: watched, but its membership is fixed
 
     def store_for(self, generation: int) -> dist.Store:
         return self.root_store if generation == 0 else dist.PrefixStore(f"g{generation}/", self.root_store)
@@ -594,7 +595,7 @@ class Communicator:
             raise
 
     def _lineage_for(self, chk: Checker) -> Lineage:
-        if self._lineage is None or self._split:
+        if self._lineage is None or self._split or not self._lineage.resizable:
             raise chk.fail("only a communicator made by new_comm or join (not a split or a c10d group) "
                            "can change its membership; rebuild splits from the new generation")
         return self._lineage
@@ -849,7 +850,7 @@ class Communicator:
         if isinstance(exc, CommError):
             return exc
         cls = backends.classify(exc)
-        what = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        what = first_line(exc)
         ranks = () if peer is None else (peer,)
         if cls is PeerLost and not ranks and self._watched:
             ranks = self._await_lost_ranks()
@@ -978,6 +979,13 @@ def join(
         hints={k: str(v) for k, v in hints.items()}, check=config.check_mode() if check is None else check,
         uid=lineage.uid_for(generation), lineage=lineage, generation=generation, members=members,
     )
+
+
+def watched_lineage(store: dist.Store, uid: str, name: str) -> Lineage:
+    """The lineage of a communicator whose membership is fixed (a c10d group): its
+    members watch each other (``COMMSLAYER_HEARTBEAT_S``), nothing more."""
+    return Lineage(store, uid, Membership(store, name), config.heartbeat_s(), config.peer_timeout_s(),
+                   isolate=False, resizable=False)
 
 
 def _lineage(chk: Checker, backend: str, device: Optional[torch.device], name: str, timeout: Timeout,

@@ -55,6 +55,12 @@ class CommError(RuntimeError):
         return (_rebuild, (type(self), self.what, self.__dict__.copy()))
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's message without what torch appends to it (C++ frames), or its class name."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def _rebuild(cls, what, state):
     err = cls.__new__(cls)
     RuntimeError.__init__(err, what)
@@ -85,3 +91,8 @@ class InvalidArgument(CommError, ValueError):
 
 class CollectiveMismatch(CommError):
     """Ranks called different ops, shapes, dtypes or reduce ops at one sequence number."""
+
+
+class StoreUnreachable(CommError):
+    """The store that decides membership and commits cannot be reached: the process
+    that hosts it (torchrun's agent, rank 0, or a job's coordinator) is gone or cut off."""

@@ -48,17 +48,39 @@ from typing import Callable, Dict, List, Optional, Sequence, Set
 
 import torch.distributed as dist
 
-from .errors import CollectiveTimeout, CommAborted, CommError
+from .errors import CollectiveTimeout, CommAborted, CommError, StoreUnreachable, first_line
 
 _POLL_S = 0.005
 _FIRST_POLL_S = 0.0002  # waits that usually end within a millisecond start polling this fast
+
+
+class _Reached:
+    """A store whose lost connection raises ``StoreUnreachable`` (naming the
+    communicator and the store op) instead of torch's bare network error."""
+
+    def __init__(self, store: dist.Store, name: str) -> None:
+        self._store = store
+        self._name = name
+
+    def __getattr__(self, op: str) -> Callable:
+        call = getattr(self._store, op)
+
+        def reached(*args, **kwargs):
+            try:
+                return call(*args, **kwargs)
+            except dist.DistNetworkError as exc:
+                raise StoreUnreachable(f"store unreachable ({first_line(exc)}): the process hosting it is gone or "
+                                       "cut off",
+                                       comm=self._name, op=f"store.{op}") from None
+
+        return reached
 
 
 class Membership:
     """The membership keys of one root communicator (every generation of it)."""
 
     def __init__(self, store: dist.Store, name: str) -> None:
-        self._store = dist.PrefixStore("membership/", store)
+        self._store = _Reached(dist.PrefixStore("membership/", store), name)
         self._name = name
 
     def _entries(self, key: str) -> List[int]:

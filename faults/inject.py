@@ -49,7 +49,7 @@ class Fault:
     is the target's torchrun restart count; None: whichever life reaches the
     trigger first, once per job (needs the log).  The trigger is ``step`` and
     ``phase`` (the job's ``point``) or the ``nth`` call of ``op`` on a
-    communicator whose name contains ``comm``.  ``seconds``: how long a
+    communicator whose name contains ``comm`` (``op`` ``*``: every collective).  ``seconds``: how long a
     ``sigstop`` lasts, or the delay a ``delay`` fault adds before every matching
     op from the nth on.  ``mismatch``: what a ``mismatch`` fault changes in the
     op's arguments (shape, dtype or the reduce op)."""
@@ -77,6 +77,8 @@ class Fault:
         if self.action == "mismatch" and (self.op is None or self.mismatch not in MISMATCHES
                                           or (self.mismatch == "op" and self.op != "all_reduce")):
             raise ValueError(f"a mismatch fault needs an op and mismatch one of {MISMATCHES} (op: all_reduce only)")
+        if self.op == "*" and self.action != "delay":
+            raise ValueError("op '*' (every collective) is for delay faults only")
         if self.nth < 1:
             raise ValueError(f"fault nth={self.nth}: counts from 1")
 
@@ -178,13 +180,16 @@ class Injector:
     # ------------------------------------------------------- collective hooks
     def attach(self, comm: Any) -> None:
         """Wrap the methods of ``comm`` that a fault of this process targets; log its first failure."""
+        from commslayer.communicator import BACKEND_OPS
+
         name = comm.get_name()
         comm.register_error_hook(lambda err: self.log.write(
             "failure", comm=name, error=type(err).__name__, ranks=list(err.ranks),
             members=_members(comm, err.ranks), what=err.what))
         for f in self.faults:
             if f.op is not None and f.comm in name:
-                setattr(comm, f.op, self._wrap(f, getattr(comm, f.op), name))
+                for op in [o for o in BACKEND_OPS if o not in ("send", "recv")] if f.op == "*" else [f.op]:
+                    setattr(comm, op, self._wrap(f, getattr(comm, op), name))
 
     def _wrap(self, f: Fault, call: Callable[..., Any], name: str) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -224,11 +229,15 @@ class Injector:
         elif f.action == "raise":
             raise InjectedFault(f"injected fault: {f.describe()}")
         elif f.action == "sigstop":
-            # A stopped process cannot wake itself: a child sends SIGCONT.
-            subprocess.Popen(["sh", "-c", f"sleep {f.seconds}; kill -CONT {os.getpid()}"],
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            # A stopped process cannot wake itself: a child sends SIGCONT (and logs it), from a
+            # session of its own so that torchrun ending this worker's process group does not end it.
+            resumed = json.dumps({"event": "resumed", "member": job_rank(), "life": life(), "pid": os.getpid(),
+                                  "fault": f.index}).replace("}", ', "t": %s}')
+            script = 'sleep "$1"; kill -CONT "$2"; [ -z "$3" ] || printf "$4\\n" "$(date +%s.%N)" >> "$3"'
+            subprocess.Popen(["sh", "-c", script, "sh", str(f.seconds), str(os.getpid()), self.log.path or "",
+                              resumed], start_new_session=True, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             os.kill(os.getpid(), signal.SIGSTOP)
-            self.log.write("resumed", fault=f.index)
         elif f.action == "hang":
             while True:  # alive (heartbeats go on), but never issues the next op
                 time.sleep(3600)

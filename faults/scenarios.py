@@ -130,7 +130,7 @@ SCENARIOS: List[Scenario] = [
              "the second fault aborts the admission; the survivors go on, the group restarts again, heals and "
              "rejoins; nothing is lost",
              lambda layout: [Fault("sigkill", layout.target, step=FAULT_STEP, phase="forward"),
-                             Fault("sigkill", layout.target, life=1, op="broadcast", comm="replicas", nth=1,
+                             Fault("sigkill", layout.target, life=1, op="broadcast", comm="replicate", nth=2,
                                    during=True)]),
 ]
 

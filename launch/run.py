@@ -227,7 +227,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                    "--monitor-interval", "0.1", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
                    "--role", f"replica{r}", a.script, *args]
             launcher.start(r, cmd, env)
+        watched = time.monotonic()
         while len(codes) < len(ids) or (not ids and not _all_ended(store, a.replicas)):
+            if a.coordinator and time.monotonic() - watched > 0.5:
+                watched = time.monotonic()
+                if not _reachable(store, a.coordinator):
+                    return 1
             for r, proc in launcher.procs.items():
                 if r not in codes and proc.poll() is not None:
                     codes[r] = proc.returncode
@@ -244,6 +249,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.run_dir and not a.coordinator:  # the coordinator has seen every replica group end
         ok = summarize(a.run_dir, store, a.nproc_per_replica, a.compare_to, a.loss_tolerance) and ok
     return 0 if ok else 1
+
+
+def _reachable(store, address: str) -> bool:
+    """Whether the coordinator still answers; if not, say so (its groups are then ended:
+    without the job's store no step can commit, and a restarted group could not rejoin)."""
+    import torch.distributed as dist
+
+    from commslayer.errors import first_line
+
+    try:
+        store.check(["job/finished"])
+        return True
+    except dist.DistNetworkError as exc:
+        print(f"launcher: the coordinator (the job's store at {address}) is unreachable ({first_line(exc)}); ending the "
+              "replica groups started here", flush=True)
+        return False
 
 
 def _all_ended(store, replicas: int) -> bool:

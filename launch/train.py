@@ -61,6 +61,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 import commslayer  # noqa: E402
 import fsdp_overlap  # noqa: E402
+from commslayer.errors import first_line  # noqa: E402
 from commslayer.replicas import ReplicaBroken, Replicas, flatten, unflatten  # noqa: E402
 from faults.inject import PHASES, Fault, injector  # noqa: E402
 
@@ -331,9 +332,9 @@ def plain_average(store: dist.Store, replica: int, replicas: int, shard: int, sh
     return average
 
 
-def finish(code: int) -> None:
+def finish(code: int, why: str = "") -> None:
     """Dump this rank's trace and leave without running interpreter teardown (torch
-    2.13's Gloo can abort there)."""
+    2.13's Gloo can abort there); the dump's reason says why."""
     from commslayer.liveness import close_all
     from tracing.recorder import recorder
 
@@ -342,7 +343,7 @@ def finish(code: int) -> None:
     close_all(goodbye=code == 0)
     rec = recorder()
     if rec is not None:
-        rec.dump("exit" if code == 0 else f"exit {code}")
+        rec.dump("exit" if code == 0 else f"exit {code}: {why}")
         rec.flush_sinks()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -355,7 +356,6 @@ if __name__ == "__main__":
     except (commslayer.CommError, RuntimeError) as exc:
         # This rank's replica group is broken (a mate died, or this rank was fenced): leave
         # at once, so that the others see it and torchrun restarts the whole group.
-        why = "replica group broken" if isinstance(exc, ReplicaBroken) else type(exc).__name__
-        print(f"[replica {_REPLICA} rank {os.environ.get('RANK')}] leaving ({why}): {exc}", file=sys.stderr,
-              flush=True)
-        finish(1)
+        why = f"{'replica group broken' if isinstance(exc, ReplicaBroken) else type(exc).__name__}: {first_line(exc)}"
+        print(f"[replica {_REPLICA} rank {os.environ.get('RANK')}] leaving ({why})", file=sys.stderr, flush=True)
+        finish(1, why)

@@ -548,7 +548,8 @@ def _human_bytes(n: float) -> str:
 
 def summary(scan: JobScan) -> Dict[str, Any]:
     """Latency and bandwidth per communicator x op x size bucket, straggler
-    time per rank, clock offsets: plain values (times in ms, bandwidth in GB/s)."""
+    time per rank and the straggler if one stands out, clock offsets: plain
+    values (times in ms, bandwidth in GB/s)."""
     groups = []
     for (comm, op, bits), (count, total_s, total_ns, durs) in sorted(scan.groups.items()):
         info = scan.communicators.get(comm, {})
@@ -565,9 +566,10 @@ def summary(scan: JobScan) -> Dict[str, Any]:
             "algbw_gbps": None if factor is None else algbw,
             "busbw_gbps": None if factor is None or algbw is None else algbw * factor,
         })
+    rows = stragglers(scan)
     return {
         "ranks": sorted(scan.sources), "problems": list(scan.problems),
-        "groups": groups, "stragglers": stragglers(scan),
+        "groups": groups, "stragglers": rows, "straggler": straggler(rows),
         "clock": [{"rank": c.rank, "reference": c.reference, "offset_us": c.offset_ns / 1e3,
                    "low_us": None if c.low_ns is None else c.low_ns / 1e3,
                    "high_us": None if c.high_ns is None else c.high_ns / 1e3,
@@ -575,6 +577,27 @@ def summary(scan: JobScan) -> Dict[str, Any]:
                    "collectives": c.collectives, "consistent": c.consistent}
                   for c in sorted(scan.offsets.values(), key=lambda c: c.rank)],
     }
+
+
+def straggler(rows: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The rank that holds the others up, if one stands out: last to arrive in at least
+    half of its collectives and in at least twice as many as any other rank."""
+    ranked = sorted(rows, key=lambda r: r["last_arrivals"], reverse=True)
+    if not ranked or not ranked[0]["collectives"]:
+        return None
+    top, runner_up = ranked[0], (ranked[1]["last_arrivals"] if len(ranked) > 1 else 0)
+    if 2 * top["last_arrivals"] < top["collectives"] or top["last_arrivals"] < 2 * runner_up:
+        return None
+    return {"rank": top["rank"], "last_arrivals": top["last_arrivals"], "collectives": top["collectives"],
+            "others_waited_s": sum(r["wait_s"] for r in rows if r["rank"] != top["rank"])}
+
+
+def straggler_line(top: Optional[Dict[str, Any]]) -> str:
+    """``summary``'s verdict on stragglers, in words."""
+    if top is None:
+        return "none stands out"
+    return (f"rank {top['rank']}: last to arrive in {top['last_arrivals']} of its {top['collectives']} collectives; "
+            f"the other ranks waited {top['others_waited_s']:.3f}s for it in all")
 
 
 def stragglers(scan: JobScan) -> List[Dict[str, Any]]:

@@ -63,6 +63,7 @@ def print_summary(s: Dict[str, Any]) -> None:
     print(f"{'rank':>4} {'collectives':>11} {'waited s':>10} {'last to arrive':>15}")
     for r in s["stragglers"]:
         print(f"{r['rank']:>4} {r['collectives']:>11} {r['wait_s']:>10.4f} {r['last_arrivals']:>15}")
+    print(f"straggler: {analysis.straggler_line(s['straggler'])}")
     print()
     print("clock offsets against the reference rank (subtracted from the rank's times; true value within bounds)")
     print(f"{'rank':>4} {'ref':>4} {'offset us':>11} {'low us':>11} {'high us':>11} {'+/- us':>10} {'from ops':>8}")

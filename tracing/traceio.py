@@ -111,7 +111,8 @@ def _jsonl_header(path: str) -> Dict[str, Any]:
     return head
 
 
-def _read_dump(path: str) -> Dict[str, Any]:
+def read_dump(path: str) -> Dict[str, Any]:
+    """One dump file, parsed and checked (``TraceFileError`` says what is wrong with it)."""
     with open(path, "rb") as f:
         data = f.read()
     try:
@@ -160,7 +161,7 @@ def discover(paths: Sequence[str], *, skip_bad: bool = False,
                     src.wall_minus_mono_ns = clock["wall_ns"] - clock["mono_ns"]
             else:
                 m = _RANK_FILE.search(os.path.basename(path))
-                rank = int(m.group(1)) if m else _read_dump(path)["rank"]
+                rank = int(m.group(1)) if m else read_dump(path)["rank"]
                 src = sources.setdefault(rank, RankSource(rank))
                 if src.dump_path:
                     raise TraceFileError(path, None, f"a second dump for rank {rank} (first: {src.dump_path})")
@@ -176,7 +177,7 @@ def discover(paths: Sequence[str], *, skip_bad: bool = False,
 def _load_dump_into(src: RankSource) -> Dict[int, Dict[str, Any]]:
     """Read the rank's dump (facts into ``src``); its records by op_id."""
     path = src.dump_path
-    doc = _read_dump(path)
+    doc = read_dump(path)
     if doc["rank"] != src.rank:
         raise TraceFileError(path, 1, f"dump of rank {doc['rank']} in a file named for rank {src.rank}")
     clock = doc.get("clock") or {}

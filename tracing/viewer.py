@@ -26,7 +26,8 @@ import html
 import json
 from typing import Any, Dict, List, Optional
 
-from .analysis import JobScan, OverlapStats, Slice, diagnose, overlap_by_rank, rank_timeline, summary
+from .analysis import (JobScan, OverlapStats, Slice, diagnose, overlap_by_rank, rank_timeline, straggler_line,
+                       summary)
 
 MAX_OPS = 60_000
 BINS = 600
@@ -164,7 +165,8 @@ def render(scan: JobScan, title: str, *, max_ops: int = MAX_OPS) -> str:
             .replace("%HEADLINE%", _e(d["headline"])).replace("%FINDINGS%", findings)
             .replace("%PROBLEMS%", f"<h3>input problems</h3><ul>{problems}</ul>" if problems else "")
             .replace("%STANDS%", stands).replace("%COMMS%", comm_tables).replace("%NOTE%", _e(note))
-            .replace("%GROUPS%", groups).replace("%STRAG%", strag).replace("%CLOCK%", clock)
+            .replace("%GROUPS%", groups).replace("%STRAG%", strag)
+            .replace("%STRAGGLER%", _e(straggler_line(s["straggler"]))).replace("%CLOCK%", clock)
             .replace("%OVERLAP%", overlap).replace("%SCRIPT%", _SCRIPT).replace("%DATA%", payload))
 
 
@@ -205,7 +207,7 @@ th{background:#f3f3f3} #tl{border:1px solid #ccc;display:block;cursor:grab;width
 <canvas id="tl"></canvas><div id="tip"></div>
 <h2>communicators</h2>%COMMS%
 <h2>summary</h2>%GROUPS%
-<h3>straggler time (waiting for the last arrival)</h3>%STRAG%
+<h3>straggler time (waiting for the last arrival)</h3><p>straggler: %STRAGGLER%</p>%STRAG%
 <h3>clock offsets (subtracted from each rank's times; the true offset lies within the bounds)</h3>%CLOCK%
 <h2>reduce-scatter / all-gather overlap</h2>%OVERLAP%
 <div id="errors"></div>

@@ -1,0 +1,77 @@
+"""``commslayer-faults``: list the scenarios, run one or all of them against a job.
+
+Exit status: 0 every scenario run passed, 1 one failed, 2 usage errors.
+Scenarios that cannot run here (root needed) are reported as skipped, with
+the reason, and do not fail the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional
+
+from .harness import Options, Skipped, markdown, run, write_reports
+from .scenarios import SCENARIOS
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="commslayer-faults", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="the scenarios, by family")
+    r = sub.add_parser("run", help="run scenarios against the job; write report.json and report.md",
+                       usage="commslayer-faults run [SCENARIO ...] [--all] [options] [-- JOB_ARGS ...]")
+    r.add_argument("scenarios", nargs="*", metavar="SCENARIO")
+    r.add_argument("--all", action="store_true", help="every scenario")
+    r.add_argument("--fast", action="store_true", help="with --all: the fast set (the one the test suite runs)")
+    r.add_argument("--ranks", type=int, default=4, help="ranks in the job (default 4)")
+    r.add_argument("--per-replica", type=int, default=2,
+                   help="ranks per replica group (default 2; network scenarios use 1, a host per rank)")
+    r.add_argument("--steps", type=int, default=30)
+    r.add_argument("--job", default=Options.job, help="the training script (default launch/train.py)")
+    r.add_argument("--out", default="runs/faults", help="reports and run directories go here")
+    r.add_argument("--timeout", type=float, default=300.0, help="seconds one scenario may run")
+    argv = sys.argv[1:] if argv is None else argv
+    cut = argv.index("--") if "--" in argv else len(argv)
+    a = p.parse_args(argv[:cut])
+    a.job_args = argv[cut + 1:]  # after --: extra arguments for the job
+    if a.command == "list":
+        for s in SCENARIOS:
+            tags = [t for t, on in (("fast", s.fast), ("root", s.needs_root), (f"expect {s.expect}", True)) if on]
+            print(f"{s.name:<18} {s.family:<14} {', '.join(tags):<26} {s.summary}")
+        return 0
+    known = {s.name for s in SCENARIOS}
+    names = [s.name for s in SCENARIOS if not a.fast or s.fast] if a.all else a.scenarios
+    unknown = [n for n in names if n not in known]
+    if not names or unknown:
+        p.error(f"unknown scenario(s) {unknown}; `commslayer-faults list` shows them" if unknown
+                else "name a scenario, or --all")
+    options = Options(ranks=a.ranks, per_replica=a.per_replica, steps=a.steps, job=os.path.abspath(a.job),
+                      job_args=a.job_args, timeout_s=a.timeout)
+    os.makedirs(a.out, exist_ok=True)
+    reports = []
+    for name in names:
+        print(f"commslayer-faults: running {name} ...", flush=True)
+        try:
+            report = run(name, a.out, options)
+        except Skipped as exc:
+            print(f"commslayer-faults: SKIPPED {exc}", flush=True)
+            reports.append({"scenario": name, "skipped": str(exc), "passed": True})
+            continue
+        reports.append(report)
+        print(f"commslayer-faults: {name}: {'PASS' if report['passed'] else 'FAIL'} ({report['wall_s']:.1f}s); "
+              f"report in {report['run_dir']}/report.md", flush=True)
+        for c in report["checks"]:
+            if c["ok"] is False:
+                print(f"    FAILED {c['name']}: {c['detail']}", flush=True)
+    if len(reports) > 1:
+        write_reports(reports, a.out, "summary")
+        print(f"commslayer-faults: summary in {os.path.join(a.out, 'summary.md')}")
+    print(markdown(reports).split("\n\n")[0])
+    return 0 if all(r["passed"] for r in reports) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

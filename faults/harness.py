@@ -1,0 +1,613 @@
+"""Run a scenario against a real job, then check what survived and write the report.
+
+The job is the resilient launcher (``launch/run.py``: a coordinator and one
+torchrun per replica group) running ``launch/train.py`` or the job given.
+Faults fired from inside the ranks travel in ``COMMSLAYER_FAULTS``; the
+harness carries out the external ones itself when the job reports the
+fault step (SIGKILL of the coordinator, a link cut or a bandwidth cap in
+network namespaces, a trace directory on a full tmpfs).  The harness is a
+subreaper, so every process the job leaves behind is found and ended.
+
+Then it reads what the ranks wrote (result files, the fault log, trace
+dumps, the launcher's summary) and checks the invariants: the faults fired,
+the job did what the scenario promises, survivors' state bitwise
+identical, no step applied twice or skipped, a dump covering the fault on
+every survivor, the viewer's verdict, and no process, namespace or mount
+left behind.  ``run`` returns the report; ``write_reports`` writes it as
+JSON and Markdown.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from tracing import analysis
+from tracing.traceio import TraceFileError, read_dump
+
+from .inject import Log, encode, read_log
+from .scenarios import BY_NAME, FAULT_STEP, Layout, Scenario
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_JOB = str(ROOT / "launch" / "train.py")
+sys.path.insert(0, str(ROOT))  # the launcher's result readers: the harness runs the repository's launcher anyway
+from launch.run import FAULT_LOG, descendants, load_results  # noqa: E402
+
+PEER_TIMEOUT_S = 3.0
+STEP_LINE = re.compile(r"\] step\s+(\d+)\s")
+
+
+class Skipped(Exception):
+    """The scenario cannot run here (it needs root, iproute2 or tc); the message says why."""
+
+
+@dataclass
+class Options:
+    """How to run the job: ``ranks`` in replica groups of ``per_replica``, ``steps``
+    training steps, ``job`` and its extra ``job_args``; ``timeout_s`` bounds one run."""
+
+    ranks: int = 4
+    per_replica: int = 2
+    steps: int = 30
+    job: str = DEFAULT_JOB
+    job_args: List[str] = field(default_factory=list)
+    timeout_s: float = 300.0
+
+    def layout(self, scenario: Scenario) -> Layout:
+        per = scenario.per_replica or self.per_replica
+        if self.ranks % per or self.ranks // per < 2:
+            raise ValueError(f"{scenario.name}: {self.ranks} ranks do not make 2 or more replica groups of {per}")
+        return Layout(self.ranks // per, per)
+
+
+@dataclass
+class Check:
+    name: str
+    ok: Optional[bool]  # None: does not apply to this scenario
+    detail: str = ""
+
+
+# ------------------------------------------------------------------ the run
+class _Job:
+    """The job's launcher processes, their output (to ``job.log``, scanned for steps)."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.procs: List[subprocess.Popen] = []
+        self.step = -1
+        self.stepped = threading.Condition()
+        self.ended_at: Optional[float] = None
+        self._log = open(os.path.join(run_dir, "job.log"), "w")
+        self._readers: List[threading.Thread] = []
+
+    def start(self, cmd: List[str], env: Dict[str, str], name: str) -> subprocess.Popen:
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, text=True, bufsize=1)
+        self.procs.append(proc)
+        t = threading.Thread(target=self._read, args=(proc, name), daemon=True)
+        t.start()
+        self._readers.append(t)
+        return proc
+
+    def _read(self, proc: subprocess.Popen, name: str) -> None:
+        for line in proc.stdout:
+            self._log.write(f"[{name}] {line}")
+            m = STEP_LINE.search(line)
+            if m:
+                with self.stepped:
+                    self.step = max(self.step, int(m.group(1)))
+                    self.stepped.notify_all()
+
+    def wait_step(self, step: int, deadline: float) -> bool:
+        with self.stepped:
+            return self.stepped.wait_for(lambda: self.step >= step or self.ended(), deadline - time.monotonic()) \
+                and self.step >= step
+
+    def ended(self) -> bool:
+        return all(p.poll() is not None for p in self.procs)
+
+    def wait(self, deadline: float) -> bool:
+        """True if every launcher ended before ``deadline`` (``ended_at``: when the last did)."""
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return False
+        self.ended_at = time.time()
+        return True
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            p.wait()
+        for t in self._readers:
+            t.join(timeout=2)
+        self._log.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _become_subreaper() -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER (Linux)
+
+
+def _requirements(scenario: Scenario) -> None:
+    if not scenario.needs_root:
+        return
+    if os.geteuid() != 0:
+        raise Skipped(f"{scenario.name}: needs root (network namespaces, tc, mounts); run as root to include it")
+    tools = ["ip", "tc"] if scenario.family == "network" else ["mount", "umount"]
+    missing = [t for t in tools if not _which(t)]
+    if missing:
+        raise Skipped(f"{scenario.name}: needs {', '.join(missing)} (iproute2 / util-linux)")
+
+
+def _which(tool: str) -> bool:
+    return any(os.access(os.path.join(d, tool), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep))
+
+
+def run(name: str, out_dir: str, options: Optional[Options] = None) -> Dict[str, Any]:
+    """Run scenario ``name`` into ``out_dir/<name>`` and return its report (also
+    written there as report.json and report.md).  Raises ``Skipped`` when it
+    cannot run on this machine."""
+    scenario = BY_NAME[name]
+    options = options or Options()
+    _requirements(scenario)
+    layout = options.layout(scenario)
+    run_dir = os.path.abspath(os.path.join(out_dir, name))
+    if os.path.exists(run_dir):
+        subprocess.run(["rm", "-rf", run_dir], check=True)
+    os.makedirs(run_dir)
+    _become_subreaper()
+    faults = scenario.faults(layout)
+    log = Log(os.path.join(run_dir, FAULT_LOG))
+    env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_FAULTS=encode(faults), COMMSLAYER_FAULTS_LOG=log.path,
+               **scenario.env)
+    env.pop("COMMSLAYER_TRACE_DIR", None)  # the launcher's default: <run-dir>/traces
+    base = [sys.executable, str(ROOT / "launch" / "run.py"), "--replicas", str(layout.replicas),
+            "--nproc-per-replica", str(layout.per_replica), "--max-restarts", str(scenario.max_restarts),
+            "--run-dir", run_dir, "--script", options.job]
+    job_args = ["--", "--steps", str(options.steps), "--heal-timeout", "90", *options.job_args]
+    began = time.time()
+    deadline = time.monotonic() + options.timeout_s
+    notes: List[str] = []
+    leftovers: Dict[str, List[str]] = {}
+    with ExitStack() as stack:
+        job = _Job(run_dir)
+        stack.callback(job.close)
+        trace_dir = os.path.join(run_dir, "traces")
+        if scenario.external == "disk-full":
+            trace_dir = stack.enter_context(_FullDisk(run_dir, leftovers)).trace_dir
+            env["COMMSLAYER_TRACE_DIR"] = trace_dir
+        if scenario.family == "network":
+            from .netns import Network, namespaces
+
+            net = stack.enter_context(Network(layout.replicas + 1, "csft"))
+            stack.callback(lambda: leftovers.__setitem__(
+                "namespaces", [n for n in namespaces() if n.startswith(net.tag)]))
+            coordinator = f"{net.address(1, 0)}:29660"
+            env["GLOO_SOCKET_IFNAME"] = "eth0"
+            env.pop("COMMSLAYER_LIVENESS_HOST", None)
+            job.start(net.run(0, [*base, "--replica-ids", "none", "--host", net.address(1, 0), "--port", "29660"]),
+                      env, "coordinator")
+            for r in range(layout.replicas):
+                job.start(net.run(r + 1, [*base, "--replica-ids", str(r), "--coordinator", coordinator, *job_args]),
+                          env, f"host {r + 1}")
+        elif scenario.external == "coordinator-kill":
+            port = _free_port()
+            coordinator_proc = job.start([*base, "--replica-ids", "none", "--port", str(port)], env, "coordinator")
+            job.start([*base, "--coordinator", f"127.0.0.1:{port}", *job_args], env, "groups")
+        else:
+            job.start([*base, *job_args], env, "launcher")
+        if scenario.external in ("coordinator-kill", "link-cut", "bandwidth-cap"):
+            if not job.wait_step(FAULT_STEP, deadline):
+                notes.append(f"the job never reached step {FAULT_STEP}: the external fault was not injected")
+            elif scenario.external == "coordinator-kill":
+                log.write("injected", fault="coordinator", action="sigkill", what="SIGKILL of the coordinator",
+                          step=job.step, target=coordinator_proc.pid)
+                os.killpg(coordinator_proc.pid, signal.SIGKILL)
+            elif scenario.external == "link-cut":
+                log.write("injected", fault="link", action="link-cut", what=f"link of rank {layout.target} cut",
+                          step=job.step, target_member=layout.target)
+                net.set_link(layout.target + 1, 1, False)
+                time.sleep(8.0)
+                net.set_link(layout.target + 1, 1, True)
+                log.write("restored", fault="link")
+            else:
+                log.write("injected", fault="cap", action="bandwidth-cap", step=job.step, target_member=layout.target,
+                          what=f"link of rank {layout.target} capped to 200mbit")
+                net.cap(layout.target + 1, "200mbit")
+        finished = job.wait(deadline)
+        if not finished:
+            notes.append(f"the job did not end within {options.timeout_s:.0f}s: ended by the harness")
+        codes = [p.poll() for p in job.procs]
+        time.sleep(0.5)  # a torchrun's last workers are being reaped
+        leftovers["processes"] = [_describe_pid(pid) for pid in descendants(os.getpid())]
+        for pid in descendants(os.getpid()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    wall = time.time() - began
+    report = evaluate(scenario, layout, options, run_dir, trace_dir, codes, job.ended_at, leftovers, began)
+    report.update(wall_s=round(wall, 3), notes=notes + report["notes"])
+    write_reports(report, run_dir)
+    return report
+
+
+def _describe_pid(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        return f"{pid}: {cmdline[:120]}"
+    except OSError:
+        return str(pid)
+
+
+class _FullDisk:
+    """A 2 MiB tmpfs under the run directory, filled to the last byte, holding the trace directory."""
+
+    def __init__(self, run_dir: str, leftovers: Dict[str, List[str]]) -> None:
+        self.mount = os.path.join(run_dir, "tracefs")
+        self.trace_dir = os.path.join(self.mount, "traces")
+        self._leftovers = leftovers
+
+    def __enter__(self) -> "_FullDisk":
+        os.makedirs(self.mount)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", self.mount], check=True, capture_output=True)
+        os.makedirs(self.trace_dir)
+        with open(os.path.join(self.mount, "filler"), "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            except OSError:
+                pass
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stray = sorted(os.listdir(self.trace_dir))
+        subprocess.run(["umount", "-l", self.mount], capture_output=True)
+        with open("/proc/mounts") as f:
+            self._leftovers["mounts"] = [line.split()[1] for line in f if line.split()[1] == self.mount]
+        self._leftovers["trace_files_on_full_disk"] = self.stray
+
+
+# ------------------------------------------------------------- the checks
+def evaluate(scenario: Scenario, layout: Layout, options: Options, run_dir: str, trace_dir: str,
+             codes: List[Optional[int]], ended_at: Optional[float], leftovers: Dict[str, List[str]],
+             began: float) -> Dict[str, Any]:
+    """The report of a finished run: what was injected, detected and recovered, and the checks."""
+    events = read_log(os.path.join(run_dir, FAULT_LOG))
+    injected = [e for e in events if e["event"] == "injected"]
+    results = load_results(run_dir)
+    summary = _load_json(os.path.join(run_dir, "summary.json")) or {}
+    t0 = injected[0]["t"] if injected else None
+    checks: List[Check] = []
+    notes: List[str] = []
+    wanted = len(scenario.faults(layout)) + (1 if scenario.external in ("coordinator-kill", "link-cut",
+                                                                         "bandwidth-cap") else 0)
+    checks.append(Check("faults injected", len(injected) == wanted,
+                        f"{len(injected)} of {wanted}: " + "; ".join(e["what"] for e in injected)))
+    target_pids = {e["pid"] for e in injected if e["member"] == layout.target and e["fault"] not in
+                   ("coordinator", "link", "cap")}
+    detection = _detection(events, injected, layout, {r["pid"]: r["started"] for r in results})
+    recovery = _recovery(summary, injected)
+    if scenario.expect == "survive":
+        checks += state_checks(results, options.steps, layout)
+        checks.append(Check("job finished", ended_at is not None and all(c == 0 for c in codes),
+                            f"launcher exit {codes}"))
+        checks.append(_dumps_cover(scenario, results, trace_dir, t0, target_pids, layout))
+    else:
+        checks += _stop_checks(t0, layout, codes, ended_at, trace_dir, run_dir)
+    quiet = scenario.straggler or scenario.external == "bandwidth-cap"
+    if quiet:
+        failures = [e for e in events if e["event"] == "failure"]
+        checks.append(Check("nobody declared dead", not failures and not summary.get("recoveries"),
+                            f"{len(failures)} communicator failures, {len(summary.get('recoveries') or [])} "
+                            "recoveries"))
+    elif scenario.expect == "survive":
+        stalls = [f["stall_s"] for f in recovery["per_fault"]]
+        checks.append(Check("survivors recovered from every fault", bool(stalls) and None not in stalls,
+                            "fault to next committed step: " + ", ".join(f"{x}s" for x in stalls)))
+    if scenario.stopped:
+        checks.append(_fenced(events, summary, results, layout, target_pids, trace_dir))
+    diagnosis = _diagnose(trace_dir, layout, scenario)
+    if scenario.culprit:
+        checks.append(Check("viewer names the rank", layout.target in diagnosis.get("culprits", []),
+                            diagnosis.get("headline", "")))
+    if scenario.straggler:
+        top = diagnosis.get("straggler")
+        checks.append(Check("viewer's summary shows the straggler", top == layout.target,
+                            f"commslayer-trace summary: straggler: {diagnosis.get('straggler_line')}"))
+    if scenario.family == "bad-input":
+        checks.append(_mismatch_raised(trace_dir, layout))
+    if scenario.external == "bandwidth-cap":
+        notes.append(_step_times(results, injected))
+    if scenario.external == "disk-full":
+        stray = leftovers.get("trace_files_on_full_disk", [])
+        checks.append(Check("no half-written trace file", not [n for n in stray if ".tmp-" in n],
+                            f"files left in the full trace directory: {stray}"))
+        said = _grep(os.path.join(run_dir, "job.log"), "cannot write")
+        checks.append(Check("tracing reported the full disk", said > 0, f"{said} 'cannot write' warnings in job.log"))
+    for kind in ("processes", "namespaces", "mounts"):
+        if kind in leftovers or kind == "processes":
+            left = leftovers.get(kind, [])
+            checks.append(Check(f"no orphan {kind}", not left, "; ".join(left) or "none"))
+    passed = all(c.ok is not False for c in checks)
+    return {
+        "scenario": scenario.name, "family": scenario.family, "summary": scenario.summary,
+        "promise": scenario.promise, "expect": scenario.expect, "passed": passed,
+        "layout": {"replicas": layout.replicas, "per_replica": layout.per_replica, "target": layout.target},
+        "steps": options.steps, "job": options.job, "env": scenario.env, "launcher_exit": codes,
+        "injected": [{"what": e["what"], "t": e["t"], "after_start_s": round(e["t"] - began, 3),
+                      "step": e.get("step"), "member": e["member"], "life": e["life"]} for e in injected],
+        "detection": detection, "recovery": recovery, "diagnosis": diagnosis,
+        "checks": [vars(c) for c in checks], "notes": notes, "run_dir": run_dir,
+    }
+
+
+def state_checks(results: List[dict], steps: int, layout: Layout) -> List[Check]:
+    """Nothing lost: every rank of every group reached the end with the same state, each step applied once."""
+    members = sorted(r["member"] for r in results)
+    out = [Check("every rank finished every step", members == list(range(layout.ranks)) and
+                 all(r["start_step"] + len(r["step_s"]) == steps for r in results),
+                 f"result files of members {members}")]
+    twice = [(r["member"], sorted(set(r["optimizer_steps"]))) for r in results
+             if set(r["optimizer_steps"]) != {steps} or sorted(map(int, r["losses"])) != list(range(r["start_step"],
+                                                                                                  steps))]
+    out.append(Check("no step applied twice or skipped", bool(results) and not twice,
+                     f"AdamW step counts all {steps} and one loss per step on every rank" if not twice
+                     else f"wrong on (member, AdamW steps): {twice}"))
+    diffs = []
+    for shard in sorted({r["rank"] for r in results}):
+        prints = {tuple(r["fingerprints"] or ()) for r in results if r["rank"] == shard}
+        values = {x for p in prints for x in p}
+        if len(prints) != 1 or len(values) != 1:
+            diffs.append(shard)
+    out.append(Check("state bitwise identical across replicas", bool(results) and not diffs,
+                     "parameters and AdamW state, per shard (BLAKE2b)" + (f"; differ on shards {diffs}" if diffs
+                                                                         else "")))
+    return out
+
+
+def _detection(events: List[dict], injected: List[dict], layout: Layout,
+               started: Dict[int, float]) -> List[Dict[str, Any]]:
+    """Per process that lived through each fault: the first failure it logged after
+    the fault (before the next one), and how long after."""
+    out = []
+    for i, inj in enumerate(injected):
+        until = injected[i + 1]["t"] if i + 1 < len(injected) else float("inf")
+        first: Dict[int, dict] = {}
+        for e in events:
+            if e["event"] == "failure" and inj["t"] <= e["t"] < until and e["pid"] != inj["pid"] \
+                    and started.get(e["pid"], 0) < inj["t"]:
+                first.setdefault(e["pid"], e)
+        for e in sorted(first.values(), key=lambda e: e["t"]):
+            out.append({"fault": inj["what"], "member": e["member"], "life": e["life"],
+                        "after_s": round(e["t"] - inj["t"], 4), "error": e["error"], "comm": e["comm"],
+                        "mate": e["member"] // layout.per_replica == layout.target // layout.per_replica})
+    return out
+
+
+def _recovery(summary: Dict[str, Any], injected: List[dict]) -> Dict[str, Any]:
+    """Per fault, the recovery it caused (the first one seen after it): fault to next
+    committed step; the rejoins; how many recoveries in all."""
+    recoveries, admissions = summary.get("recoveries") or [], summary.get("admissions") or []
+    per_fault = []
+    for i, inj in enumerate(injected):
+        until = injected[i + 1]["t"] if i + 1 < len(injected) else float("inf")
+        rec = next((r for r in recoveries if inj["t"] <= r["detected_at"] < until and r.get("committed_at")), None)
+        per_fault.append({"fault": inj["what"], "stall_s": None if rec is None else round(rec["committed_at"] - inj["t"], 4),
+                          "detected_to_committed_s": None if rec is None else
+                          round(rec["committed_at"] - rec["detected_at"], 4),
+                          "redone_step": None if rec is None else rec["step"]})
+    return {
+        "stall_s": per_fault[0]["stall_s"] if per_fault else None, "per_fault": per_fault,
+        "rejoined": [{"replicas": a["replicas"], "step": a["step"], "heal_s": round(a["heal_s"], 4)}
+                     for a in admissions],
+        "recoveries": len(recoveries),
+    }
+
+
+def _dump_path(trace_dir: str, result: dict) -> str:
+    sub = "" if not result["restart"] else f"replica{result['replica']}-restart{result['restart']}"
+    return os.path.join(trace_dir, sub, f"rank{result['member']}.json")
+
+
+def _dumps_cover(scenario: Scenario, results: List[dict], trace_dir: str, t: Optional[float],
+                 target_pids: set, layout: Layout) -> Check:
+    if scenario.external == "disk-full":
+        return Check("every survivor has a dump covering the fault", None, "the trace disk is full by design")
+    if t is None:
+        return Check("every survivor has a dump covering the fault", False, "no fault was injected")
+    survivors = [r for r in results if r.get("started", 0) < t and r["pid"] not in target_pids]
+    bad = []
+    for r in survivors:
+        try:
+            doc = read_dump(_dump_path(trace_dir, r))
+        except (OSError, TraceFileError) as exc:
+            bad.append(f"member {r['member']}: {exc}")
+            continue
+        shift = doc["clock"]["wall_ns"] - doc["clock"]["mono_ns"]
+        starts = [x["enqueue_ns"] for x in doc["records"]]
+        ends = [x.get("end_ns") or x["enqueue_ns"] for x in doc["records"]]
+        first = t if scenario.straggler else (min(starts, default=t) + shift) / 1e9  # a delay lasts: records after it
+        if not starts or not first <= t <= (max(ends) + shift) / 1e9:
+            bad.append(f"member {r['member']}: records do not span the fault")
+    return Check("every survivor has a dump covering the fault", bool(survivors) and not bad,
+                 f"{len(survivors)} survivors" + (": " + "; ".join(bad) if bad else ", each dump's records span it"))
+
+
+def _stop_checks(t: Optional[float], layout: Layout, codes: List[Optional[int]], ended_at: Optional[float],
+                 trace_dir: str, run_dir: str) -> List[Check]:
+    """A fault the job cannot survive: the whole job must end soon after it, the cause
+    named, and every rank must leave a dump that says why it ended."""
+    if t is None:
+        return [Check("job ended with the cause named", False, "no fault was injected")]
+    took = None if ended_at is None else ended_at - t
+    out = [Check(f"job ended (non-zero) within {PEER_TIMEOUT_S:g}s", took is not None and took <= PEER_TIMEOUT_S
+                 and any(c not in (0, None) for c in codes),
+                 f"every process gone {took:.3f}s after the fault; launcher exits {codes}" if took is not None
+                 else "the job did not end")]
+    said = _grep(os.path.join(run_dir, "job.log"), "is unreachable")
+    reasons = {}
+    for m in range(layout.ranks):
+        try:
+            reasons[m] = read_dump(os.path.join(trace_dir, f"rank{m}.json"))["reason"]
+        except (OSError, TraceFileError):
+            pass
+    named = sorted(m for m, why in reasons.items() if "StoreUnreachable" in why)
+    out.append(Check("the cause is named", said > 0 or bool(named),
+                     f"launcher: 'the coordinator ... is unreachable': {'yes' if said else 'no'}; ranks that raised "
+                     f"StoreUnreachable themselves: {named}"))
+    out.append(Check("every rank dumped its trace, saying why it ended", sorted(reasons) == list(range(layout.ranks)),
+                     "; ".join(f"rank {m}: {why[:120]}" for m, why in sorted(reasons.items())) or "no dumps"))
+    return out
+
+
+def _fenced(events: List[dict], summary: Dict[str, Any], results: List[dict], layout: Layout,
+            target_pids: set, trace_dir: str) -> Check:
+    resumed = next((e for e in events if e["event"] == "resumed"), None)
+    dropped = [r for r in summary.get("recoveries") or []
+               if layout.target // layout.per_replica in r["lost_replicas"]]
+    finished = [r for r in results if r["pid"] in target_pids]
+    if resumed is None:
+        detail = "the stopped rank never resumed: it was ended while stopped"
+    else:
+        detail = f"resumed {resumed['t'] - min(r['detected_at'] for r in dropped):.3f}s after the survivors saw " \
+                 f"the loss" if dropped else "resumed, but no recovery dropped its group"
+    try:
+        ended = f"its dump says it ended on: {read_dump(os.path.join(trace_dir, f'rank{layout.target}.json'))['reason']}"
+    except (OSError, TraceFileError):
+        ended = "it left no dump"
+    return Check("the stopped rank was fenced", bool(dropped) and not finished,
+                 f"{detail}; its replica group was dropped at step(s) {[r['step'] for r in dropped]}; "
+                 f"the stopped process {'finished (WRONG)' if finished else 'never finished a step after it'}; "
+                 f"{ended}")
+
+
+def _diagnose(trace_dir: str, layout: Layout, scenario: Scenario) -> Dict[str, Any]:
+    """The viewer's verdict on the first life's traces (restarted groups' lives are in subdirectories)."""
+    try:
+        scan = analysis.JobScan([trace_dir], skip_bad=True)
+        d = analysis.diagnose(scan)
+    except (TraceFileError, OSError, ValueError) as exc:
+        return {"headline": f"no diagnosis: {exc}", "culprits": []}
+    out = {"headline": d["headline"], "culprits": d["culprits"], "ok": d["ok"]}
+    if scenario.straggler:
+        top = analysis.summary(scan)["straggler"]
+        out["straggler"] = None if top is None else top["rank"]
+        out["straggler_line"] = analysis.straggler_line(top)
+    return out
+
+
+def _mismatch_raised(trace_dir: str, layout: Layout) -> Check:
+    """Every member of the target's replica group recorded a CollectiveMismatch naming it."""
+    group = range(layout.target - layout.target % layout.per_replica,
+                  layout.target - layout.target % layout.per_replica + layout.per_replica)
+    seen = {}
+    for m in group:
+        try:
+            doc = read_dump(os.path.join(trace_dir, f"rank{m}.json"))
+        except (OSError, TraceFileError):
+            continue
+        errs = [r["error"] for r in doc["records"] if r.get("error") and "disagree" in r["error"]]
+        if errs:
+            seen[m] = errs[0]
+    named = all(f"vs rank {layout.target % layout.per_replica}" in e for e in seen.values())
+    return Check("CollectiveMismatch on every member, naming the rank", sorted(seen) == list(group) and named,
+                 "; ".join(f"rank {m}: {e[:160]}" for m, e in sorted(seen.items())) or "none recorded")
+
+
+def _step_times(results: List[dict], injected: List[dict]) -> str:
+    r = min(results, key=lambda r: (r["start_step"], r["member"])) if results else None
+    if r is None or not injected or injected[0].get("step") is None:
+        return "step times: n/a"
+    cut = injected[0]["step"] - r["start_step"]
+    before, after = sorted(r["step_s"][:cut]), sorted(r["step_s"][cut + 1:])
+    if not before or not after:
+        return "step times: n/a"
+    b, a = before[len(before) // 2], after[len(after) // 2]
+    return f"median step time {b * 1e3:.1f} ms before the cap, {a * 1e3:.1f} ms after ({a / b:.2f}x)"
+
+
+def _grep(path: str, text: str) -> int:
+    try:
+        with open(path, errors="replace") as f:
+            return sum(text in line for line in f)
+    except OSError:
+        return 0
+
+
+def _load_json(path: str) -> Optional[Dict[str, Any]]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------- reports
+def write_reports(report: Dict[str, Any], directory: str, name: str = "report") -> None:
+    """``report.json`` and ``report.md`` (one scenario's report, or a list of them)."""
+    with open(os.path.join(directory, f"{name}.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    with open(os.path.join(directory, f"{name}.md"), "w") as f:
+        f.write(markdown(report if isinstance(report, list) else [report]))
+
+
+def markdown(reports: List[Dict[str, Any]]) -> str:
+    """The Markdown summary of one or more scenario reports."""
+    lines = ["| scenario | result | injected | detection (first survivor, s) | recovery: fault to next "
+             "committed step (s) | rejoined (step, heal s) |", "|---|---|---|---|---|---|"]
+    for r in reports:
+        if r.get("skipped"):
+            lines.append(f"| {r['scenario']} | skipped: {r['skipped']} | | | | |")
+            continue
+        survivors = [d for d in r["detection"] if not d["mate"]]
+        det = f"{survivors[0]['after_s']:.4f} ({survivors[0]['error']})" if survivors else "-"
+        rec = ", ".join("-" if f["stall_s"] is None else f"{f['stall_s']:.4f}" for f in r["recovery"].get("per_fault", []))
+        rejoined = ", ".join(f"{a['step']} ({a['heal_s']:.3f})" for a in r["recovery"].get("rejoined", [])) or "-"
+        inj = "; ".join(f"{i['what']} (+{i['after_start_s']:.1f}s)" for i in r["injected"]) or "none"
+        lines.append(f"| {r['scenario']} | {'PASS' if r['passed'] else 'FAIL'} | {inj} | {det} | "
+                     f"{rec or '-'} | {rejoined} |")
+    for r in reports:
+        if r.get("skipped"):
+            continue
+        lines += ["", f"## {r['scenario']} ({r['family']}): {'PASS' if r['passed'] else 'FAIL'}", "",
+                  f"- injected: {r['summary']}", f"- promise: {r['promise']}",
+                  f"- layout: {r['layout']['replicas']} replica groups x {r['layout']['per_replica']} ranks, "
+                  f"target rank {r['layout']['target']}; {r['steps']} steps; wall {r['wall_s']:.1f}s",
+                  f"- viewer: {r['diagnosis'].get('headline', '')}"]
+        for d in r["detection"]:
+            lines.append(f"- detected by rank {d['member']} (life {d['life']}{', its group mate' if d['mate'] else ''})"
+                         f" after {d['after_s']:.4f}s: {d['error']} on '{d['comm']}'")
+        lines.append("")
+        lines.append("| check | outcome | detail |")
+        lines.append("|---|---|---|")
+        for c in r["checks"]:
+            outcome = {True: "ok", False: "FAILED", None: "n/a"}[c["ok"]]
+            lines.append(f"| {c['name']} | {outcome} | {c['detail'].replace('|', '/')} |")
+        for n in r["notes"]:
+            lines.append(f"\n{n}")
+    return "\n".join(lines) + "\n"
