@@ -2,7 +2,8 @@
 
 Before an op is sent, every rank publishes the op's fingerprint (op, reduce
 op, dtype, the shapes that must agree, the root, all_to_all's splits) in the
-store under the op's sequence number and reads everyone else's.  A difference
+store under the op's sequence number and reads everyone else's (a wait that
+ends as soon as the communicator knows a member is lost).  A difference
 becomes ``CollectiveMismatch`` on every rank, naming the ranks and what
 differs, instead of a Gloo abort of the process or a hang.  It costs a few
 store round trips per op, so it is a debugging mode, like
@@ -12,12 +13,12 @@ store round trips per op, so it is a debugging mode, like
 from __future__ import annotations
 
 import json
-from datetime import timedelta
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch.distributed as dist
 
 from .errors import CollectiveMismatch, CollectiveTimeout
+from .store import wait_for_keys
 
 
 def _describe(fp: dict) -> str:
@@ -32,9 +33,11 @@ def _differences(mine: dict, theirs: dict) -> List[str]:
 class CrossRankCheck:
     """Exchanges fingerprints for one communicator."""
 
-    def __init__(self, store: dist.Store, comm: str, rank: int, size: int) -> None:
+    def __init__(self, store: dist.Store, comm: str, rank: int, size: int,
+                 interrupted: Callable[[str, int], Optional[Exception]]) -> None:
         self.store = dist.PrefixStore("check/", store)
         self.comm = comm
+        self._interrupted = interrupted  # (op, seq) -> the error a wait ends with once the communicator broke
         self.rank = rank
         self.size = size
         self._last_key: Optional[str] = None
@@ -44,9 +47,7 @@ class CrossRankCheck:
         mine = key_of(self.rank)
         self.store.set(mine, json.dumps(fp))
         keys = {r: key_of(r) for r in ranks if r != self.rank}
-        try:
-            self.store.wait(list(keys.values()), timedelta(seconds=timeout_s))
-        except Exception:
+        if not wait_for_keys(self.store, list(keys.values()), lambda: self._interrupted(op, seq), timeout_s):
             missing = [r for r, k in keys.items() if not self.store.check([k])]
             raise CollectiveTimeout(
                 "check mode: these ranks never reached this op",

@@ -176,7 +176,7 @@ class Communicator:
                                          op="new_comm", timeout_s=timeout_s) from exc
         isolate = self._lineage is not None and self._lineage.isolate
         self._ops = IsolatedBackend(self._backend) if isolate else self._backend  # what op closures call
-        self._check = CrossRankCheck(store, name, rank, size) if check else None
+        self._check = CrossRankCheck(store, name, rank, size, self._broken) if check else None
         self._seq = 0
         self._commits = 0  # should_commit rounds of this generation
         self._p2p_seq: Dict[tuple, int] = {}
@@ -446,7 +446,7 @@ class Communicator:
         pair = (self._rank, peer) if op == "send" else (peer, self._rank)
         n = self._p2p_seq.get(pair, 0) + 1
         self._p2p_seq[pair] = n
-        self._ensure_usable(op, n)
+        self._ensure_usable(op, n, peer)
         call = self._ops.send if op == "send" else self._ops.recv
         io = ((tensor,), ()) if op == "send" else ((), (tensor,))
         return self._run(chk, timeout, async_op, io + (None, None), self._fp(op, tensor), None,
@@ -682,11 +682,11 @@ class Communicator:
         for child, parent_ranks in self._live_children():
             child._peers_left(_in_child(ranks, parent_ranks))
 
-    def _departure_matters(self, grace_s: float) -> None:
-        """Turn members that left at least ``grace_s`` ago into a loss."""
+    def _departure_matters(self, grace_s: float, among: Optional[Set[int]] = None) -> None:
+        """Turn members (``among`` them, if given) that left at least ``grace_s`` ago into a loss."""
         if self._failure is None and not self._closed:
             now = time.monotonic()
-            gone = {r for r, t in self._departed.items() if now - t >= grace_s}
+            gone = {r for r, t in self._departed.items() if now - t >= grace_s and (among is None or r in among)}
             if gone:
                 self._peers_lost(gone, "it left the communicator (finalize or exit) while this rank still "
                                        "needs it")
@@ -770,9 +770,11 @@ class Communicator:
             fp["root"] = root
         return fp
 
-    def _ensure_usable(self, op: str, seq: int) -> None:
+    def _ensure_usable(self, op: str, seq: int, peer: Optional[int] = None) -> None:
+        """Raise unless the communicator can run ``op``: a point-to-point op with
+        ``peer`` needs only that member; a collective needs every one."""
         if self._departed:
-            self._departure_matters(0.0)
+            self._departure_matters(0.0, None if peer is None else {peer})
         if self._closed:
             raise CommAborted(f"communicator was {self._closed}", comm=self._name, op=op, seq=seq)
         if self._failure is not None:

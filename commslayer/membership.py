@@ -49,9 +49,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Set
 import torch.distributed as dist
 
 from .errors import CollectiveTimeout, CommAborted, CommError, StoreUnreachable, first_line
+from .store import POLL_S, wait_for_keys
 
-_POLL_S = 0.005
-_FIRST_POLL_S = 0.0002  # waits that usually end within a millisecond start polling this fast
 
 
 class _Reached:
@@ -138,7 +137,7 @@ class Membership:
             if waited >= timeout_s:
                 raise CommError(f"no agreement on generation {generation} within {timeout_s:g}s",
                                 comm=self._name, op="shrink", timeout_s=timeout_s, elapsed_s=waited)
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
 
     def agree_on(self, generation: int, members: Sequence[int], me: int, previous: Sequence[int]) -> List[int]:
         """The members of ``generation`` when the callers name them (``reconfigure``):
@@ -200,18 +199,9 @@ class Membership:
                   op: str) -> None:
         """Wait until ``key`` exists; raise what ``interrupted()`` returns once the
         communicator breaks (a member lost), or ``CollectiveTimeout``."""
-        start = time.monotonic()
-        pause = _FIRST_POLL_S
-        while not self._store.check([key]):
-            err = interrupted()
-            if err is not None:
-                raise err
-            waited = time.monotonic() - start
-            if waited >= timeout_s:
-                raise CollectiveTimeout(f"{key!r} was not written within {timeout_s:g}s", comm=self._name,
-                                        op=op, timeout_s=timeout_s, elapsed_s=waited)
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL_S)
+        if not wait_for_keys(self._store, [key], interrupted, timeout_s):
+            raise CollectiveTimeout(f"{key!r} was not written within {timeout_s:g}s", comm=self._name,
+                                    op=op, timeout_s=timeout_s, elapsed_s=timeout_s)
 
     def _counts(self, key: str) -> Dict[int, int]:
         """How often each member id appears in an appended list, in first-seen order."""
@@ -236,4 +226,4 @@ class Membership:
                 raise CommError(f"member {me} was not admitted within {timeout_s:g}s "
                                 f"(no generation after {generation - 1} names it)",
                                 comm=self._name, op="join", timeout_s=timeout_s)
-            time.sleep(_POLL_S * 4)
+            time.sleep(POLL_S * 4)

@@ -1,4 +1,5 @@
-"""Where a communicator's store comes from when the caller gives none.
+"""Where a communicator's store comes from when the caller gives none, and how
+its waits on the store stay interruptible.
 
 Under torchrun the store is the agent's (``TORCHELASTIC_USE_AGENT_STORE``), so
 it outlives any one worker; standalone, rank 0 hosts it.  One connection is
@@ -10,11 +11,14 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from datetime import timedelta
-from typing import Optional, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
+POLL_S = 0.005  # the longest pause between polls of a store wait
+_FIRST_POLL_S = 0.0002  # waits that usually end within a millisecond start polling this fast
 _lock = threading.Lock()
 _env_store: Optional[Tuple[dist.Store, int, int]] = None
 
@@ -46,3 +50,23 @@ def env_store(timeout: timedelta) -> Tuple[dist.Store, int, int]:
                 store.set_timeout(timeout)
                 _env_store = (store, rank, size)
         return _env_store
+
+
+def wait_for_keys(store: dist.Store, keys: Sequence[str], interrupted: Callable[[], Optional[Exception]],
+                  timeout_s: float) -> bool:
+    """Wait until every key of ``keys`` exists (True), or ``timeout_s`` passes (False).
+
+    Polls rather than blocking in ``store.wait``, so that a wait on a member that
+    died ends as soon as the communicator knows: ``interrupted()`` is asked
+    between polls and what it returns (an error) is raised."""
+    start = time.monotonic()
+    pause = _FIRST_POLL_S
+    while not store.check(list(keys)):
+        err = interrupted()
+        if err is not None:
+            raise err
+        if time.monotonic() - start >= timeout_s:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, POLL_S)
+    return True
