@@ -222,11 +222,24 @@ class Liveness:
             pass
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.heartbeat_s + 1.0)
+        for s in self._socks.values():
+            _drain(s)
         for s in list(self._socks.values()) + [self._wake_r, self._wake_w]:
             try:
                 s.close()
             except OSError:
                 pass
+
+
+def _drain(s: socket.socket) -> None:
+    """Read what a peer sent and nobody read: closing a socket with unread data resets the
+    connection, and a reset can overtake the goodbye still on its way (on a slow link)."""
+    try:
+        s.setblocking(False)
+        while s.recv(4096):
+            pass
+    except OSError:
+        pass
 
 
 def close_all(goodbye: bool = True) -> None:

@@ -201,9 +201,9 @@ def run(name: str, out_dir: str, options: Optional[Options] = None) -> Dict[str,
         if scenario.family == "network":
             from .netns import Network, namespaces
 
+            tag = f"csft{os.getpid()}-"  # Network's names; checked once it is closed (callbacks run last first)
+            stack.callback(lambda: leftovers.__setitem__("namespaces", [n for n in namespaces() if n.startswith(tag)]))
             net = stack.enter_context(Network(layout.replicas + 1, "csft"))
-            stack.callback(lambda: leftovers.__setitem__(
-                "namespaces", [n for n in namespaces() if n.startswith(net.tag)]))
             coordinator = f"{net.address(1, 0)}:29660"
             env["GLOO_SOCKET_IFNAME"] = "eth0"
             env.pop("COMMSLAYER_LIVENESS_HOST", None)
@@ -223,17 +223,17 @@ def run(name: str, out_dir: str, options: Optional[Options] = None) -> Dict[str,
                 notes.append(f"the job never reached step {FAULT_STEP}: the external fault was not injected")
             elif scenario.external == "coordinator-kill":
                 log.write("injected", fault="coordinator", action="sigkill", what="SIGKILL of the coordinator",
-                          step=job.step, target=coordinator_proc.pid)
+                          step=job.step, member=-1, target=coordinator_proc.pid)
                 os.killpg(coordinator_proc.pid, signal.SIGKILL)
             elif scenario.external == "link-cut":
                 log.write("injected", fault="link", action="link-cut", what=f"link of rank {layout.target} cut",
-                          step=job.step, target_member=layout.target)
+                          step=job.step, member=layout.target)
                 net.set_link(layout.target + 1, 1, False)
                 time.sleep(8.0)
                 net.set_link(layout.target + 1, 1, True)
                 log.write("restored", fault="link")
             else:
-                log.write("injected", fault="cap", action="bandwidth-cap", step=job.step, target_member=layout.target,
+                log.write("injected", fault="cap", action="bandwidth-cap", step=job.step, member=layout.target,
                           what=f"link of rank {layout.target} capped to 200mbit")
                 net.cap(layout.target + 1, "200mbit")
         finished = job.wait(deadline)
