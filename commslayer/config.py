@@ -116,3 +116,14 @@ def isolate_writes() -> bool:
     copied to the caller's tensors only when the op succeeds, so an op that
     raised can never write into them later (costs a copy of every output)."""
     return _flag("COMMSLAYER_ISOLATE_WRITES")
+
+
+def faults() -> str:
+    """``COMMSLAYER_FAULTS``: the fault harness's faults, as JSON (faults.inject)."""
+    return os.environ.get("COMMSLAYER_FAULTS", "")
+
+
+def faults_log() -> str:
+    """``COMMSLAYER_FAULTS_LOG``: where a process logs the faults it fires and the
+    first failure of each of its communicators (empty: nowhere)."""
+    return os.environ.get("COMMSLAYER_FAULTS_LOG", "")

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import List, Optional
 
-from .harness import Options, Skipped, markdown, run, write_reports
+from .harness import Options, Skipped, markdown, repeated, run, write_reports
 from .scenarios import SCENARIOS
 
 
@@ -33,6 +33,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     r.add_argument("--job", default=Options.job, help="the training script (default launch/train.py)")
     r.add_argument("--out", default="runs/faults", help="reports and run directories go here")
     r.add_argument("--timeout", type=float, default=300.0, help="seconds one scenario may run")
+    r.add_argument("--repeat", type=int, default=1, help="run each scenario this many times (out/run<i>/...); "
+                                                         "the summary gives medians and ranges")
     argv = sys.argv[1:] if argv is None else argv
     cut = argv.index("--") if "--" in argv else len(argv)
     a = p.parse_args(argv[:cut])
@@ -52,25 +54,36 @@ def main(argv: Optional[List[str]] = None) -> int:
                       job_args=a.job_args, timeout_s=a.timeout)
     os.makedirs(a.out, exist_ok=True)
     reports = []
-    for name in names:
-        print(f"commslayer-faults: running {name} ...", flush=True)
-        try:
-            report = run(name, a.out, options)
-        except Skipped as exc:
-            print(f"commslayer-faults: SKIPPED {exc}", flush=True)
-            reports.append({"scenario": name, "skipped": str(exc), "passed": True})
-            continue
-        reports.append(report)
-        print(f"commslayer-faults: {name}: {'PASS' if report['passed'] else 'FAIL'} ({report['wall_s']:.1f}s); "
-              f"report in {report['run_dir']}/report.md", flush=True)
-        for c in report["checks"]:
-            if c["ok"] is False:
-                print(f"    FAILED {c['name']}: {c['detail']}", flush=True)
+    for i in range(a.repeat):
+        out = a.out if a.repeat == 1 else os.path.join(a.out, f"run{i + 1}")
+        for name in names:
+            reports.append(_run_one(name, out, options))
     if len(reports) > 1:
         write_reports(reports, a.out, "summary")
+        if a.repeat > 1:
+            with open(os.path.join(a.out, "summary.md"), "a") as f:
+                f.write(f"\n## Over {a.repeat} runs: median (range)\n\n" + repeated(reports))
         print(f"commslayer-faults: summary in {os.path.join(a.out, 'summary.md')}")
     print(markdown(reports).split("\n\n")[0])
+    if a.repeat > 1:
+        print(repeated(reports))
     return 0 if all(r["passed"] for r in reports) else 1
+
+
+def _run_one(name: str, out: str, options: Options) -> dict:
+    """Run one scenario and print its verdict; a scenario that cannot run here is skipped."""
+    print(f"commslayer-faults: running {name} ...", flush=True)
+    try:
+        report = run(name, out, options)
+    except Skipped as exc:
+        print(f"commslayer-faults: SKIPPED {exc}", flush=True)
+        return {"scenario": name, "skipped": str(exc), "passed": True}
+    print(f"commslayer-faults: {name}: {'PASS' if report['passed'] else 'FAIL'} ({report['wall_s']:.1f}s); "
+          f"report in {report['run_dir']}/report.md", flush=True)
+    for c in report["checks"]:
+        if c["ok"] is False:
+            print(f"    FAILED {c['name']}: {c['detail']}", flush=True)
+    return report
 
 
 if __name__ == "__main__":

@@ -178,6 +178,7 @@ def run(name: str, out_dir: str, options: Optional[Options] = None) -> Dict[str,
         subprocess.run(["rm", "-rf", run_dir], check=True)
     os.makedirs(run_dir)
     _become_subreaper()
+    before = set(descendants(os.getpid()))  # a caller's own children are not the job's orphans
     faults = scenario.faults(layout)
     log = Log(os.path.join(run_dir, FAULT_LOG))
     env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_FAULTS=encode(faults), COMMSLAYER_FAULTS_LOG=log.path,
@@ -241,8 +242,9 @@ def run(name: str, out_dir: str, options: Optional[Options] = None) -> Dict[str,
             notes.append(f"the job did not end within {options.timeout_s:.0f}s: ended by the harness")
         codes = [p.poll() for p in job.procs]
         time.sleep(0.5)  # a torchrun's last workers are being reaped
-        leftovers["processes"] = [_describe_pid(pid) for pid in descendants(os.getpid())]
-        for pid in descendants(os.getpid()):
+        left = [pid for pid in descendants(os.getpid()) if pid not in before]
+        leftovers["processes"] = [_describe_pid(pid) for pid in left]
+        for pid in left:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -610,4 +612,36 @@ def markdown(reports: List[Dict[str, Any]]) -> str:
             lines.append(f"| {c['name']} | {outcome} | {c['detail'].replace('|', '/')} |")
         for n in r["notes"]:
             lines.append(f"\n{n}")
+    return "\n".join(lines) + "\n"
+
+
+def repeated(reports: List[Dict[str, Any]]) -> str:
+    """Markdown: per scenario over repeated runs, how many passed and the median and
+    range of detection (first and last survivor outside the faulted group), survivor
+    stall and heal times."""
+    def spread(values: List[float]) -> str:
+        if not values:
+            return "-"
+        v = sorted(values)
+        mid = v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+        return f"{mid:.3f} ({v[0]:.3f}-{v[-1]:.3f})"
+
+    lines = ["| scenario | passed | detection, first survivor (s) | detection, last survivor (s) | "
+             "fault to next committed step (s) | heal (s) |", "|---|---|---|---|---|---|"]
+    for name in dict.fromkeys(r["scenario"] for r in reports):
+        runs = [r for r in reports if r["scenario"] == name and not r.get("skipped")]
+        if not runs:
+            lines.append(f"| {name} | skipped | | | | |")
+            continue
+        first, last, stall, heal = [], [], [], []
+        for r in runs:
+            survivors = [d["after_s"] for d in r["detection"] if not d["mate"] and d["fault"] == r["injected"][0]["what"]]
+            if survivors:
+                first.append(min(survivors))
+                last.append(max(survivors))
+            if r["recovery"].get("stall_s") is not None:
+                stall.append(r["recovery"]["stall_s"])
+            heal += [a["heal_s"] for a in r["recovery"].get("rejoined", [])]
+        lines.append(f"| {name} | {sum(r['passed'] for r in runs)}/{len(runs)} | {spread(first)} | {spread(last)} | "
+                     f"{spread(stall)} | {spread(heal)} |")
     return "\n".join(lines) + "\n"

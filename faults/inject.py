@@ -275,8 +275,10 @@ def injector() -> Injector:
     """This process's injector, built from ``COMMSLAYER_FAULTS`` the first time."""
     global _injector
     if _injector is None:
-        _injector = Injector(Log(os.environ.get("COMMSLAYER_FAULTS_LOG")))
-        _injector.add(decode(os.environ.get("COMMSLAYER_FAULTS") or "[]"))
+        from commslayer import config
+
+        _injector = Injector(Log(config.faults_log()))
+        _injector.add(decode(config.faults() or "[]"))
     return _injector
 
 

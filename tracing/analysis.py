@@ -580,24 +580,27 @@ def summary(scan: JobScan) -> Dict[str, Any]:
 
 
 def straggler(rows: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
-    """The rank that holds the others up, if one stands out: last to arrive in at least
-    half of its collectives and in at least twice as many as any other rank."""
-    ranked = sorted(rows, key=lambda r: r["last_arrivals"], reverse=True)
-    if not ranked or not ranked[0]["collectives"]:
+    """The rank that holds the others up, if one stands out: it arrived last at least
+    1.5 times as often as chance would have it (1/n of its n-member collectives),
+    and more so than any other rank."""
+    ranked = sorted((r for r in rows if r["expected_last"]), key=lambda r: r["last_arrivals"] / r["expected_last"],
+                    reverse=True)
+    if not ranked:
         return None
-    top, runner_up = ranked[0], (ranked[1]["last_arrivals"] if len(ranked) > 1 else 0)
-    if 2 * top["last_arrivals"] < top["collectives"] or top["last_arrivals"] < 2 * runner_up:
+    top = ranked[0]
+    ratio = top["last_arrivals"] / top["expected_last"]
+    if ratio < 1.5 or (len(ranked) > 1 and ranked[1]["last_arrivals"] / ranked[1]["expected_last"] == ratio):
         return None
     return {"rank": top["rank"], "last_arrivals": top["last_arrivals"], "collectives": top["collectives"],
-            "others_waited_s": sum(r["wait_s"] for r in rows if r["rank"] != top["rank"])}
+            "times_chance": ratio, "others_waited_s": sum(r["wait_s"] for r in rows if r["rank"] != top["rank"])}
 
 
 def straggler_line(top: Optional[Dict[str, Any]]) -> str:
     """``summary``'s verdict on stragglers, in words."""
     if top is None:
         return "none stands out"
-    return (f"rank {top['rank']}: last to arrive in {top['last_arrivals']} of its {top['collectives']} collectives; "
-            f"the other ranks waited {top['others_waited_s']:.3f}s for it in all")
+    return (f"rank {top['rank']}: last to arrive in {top['last_arrivals']} of its {top['collectives']} collectives "
+            f"({top['times_chance']:.2f}x chance); the other ranks waited {top['others_waited_s']:.3f}s for it in all")
 
 
 def stragglers(scan: JobScan) -> List[Dict[str, Any]]:
@@ -606,6 +609,7 @@ def stragglers(scan: JobScan) -> List[Dict[str, Any]]:
     wait = {r: 0 for r in scan.sources}
     counted = dict.fromkeys(scan.sources, 0)
     last = dict.fromkeys(scan.sources, 0)
+    chance = dict.fromkeys(scan.sources, 0.0)  # last arrivals expected if arrival order were random
     off = {r: c.offset_ns for r, c in scan.offsets.items()}
     for (comm, _, _), a in scan.collectives.items():
         n = len(a) // _W
@@ -617,8 +621,9 @@ def stragglers(scan: JobScan) -> List[Dict[str, Any]]:
         for t, rank in arrivals:
             wait[rank] += latest - t
             counted[rank] += 1
-    return [{"rank": r, "collectives": counted[r], "wait_s": wait[r] / 1e9, "last_arrivals": last[r]}
-            for r in sorted(scan.sources)]
+            chance[rank] += 1 / n
+    return [{"rank": r, "collectives": counted[r], "wait_s": wait[r] / 1e9, "last_arrivals": last[r],
+             "expected_last": chance[r]} for r in sorted(scan.sources)]
 
 
 # ---------------------------------------------------------------- diagnosis
