@@ -29,7 +29,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     r.add_argument("--ranks", type=int, default=4, help="ranks in the job (default 4)")
     r.add_argument("--per-replica", type=int, default=2,
                    help="ranks per replica group (default 2; network scenarios use 1, a host per rank)")
-    r.add_argument("--steps", type=int, default=30)
+    r.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+    r.add_argument("--rank", type=int, help="the rank the faults hit (default: the last; for the mismatch "
+                                            "scenarios not the first of its replica group)")
+    r.add_argument("--step", type=int, default=Options.step,
+                   help=f"the step of a step fault or an external one (default {Options.step})")
+    r.add_argument("--op", help="the collective a collective fault fires at (all_reduce, broadcast, ...; "
+                                "default: the scenario's)")
+    r.add_argument("--nth", type=int, help="the call of that collective it fires at (default: about the fault "
+                                           "step's)")
     r.add_argument("--job", default=Options.job, help="the training script (default launch/train.py)")
     r.add_argument("--out", default="runs/faults", help="reports and run directories go here")
     r.add_argument("--timeout", type=float, default=300.0, help="seconds one scenario may run")
@@ -50,8 +58,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not names or unknown:
         p.error(f"unknown scenario(s) {unknown}; `commslayer-faults list` shows them" if unknown
                 else "name a scenario, or --all")
-    options = Options(ranks=a.ranks, per_replica=a.per_replica, steps=a.steps, job=os.path.abspath(a.job),
-                      job_args=a.job_args, timeout_s=a.timeout)
+    options = Options(ranks=a.ranks, per_replica=a.per_replica, steps=a.steps, rank=a.rank, step=a.step, nth=a.nth, op=a.op,
+                      job=os.path.abspath(a.job), job_args=a.job_args, timeout_s=a.timeout)
     os.makedirs(a.out, exist_ok=True)
     reports = []
     for i in range(a.repeat):

@@ -30,14 +30,14 @@ import sys
 import threading
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from tracing import analysis
 from tracing.traceio import TraceFileError, read_dump
 
-from .inject import Log, encode, read_log
+from .inject import Fault, Log, encode, read_log
 from .scenarios import BY_NAME, FAULT_STEP, Layout, Scenario
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,6 +46,9 @@ sys.path.insert(0, str(ROOT))  # the launcher's result readers: the harness runs
 from launch.run import FAULT_LOG, descendants, load_results  # noqa: E402
 
 PEER_TIMEOUT_S = 3.0
+EXTERNAL = ("coordinator-kill", "link-cut", "bandwidth-cap")  # fired by the harness at the fault step
+LINK_CUT_S = 8.0
+CAP_RATE = "200mbit"
 STEP_LINE = re.compile(r"\] step\s+(\d+)\s")
 
 
@@ -56,11 +59,19 @@ class Skipped(Exception):
 @dataclass
 class Options:
     """How to run the job: ``ranks`` in replica groups of ``per_replica``, ``steps``
-    training steps, ``job`` and its extra ``job_args``; ``timeout_s`` bounds one run."""
+    training steps, ``job`` and its extra ``job_args``; ``timeout_s`` bounds one run.
+    ``rank`` (default: the last), ``step``, ``op`` and ``nth`` move the scenario's
+    fault: the rank it hits, the step of a step fault or an external one, the kind
+    of collective (on any communicator) and the call of it that a collective fault
+    (the first life's) fires at."""
 
     ranks: int = 4
     per_replica: int = 2
     steps: int = 30
+    rank: Optional[int] = None
+    step: int = FAULT_STEP
+    nth: Optional[int] = None
+    op: Optional[str] = None
     job: str = DEFAULT_JOB
     job_args: List[str] = field(default_factory=list)
     timeout_s: float = 300.0
@@ -69,7 +80,16 @@ class Options:
         per = scenario.per_replica or self.per_replica
         if self.ranks % per or self.ranks // per < 2:
             raise ValueError(f"{scenario.name}: {self.ranks} ranks do not make 2 or more replica groups of {per}")
-        return Layout(self.ranks // per, per)
+        return Layout(self.ranks // per, per, -1 if self.rank is None else self.rank, self.step)
+
+    def faults(self, scenario: Scenario, layout: Layout) -> List[Fault]:
+        """The scenario's faults, the first life's collective fault moved to ``op`` and ``nth``."""
+        out = []
+        for f in scenario.faults(layout):
+            if f.op and f.life in (0, None) and f.action != "delay":
+                f = replace(f, nth=self.nth or f.nth, **({"op": self.op, "comm": ""} if self.op else {}))
+            out.append(f)
+        return out
 
 
 @dataclass
@@ -179,7 +199,7 @@ def run(name: str, out_dir: str, options: Optional[Options] = None) -> Dict[str,
     os.makedirs(run_dir)
     _become_subreaper()
     before = set(descendants(os.getpid()))  # a caller's own children are not the job's orphans
-    faults = scenario.faults(layout)
+    faults = options.faults(scenario, layout)
     log = Log(os.path.join(run_dir, FAULT_LOG))
     env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_FAULTS=encode(faults), COMMSLAYER_FAULTS_LOG=log.path,
                **scenario.env)
@@ -192,6 +212,7 @@ def run(name: str, out_dir: str, options: Optional[Options] = None) -> Dict[str,
     deadline = time.monotonic() + options.timeout_s
     notes: List[str] = []
     leftovers: Dict[str, List[str]] = {}
+    net, coordinator_proc = None, None  # the network hosts, the coordinator's own launcher (if any)
     with ExitStack() as stack:
         job = _Job(run_dir)
         stack.callback(job.close)
@@ -219,24 +240,11 @@ def run(name: str, out_dir: str, options: Optional[Options] = None) -> Dict[str,
             job.start([*base, "--coordinator", f"127.0.0.1:{port}", *job_args], env, "groups")
         else:
             job.start([*base, *job_args], env, "launcher")
-        if scenario.external in ("coordinator-kill", "link-cut", "bandwidth-cap"):
-            if not job.wait_step(FAULT_STEP, deadline):
-                notes.append(f"the job never reached step {FAULT_STEP}: the external fault was not injected")
-            elif scenario.external == "coordinator-kill":
-                log.write("injected", fault="coordinator", action="sigkill", what="SIGKILL of the coordinator",
-                          step=job.step, member=-1, target=coordinator_proc.pid)
-                os.killpg(coordinator_proc.pid, signal.SIGKILL)
-            elif scenario.external == "link-cut":
-                log.write("injected", fault="link", action="link-cut", what=f"link of rank {layout.target} cut",
-                          step=job.step, member=layout.target)
-                net.set_link(layout.target + 1, 1, False)
-                time.sleep(8.0)
-                net.set_link(layout.target + 1, 1, True)
-                log.write("restored", fault="link")
+        if scenario.external in EXTERNAL:
+            if job.wait_step(layout.step, deadline):
+                _inject_external(scenario.external, log, job, layout, net, coordinator_proc)
             else:
-                log.write("injected", fault="cap", action="bandwidth-cap", step=job.step, member=layout.target,
-                          what=f"link of rank {layout.target} capped to 200mbit")
-                net.cap(layout.target + 1, "200mbit")
+                notes.append(f"the job never reached step {layout.step}: the external fault was not injected")
         finished = job.wait(deadline)
         if not finished:
             notes.append(f"the job did not end within {options.timeout_s:.0f}s: ended by the harness")
@@ -254,6 +262,26 @@ def run(name: str, out_dir: str, options: Optional[Options] = None) -> Dict[str,
     report.update(wall_s=round(wall, 3), notes=notes + report["notes"])
     write_reports(report, run_dir)
     return report
+
+
+def _inject_external(kind: str, log: Log, job: _Job, layout: Layout, net: Any,
+                     coordinator: Optional[subprocess.Popen]) -> None:
+    """Fire a fault the ranks cannot fire themselves, and log it like theirs."""
+    if kind == "coordinator-kill":
+        log.write("injected", fault="coordinator", action="sigkill", what="SIGKILL of the coordinator",
+                  step=job.step, member=-1, target=coordinator.pid)
+        os.killpg(coordinator.pid, signal.SIGKILL)
+    elif kind == "link-cut":
+        log.write("injected", fault="link", action="link-cut", what=f"link of rank {layout.target} cut for "
+                  f"{LINK_CUT_S:g}s", step=job.step, member=layout.target)
+        net.set_link(layout.target + 1, 1, False)
+        time.sleep(LINK_CUT_S)
+        net.set_link(layout.target + 1, 1, True)
+        log.write("restored", fault="link")
+    else:
+        log.write("injected", fault="cap", action="bandwidth-cap", step=job.step, member=layout.target,
+                  what=f"link of rank {layout.target} capped to {CAP_RATE}")
+        net.cap(layout.target + 1, CAP_RATE)
 
 
 def _describe_pid(pid: int) -> str:
@@ -277,11 +305,10 @@ class _FullDisk:
         os.makedirs(self.mount)
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", self.mount], check=True, capture_output=True)
         os.makedirs(self.trace_dir)
-        with open(os.path.join(self.mount, "filler"), "wb") as f:
+        with open(os.path.join(self.mount, "filler"), "wb", buffering=0) as f:
             try:
                 while True:
                     f.write(b"\0" * 65536)
-                    f.flush()
             except OSError:
                 pass
         return self
@@ -306,8 +333,7 @@ def evaluate(scenario: Scenario, layout: Layout, options: Options, run_dir: str,
     t0 = injected[0]["t"] if injected else None
     checks: List[Check] = []
     notes: List[str] = []
-    wanted = len(scenario.faults(layout)) + (1 if scenario.external in ("coordinator-kill", "link-cut",
-                                                                         "bandwidth-cap") else 0)
+    wanted = len(options.faults(scenario, layout)) + (scenario.external in EXTERNAL)
     checks.append(Check("faults injected", len(injected) == wanted,
                         f"{len(injected)} of {wanted}: " + "; ".join(e["what"] for e in injected)))
     target_pids = {e["pid"] for e in injected if e["member"] == layout.target and e["fault"] not in

@@ -21,20 +21,25 @@ FAULT_STEP = 10  # step faults fire here (or at the first step after it at which
 
 @dataclass(frozen=True)
 class Layout:
-    """The job's shape: ``replicas`` replica groups of ``per_replica`` ranks each."""
+    """The job's shape (``replicas`` replica groups of ``per_replica`` ranks each), the
+    rank the faults aim at and the step they fire at.  The default target is the last
+    rank: not the first of its group, so that check mode (which compares every rank
+    with the group's rank 0) names it."""
 
     replicas: int
     per_replica: int
+    target: int = -1
+    step: int = FAULT_STEP
+
+    def __post_init__(self) -> None:
+        if self.target == -1:
+            object.__setattr__(self, "target", self.ranks - 1)
+        if not 0 <= self.target < self.ranks:
+            raise ValueError(f"rank {self.target}: the job has ranks 0..{self.ranks - 1}")
 
     @property
     def ranks(self) -> int:
         return self.replicas * self.per_replica
-
-    @property
-    def target(self) -> int:
-        """The rank faults aim at: the last one (rank 1 of its group's communicators, so
-        that a check against rank 0's view names it)."""
-        return self.ranks - 1
 
 
 @dataclass(frozen=True)
@@ -57,11 +62,16 @@ class Scenario:
 
 
 def _at_step(action: str, phase: str, **kw) -> Callable[[Layout], List[Fault]]:
-    return lambda layout: [Fault(action, layout.target, step=FAULT_STEP, phase=phase, **kw)]
+    return lambda layout: [Fault(action, layout.target, step=layout.step, phase=phase, **kw)]
 
 
-def _at_op(action: str, op: str, comm: str, nth: int, **kw) -> Callable[[Layout], List[Fault]]:
-    return lambda layout: [Fault(action, layout.target, op=op, comm=comm, nth=nth, **kw)]
+def _at_op(action: str, op: str, comm: str, nth: Callable[[Layout], int], **kw) -> Callable[[Layout], List[Fault]]:
+    return lambda layout: [Fault(action, layout.target, op=op, comm=comm, nth=nth(layout), **kw)]
+
+
+def _all_gathers(layout: Layout) -> int:
+    """About ``layout.step``'s first FSDP2 all-gather in launch/train.py's default model: 10 a step."""
+    return 10 * layout.step
 
 
 def _mismatch(kind: str) -> Scenario:
@@ -71,7 +81,7 @@ def _mismatch(kind: str) -> Scenario:
         "with COMMSLAYER_CHECK=1 every member of the communicator raises CollectiveMismatch naming the rank "
         "before anything is sent; the rank's replica group leaves, is restarted and heals; the viewer names "
         "the rank",
-        _at_op("mismatch", "all_reduce", "c10d", FAULT_STEP + 1, mismatch=kind),
+        _at_op("mismatch", "all_reduce", "c10d", lambda layout: layout.step + 1, mismatch=kind),
         env={"COMMSLAYER_CHECK": "1"}, culprit=True)
 
 
@@ -84,7 +94,7 @@ SCENARIOS: List[Scenario] = [
              "SIGKILL of a rank while its 100th FSDP all-gather is in flight (fired from the op's own hook)",
              "as kill-step: the op in flight fails with PeerLost on the rank's group mates, the survivors redo "
              "the step",
-             _at_op("sigkill", "all_gather_single", "c10d", 100, during=True), culprit=True),
+             _at_op("sigkill", "all_gather_single", "c10d", _all_gathers, during=True), culprit=True),
     Scenario("exit", "process-death", f"a rank calls sys.exit(1) at step {FAULT_STEP}, before the optimizer step",
              "a clean exit is a loss like any other: seen at once (the connection closes), survived, healed",
              _at_step("exit", "optimizer")),
@@ -100,11 +110,11 @@ SCENARIOS: List[Scenario] = [
              "liveness cannot see it (it is alive): its group mate's op fails at the op deadline "
              "(COMMSLAYER_TIMEOUT_S=5 here) with CollectiveTimeout, the group leaves and is restarted; the "
              "survivors redo the step",
-             _at_op("hang", "all_gather_single", "c10d", 100), env={"COMMSLAYER_TIMEOUT_S": "5"}),
+             _at_op("hang", "all_gather_single", "c10d", _all_gathers), env={"COMMSLAYER_TIMEOUT_S": "5"}),
     Scenario("straggler", "straggler", "a rank sleeps 20 ms before every collective of every communicator",
              "20 ms is far below the peer timeout: nobody is declared dead, no step is redone; the viewer's "
              "summary names the rank as the straggler",
-             _at_op("delay", "*", "", 1, seconds=0.020), straggler=True),
+             _at_op("delay", "*", "", lambda layout: 1, seconds=0.020), straggler=True),
     Scenario("link-cut", "network", "a rank's network link cut for 8 s (ip link set down), then restored",
              "the survivors declare the rank lost after the peer timeout and go on; the cut rank cannot reach "
              "anyone; once the link is back it finds itself fenced, leaves, is restarted and heals",
@@ -129,7 +139,7 @@ SCENARIOS: List[Scenario] = [
              "again during its heal (the state broadcast)",
              "the second fault aborts the admission; the survivors go on, the group restarts again, heals and "
              "rejoins; nothing is lost",
-             lambda layout: [Fault("sigkill", layout.target, step=FAULT_STEP, phase="forward"),
+             lambda layout: [Fault("sigkill", layout.target, step=layout.step, phase="forward"),
                              Fault("sigkill", layout.target, life=1, op="broadcast", comm="replicate", nth=2,
                                    during=True)]),
 ]
