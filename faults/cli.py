@@ -13,7 +13,7 @@ import sys
 from typing import List, Optional
 
 from .harness import Options, Skipped, markdown, repeated, run, write_reports
-from .scenarios import SCENARIOS
+from .scenarios import BY_NAME, SCENARIOS
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -60,6 +60,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 else "name a scenario, or --all")
     options = Options(ranks=a.ranks, per_replica=a.per_replica, steps=a.steps, rank=a.rank, step=a.step, nth=a.nth, op=a.op,
                       job=os.path.abspath(a.job), job_args=a.job_args, timeout_s=a.timeout)
+    try:
+        options.faults(BY_NAME[names[0]], options.layout(BY_NAME[names[0]]))
+    except ValueError as exc:
+        p.error(str(exc))
     os.makedirs(a.out, exist_ok=True)
     reports = []
     for i in range(a.repeat):

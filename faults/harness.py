@@ -84,6 +84,10 @@ class Options:
 
     def faults(self, scenario: Scenario, layout: Layout) -> List[Fault]:
         """The scenario's faults, the first life's collective fault moved to ``op`` and ``nth``."""
+        from commslayer.communicator import BACKEND_OPS
+
+        if self.op is not None and self.op not in BACKEND_OPS:
+            raise ValueError(f"op {self.op!r}: expected one of {', '.join(BACKEND_OPS)}")
         out = []
         for f in scenario.faults(layout):
             if f.op and f.life in (0, None) and f.action != "delay":

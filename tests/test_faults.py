@@ -66,9 +66,15 @@ def test_list_names_every_scenario():
     assert [line.split()[0] for line in proc.stdout.splitlines()] == [s.name for s in SCENARIOS]
 
 
-def test_an_unknown_scenario_is_a_usage_error():
-    proc = faults_cli("run", "no-such-fault", timeout=60)
-    assert proc.returncode == 2 and "unknown scenario" in proc.stderr
+@pytest.mark.parametrize("args,says", [
+    (["no-such-fault"], "unknown scenario"),
+    (["kill-step", "--rank", "9"], "the job has ranks 0..3"),
+    (["kill-collective", "--op", "allreduce"], "op 'allreduce': expected one of all_reduce"),
+    (["kill-step", "--ranks", "5"], "do not make 2 or more replica groups"),
+])
+def test_bad_arguments_are_usage_errors(args, says):
+    proc = faults_cli("run", *args, timeout=60)
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr
 
 
 @pytest.mark.timeout(200)
