@@ -176,7 +176,9 @@ class Communicator:
                                          op="new_comm", timeout_s=timeout_s) from exc
         isolate = self._lineage is not None and self._lineage.isolate
         self._ops = IsolatedBackend(self._backend) if isolate else self._backend  # what op closures call
-        self._check = CrossRankCheck(store, name, rank, size, self._broken) if check else None
+        me = weakref.ref(self)  # the check must not keep its communicator alive
+        self._check = CrossRankCheck(store, name, rank, size, lambda op, seq: (c := me()) and c._broken(op, seq)) \
+            if check else None
         self._seq = 0
         self._commits = 0  # should_commit rounds of this generation
         self._p2p_seq: Dict[tuple, int] = {}

@@ -183,9 +183,10 @@ class Injector:
         from commslayer.communicator import BACKEND_OPS
 
         name = comm.get_name()
+        table = comm.global_ranks or comm.members  # job ranks where known; the hook must not hold comm itself
         comm.register_error_hook(lambda err: self.log.write(
             "failure", comm=name, error=type(err).__name__, ranks=list(err.ranks),
-            members=_members(comm, err.ranks), what=err.what))
+            members=_members(table, err.ranks), what=err.what))
         for f in self.faults:
             if f.op is not None and f.comm in name:
                 for op in [o for o in BACKEND_OPS if o not in ("send", "recv")] if f.op == "*" else [f.op]:
@@ -243,12 +244,11 @@ class Injector:
                 time.sleep(3600)
 
 
-def _members(comm: Any, ranks: Any) -> List[int]:
-    """The job ranks of a communicator's ``ranks`` where it knows them."""
-    table = getattr(comm, "members", None) or getattr(comm, "global_ranks", None)
+def _members(table: List[int], ranks: Any) -> List[int]:
+    """``ranks`` of a communicator as ``table`` (its job ranks, or member ids) names them."""
     try:
-        return [int(table[r]) for r in ranks] if table else list(ranks)
-    except (IndexError, KeyError, TypeError):
+        return [int(table[r]) for r in ranks]
+    except (IndexError, TypeError):
         return list(ranks)
 
 
