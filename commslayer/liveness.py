@@ -20,17 +20,22 @@ sockets with a selector and sending a one-byte heartbeat every
 ``heartbeat_s``.  Addresses are exchanged through the communicator's store.
 ``close()`` (``finalize``, and every monitor at normal interpreter exit)
 says goodbye first, so a member that leaves on purpose is not reported as
-lost; the communicator still fails an op that needs a member that left.
+lost; the communicator still fails an op that needs a member that left.  A
+process ending on an uncaught exception hangs up without a goodbye (an
+``excepthook``), so its peers take it as lost at once instead of waiting
+``peer_timeout_s`` for an op it will never finish.  ``sys.exit(1)`` cannot be
+told apart from a normal exit: it says goodbye.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import selectors
 import socket
 import struct
-import atexit
+import sys
 import threading
 import time
 import weakref
@@ -251,4 +256,13 @@ def close_all(goodbye: bool = True) -> None:
         liveness.close(goodbye)
 
 
+def _hang_up_on_uncaught_exception(previous: Callable[..., None]) -> Callable[..., None]:
+    def hook(exc_type, exc, tb) -> None:
+        close_all(goodbye=False)  # dying, not leaving: the peers must not wait for this rank's part
+        previous(exc_type, exc, tb)
+
+    return hook
+
+
 atexit.register(close_all)
+sys.excepthook = _hang_up_on_uncaught_exception(sys.excepthook)
