@@ -531,12 +531,16 @@ class Communicator:
         # during it is a suspect at once rather than after the whole join window.
         self._retire("being shrunk after a loss", stop_watching=False)
         generation = self.generation + 1
+        began = time.monotonic()
         try:
             members = lineage.membership.agree_after_loss(
-                # Members that said goodbye are not suspects: the others close this generation
-                # on purpose once they agreed; one that really left will not join in time.
+                # Members that say goodbye during the agreement are not suspects: the others close
+                # this generation on purpose once they agreed. One that left before this rank began
+                # (sys.exit, finalize) will not join: a suspect at once, not after the join window.
+                # (Had it left because it agreed already, the decision exists and suspects do not count.)
                 generation, self.members, self.members[self._rank],
-                lambda: {self.members[r] for r in self.lost_ranks if r not in self._departed},
+                lambda: {self.members[r] for r in self.lost_ranks if r not in self._departed}
+                | {self.members[r] for r, t in self._departed.items() if t < began},
                 join_window_s=lineage.peer_timeout_s, timeout_s=timeout_s, min_size=min_size)
         finally:
             self._stop_watching()

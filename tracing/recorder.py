@@ -300,6 +300,12 @@ def _global_rank() -> int:
 
 _recorder: Optional[FlightRecorder] = None
 _lock = threading.Lock()
+def _dump_at_exit(rec: FlightRecorder) -> None:
+    """Say goodbye first (the others need not wait while this process writes its dump), then dump."""
+    close_all(goodbye=True)
+    rec.dump("exit")
+
+
 _TERM_GRACE_S = 1.0  # after a SIGTERM dump, how long the main thread has to end the process
 
 
@@ -331,7 +337,7 @@ def install(trace_dir: Optional[str] = None, *, capacity: Optional[int] = None,
             OtelSink.attach(rec)
         if signals and threading.current_thread() is threading.main_thread():
             _install_signal_handlers(rec)
-        atexit.register(lambda: rec.dump("exit"))
+        atexit.register(_dump_at_exit, rec)
         _recorder = rec
         return rec
 
