@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from launch import bench_overlap as bench
-from launch import netns
+from faults import netns
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
                                 reason="needs root and iproute2")
