@@ -43,7 +43,7 @@ from .scenarios import BY_NAME, FAULT_STEP, Layout, Scenario
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_JOB = str(ROOT / "launch" / "train.py")
 sys.path.insert(0, str(ROOT))  # the launcher's result readers: the harness runs the repository's launcher anyway
-from launch.run import FAULT_LOG, descendants, load_results  # noqa: E402
+from launch.run import FAULT_LOG, descendants, load_results, longest  # noqa: E402
 
 PEER_TIMEOUT_S = 3.0
 EXTERNAL = ("coordinator-kill", "link-cut", "bandwidth-cap")  # fired by the harness at the fault step
@@ -343,7 +343,7 @@ def evaluate(scenario: Scenario, layout: Layout, options: Options, run_dir: str,
     target_pids = {e["pid"] for e in injected if e["member"] == layout.target and e["fault"] not in
                    ("coordinator", "link", "cap")}
     detection = _detection(events, injected, layout, {r["pid"]: r["started"] for r in results})
-    recovery = _recovery(summary, injected)
+    recovery = recovery_of(summary, injected, results)
     if scenario.expect == "survive":
         checks += state_checks(results, options.steps, layout)
         checks.append(Check("job finished", ended_at is not None and all(c == 0 for c in codes),
@@ -441,10 +441,12 @@ def _detection(events: List[dict], injected: List[dict], layout: Layout,
     return out
 
 
-def _recovery(summary: Dict[str, Any], injected: List[dict]) -> Dict[str, Any]:
+def recovery_of(summary: Dict[str, Any], injected: List[dict], results: List[dict]) -> Dict[str, Any]:
     """Per fault, the recovery it caused (the first one seen after it): fault to next
-    committed step; the rejoins; how many recoveries in all."""
-    recoveries, admissions = summary.get("recoveries") or [], summary.get("admissions") or []
+    committed step; the rejoins (as the longest-lived rank saw them, also those at the
+    end of the run); how many recoveries in all."""
+    recoveries = summary.get("recoveries") or []
+    admissions = longest(results)["admissions"] if results else []
     per_fault = []
     for i, inj in enumerate(injected):
         until = injected[i + 1]["t"] if i + 1 < len(injected) else float("inf")
@@ -563,7 +565,8 @@ def _mismatch_raised(trace_dir: str, layout: Layout) -> Check:
             doc = read_dump(os.path.join(trace_dir, f"rank{m}.json"))
         except (OSError, TraceFileError):
             continue
-        errs = [r["error"] for r in doc["records"] if r.get("error") and "disagree" in r["error"]]
+        errs = [r["error"].split(" [communicator")[0] for r in doc["records"]
+                if r.get("error") and "disagree" in r["error"]]
         if errs:
             seen[m] = errs[0]
     named = all(f"vs rank {layout.target % layout.per_replica}" in e for e in seen.values())
