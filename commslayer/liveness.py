@@ -197,6 +197,8 @@ class Liveness:
                 pass  # the reader sees the same failure
 
     def _declare(self, dead: Dict[int, str]) -> None:
+        if self._closing:
+            return
         new = {p: why for p, why in dead.items() if p not in self._lost}  # only this thread writes _lost
         self._lost.update(new)
         if not new:
@@ -218,9 +220,9 @@ class Liveness:
         without it: the peers take this process as lost at once."""
         if self._closing:
             return
+        self._closing = True  # first: a peer seen to go from now on is no news (it ended too, or we do)
         if goodbye:
             self._send_all(_BYE)
-        self._closing = True
         try:
             self._wake_w.send(b"x")
         except OSError:
