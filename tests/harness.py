@@ -123,16 +123,18 @@ def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 60
         del store
     if missing:
         raise RankFailed(f"ranks {sorted(missing)} did not finish within {timeout}s")
-    out = []
+    out, failed = [], []
     for rank, (kind, value) in enumerate(results):
         if kind == "ok":
             out.append(value)
         elif kind == "died" and not allow_errors:
-            raise RankFailed(f"rank {rank} died with exit code {value}")
+            failed.append(f"rank {rank} died with exit code {value}")
         elif kind == "died":
             out.append(RankDied(value))
         elif allow_errors:
             out.append(value[0])
         else:
-            raise RankFailed(f"rank {rank} raised:\n{value[1]}")
+            failed.append(f"rank {rank} raised:\n{value[1]}")
+    if failed:  # every rank's failure: the first one in rank order is often only the echo of another's
+        raise RankFailed("\n".join(failed))
     return out
