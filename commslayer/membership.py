@@ -52,7 +52,6 @@ from .errors import CollectiveTimeout, CommAborted, CommError, StoreUnreachable,
 from .store import POLL_S, wait_for_keys
 
 
-
 class _Reached:
     """A store whose lost connection raises ``StoreUnreachable`` (naming the
     communicator and the store op) instead of torch's bare network error."""
@@ -68,10 +67,10 @@ class _Reached:
             try:
                 return call(*args, **kwargs)
             except dist.DistNetworkError as exc:
-                raise StoreUnreachable(f"store unreachable ({first_line(exc)}): the process hosting it is gone or "
-                                       "cut off",
-                                       comm=self._name, op=f"store.{op}") from None
+                raise StoreUnreachable(f"store unreachable ({first_line(exc)}): the process hosting it is gone "
+                                       "or cut off", comm=self._name, op=f"store.{op}") from None
 
+        setattr(self, op, reached)  # built once per store op: later calls do not come back here
         return reached
 
 

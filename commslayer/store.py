@@ -59,9 +59,10 @@ def wait_for_keys(store: dist.Store, keys: Sequence[str], interrupted: Callable[
     Polls rather than blocking in ``store.wait``, so that a wait on a member that
     died ends as soon as the communicator knows: ``interrupted()`` is asked
     between polls and what it returns (an error) is raised."""
+    keys = list(keys)
     start = time.monotonic()
     pause = _FIRST_POLL_S
-    while not store.check(list(keys)):
+    while not store.check(keys):
         err = interrupted()
         if err is not None:
             raise err

@@ -19,13 +19,12 @@ JSON and Markdown.
 
 from __future__ import annotations
 
-import ctypes
 import glob
 import json
 import os
 import re
+import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -44,9 +43,8 @@ from .scenarios import BY_NAME, FAULT_STEP, Layout, Scenario
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_JOB = str(ROOT / "launch" / "train.py")
 sys.path.insert(0, str(ROOT))  # the launcher's result readers: the harness runs the repository's launcher anyway
-from launch.run import FAULT_LOG, descendants, load_results, longest  # noqa: E402
+from launch.run import FAULT_LOG, become_subreaper, descendants, free_port, load_results, longest  # noqa: E402
 
-PEER_TIMEOUT_S = 3.0
 EXTERNAL = ("coordinator-kill", "link-cut", "bandwidth-cap")  # fired by the harness at the fault step
 LINK_CUT_S = 8.0
 CAP_RATE = "200mbit"
@@ -165,29 +163,15 @@ class _Job:
         self._log.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def _become_subreaper() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER (Linux)
-
-
 def _requirements(scenario: Scenario) -> None:
     if not scenario.needs_root:
         return
     if os.geteuid() != 0:
         raise Skipped(f"{scenario.name}: needs root (network namespaces, tc, mounts); run as root to include it")
     tools = ["ip", "tc"] if scenario.family == "network" else ["mount", "umount"]
-    missing = [t for t in tools if not _which(t)]
+    missing = [t for t in tools if not shutil.which(t)]
     if missing:
         raise Skipped(f"{scenario.name}: needs {', '.join(missing)} (iproute2 / util-linux)")
-
-
-def _which(tool: str) -> bool:
-    return any(os.access(os.path.join(d, tool), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep))
 
 
 def run(name: str, out_dir: str, options: Optional[Options] = None) -> Dict[str, Any]:
@@ -200,9 +184,9 @@ def run(name: str, out_dir: str, options: Optional[Options] = None) -> Dict[str,
     layout = options.layout(scenario)
     run_dir = os.path.abspath(os.path.join(out_dir, name))
     if os.path.exists(run_dir):
-        subprocess.run(["rm", "-rf", run_dir], check=True)
+        shutil.rmtree(run_dir)
     os.makedirs(run_dir)
-    _become_subreaper()
+    become_subreaper()
     before = set(descendants(os.getpid()))  # a caller's own children are not the job's orphans
     faults = options.faults(scenario, layout)
     log = Log(os.path.join(run_dir, FAULT_LOG))
@@ -240,7 +224,7 @@ def run(name: str, out_dir: str, options: Optional[Options] = None) -> Dict[str,
                 job.start(net.run(r + 1, [*base, "--replica-ids", str(r), "--coordinator", coordinator, *job_args]),
                           env, f"host {r + 1}")
         elif scenario.external == "coordinator-kill":
-            port = _free_port()
+            port = free_port()
             coordinator_proc = job.start([*base, "--replica-ids", "none", "--port", str(port)], env, "coordinator")
             job.start([*base, "--coordinator", f"127.0.0.1:{port}", *job_args], env, "groups")
         else:
@@ -504,10 +488,13 @@ def _stop_checks(t: Optional[float], layout: Layout, codes: List[Optional[int]],
                  trace_dir: str, run_dir: str) -> List[Check]:
     """A fault the job cannot survive: the whole job must end soon after it, the cause
     named, and every rank must leave a dump that says why it ended."""
+    from commslayer import config
+
     if t is None:
         return [Check("job ended with the cause named", False, "no fault was injected")]
     took = None if ended_at is None else ended_at - t
-    out = [Check(f"job ended (non-zero) within {PEER_TIMEOUT_S:g}s", took is not None and took <= PEER_TIMEOUT_S
+    peer_timeout_s = config.peer_timeout_s()  # the job's, inherited from this environment
+    out = [Check(f"job ended (non-zero) within {peer_timeout_s:g}s", took is not None and took <= peer_timeout_s
                  and any(c not in (0, None) for c in codes),
                  f"every process gone {took:.3f}s after the fault; launcher exits {codes}" if took is not None
                  else "the job did not end")]
@@ -529,19 +516,18 @@ def _stop_checks(t: Optional[float], layout: Layout, codes: List[Optional[int]],
 
 def _fenced(events: List[dict], summary: Dict[str, Any], results: List[dict], layout: Layout,
             target_pids: set, trace_dir: str) -> Check:
-    resumed = next((e for e in events if e["event"] == "resumed"), None)
+    """The stopped rank's group was dropped, and the rank never finished a step after it."""
+    stop = next(e for e in events if e["event"] == "injected" and e["action"] == "sigstop")
+    resumed = stop["t"] + stop["seconds"]  # when its helper sent SIGCONT
     dropped = [r for r in summary.get("recoveries") or []
                if layout.target // layout.per_replica in r["lost_replicas"]]
     finished = [r for r in results if r["pid"] in target_pids]
-    if resumed is None:
-        detail = "the stopped rank never resumed: it was ended while stopped"
-    else:
-        detail = f"resumed {resumed['t'] - min(r['detected_at'] for r in dropped):.3f}s after the survivors saw " \
-                 f"the loss" if dropped else "resumed, but no recovery dropped its group"
-    try:
+    detail = f"SIGCONT {resumed - min(r['detected_at'] for r in dropped):.3f}s after the survivors saw the loss" \
+        if dropped else "no recovery dropped its group"
+    try:  # a dump shows it resumed (it dumps on the SIGTERM its torchrun sent); none: killed while stopped
         ended = f"its dump says it ended on: {read_dump(os.path.join(trace_dir, f'rank{layout.target}.json'))['reason']}"
     except (OSError, TraceFileError):
-        ended = "it left no dump"
+        ended = "it left no dump (ended while stopped)"
     return Check("the stopped rank was fenced", bool(dropped) and not finished,
                  f"{detail}; its replica group was dropped at step(s) {[r['step'] for r in dropped]}; "
                  f"the stopped process {'finished (WRONG)' if finished else 'never finished a step after it'}; "

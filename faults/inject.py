@@ -219,7 +219,7 @@ class Injector:
     # ---------------------------------------------------------------- firing
     def _fire(self, f: Fault, act: bool = True, **where: Any) -> None:
         self.faults.remove(f)
-        self.log.write("injected", fault=f.index, action=f.action, what=f.describe(), **where)
+        self.log.write("injected", fault=f.index, action=f.action, what=f.describe(), seconds=f.seconds, **where)
         print(f"[rank {job_rank()}] injected fault: {f.describe()}", file=sys.stderr, flush=True)
         if not act:
             return
@@ -230,14 +230,10 @@ class Injector:
         elif f.action == "raise":
             raise InjectedFault(f"injected fault: {f.describe()}")
         elif f.action == "sigstop":
-            # A stopped process cannot wake itself: a child sends SIGCONT (and logs it), from a
-            # session of its own so that torchrun ending this worker's process group does not end it.
-            resumed = json.dumps({"event": "resumed", "member": job_rank(), "life": life(), "pid": os.getpid(),
-                                  "fault": f.index}).replace("}", ', "t": %s}')
-            script = 'sleep "$1"; kill -CONT "$2"; [ -z "$3" ] || printf "$4\\n" "$(date +%s.%N)" >> "$3"'
-            subprocess.Popen(["sh", "-c", script, "sh", str(f.seconds), str(os.getpid()), self.log.path or "",
-                              resumed], start_new_session=True, stdin=subprocess.DEVNULL,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            # A stopped process cannot wake itself: a child sends SIGCONT, from a session of its
+            # own so that torchrun ending this worker's process group does not end it first.
+            subprocess.Popen(["sh", "-c", f"sleep {f.seconds}; kill -CONT {os.getpid()}"], start_new_session=True,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             os.kill(os.getpid(), signal.SIGSTOP)
         elif f.action == "hang":
             while True:  # alive (heartbeats go on), but never issues the next op

@@ -64,7 +64,6 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -75,7 +74,7 @@ from typing import Callable, Dict, List, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "launch"))
-from run import load_results, longest  # noqa: E402
+from run import free_port, load_results, longest  # noqa: E402
 
 REPLICAS, RANKS = 2, 2
 VICTIM_REPLICA = 1  # rank 0 of this replica group dies (global rank 2 in the DCP job)
@@ -180,12 +179,6 @@ def _log(msg: str) -> None:
     print(f"[bench_training] {msg}", file=sys.stderr, flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _env(trace: bool = True) -> Dict[str, str]:
     """The launchers' environment; ``trace=False``: ``COMMSLAYER_TRACE_DIR=""``, which run.py leaves alone."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMMSLAYER_")}
@@ -276,7 +269,7 @@ def dcp_restart(args: argparse.Namespace, work: str, name: str) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "launch"), str(ROOT)] + env.get("PYTHONPATH", "").split(os.pathsep))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(REPLICAS * RANKS),
            "--max-restarts", "1", "--monitor-interval", "0.1", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), job, json.dumps(cfg)]
+           "--master-port", str(free_port()), job, json.dumps(cfg)]
     with open(log_path, "w") as log:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             timeout=600).returncode

@@ -124,7 +124,7 @@ def descendants(pid: int) -> List[int]:
     return out
 
 
-def _become_subreaper() -> None:
+def become_subreaper() -> None:
     """Orphaned descendants are re-parented to this process instead of init (Linux)."""
     import ctypes
 
@@ -141,7 +141,7 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
@@ -201,7 +201,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     # Peers dial this host's liveness listener at the address it reaches the coordinator from.
     advertise = os.environ.get("COMMSLAYER_LIVENESS_HOST") or _address_towards(address)
-    _become_subreaper()
+    become_subreaper()
     launcher = Launcher(a.grace)
     if a.run_dir:
         os.makedirs(a.run_dir, exist_ok=True)
@@ -224,7 +224,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 args += ["--run-dir", a.run_dir]
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                    "--nproc-per-node", str(a.nproc_per_replica), "--max-restarts", str(a.max_restarts),
-                   "--monitor-interval", "0.1", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                   "--monitor-interval", "0.1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                    "--role", f"replica{r}", a.script, *args]
             launcher.start(r, cmd, env)
         watched = time.monotonic()

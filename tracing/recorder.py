@@ -300,6 +300,8 @@ def _global_rank() -> int:
 
 _recorder: Optional[FlightRecorder] = None
 _lock = threading.Lock()
+
+
 def _dump_at_exit(rec: FlightRecorder) -> None:
     """Say goodbye first (the others need not wait while this process writes its dump), then dump."""
     close_all(goodbye=True)
