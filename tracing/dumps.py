@@ -58,7 +58,7 @@ def _why(dir_fd: int, name: str, exc: OSError) -> OSError:
             target = "?"
         return UnsafePath(f"{name} is a symbolic link to {target}; not followed")
     if stat.S_ISFIFO(st.st_mode) or stat.S_ISSOCK(st.st_mode):
-        return UnsafePath(f"{name} is a FIFO or socket, not a file")
+        return UnsafePath(f"{name} is a FIFO or socket; not written to")
     return exc
 
 
@@ -119,7 +119,7 @@ def open_append(path: str, mode: int = FILE_MODE) -> int:
             if st.st_nlink > 1:
                 raise UnsafePath(f"{name} has {st.st_nlink} hard links; not written through")
         elif not stat.S_ISCHR(st.st_mode):
-            raise UnsafePath(f"{name} is a FIFO or socket, not a file")
+            raise UnsafePath(f"{name} is a FIFO or socket; not written to")
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
