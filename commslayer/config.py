@@ -56,8 +56,14 @@ def job_id() -> str:
 
 def trace_dir() -> str:
     """``COMMSLAYER_TRACE_DIR``: where trace dumps go; setting it turns tracing on
-    for every communicator of the process (empty: tracing off)."""
-    return os.environ.get("COMMSLAYER_TRACE_DIR", "")
+    for every communicator of the process (empty: tracing off). A restarted replica
+    group (under ``commslayer-run``) writes into ``replica<R>-restart<N>/`` below it,
+    so its files do not replace those of the life before."""
+    base = os.environ.get("COMMSLAYER_TRACE_DIR", "")
+    replica, restart = replica_id(), restart_count()
+    if base and replica is not None and restart:
+        return os.path.join(base, f"replica{replica}-restart{restart}")
+    return base
 
 
 def job_rank() -> Optional[int]:
@@ -66,7 +72,24 @@ def job_rank() -> Optional[int]:
     from 0. It names trace files, and c10d groups map their ranks into it
     (a torchrun's ranks are taken to be one contiguous block of the job's)."""
     value = os.environ.get("COMMSLAYER_JOB_RANK", "")
+    if value:
+        return int(value)
+    replica = replica_id()
+    if replica is not None:  # under commslayer-run: replica groups of WORLD_SIZE ranks each
+        return replica * int(os.environ.get("WORLD_SIZE", "1")) + int(os.environ.get("RANK", "0"))
+    return None
+
+
+def replica_id() -> Optional[int]:
+    """``COMMSLAYER_REPLICA``: the replica group this process belongs to, set by the
+    launcher (``commslayer-run``) for each of its torchruns; unset under plain torchrun."""
+    value = os.environ.get("COMMSLAYER_REPLICA", "")
     return int(value) if value else None
+
+
+def restart_count() -> int:
+    """torchrun's ``TORCHELASTIC_RESTART_COUNT``: which life of its replica group this is."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
 
 def trace_mode() -> int:

@@ -15,7 +15,8 @@ What this module owns, on top of commslayer's recovery (``shrink``,
   (member id ``replica * shards + shard``).  It carries liveness, the
   membership decisions and the commit votes; the averaging runs on
   ``replicate``, its split over the ranks that hold the same shard.
-- Atomic steps (``average``): the gradient average of a step counts only if
+- Atomic steps (``average``): the gradient average of a step (its buckets
+  all-reduced together) counts only if
   every rank of every live replica group voted that its part succeeded
   (``should_commit``); otherwise the survivors shrink and redo the average
   from the same local gradients, so the optimizer step is applied once, on
@@ -25,8 +26,9 @@ What this module owns, on top of commslayer's recovery (``shrink``,
   still holds part of a group drops it.
 - Growing back (``admit``, ``heal``): at a step boundary the members admit
   every restarted replica group whose ranks have all announced themselves;
-  its ranks receive the state (the caller's tensors: parameters, optimizer
-  state) and the step number from a live replica over ``replicate``.
+  its ranks receive the state (a ``Healable``: parameters, optimizer state,
+  the user's own state, packed to bytes) and the step number from a live
+  replica over ``replicate``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import hashlib
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -121,16 +123,18 @@ class Replicas:
         return [m for m in members if counts[m // self.shards] == self.shards]
 
     # ------------------------------------------------------------ atomic steps
-    def average(self, local: torch.Tensor, step: int) -> torch.Tensor:
-        """The average of ``local`` over the live replica groups, committed on every
-        rank of every one of them (``local`` itself is never written).  Redone on the
-        survivors after a loss; raises ``ReplicaBroken`` if this rank's own group
-        lost a member."""
+    def average(self, buckets: Sequence[torch.Tensor], step: int) -> List[torch.Tensor]:
+        """The average of each of ``buckets`` over the live replica groups, committed on
+        every rank of every one of them (the buckets themselves are never written). The
+        buckets' all-reduces are in flight together. Redone on the survivors after a
+        loss; raises ``ReplicaBroken`` if this rank's own group lost a member."""
         while True:
-            out = local.clone()
+            outs = [b.clone() for b in buckets]
             ok = True
             try:
-                self.replicate.all_reduce(out, ReduceOp.AVG)
+                works = [self.replicate.all_reduce(out, ReduceOp.AVG, async_op=True) for out in outs]
+                for work in works:
+                    work.wait()
             except CommAborted:
                 raise  # fenced out: the others went on without this replica group
             except CommError:
@@ -139,7 +143,7 @@ class Replicas:
             if self._agreed(ok):
                 if self.recoveries and self.recoveries[-1].committed_at is None:
                     self.recoveries[-1].committed_at = time.time()
-                return out
+                return outs
             self._recover(step, detected)
 
     def _recover(self, step: int, detected: float) -> None:
@@ -166,7 +170,7 @@ class Replicas:
                                 comm=self.world.get_name(), op="shrink", ranks=self.world.lost_ranks)
 
     # ------------------------------------------------------------ growing back
-    def admit(self, state: Sequence[torch.Tensor], step: int) -> List[int]:
+    def admit(self, state: "Healable", step: int) -> List[int]:
         """At a step boundary (every live rank calls it): let in the restarted replica
         groups whose ranks have all announced themselves and send them ``state`` and
         ``step``. Returns the replica groups admitted."""
@@ -203,7 +207,7 @@ class Replicas:
         self.admissions.append(Admission(step, admitted, self.generation, time.perf_counter() - start))
         return admitted
 
-    def heal(self, state: Sequence[torch.Tensor]) -> int:
+    def heal(self, state: "Healable") -> int:
         """A restarted rank, once admitted: overwrite ``state`` with a live replica's
         and return the step to continue from."""
         step = self._transfer(state, -1, survivor=False)
@@ -223,22 +227,25 @@ class Replicas:
         except CommError:
             return False
 
-    def _transfer(self, state: Sequence[torch.Tensor], step: int, *, survivor: bool) -> int:
-        """Broadcast ``state`` and ``step`` from the first rank of ``replicate`` that
-        was live before the admission (the same on every member: they all say which)."""
+    def _transfer(self, state: "Healable", step: int, *, survivor: bool) -> int:
+        """Send ``state`` (as ``state.pack()`` bytes) and ``step`` from the first rank of
+        ``replicate`` that was live before the admission (the same on every member: they
+        all say which); the others ``unpack`` it."""
         comm = self.replicate
         flags = torch.zeros(comm.get_size(), dtype=torch.int64)
         comm.all_gather_single(flags, torch.tensor([int(survivor)], dtype=torch.int64))
         root = int(torch.nonzero(flags)[0])
-        head = torch.tensor([step], dtype=torch.int64)
+        payload = state.pack() if comm.get_rank() == root else b""
+        head = torch.tensor([step, len(payload)], dtype=torch.int64)
         comm.broadcast(head, root)
-        flat = flatten(state)
-        comm.broadcast(flat, root)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
+            torch.empty(int(head[1]), dtype=torch.uint8)
+        comm.broadcast(data, root)
         if not survivor:
-            unflatten(flat, state)
-        return int(head)
+            state.unpack(bytes(data.untyped_storage()))
+        return int(head[0])
 
-    def wait_for(self, state: Sequence[torch.Tensor], step: int, gone: Callable[[int], bool],
+    def wait_for(self, state: "Healable", step: int, gone: Callable[[int], bool],
                  timeout_s: float, poll_s: float = 0.1) -> None:
         """At the end of the run: keep admitting until every replica group is live
         again, the rest are ``gone`` (their launcher gave up), or ``timeout_s``
@@ -261,28 +268,26 @@ class Replicas:
                 return
             time.sleep(poll_s)
 
-    def fingerprints(self, state: Sequence[torch.Tensor]) -> List[int]:
+    def fingerprints(self, state: "Healable") -> List[int]:
         """A 63-bit hash of ``state`` on every replica group's rank of this shard, in
         ``replicate`` rank order: equal values mean bitwise-identical state."""
-        mine = torch.tensor([fingerprint(state)], dtype=torch.int64)
+        mine = torch.tensor([state.fingerprint()], dtype=torch.int64)
         out = torch.zeros(self.replicate.get_size(), dtype=torch.int64)
         self.replicate.all_gather_single(out, mine)
         return out.tolist()
 
 
-def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One contiguous float copy of ``tensors`` (all of one dtype)."""
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
+class Healable(Protocol):
+    """What a replica group's state must offer to be sent to a restarted group."""
 
+    def pack(self) -> bytes:
+        """This rank's whole state, to be sent to a restarted rank of the same shard."""
 
-def unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    """Copy ``flat`` back into ``tensors``, in order (the inverse of ``flatten``)."""
-    offset = 0
-    with torch.no_grad():
-        for t in tensors:
-            n = t.numel()
-            t.copy_(flat[offset:offset + n].view_as(t))
-            offset += n
+    def unpack(self, data: bytes) -> None:
+        """Overwrite this rank's state with what ``pack`` gave on a live replica."""
+
+    def fingerprint(self) -> int:
+        """A 63-bit hash of the state: equal on two replicas only if bitwise identical."""
 
 
 def fingerprint(tensors: Sequence[torch.Tensor]) -> int:

@@ -115,12 +115,17 @@ def decode(text: str) -> List[Fault]:
 
 
 def job_rank() -> int:
-    value = os.environ.get("COMMSLAYER_JOB_RANK") or os.environ.get("RANK") or "0"
-    return int(value)
+    """This process's job rank (``commslayer.config.job_rank``), else torchrun's ``RANK``."""
+    from commslayer import config
+
+    rank = config.job_rank()
+    return rank if rank is not None else int(os.environ.get("RANK") or 0)
 
 
 def life() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    from commslayer import config
+
+    return config.restart_count()
 
 
 class Log:
@@ -287,14 +292,36 @@ def injector() -> Injector:
     return _injector
 
 
-def install() -> None:
-    """Attach the injector to every communicator this process builds from now on."""
-    from commslayer.communicator import live_communicators, register_communicator_hook
+_installed = False
 
+
+def install() -> None:
+    """Attach the injector to every communicator this process builds from now on, and
+    fire step faults at the phases of any job on ``commslayer.resilience`` (idempotent)."""
+    from commslayer.communicator import live_communicators, register_communicator_hook
+    from commslayer.resilience import register_phase_hook
+
+    global _installed
+    if _installed:
+        return
+    _installed = True
     inj = injector()
     register_communicator_hook(inj.attach)
     for comm in live_communicators():
         inj.attach(comm)
+    register_phase_hook(lambda job, step, phase: inj.point(step, phase, lambda: fault_window(job, step)))
+
+
+def fault_window(job: Any, step: int) -> bool:
+    """Whether a step fault may fire at ``step`` of a resilient job (``commslayer.resilience.Job``):
+    every replica group live, each committed a step since it last came back (with one
+    group healing and another one killed, no copy of the state would be left), and no
+    other fault fired in this generation (faults of two groups in one step would leave
+    no copy either)."""
+    healed = job.healed_at if job.healed_at is not None else -1
+    if len(job.live_replicas) < job.replicas or step <= max([healed] + [a.step for a in job.admissions]):
+        return False
+    return job.store.add(f"faults/generation/{job.generation}", 1) == 1
 
 
 def point(step: int, phase: str, claim: Optional[Callable[[], bool]] = None) -> None:

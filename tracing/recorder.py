@@ -37,6 +37,7 @@ import commslayer
 from commslayer import config
 from commslayer.communicator import BACKEND_OPS
 from commslayer.work import WorkStatus
+from commslayer.exits import register_before_exit
 from commslayer.liveness import close_all
 
 from . import fr_format
@@ -309,6 +310,12 @@ def _dump_at_exit(rec: FlightRecorder) -> None:
     rec.dump("exit")
 
 
+def _dump_before_exit(rec: FlightRecorder, status: int, why: str) -> None:
+    """``commslayer.exits.exit_now`` is ending the process (the connections are closed already)."""
+    rec.dump("exit" if status == 0 else f"exit {status}: {why}")
+    rec.flush_sinks()
+
+
 _TERM_GRACE_S = 1.0  # after a SIGTERM dump, how long the main thread has to end the process
 
 
@@ -342,6 +349,7 @@ def install(trace_dir: Optional[str] = None, *, capacity: Optional[int] = None,
         if signals and threading.current_thread() is threading.main_thread():
             _install_signal_handlers(rec)
         atexit.register(_dump_at_exit, rec)
+        rec._handles.append(register_before_exit(lambda status, why: _dump_before_exit(rec, status, why)))
         _recorder = rec
         return rec
 
