@@ -69,6 +69,25 @@ def job_rank() -> Optional[int]:
     return int(value) if value else None
 
 
+def trace_mode() -> int:
+    """``COMMSLAYER_TRACE_MODE``: permission bits, in octal, of the trace files a job
+    creates (default 0600: only the job's user reads them; 0640 lets its group read
+    a shared trace directory). Directories it creates get search where read is
+    allowed (0700, 0750). Group and others may read at most: a trace file they
+    could write could be made to lie. The umask still applies."""
+    raw = os.environ.get("COMMSLAYER_TRACE_MODE", "").strip()
+    if not raw:
+        return 0o600
+    try:
+        mode = int(raw, 8)
+    except ValueError:
+        mode = -1
+    if mode < 0 or mode & ~0o644 or mode & 0o600 != 0o600:
+        raise ValueError(f"COMMSLAYER_TRACE_MODE={raw!r}: expected an octal file mode with owner read and write and "
+                         "at most read for group and others: 0600, 0640, 0604 or 0644")
+    return mode
+
+
 def trace_buffer() -> int:
     """``COMMSLAYER_TRACE_BUFFER``: records kept in the flight recorder's ring (default 4096)."""
     return _positive("COMMSLAYER_TRACE_BUFFER", 4096, int)

@@ -17,7 +17,18 @@ connection to every other member, independent of the backend:
 One ``Liveness`` serves one member set (a communicator of one generation
 and the communicators split from it); one daemon thread runs it, reading all
 sockets with a selector and sending a one-byte heartbeat every
-``heartbeat_s``.  Addresses are exchanged through the communicator's store.
+``heartbeat_s``.
+
+Set-up goes through the communicator's store: each member listens on its
+own advertised address (``commslayer.addresses``: the interface towards the
+store, or the one ``GLOO_SOCKET_IFNAME`` or ``COMMSLAYER_LIVENESS_HOST``
+names; never every interface) and publishes it with a fresh random key.  A
+connection counts only once its hello (sender, receiver) carries the HMAC of
+the receiver's key, so a process that cannot read the store cannot join,
+pose as a rank or stall the set-up: junk, forged hellos and silent sockets
+are logged and dropped (a silent one after ``HELLO_TIMEOUT_S``) while the
+real peers connect.  The listener closes once every peer is in.  Set-up
+failures are ``PeerLost`` naming the peer.
 ``close()`` (``finalize``, and every monitor at normal interpreter exit)
 says goodbye first, so a member that leaves on purpose is not reported as
 lost; the communicator still fails an op that needs a member that left.  A
@@ -30,8 +41,10 @@ told apart from a normal exit: it says goodbye.
 from __future__ import annotations
 
 import atexit
+import hashlib
+import hmac
 import logging
-import os
+import secrets
 import selectors
 import socket
 import struct
@@ -39,16 +52,20 @@ import sys
 import threading
 import time
 import weakref
-from typing import Callable, Dict, Set
+from typing import Callable, Dict, Set, Tuple
 
 import torch.distributed as dist
 
+from .addresses import advertised_host
+from .errors import PeerLost
+
 log = logging.getLogger("commslayer")
 
-_HELLO = struct.Struct("!4sI")  # magic, sender's rank
 _MAGIC = b"CLhb"
+_HELLO = struct.Struct("!4sII32s")  # magic, sender's rank, receiver's rank, HMAC-SHA256 of the three
 _BEAT = b"."
 _BYE = b"B"
+HELLO_TIMEOUT_S = 2.0  # a connection that has not said a valid hello by then is dropped
 
 _open: "weakref.WeakSet[Liveness]" = weakref.WeakSet()
 
@@ -56,19 +73,30 @@ LostCallback = Callable[[Set[int], str], None]
 LeftCallback = Callable[[Set[int]], None]
 
 
-def _advertised_host() -> str:
-    """The address peers should dial: ``COMMSLAYER_LIVENESS_HOST``, else the
-    address torchrun's store uses, else loopback."""
-    host = os.environ.get("COMMSLAYER_LIVENESS_HOST") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-    try:
-        return socket.gethostbyname(host) if host != "localhost" else "127.0.0.1"
-    except OSError:
-        return "127.0.0.1"
+def hello(key: bytes, sender: int, receiver: int) -> bytes:
+    """The first message on a liveness connection: who dials whom, signed with the
+    receiver's key (which only readers of the communicator's store know)."""
+    head = _MAGIC + struct.pack("!II", sender, receiver)
+    return _HELLO.pack(_MAGIC, sender, receiver, hmac.new(key, head, hashlib.sha256).digest())
+
+
+def check_hello(key: bytes, receiver: int, data: bytes) -> int:
+    """The sender's rank of a valid hello for ``receiver``; ``ValueError`` saying why not."""
+    magic, sender, to, mac = _HELLO.unpack(data)
+    if magic != _MAGIC:
+        raise ValueError("not a liveness hello")
+    if not hmac.compare_digest(mac, hello(key, sender, to)[-32:]):
+        raise ValueError(f"hello claiming rank {sender} carries a wrong signature")
+    if to != receiver:
+        raise ValueError(f"hello from rank {sender} is meant for rank {to}")
+    return sender
 
 
 class Liveness:
     """The heartbeat mesh of one member set. On its thread, ``on_lost(ranks, why)``
-    runs when peers die or stop, ``on_left(ranks)`` when peers close it on purpose."""
+    runs when peers die or stop, ``on_left(ranks)`` when peers close it on purpose.
+
+    Set-up failures raise ``PeerLost`` naming the peer that could not be reached."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, *, heartbeat_s: float, peer_timeout_s: float,
                  connect_timeout_s: float, on_lost: LostCallback, on_left: LeftCallback, label: str) -> None:
@@ -85,48 +113,139 @@ class Liveness:
         self._left: Set[int] = set()
         self._closing = False
         self._wake_r, self._wake_w = socket.socketpair()  # close() wakes the thread through it
-        self._connect(store, connect_timeout_s)
+        try:
+            self._connect(store, connect_timeout_s)
+        except BaseException:
+            for s in list(self._socks.values()) + [self._wake_r, self._wake_w]:
+                s.close()
+            raise
         _open.add(self)
         self._thread = threading.Thread(target=self._run, name=f"commslayer-liveness-{label}", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------- set-up
     def _connect(self, store: dist.Store, timeout_s: float) -> None:
-        """Listen, publish the address, connect to higher ranks, accept lower ones."""
+        """Listen on this host's advertised address, publish it with a fresh key, dial the
+        higher ranks, and accept the lower ones (only hellos signed with the key count)."""
+        host = advertised_host(store)
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        host = _advertised_host()
-        listener.bind(("0.0.0.0", 0))
-        listener.listen(self.size)
-        listener.settimeout(timeout_s)
-        store.set(f"liveness/{self.rank}", f"{host}:{listener.getsockname()[1]}")
         try:
+            try:
+                listener.bind((host, 0))
+            except OSError as exc:  # an address the user named for a NAT, not one of this host's
+                log.warning("commslayer %s: cannot listen on %s (%s); listening on every interface",
+                            self._label, host, exc.strerror or exc)
+                listener.bind(("0.0.0.0", 0))
+            listener.listen(max(self.size, 16))
+            key = secrets.token_bytes(32)
+            deadline = time.monotonic() + timeout_s
+            store.set(f"liveness/{self.rank}", f"{host}:{listener.getsockname()[1]}:{key.hex()}")
             for peer in range(self.rank + 1, self.size):
-                addr = store.get(f"liveness/{peer}").decode()
-                h, p = addr.rsplit(":", 1)
-                s = socket.create_connection((h, int(p)), timeout=timeout_s)
-                s.sendall(_HELLO.pack(_MAGIC, self.rank))
-                self._adopt(peer, s)
-            for _ in range(self.rank):
-                s, _ = listener.accept()
-                s.settimeout(timeout_s)
-                magic, peer = _HELLO.unpack(self._read_exact(s, _HELLO.size))
-                if magic != _MAGIC or not 0 <= peer < self.rank or peer in self._socks:
-                    s.close()
-                    raise ConnectionError(f"unexpected liveness hello from {s.getpeername()}")
-                self._adopt(peer, s)
+                self._dial(peer, store.get(f"liveness/{peer}").decode(), deadline)
+            self._accept(listener, key, deadline)
         finally:
             listener.close()
 
+    def _setup_failed(self, ranks: Set[int], why: str) -> PeerLost:
+        return PeerLost(f"liveness set-up: {why}", comm=self._label, op="new_comm", ranks=ranks)
+
+    def _dial(self, peer: int, published: str, deadline: float) -> None:
+        try:
+            h, p, key = published.rsplit(":", 2)
+            addr, key_bytes = (h, int(p)), bytes.fromhex(key)
+        except ValueError:
+            raise self._setup_failed({peer}, f"rank {peer} published no valid liveness address "
+                                             f"({published[:80]!r})") from None
+        try:
+            s = socket.create_connection(addr, timeout=max(0.05, deadline - time.monotonic()))
+        except OSError as exc:
+            raise self._setup_failed({peer}, f"cannot reach rank {peer}'s liveness listener at {h}:{p} "
+                                             f"({exc.strerror or exc})") from None
+        try:
+            s.sendall(hello(key_bytes, self.rank, peer))
+        except OSError as exc:
+            s.close()
+            raise self._setup_failed({peer}, f"rank {peer}'s liveness listener at {h}:{p} hung up "
+                                             f"({exc.strerror or exc})") from None
+        self._adopt(peer, s)
+
+    def _accept(self, listener: socket.socket, key: bytes, deadline: float) -> None:
+        """Accept until every lower rank has said a valid hello. Anything else that
+        connects (junk, a forged hello, a silent socket) is logged and dropped without
+        holding up the others."""
+        wanted = set(range(self.rank))
+        pending: Dict[socket.socket, Tuple[bytes, float, str]] = {}  # bytes read, since, where from
+        listener.setblocking(False)
+        sel = selectors.DefaultSelector()
+        sel.register(listener, selectors.EVENT_READ, None)
+        try:
+            while wanted:
+                now = time.monotonic()
+                if now >= deadline:
+                    raise self._setup_failed(wanted, f"rank(s) {sorted(wanted)} did not connect to this rank's "
+                                                     "liveness listener in time")
+                for s, (_, since, who) in list(pending.items()):
+                    if now - since > HELLO_TIMEOUT_S:
+                        self._reject(sel, pending, s, who, f"no hello within {HELLO_TIMEOUT_S:g}s")
+                for sel_key, _ in sel.select(timeout=min(0.1, deadline - now)):
+                    if sel_key.fileobj is listener:
+                        self._take(listener, sel, pending)
+                    else:
+                        peer = self._read_hello(sel_key.fileobj, key, wanted, sel, pending)
+                        if peer is not None:
+                            wanted.discard(peer)
+        finally:
+            for s in pending:
+                s.close()
+            sel.close()
+
     @staticmethod
-    def _read_exact(s: socket.socket, n: int) -> bytes:
-        buf = b""
-        while len(buf) < n:
-            chunk = s.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionError("liveness peer closed during hello")
-            buf += chunk
-        return buf
+    def _take(listener: socket.socket, sel: selectors.BaseSelector, pending: Dict) -> None:
+        try:
+            s, where = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        s.setblocking(False)
+        sel.register(s, selectors.EVENT_READ, None)
+        pending[s] = (b"", time.monotonic(), "%s:%s" % where[:2])
+
+    def _read_hello(self, s: socket.socket, key: bytes, wanted: Set[int], sel: selectors.BaseSelector,
+                    pending: Dict) -> "int | None":
+        """Read what ``s`` sent; adopt it once it is a whole, valid hello (its rank)."""
+        got, since, who = pending[s]
+        try:
+            chunk = s.recv(_HELLO.size - len(got))
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError as exc:
+            chunk, why = b"", f"connection error ({exc.strerror or exc})"
+        else:
+            why = "closed before a whole hello"
+        if not chunk:
+            self._reject(sel, pending, s, who, why)
+            return None
+        got += chunk
+        if len(got) < _HELLO.size:
+            pending[s] = (got, since, who)
+            return None
+        try:
+            peer = check_hello(key, self.rank, got)
+            if peer not in wanted:
+                raise ValueError(f"rank {peer} is not one this rank waits for (connected already, or not lower)")
+        except ValueError as exc:
+            self._reject(sel, pending, s, who, str(exc))
+            return None
+        sel.unregister(s)
+        del pending[s]
+        self._adopt(peer, s)
+        return peer
+
+    def _reject(self, sel: selectors.BaseSelector, pending: Dict, s: socket.socket, who: str, why: str) -> None:
+        log.warning("commslayer %s: dropped a liveness connection from %s: %s", self._label, who, why)
+        sel.unregister(s)
+        del pending[s]
+        s.close()
 
     def _adopt(self, peer: int, s: socket.socket) -> None:
         s.setblocking(False)

@@ -12,6 +12,7 @@ Modules: ``scenarios`` (what each scenario injects and promises),
 ``inject`` (faults fired from inside the job's processes, the fault log),
 ``harness`` (running a scenario, the invariants, the reports), ``netns``
 (hosts made of network namespaces), ``cli``, ``autoload`` (the injector
-starts when torch is imported).  This package imports nothing heavy: every
+starts when torch is imported), ``wake`` (the helper that ends a
+``sigstop`` fault).  This package imports nothing heavy: every
 process of a job under the harness imports ``faults.inject``.
 """

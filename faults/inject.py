@@ -23,6 +23,7 @@ process reads it to skip the faults an earlier life fired.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -31,6 +32,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional
+
+from tracing.dumps import open_append
 
 ACTIONS = ("sigkill", "exit", "raise", "sigstop", "hang", "delay", "mismatch")
 PHASES = ("forward", "backward", "allreduce", "optimizer")
@@ -70,6 +73,11 @@ class Fault:
     def __post_init__(self) -> None:
         if self.action not in ACTIONS:
             raise ValueError(f"fault action {self.action!r}: expected one of {ACTIONS}")
+        # ``seconds`` reaches a timer process and time.sleep: a finite, non-negative number only.
+        if isinstance(self.seconds, bool) or not isinstance(self.seconds, (int, float)) \
+                or not 0 <= self.seconds < math.inf:
+            raise ValueError(f"fault {self.action} on rank {self.rank}: seconds={self.seconds!r} "
+                             "must be a finite number >= 0")
         if (self.step is None) == (self.op is None):
             raise ValueError(f"fault {self.action} on rank {self.rank}: give a step (and phase) or an op, not both")
         if self.step is not None and self.phase not in PHASES:
@@ -127,12 +135,12 @@ class Log:
         line = json.dumps({"event": event, "member": job_rank(), "life": life(), "pid": os.getpid(),
                            "t": time.time(), **fields}) + "\n"
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = open_append(self.path)  # never through a link planted as the log's name
             try:
                 os.write(fd, line.encode())
             finally:
                 os.close(fd)
-        except OSError as exc:  # a full disk must not change what the job does
+        except OSError as exc:  # a full disk or a refused path must not change what the job does
             print(f"commslayer faults: cannot write {self.path}: {exc}", file=sys.stderr, flush=True)
 
     def read(self) -> List[Dict[str, Any]]:
@@ -230,9 +238,10 @@ class Injector:
         elif f.action == "raise":
             raise InjectedFault(f"injected fault: {f.describe()}")
         elif f.action == "sigstop":
-            # A stopped process cannot wake itself: a child sends SIGCONT, from a session of its
-            # own so that torchrun ending this worker's process group does not end it first.
-            subprocess.Popen(["sh", "-c", f"sleep {f.seconds}; kill -CONT {os.getpid()}"], start_new_session=True,
+            # A stopped process cannot wake itself: a child sends SIGCONT (faults.wake), from a
+            # session of its own so that torchrun ending this worker's process group does not end it first.
+            subprocess.Popen([sys.executable, "-m", "faults.wake", repr(time.monotonic() + f.seconds),
+                              str(os.getpid())], start_new_session=True,
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             os.kill(os.getpid(), signal.SIGSTOP)
         elif f.action == "hang":

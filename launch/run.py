@@ -147,14 +147,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _address_towards(address: str) -> str:
-    """This host's address on the route to ``address`` (HOST:PORT)."""
-    host, port = address.rsplit(":", 1)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, int(port)))  # a UDP connect sends nothing: it only picks the route
-        return s.getsockname()[0]
-
-
 def _replica_ids(spec: str, replicas: int) -> List[int]:
     if spec == "all":
         return list(range(replicas))
@@ -199,8 +191,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"coordinator: job store at {a.host}:{store.port} for {a.replicas} replica group(s) of "
               f"{a.nproc_per_replica}", flush=True)
 
-    # Peers dial this host's liveness listener at the address it reaches the coordinator from.
-    advertise = os.environ.get("COMMSLAYER_LIVENESS_HOST") or _address_towards(address)
     become_subreaper()
     launcher = Launcher(a.grace)
     if a.run_dir:
@@ -214,7 +204,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         for r in ids:
             env = dict(os.environ, COMMSLAYER_JOB_STORE=address, COMMSLAYER_REPLICA=str(r),
-                       COMMSLAYER_LIVENESS_HOST=advertise,
                        COMMSLAYER_REPLICAS=str(a.replicas), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
             args = list(script_args)
             if a.run_dir:

@@ -116,3 +116,56 @@ def test_fault_specs_round_trip_and_reject_bad_input():
         Fault("mismatch", 0, op="broadcast", mismatch="op")
     with pytest.raises(ValueError, match="delay"):
         Fault("sigkill", 0, op="*")
+
+
+def _job_with_faults(faults: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """A one-process job: import torch (the injector starts), fire the step-1 forward faults."""
+    script = ("import sys, time, torch; print('imported', flush=True); import faults.inject as fi; "
+              "t = time.monotonic(); fi.point(1, 'forward'); print('resumed after', time.monotonic() - t)")
+    env = dict(os.environ, COMMSLAYER_FAULTS=faults, COMMSLAYER_FAULTS_LOG=str(tmp_path / "faults.jsonl"),
+               OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_fault_seconds_must_be_a_number_and_never_reach_a_shell(tmp_path):
+    for bad in ("1; touch /tmp/x", float("nan"), float("inf"), -1, True, None):
+        with pytest.raises(ValueError, match=r"fault sigstop on rank 0: seconds=.* finite number >= 0"):
+            Fault("sigstop", 0, step=1, phase="forward", seconds=bad)
+    planted = tmp_path / "pwned"
+    spec = json.dumps([{"action": "sigstop", "rank": 0, "step": 1, "phase": "forward",
+                        "seconds": f"1; touch {planted}"}])
+    proc = _job_with_faults(spec, tmp_path)
+    assert proc.returncode != 0 and "imported" not in proc.stdout  # refused when torch loads the faults
+    assert f"fault sigstop on rank 0: seconds='1; touch {planted}' must be a finite number >= 0" in proc.stderr
+    assert not planted.exists()
+
+
+@pytest.mark.timeout(90)
+def test_a_sigstop_fault_is_resumed_after_its_seconds(tmp_path):
+    proc = _job_with_faults(encode([Fault("sigstop", 0, step=1, phase="forward", seconds=0.5)]), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    stopped = float(proc.stdout.split("resumed after")[1])
+    assert 0.5 <= stopped < 5.0, proc.stdout
+
+
+def test_the_waker_waits_for_the_stop_it_ends():
+    """A stop that comes after its deadline (a loaded machine) is still ended: a SIGCONT
+    sent before the stop would be lost and leave the process stopped for good."""
+    import signal
+    import time
+
+    from faults.wake import state
+
+    target = subprocess.Popen(["sleep", "30"])
+    try:
+        waker = subprocess.Popen([sys.executable, "-m", "faults.wake", repr(time.monotonic()), str(target.pid)],
+                                 cwd=ROOT)
+        time.sleep(0.5)  # past the deadline: the waker is still waiting for the stop
+        assert waker.poll() is None
+        os.kill(target.pid, signal.SIGSTOP)
+        assert waker.wait(10) == 0
+        assert state(target.pid) in ("S", "R")
+    finally:
+        target.kill()
+        target.wait()

@@ -41,7 +41,7 @@ from typing import Any, Dict, List, Optional
 import orjson
 import structlog
 
-from .dumps import AppendWriter
+from .dumps import FILE_MODE, AppendWriter
 from .records import COMPLETED, SCHEMA_VERSION
 from .recorder import FlightRecorder, Record
 from .sinks import Item, QueuedSink
@@ -73,7 +73,7 @@ class JsonlSink(QueuedSink):
             if rec.writer is None:
                 raise ValueError("JsonlSink needs a trace directory (COMMSLAYER_TRACE_DIR)")
             path = os.path.join(rec.writer.directory, f"rank{self.rank}.jsonl")
-        self.writer = AppendWriter(path)
+        self.writer = AppendWriter(path, rec.writer.mode if rec.writer is not None else FILE_MODE)
         self._buffer = io.BytesIO()
         self._log = structlog.wrap_logger(
             structlog.BytesLogger(self._buffer),

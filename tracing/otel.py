@@ -309,7 +309,7 @@ class OtelSink(QueuedSink):
 
     def __init__(self, rec: FlightRecorder, *, capacity: Optional[int] = None) -> None:
         super().__init__(rec, capacity=capacity)
-        directory = rec.writer.directory if rec.writer is not None else None
+        dumps = rec.writer  # its directory and file mode
         resource = Resource.create({
             "service.name": os.environ.get("OTEL_SERVICE_NAME") or "commslayer",
             "commslayer.job": rec.job, "commslayer.rank": self.rank, "host.name": rec.host,
@@ -317,11 +317,11 @@ class OtelSink(QueuedSink):
         })
 
         def file_for(kind: str) -> Optional[AppendWriter]:
-            if directory is None:
+            if dumps is None:
                 _warn_once(f"no-dir-{kind}", "commslayer tracing: OpenTelemetry %s have no trace directory "
                            "(COMMSLAYER_TRACE_DIR) to go to; not exported", kind)
                 return None
-            return AppendWriter(os.path.join(directory, f"otel-{kind}-rank{self.rank}.jsonl"))
+            return AppendWriter(os.path.join(dumps.directory, f"otel-{kind}-rank{self.rank}.jsonl"), dumps.mode)
 
         self.span_writer: Optional[AppendWriter] = None
         self.metric_writer: Optional[AppendWriter] = None

@@ -40,7 +40,7 @@ from commslayer.work import WorkStatus
 from commslayer.liveness import close_all
 
 from . import fr_format
-from .dumps import DumpWriter
+from .dumps import FILE_MODE, DumpWriter
 from .records import ABORTED, COMPLETED, FAILED, RECORD_FIELDS, SCHEDULED, STARTED, TIMED_OUT, new_dump
 
 log = logging.getLogger("commslayer.tracing")
@@ -111,11 +111,12 @@ def _caller(frame):
 class FlightRecorder:
     """The per-process recorder. Build it with ``install()``."""
 
-    def __init__(self, capacity: int, trace_dir: str, *, job: str, stack: bool = False) -> None:
+    def __init__(self, capacity: int, trace_dir: str, *, job: str, stack: bool = False,
+                 mode: int = FILE_MODE) -> None:
         self.capacity = capacity
         self.job = job
         self.stack = stack
-        self.writer = DumpWriter(trace_dir) if trace_dir else None
+        self.writer = DumpWriter(trace_dir, mode) if trace_dir else None
         self.host = socket.gethostname()
         self.clock = {"wall_ns": time.time_ns(), "mono_ns": time.monotonic_ns()}
         self.sinks: List[Any] = []  # objects with enqueue(record) (called as each op ends) and flush()
@@ -325,7 +326,8 @@ def install(trace_dir: Optional[str] = None, *, capacity: Optional[int] = None,
         if _recorder is not None:
             return _recorder
         rec = FlightRecorder(capacity or config.trace_buffer(), trace_dir or config.trace_dir(),
-                             job=config.job_id(), stack=config.trace_stack() if stack is None else stack)
+                             job=config.job_id(), stack=config.trace_stack() if stack is None else stack,
+                             mode=config.trace_mode())
         for comm in commslayer.live_communicators():
             rec.attach(comm)
         rec._handles.append(commslayer.register_communicator_hook(rec.attach))
