@@ -9,14 +9,15 @@ seconds that the benchmark still works.
 Scenarios (4 ranks, one victim, rank 2; the op deadline is 600 s for ours,
 so only detection can end the wait):
 
-* ``ours, SIGKILL`` / ``ours, SIGSTOP`` (``--peer-timeout``): from the signal to the end of the
-  first successful all_reduce on the shrunk communicator, on the slowest
-  survivor (detection + agreement + the new group + one op);
-* ``plain Gloo (timeout T), SIGKILL|SIGSTOP`` (``--plain-timeout``): from the signal until the
-  slowest survivor's all_reduce raises, the time a plain job needs before it
-  can even start to recover; the default Gloo timeout of torch (30 min) is
-  capped at ``--cap`` seconds, and a survivor still waiting then counts as
-  "more than the cap";
+* ``ours, SIGKILL`` / ``ours, SIGSTOP (peer timeout T)`` (``--peer-timeout``):
+  from the signal to the end of the first successful all_reduce on the
+  shrunk communicator, on the slowest survivor (detection + agreement + the
+  new group + one op);
+* ``plain Gloo (timeout T), SIGKILL|SIGSTOP`` (``--plain-timeout``): from
+  the signal until the slowest survivor's all_reduce raises, the time a
+  plain job needs before it can even start to recover; the default Gloo
+  timeout of torch (30 min) is capped at ``--cap`` seconds, and a survivor
+  still waiting then counts as "more than the cap";
 * ``torchrun restart``: ``torchrun --max-restarts 1`` of a job whose rank 2
   is SIGKILLed after its first all_reduce: from the kill to the end of the
   first all_reduce of the restarted job (new processes, torch imported

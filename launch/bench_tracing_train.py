@@ -56,8 +56,9 @@ def run_once(variant: str, args: argparse.Namespace, work: str, i: int) -> float
     rank0 = next((r for r in load_results(run_dir) if r["member"] == 0), None)
     if rank0 is None:
         raise SystemExit(f"{variant} run failed (exit status {out.returncode}):\n{out.stderr[-3000:]}")
-    if "COMMSLAYER_TRACE_DIR" in env and not os.path.exists(os.path.join(env["COMMSLAYER_TRACE_DIR"], "rank0.jsonl")):
-        raise SystemExit(f"{variant}: no trace written to {env['COMMSLAYER_TRACE_DIR']}")
+    traces = env.get("COMMSLAYER_TRACE_DIR")
+    if traces and not os.path.exists(os.path.join(traces, "rank0.jsonl")):
+        raise SystemExit(f"{variant}: no trace written to {traces}")
     if out.returncode != 0:  # trained to the end, then a rank died at exit: counted, reported
         EXIT_FAILURES[variant] += 1
         print(f"[bench_tracing_train] {variant}: exit status {out.returncode} after training; stderr tail:\n"
