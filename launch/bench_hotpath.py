@@ -13,6 +13,8 @@ complements ``bench_overhead.py``, whose cold per-op numbers (one op after a
 barrier, between other groups' ops) are what a training loop sees.
 
     python launch/bench_hotpath.py --ops 20000 --rounds 7
+
+``--smoke`` (200 ops, one round) checks in seconds that it still runs.
 """
 
 from __future__ import annotations
@@ -34,7 +36,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", type=int, default=20000, help="ops per variant per round")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--smoke", action="store_true", help="check that the benchmark works, in seconds: every "
+                   "variant, 200 ops, 1 round; explicit options still apply")
     args = p.parse_args()
+    if args.smoke:
+        p.set_defaults(ops=200, rounds=1)
+        args = p.parse_args()
     store = dist.HashStore()
     dist.init_process_group("gloo", store=dist.PrefixStore("plain/", store), rank=0, world_size=1)
     plain = commslayer.new_comm("gloo", name="hot", store=store, rank=0, size=1)

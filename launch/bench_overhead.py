@@ -4,6 +4,10 @@ Launch it with torchrun, one process per rank::
 
     torchrun --nproc-per-node 2 launch/bench_overhead.py [--json runs/overhead.json]
 
+``--smoke`` checks in seconds that it still runs: every op and every variant
+(``--tracing`` on, its files in a temporary directory), 4 bytes, one warm-up
+and one timed round.
+
 What it measures
 ----------------
 For each op (``all_reduce``, ``all_gather_single``, ``reduce_scatter_single``)
@@ -91,6 +95,7 @@ rank.  The outcome is printed; a difference fails the run (exit status 1).
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime as _dt
 import gc
 import json
@@ -99,7 +104,9 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -176,8 +183,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also measure commslayer with the flight recorder, + JSON lines, + OpenTelemetry "
                         "(one communicator and one recorder per variant)")
     p.add_argument("--trace-dir", default="runs/bench-tracing",
-                   help="where the traced variants write their files (default runs/bench-tracing)")
+                   help="where the traced variants write their files (default runs/bench-tracing; with --smoke "
+                        "a temporary directory, removed at exit)")
+    p.add_argument("--smoke", action="store_true",
+                   help="check that the benchmark works, in seconds: every op and variant (--tracing), 4 B, "
+                        "1 warm-up and 1 timed round; explicit options still apply")
     return p
+
+
+SMOKE = {"sizes": [4], "warmup": 1, "min_reps": 1, "max_reps": 1, "verify_elements": 33, "tracing": True,
+         "trace_dir": None}
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -577,10 +592,16 @@ def to_json(meta: Dict[str, object], results: Sequence[Result], verdict: Dict[st
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.smoke:
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args(argv)
     check_args(parser, args)
     global VARIANTS
     g = setup()
     if args.tracing:
+        if args.trace_dir is None:  # --smoke: registered before the sinks' own exit handlers, so it runs after them
+            args.trace_dir = tempfile.mkdtemp(prefix="bench-overhead-")
+            atexit.register(shutil.rmtree, args.trace_dir, ignore_errors=True)
         VARIANTS = BASE_VARIANTS + TRACED_VARIANTS
         g.traced = traced_comms(args.trace_dir)
     meta = metadata(g, args)

@@ -27,7 +27,9 @@ the bytes rank 0 sent on each rail (tc counters), which show where the traffic w
     python launch/bench_overlap.py --ranks 2 4 --json docs/data/overlap.json   # as root
 
 ``--configs`` runs a subset; ``--trace-dir DIR`` also leaves every rank's
-trace there, for ``commslayer-trace overlap DIR``.
+trace there, for ``commslayer-trace overlap DIR``.  ``--smoke`` checks in
+seconds that the benchmark still works: every configuration once, 2 ranks,
+a 2-layer 256-wide stack, one timed step.
 """
 
 from __future__ import annotations
@@ -44,13 +46,14 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from faults.netns import Network, remove_leftovers
+
 PREFIX = "csov"  # namespace names: csov<pid>-hub, csov<pid>-r<rank>
 # command-line key -> the name in tables
 CONFIGS = {"default": "default", "default-aa": "default (A/A)", "native": "native",
            "ours-1link": "ours, 1 link", "ours-2links": "ours, 2 links"}
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from faults.netns import Network, remove_leftovers  # noqa: E402
+SMOKE = {"ranks": [2], "repeats": 1, "steps": 1, "layers": 2, "dim": 256, "timeout": 120}
 
 
 # ------------------------------------------------------------------ parent
@@ -146,8 +149,13 @@ def main() -> None:
     p.add_argument("--trace-dir", help="each rank also dumps its trace records here (for commslayer-trace)")
     p.add_argument("--timeout", type=float, default=900, help="seconds one world size may take")
     p.add_argument("--json", help="write the raw results here")
+    p.add_argument("--smoke", action="store_true", help="check that the benchmark works, in seconds: every "
+                   "configuration, 2 ranks, 2 layers of 256, 1 repeat of 1 step; explicit options still apply")
     p.add_argument("--worker", metavar="OUT_DIR", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.smoke:
+        p.set_defaults(**SMOKE)
+        args = p.parse_args()
     if args.worker:
         worker(args)
         return
@@ -190,7 +198,7 @@ def worker(args: argparse.Namespace) -> None:
     from tracing.analysis import overlap_by_rank
     from tracing.recorder import install
 
-    rec = install(args.trace_dir or tempfile.mkdtemp(), capacity=1 << 16, signals=False)
+    rec = install(args.trace_dir or os.path.join(args.worker, "traces"), capacity=1 << 16, signals=False)
     dist.init_process_group("commslayer")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))

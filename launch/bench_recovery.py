@@ -3,17 +3,21 @@ c10d Gloo and a torchrun restart, measured side by side in one run.
 
     python launch/bench_recovery.py --repeats 5 > docs/data/recovery.md
 
+``--smoke`` runs every scenario once with shorter timeouts, to check in
+seconds that the benchmark still works.
+
 Scenarios (4 ranks, one victim, rank 2; the op deadline is 600 s for ours,
 so only detection can end the wait):
 
-* ``ours, SIGKILL`` / ``ours, SIGSTOP``: from the signal to the end of the
-  first successful all_reduce on the shrunk communicator, on the slowest
-  survivor (detection + agreement + the new group + one op);
-* ``plain Gloo (timeout T), SIGKILL|SIGSTOP``: from the signal until the
-  slowest survivor's all_reduce raises, the time a plain job needs before it
-  can even start to recover; the default Gloo timeout of torch (30 min) is
-  capped at ``--cap`` seconds, and a survivor still waiting then counts as
-  "more than the cap";
+* ``ours, SIGKILL`` / ``ours, SIGSTOP (peer timeout T)`` (``--peer-timeout``):
+  from the signal to the end of the first successful all_reduce on the
+  shrunk communicator, on the slowest survivor (detection + agreement + the
+  new group + one op);
+* ``plain Gloo (timeout T), SIGKILL|SIGSTOP`` (``--plain-timeout``): from
+  the signal until the slowest survivor's all_reduce raises, the time a
+  plain job needs before it can even start to recover; the default Gloo
+  timeout of torch (30 min) is capped at ``--cap`` seconds, and a survivor
+  still waiting then counts as "more than the cap";
 * ``torchrun restart``: ``torchrun --max-restarts 1`` of a job whose rank 2
   is SIGKILLed after its first all_reduce: from the kill to the end of the
   first all_reduce of the restarted job (new processes, torch imported
@@ -140,18 +144,27 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--cap", type=float, default=20.0, help="longest wait measured for plain Gloo (s)")
+    p.add_argument("--peer-timeout", type=float, default=3.0,
+                   help="ours: COMMSLAYER_PEER_TIMEOUT_S, after which a stopped rank is lost (default 3)")
+    p.add_argument("--plain-timeout", type=float, default=5.0, help="plain Gloo's op timeout (default 5)")
     p.add_argument("--json", default=None, help="also write the raw figures here")
+    p.add_argument("--smoke", action="store_true", help="check that the benchmark works, in seconds: every "
+                   "scenario once, peer timeout 1 s, plain Gloo timeout 2 s; explicit options still apply")
     args = p.parse_args()
-    env = {"COMMSLAYER_TRACE_DIR": ""}
+    if args.smoke:
+        p.set_defaults(repeats=1, peer_timeout=1.0, plain_timeout=2.0)
+        args = p.parse_args()
+    env = {"COMMSLAYER_TRACE_DIR": "", "COMMSLAYER_PEER_TIMEOUT_S": str(args.peer_timeout)}
+    plain = f"plain Gloo (timeout {args.plain_timeout:g} s)"
     scenarios = {
         "ours, SIGKILL": lambda: _slowest(run_ranks(_ours, SIZE, signal.SIGKILL, timeout=60, env=env,
                                                     allow_errors=True)),
-        "ours, SIGSTOP (peer timeout 3 s)": lambda: _slowest(run_ranks(_ours, SIZE, signal.SIGSTOP,
-                                                                       timeout=60, env=env)),
-        "plain Gloo (timeout 5 s), SIGKILL": lambda: _slowest(run_ranks(
-            _plain, SIZE, signal.SIGKILL, 5.0, args.cap, timeout=60, allow_errors=True)),
-        "plain Gloo (timeout 5 s), SIGSTOP": lambda: _slowest(run_ranks(
-            _plain, SIZE, signal.SIGSTOP, 5.0, args.cap, timeout=60, allow_errors=True)),
+        f"ours, SIGSTOP (peer timeout {args.peer_timeout:g} s)": lambda: _slowest(run_ranks(
+            _ours, SIZE, signal.SIGSTOP, timeout=60, env=env)),
+        f"{plain}, SIGKILL": lambda: _slowest(run_ranks(
+            _plain, SIZE, signal.SIGKILL, args.plain_timeout, args.cap, timeout=60, allow_errors=True)),
+        f"{plain}, SIGSTOP": lambda: _slowest(run_ranks(
+            _plain, SIZE, signal.SIGSTOP, args.plain_timeout, args.cap, timeout=60, allow_errors=True)),
         "plain Gloo (default 1800 s), SIGKILL": lambda: _slowest(run_ranks(
             _plain, SIZE, signal.SIGKILL, 1800.0, args.cap, timeout=args.cap + 30, allow_errors=True)),
     }

@@ -5,6 +5,9 @@ side in one run.
 
     python launch/bench_training.py --repeats 3 --json docs/data/training.json
 
+``--smoke`` runs every configuration once on a tiny model for a few steps,
+to check that the benchmark still works.
+
 The job is launch/train.py's decoder-only LM at its default size (dim 128,
 4 layers, seq 128, batch 8 per rank), 2 replica groups of 2 FSDP2 ranks
 (4 ranks), ``--steps`` steps.  Configurations:
@@ -79,6 +82,8 @@ from run import free_port, load_results, longest  # noqa: E402
 REPLICAS, RANKS = 2, 2
 VICTIM_REPLICA = 1  # rank 0 of this replica group dies (global rank 2 in the DCP job)
 MODEL = {"batch": 8, "seq": 128, "dim": 128, "layers": 4, "heads": 4, "vocab": 256, "lr": 3e-3, "seed": 0}
+SMOKE = {"repeats": 1, "steps": 6, "warmup": 1, "fault_step": 3, "ckpt_every": 2,
+         "model": dict(MODEL, batch=4, seq=32, dim=32, layers=2, vocab=64)}
 
 # The baseline job: run by torchrun (argv[1]: its settings as JSON); launch/ and the repository are on PYTHONPATH.
 _DCP_JOB = r'''
@@ -191,7 +196,7 @@ def _env(trace: bool = True) -> Dict[str, str]:
 
 def _train_args(args: argparse.Namespace) -> List[str]:
     out = ["--steps", str(args.steps)]
-    for k, v in MODEL.items():
+    for k, v in args.model.items():
         out += [f"--{k}", str(v)]
     return out
 
@@ -263,8 +268,8 @@ def dcp_restart(args: argparse.Namespace, work: str, name: str) -> dict:
     job = os.path.join(work, "dcp_job.py")
     with open(job, "w") as f:
         f.write(_DCP_JOB)
-    cfg = dict(MODEL, replicas=REPLICAS, steps=args.steps, fault_step=args.fault_step, ckpt_every=args.ckpt_every,
-               victim=VICTIM_REPLICA * RANKS, out=out)
+    cfg = dict(args.model, replicas=REPLICAS, steps=args.steps, fault_step=args.fault_step,
+               ckpt_every=args.ckpt_every, victim=VICTIM_REPLICA * RANKS, out=out)
     env = _env()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "launch"), str(ROOT)] + env.get("PYTHONPATH", "").split(os.pathsep))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(REPLICAS * RANKS),
@@ -327,7 +332,13 @@ def main() -> int:
     p.add_argument("--phases", nargs="+", default=["allreduce", "forward"],
                    choices=["forward", "backward", "allreduce", "optimizer"], help="where ours' victim dies")
     p.add_argument("--json", help="also write the raw figures here")
+    p.add_argument("--smoke", action="store_true", help="check that the benchmark works: every configuration "
+                   "once, a tiny model, 6 steps, the fault at step 3; explicit options still apply")
+    p.set_defaults(model=MODEL)
     args = p.parse_args()
+    if args.smoke:
+        p.set_defaults(**SMOKE)
+        args = p.parse_args()
     if not args.warmup < args.fault_step < args.steps or args.fault_step < args.ckpt_every:
         raise SystemExit("need --warmup < --fault-step < --steps and a checkpoint before --fault-step")
 
@@ -370,8 +381,8 @@ def main() -> int:
         x["vs_untraced"] = x["step_s"] / base["step_s"] - 1
 
     print(f"command: `{shlex.join(['python'] + sys.argv)}`; {REPLICAS} replica groups x {RANKS} ranks on "
-          f"{os.cpu_count()} CPU(s); {args.steps} steps, model {MODEL}; fault at step {args.fault_step}, checkpoint "
-          f"every {args.ckpt_every} steps; {args.repeats} repeats; commit {revision}; "
+          f"{os.cpu_count()} CPU(s); {args.steps} steps, model {args.model}; fault at step {args.fault_step}, "
+          f"checkpoint every {args.ckpt_every} steps; {args.repeats} repeats; commit {revision}; "
           f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
     print(f"Fault-free: the slowest rank's step time, median over steps {args.warmup}..{args.steps - 1} of a run; "
           "median and min–max over runs. Overhead: a run's step time / plain Gloo's in the same repeat − 1.\n")
@@ -424,7 +435,7 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": ["python"] + sys.argv, "cpus": os.cpu_count(), "replicas": REPLICAS,
-                       "ranks_per_replica": RANKS, "revision": revision, "model": MODEL, "steps": args.steps,
+                       "ranks_per_replica": RANKS, "revision": revision, "model": args.model, "steps": args.steps,
                        "warmup": args.warmup, "fault_step": args.fault_step, "ckpt_every": args.ckpt_every,
                        "when": time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(began)), "runs": figures},
                       f, indent=1)

@@ -22,6 +22,9 @@ another, alternating, ``--repeats`` times; the report gives the median and
 the min-max per command and layout.
 
     python launch/bench_viewer.py --ranks 16 --records 100000 --repeats 3 --view
+
+``--smoke`` (2 ranks x 300 records, both layouts, every command once,
+``view`` included) checks in seconds that it still runs.
 """
 
 from __future__ import annotations
@@ -158,7 +161,12 @@ def main() -> None:
     ap.add_argument("--layouts", default="jsonl,dump")
     ap.add_argument("--keep", metavar="DIR", help="generate into DIR and leave it there")
     ap.add_argument("--view", action="store_true", help="also time `view` once per layout (HTML size reported)")
+    ap.add_argument("--smoke", action="store_true", help="check that the benchmark works, in seconds: 2 ranks x "
+                    "300 records, 1 repeat, --view; explicit options still apply")
     args = ap.parse_args()
+    if args.smoke:
+        ap.set_defaults(ranks=2, records=300, repeats=1, view=True)
+        args = ap.parse_args()
     base = args.keep or tempfile.mkdtemp(prefix="bench-viewer-")
     results: Dict[Tuple[str, str], List[Tuple[float, float, float, int]]] = {}
     sizes: Dict[str, int] = {}

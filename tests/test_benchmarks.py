@@ -1,0 +1,210 @@
+"""Every benchmark in launch/ still runs: its ``--smoke`` mode (the smallest sizes, one
+repeat, every configuration it compares) as a real subprocess, the way a user starts it.
+
+Each test checks the exit status and reads the table the benchmark prints: its columns,
+one row per configuration, numbers in the cells.  The overlap benchmark builds network
+namespaces and runs as root only.  No benchmark may touch docs/data.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+
+from launch.run import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "docs" / "data"
+NUMBER = re.compile(r"(?<![\d.])[-+]?\d+(?:\.\d+)?")  # "0.15-0.20" is two numbers, not 0.15 and -0.20
+
+
+@pytest.fixture(autouse=True)
+def docs_data_untouched():
+    """A smoke run never overwrites the published figures."""
+    before = {p.name: p.stat().st_mtime_ns for p in DATA.iterdir()}
+    yield
+    assert {p.name: p.stat().st_mtime_ns for p in DATA.iterdir()} == before
+
+
+def run_bench(*argv: str, timeout: float, env: Optional[Dict[str, str]] = None) -> str:
+    """``python *argv`` from the repository root; its stdout, once it exited 0."""
+    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})),
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"exit status {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def cells(line: str) -> List[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
+
+
+def rows(out: str, header: List[str], nth: int = 0) -> List[List[str]]:
+    """The rows of the ``nth`` Markdown table in ``out`` whose columns are ``header``."""
+    lines = out.splitlines()
+    heads = [i for i, line in enumerate(lines) if cells(line) == header]
+    assert len(heads) > nth, f"no table with columns {header} in:\n{out[-3000:]}"
+    i = heads[nth]
+    assert re.fullmatch(r"\|(-+:?\|)+", lines[i + 1].strip()), lines[i + 1]
+    found = []
+    for line in lines[i + 2:]:
+        if not line.startswith("|"):
+            break
+        assert len(cells(line)) == len(header), line
+        found.append(cells(line))
+    return found
+
+
+def table(out: str, header: List[str], key: str) -> Dict[str, Dict[str, str]]:
+    """Such a table as {row's ``key`` cell: {column: cell}}, the keys in their order."""
+    found = {}
+    for row in rows(out, header):
+        found[row[header.index(key)]] = dict(zip(header, row))
+    return found
+
+
+def numbers(cell: str) -> List[float]:
+    """Every number in a cell ("1.23 ms [1.20 ms–1.30 ms]", "-0.35–5.38 %", "+0.00"); at least one."""
+    found = [float(x) for x in NUMBER.findall(cell)]
+    assert found, f"no number in {cell!r}"
+    return found
+
+
+def median_in_range(cell: str) -> float:
+    """A "median [min–max]" cell: the median, checked to lie in its range."""
+    med, lo, hi = numbers(cell)[:3]
+    assert lo <= med <= hi, cell
+    return med
+
+
+@pytest.mark.timeout(60)
+def test_hotpath_smoke():
+    out = run_bench("launch/bench_hotpath.py", "--smoke", timeout=50)
+    header = ["variant", "CPU µs/op, median of rounds", "min–max over rounds", "minus plain c10d"]
+    found = table(out, header, "variant")
+    assert list(found) == ["plain c10d", "commslayer", "commslayer + recorder", "commslayer, isolate_writes",
+                           "recorder calls alone"]
+    for row in found.values():
+        med, (lo, hi) = numbers(row[header[1]])[0], numbers(row[header[2]])
+        assert 0 < lo == med == hi  # one round
+        numbers(row[header[3]])
+    assert found["plain c10d"][header[3]] == "+0.00"
+
+
+@pytest.mark.timeout(90)
+def test_overhead_smoke(tmp_path):
+    out = run_bench("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+                    "launch/bench_overhead.py", "--smoke", timeout=80, env={"TMPDIR": str(tmp_path)})
+    traced = ["recorder", "recorder+jsonl", "recorder+jsonl+otel"]
+    header = ["op", "size", "reps", "plain (A)", "plain2 (A')", "commslayer (B)", "B/A", "A'/A", "B−A"]
+    header += [col for v in traced for col in (v, "/A", "−A")]
+    medians = [header.index(v) for v in ("plain (A)", "plain2 (A')", "commslayer (B)", *traced)]
+    ratios = [i for i, col in enumerate(header) if col in ("B/A", "A'/A", "/A")]
+    for nth in (0, 1):  # wall time, then the calling thread's CPU time
+        found = rows(out, header, nth)
+        assert [r[0] for r in found] == ["all_reduce", "all_gather_single", "reduce_scatter_single"]
+        for row in found:
+            assert row[1:3] == ["4 B", "1"]  # the smallest size, one timed round
+            assert all(median_in_range(row[i]) > 0 for i in medians), row
+            assert all(numbers(row[i])[0] > 0 for i in ratios), row
+    for op in ("all_reduce", "all_gather_single", "reduce_scatter_single"):
+        assert f"- {op}: equal" in out
+    assert not list(tmp_path.glob("bench-overhead-*")), "the traced variants' temporary directory was left behind"
+
+
+@pytest.mark.timeout(120)
+def test_tracing_train_smoke():
+    out = run_bench("launch/bench_tracing_train.py", "--smoke", timeout=110)
+    header = ["variant", "median step (ms)", "min–max over repeats (ms)", "ratio to off", "runs that failed at exit"]
+    found = table(out, header, "variant")
+    assert list(found) == ["off", "off (A/A)", "all sinks"]
+    for row in found.values():
+        step, (lo, hi) = numbers(row[header[1]])[0], numbers(row[header[2]])
+        assert 0 < lo == step == hi  # one run
+        assert numbers(row["ratio to off"])[0] > 0
+        assert re.fullmatch(r"[01] of 1", row["runs that failed at exit"])
+    assert found["off"]["ratio to off"] == "1.000"
+
+
+@pytest.mark.timeout(120)
+def test_recovery_smoke():
+    out = run_bench("launch/bench_recovery.py", "--smoke", timeout=110)
+    header = ["scenario", "stall of the slowest survivor, median (s)", "min–max (s)", "repeats"]
+    found = table(out, header, "scenario")
+    assert list(found) == ["ours, SIGKILL", "ours, SIGSTOP (peer timeout 1 s)", "plain Gloo (timeout 2 s), SIGKILL",
+                           "plain Gloo (timeout 2 s), SIGSTOP", "plain Gloo (default 1800 s), SIGKILL",
+                           "torchrun --max-restarts 1, SIGKILL"]
+    stall = {}
+    for name, row in found.items():
+        assert row["repeats"] == "1"
+        assert not row[header[1]].startswith(">"), row  # every survivor saw the loss within the cap
+        stall[name] = numbers(row[header[1]])[0]
+        assert stall[name] > 0 and numbers(row["min–max (s)"]) == [stall[name]] * 2
+    # the smoke mode's shorter timeouts are the ones in force (at the defaults, about 3 and 4.7 s)
+    assert stall["ours, SIGSTOP (peer timeout 1 s)"] < 2.5
+    assert stall["plain Gloo (timeout 2 s), SIGSTOP"] < 2.5
+
+
+@pytest.mark.timeout(300)
+def test_training_smoke():
+    out = run_bench("launch/bench_training.py", "--smoke", timeout=290)
+    header = ["configuration", "step time, median (ms)", "min–max (ms)", "steps/s, median", "min–max",
+              "vs plain Gloo, median", "min–max"]
+    free = rows(out, header)
+    assert [r[0] for r in free] == ["ours", "ours, untraced", "plain Gloo", "plain Gloo (A/A)"]
+    for row in free:
+        assert numbers(row[1])[0] > 0 and numbers(row[3])[0] > 0
+        if row[0] == "plain Gloo":  # the reference of the last two columns
+            assert row[5:] == ["–", "–"]
+        else:
+            median_in_range(row[5] + " " + row[6])
+    header = ["configuration", "what is timed", "median (s)", "min–max (s)"]
+    faulted = rows(out, header)
+    assert [r[0] for r in faulted] == (["ours, SIGKILL in allreduce"] * 3 + ["ours, SIGKILL in forward"] * 3
+                                       + ["torchrun + DCP"] * 8)
+    for row in faulted:
+        med, (lo, hi) = numbers(row[2])[0], numbers(row[3])
+        assert lo == med == hi, row  # one run
+    assert all(numbers(r[2])[0] > 0 for r in faulted if "survivor stall" in r[1])
+    for phase in ("allreduce", "forward"):  # the job went on to its end after the recovery
+        assert f"ours, SIGKILL in {phase}: the job ended in failure after the recovery in 0 of 1 runs" in out
+    assert "bitwise equal to the first time: [True]" in out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
+                    reason="builds network namespaces: needs root and iproute2")
+def test_overlap_smoke():
+    out = run_bench("launch/bench_overlap.py", "--smoke", timeout=170)
+    assert "**2 ranks**" in out
+    header = ["configuration", "backward ms, median [min–max]", "step ms, median [min–max]",
+              "RS hidden under AG, median [min–max]", "rank 0 sent per step, rail 1 / rail 2 (MB)",
+              "backward speed-up vs default / vs native"]
+    found = table(out, header, "configuration")
+    assert list(found) == ["default", "default (A/A)", "native", "ours, 1 link", "ours, 2 links"]
+    for name, row in found.items():
+        assert median_in_range(row[header[1]]) > 0 and median_in_range(row[header[2]]) > 0
+        assert 0 <= median_in_range(row[header[3]]) <= 100
+        assert len(numbers(row[header[5]])) == 2
+        rail1, rail2 = numbers(row[header[4]])
+        # the testbed carries the traffic: reduce-scatter moves to rail 2 in "ours, 2 links" only
+        assert rail1 > 0 and (rail2 > 0) == (name == "ours, 2 links"), row
+
+
+@pytest.mark.timeout(60)
+def test_viewer_smoke():
+    out = run_bench("launch/bench_viewer.py", "--smoke", timeout=50)
+    header = ["layout", "files", "command", "wall s", "max RSS MiB (largest process)", "peak MiB (process tree)",
+              "exit"]
+    found = rows(out, header)
+    assert [(r[0], r[2]) for r in found] == [("jsonl", "summary"), ("jsonl", "diagnose"), ("dump", "summary"),
+                                            ("dump", "diagnose"), ("jsonl", "view"), ("dump", "view")]
+    for row in found:
+        assert row[6] == "[0]", row  # every command succeeded
+        assert all(median_in_range(row[i]) > 0 for i in (3, 4, 5)), row
