@@ -140,7 +140,7 @@ def _type_problem(name: str, v: Any, types: Tuple[type, ...]) -> Optional[str]:
     """Why ``v`` cannot be field ``name`` (None: it can)."""
     if type(v) in types:
         return None
-    want = " or ".join(_TYPE_NAMES[t] for t in types if t is not float or int not in types)
+    want = " or ".join("a number" if t is int and float in types else _TYPE_NAMES[t] for t in types if t is not float)
     return f"'{name}' must be {want}, not {_TYPE_NAMES.get(type(v), type(v).__name__)} {_shown(v)}"
 
 
