@@ -13,12 +13,16 @@ that the analysis never holds more than one rank's parsed file at a time:
 - a rank with only a JSONL file (a SIGSTOPped or SIGKILLed rank never dumps,
   but its sink had flushed) still counts, and is reported as having no dump.
 
-Bad input (truncated or corrupt JSON, a record without its fields, another
-schema version) raises ``TraceFileError`` naming the file and the line (for a
-dump, which is one line, the record's index too).  With ``skip_bad`` the bad
-line, or the bad dump as a whole, is left out and described in
-``problems`` instead.  Nothing here unpickles: the Flight Recorder files
-under ``fr/`` are never read.
+Bad input (truncated or corrupt JSON, a record without its fields or with a
+field of the wrong type or out of range, another schema version, a file that
+is not a regular file, a line or dump past its size bound) raises
+``TraceFileError`` naming the file and the line (for a dump, which is one
+line, the record's index too).  With ``skip_bad`` the bad line, the bad
+record of a dump, or the bad file as a whole, is left out and described in
+``problems`` instead.  Every record handed on has the types
+``RECORD_TYPES`` gives, so the analysis never meets a value it cannot use.
+Nothing here unpickles: the Flight Recorder files under ``fr/`` are never
+read.
 
 Imports neither torch nor commslayer: traces open on a laptop.
 """
