@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .records import COMPLETED, SCHEDULED, STARTED, STATES
-from .traceio import RankSource, discover, rank_records
+from .traceio import RankSource, TraceFileError, discover, rank_records, rank_rows
 
 RS_OPS = frozenset(("reduce_scatter_single", "reduce_scatter"))
 AG_OPS = frozenset(("all_gather_single", "all_gather"))
@@ -244,6 +244,10 @@ class JobScan:
                 del self.sources[rank]  # every file of it was unusable (skip_bad): it counts as missing
             else:
                 self._note_communicators(self.sources[rank])
+        if not self.sources:
+            raise TraceFileError(", ".join(paths), None, f"no usable trace file: every one was skipped "
+                                                         f"({len(self.problems)} problems, the first: "
+                                                         f"{self.problems[0] if self.problems else '-'})")
         self.offsets: Dict[int, ClockOffset] = self._align()
 
     def _empty_state(self) -> None:
@@ -307,15 +311,14 @@ class JobScan:
         last_id = -1
         off: Optional[int] = None
         lo, hi = None, -1  # this rank's earliest enqueue and latest end
-        for r in rank_records(src, skip_bad=self.skip_bad, problems=self.problems):
+        for values, r in rank_rows(src, skip_bad=self.skip_bad, problems=self.problems):
+            (op_id, _, comm, gen, seq, op, _, reduce_op, dtype, _, _, in_bytes, out_bytes, root, _, _, _, state, _,
+             enq, start, end, _, _, site, _) = values  # records.RECORD_FIELDS, as the reader checked them
             if off is None:
                 off = src.wall_minus_mono_ns
-                lo = r["enqueue_ns"] + off
-            op, comm, state = r["op"], r["comm_id"], r["state"]
-            enq = r["enqueue_ns"] + off
-            start = r.get("start_ns")
+                lo = enq + off
+            enq += off
             start = enq if start is None else start + off
-            end = r.get("end_ns")
             if end is None:
                 end = -1
             else:
@@ -324,11 +327,11 @@ class JobScan:
                     hi = end
             if enq < lo:
                 lo = enq
-            if r["op_id"] > last_id:
-                last, last_id = r, r["op_id"]
+            if op_id > last_id:
+                last, last_id = r, op_id
             done = state == COMPLETED
             if done:
-                nbytes = (r.get("out_bytes") if op in out_sized else r.get("in_bytes")) or 0
+                nbytes = (out_bytes if op in out_sized else in_bytes) or 0
                 key = (comm, op, nbytes.bit_length())
                 g = groups.get(key)
                 if g is None:
@@ -341,16 +344,15 @@ class JobScan:
                 unfinished.append(r)
             if op in P2P_OPS:
                 continue
-            gen, seq = r.get("generation") or 0, r["seq"]
+            gen = gen or 0
             order = (gen << 40) + seq
             ckey = (comm, gen, seq)
-            fp = (op, r.get("dtype"), r.get("reduce_op"),
-                  None if op == "all_to_all_single" else r.get("out_bytes" if op == "scatter" else "in_bytes"),
-                  r.get("root"))
+            fp = (op, dtype, reduce_op,
+                  None if op == "all_to_all_single" else out_bytes if op == "scatter" else in_bytes, root)
             fid = fps.get(fp)
             if fid is None:
                 fid = fps[fp] = len(fps)
-            site = r.get("call_site") or "?"
+            site = site or "?"
             sid = sites.get(site)
             if sid is None:
                 sid = sites[site] = len(sites)

@@ -2,7 +2,10 @@
 
 Each subcommand reads one job's traces (directories or files), hands them to
 ``tracing.analysis`` and prints a table, or JSON with ``--json``.  Exit
-status: 0 fine, 1 ``diagnose`` found a problem, 2 unusable input or usage.
+status: 0 fine, 1 ``diagnose`` found a problem, 2 unusable input or usage:
+every failure is one line on stderr, never a traceback.  Trace text reaches
+the terminal with its control characters escaped (a name cannot move the
+cursor, recolour or retitle the terminal, or fake a line of the report).
 Imports neither torch nor commslayer, so it starts fast and runs anywhere.
 """
 
@@ -13,7 +16,7 @@ import gc
 import json
 import os
 import sys
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO
 
 from . import analysis
 from .perfetto import export_perfetto
@@ -21,9 +24,21 @@ from .traceio import TraceFileError, iter_records
 from .viewer import MAX_OPS, write_html
 
 
+# C0 and C1 controls (newline and tab too: one printed line is one line of the
+# report), DEL, and the Unicode bidirectional and line-separator controls.
+_CONTROLS = {c: f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+             for c in (*range(0x20), *range(0x7f, 0xa0), 0x200e, 0x200f, *range(0x202a, 0x202f),
+                       *range(0x2066, 0x206a), 0x2028, 0x2029)}
+
+
+def say(line: str = "", file: Optional[TextIO] = None) -> None:
+    """Print one line of the report, its control characters escaped (``\\x1b``)."""
+    print(line.translate(_CONTROLS), file=file or sys.stdout)
+
+
 def _warn(problems: List[str]) -> None:
     for p in problems:
-        print(f"commslayer-trace: warning: {p}", file=sys.stderr)
+        say(f"commslayer-trace: warning: {p}", sys.stderr)
 
 
 def cmd_overlap(args: argparse.Namespace) -> int:
@@ -34,13 +49,13 @@ def cmd_overlap(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"ranks": [s.to_dict() for s in stats.values()], "problems": problems}, indent=1))
         return 0
-    print(f"{'rank':>4} {'RS ops':>7} {'AG ops':>7} {'RS s':>10} {'AG s':>10} {'hidden RS s':>12} "
-          f"{'hidden %':>9} {'comm s':>10} {'exposed s':>10}")
+    say(f"{'rank':>4} {'RS ops':>7} {'AG ops':>7} {'RS s':>10} {'AG s':>10} {'hidden RS s':>12} "
+        f"{'hidden %':>9} {'comm s':>10} {'exposed s':>10}")
     for s in stats.values():
-        print(f"{s.rank:>4} {s.rs_count:>7} {s.ag_count:>7} {s.rs_s:>10.4f} {s.ag_s:>10.4f} "
-              f"{s.hidden_rs_s:>12.4f} {100 * s.hidden_fraction:>8.1f}% {s.comm_s:>10.4f} {s.exposed_comm_s:>10.4f}")
+        say(f"{s.rank:>4} {s.rs_count:>7} {s.ag_count:>7} {s.rs_s:>10.4f} {s.ag_s:>10.4f} "
+            f"{s.hidden_rs_s:>12.4f} {100 * s.hidden_fraction:>8.1f}% {s.comm_s:>10.4f} {s.exposed_comm_s:>10.4f}")
     if not stats:
-        print("no records")
+        say("no records")
     return 0
 
 
@@ -50,27 +65,27 @@ def _num(v: Optional[float], fmt: str = ".3f") -> str:
 
 def print_summary(s: Dict[str, Any]) -> None:
     """The summary as tables for a terminal."""
-    print(f"ranks: {', '.join(map(str, s['ranks'])) or 'none'}")
-    print()
-    print(f"{'communicator':<22} {'op':<22} {'size':<18} {'n':>3} {'count':>7} {'total ms':>10} {'mean ms':>9} "
-          f"{'p50 ms':>9} {'p99 ms':>9} {'algbw GB/s':>11} {'busbw GB/s':>11}")
+    say(f"ranks: {', '.join(map(str, s['ranks'])) or 'none'}")
+    say()
+    say(f"{'communicator':<22} {'op':<22} {'size':<18} {'n':>3} {'count':>7} {'total ms':>10} {'mean ms':>9} "
+        f"{'p50 ms':>9} {'p99 ms':>9} {'algbw GB/s':>11} {'busbw GB/s':>11}")
     for g in s["groups"]:
-        print(f"{g['comm'][:22]:<22} {g['op'][:22]:<22} {g['bucket']:<18} {g['ranks']:>3} {g['count']:>7} "
-              f"{g['total_ms']:>10.3f} {g['mean_ms']:>9.3f} {g['p50_ms']:>9.3f} {g['p99_ms']:>9.3f} "
-              f"{_num(g['algbw_gbps'], '.4f'):>11} {_num(g['busbw_gbps'], '.4f'):>11}")
-    print()
-    print("straggler time: how long each rank waited for the last member to arrive")
-    print(f"{'rank':>4} {'collectives':>11} {'waited s':>10} {'last to arrive':>15}")
+        say(f"{g['comm'][:22]:<22} {g['op'][:22]:<22} {g['bucket']:<18} {g['ranks']:>3} {g['count']:>7} "
+            f"{g['total_ms']:>10.3f} {g['mean_ms']:>9.3f} {g['p50_ms']:>9.3f} {g['p99_ms']:>9.3f} "
+            f"{_num(g['algbw_gbps'], '.4f'):>11} {_num(g['busbw_gbps'], '.4f'):>11}")
+    say()
+    say("straggler time: how long each rank waited for the last member to arrive")
+    say(f"{'rank':>4} {'collectives':>11} {'waited s':>10} {'last to arrive':>15}")
     for r in s["stragglers"]:
-        print(f"{r['rank']:>4} {r['collectives']:>11} {r['wait_s']:>10.4f} {r['last_arrivals']:>15}")
-    print(f"straggler: {analysis.straggler_line(s['straggler'])}")
-    print()
-    print("clock offsets against the reference rank (subtracted from the rank's times; true value within bounds)")
-    print(f"{'rank':>4} {'ref':>4} {'offset us':>11} {'low us':>11} {'high us':>11} {'+/- us':>10} {'from ops':>8}")
+        say(f"{r['rank']:>4} {r['collectives']:>11} {r['wait_s']:>10.4f} {r['last_arrivals']:>15}")
+    say(f"straggler: {analysis.straggler_line(s['straggler'])}")
+    say()
+    say("clock offsets against the reference rank (subtracted from the rank's times; true value within bounds)")
+    say(f"{'rank':>4} {'ref':>4} {'offset us':>11} {'low us':>11} {'high us':>11} {'+/- us':>10} {'from ops':>8}")
     for c in s["clock"]:
         note = "" if c["consistent"] else "  bounds cross: clocks drift?"
-        print(f"{c['rank']:>4} {c['reference']:>4} {c['offset_us']:>11.1f} {_num(c['low_us'], '.1f'):>11} "
-              f"{_num(c['high_us'], '.1f'):>11} {_num(c['uncertainty_us'], '.1f'):>10} {c['collectives']:>8}{note}")
+        say(f"{c['rank']:>4} {c['reference']:>4} {c['offset_us']:>11.1f} {_num(c['low_us'], '.1f'):>11} "
+            f"{_num(c['high_us'], '.1f'):>11} {_num(c['uncertainty_us'], '.1f'):>10} {c['collectives']:>8}{note}")
 
 
 def _report(args: argparse.Namespace, compute: Callable[[analysis.JobScan], Dict[str, Any]],
@@ -80,7 +95,7 @@ def _report(args: argparse.Namespace, compute: Callable[[analysis.JobScan], Dict
     result = compute(scan)
     _warn(scan.problems)
     if args.json:
-        print(json.dumps(result, indent=1))
+        print(json.dumps(result, indent=1))  # ASCII: control characters come out as \\u escapes
     else:
         show(result)
     return result
@@ -94,24 +109,24 @@ def cmd_summary(args: argparse.Namespace) -> int:
 
 def print_diagnosis(d: Dict[str, Any]) -> None:
     """The diagnosis in plain words for a terminal."""
-    print(d["headline"])
+    say(d["headline"])
     for f in d["findings"]:
-        print(f"  {f['severity']}: {f['text']}")
-    print()
-    print("where each rank stands:")
+        say(f"  {f['severity']}: {f['text']}")
+    say()
+    say("where each rank stands:")
     for r in d["ranks"]:
         files = "no files" if not r["files"] else ("dump" if r.get("dump") else "JSON lines only, no dump")
         why = f", dumped on: {r['reason']}" if r.get("reason") else ""
-        print(f"  rank {r['rank']}: {r['stands']} [{files}{why}]")
+        say(f"  rank {r['rank']}: {r['stands']} [{files}{why}]")
     for c in d["communicators"]:
-        print()
-        print(f"communicator '{c['name']}' ({c['uid']}), ranks {', '.join(map(str, c['members']))}:")
+        say()
+        say(f"communicator '{c['name']}' ({c['uid']}), ranks {', '.join(map(str, c['members']))}:")
         for row in c["rows"]:
             if not row["present"]:
-                print(f"  rank {row['rank']}: no trace")
+                say(f"  rank {row['rank']}: no trace")
             else:
-                print(f"  rank {row['rank']}: last entered {row['last_entered'] or '-'}, "
-                      f"last completed {row['last_completed'] or '-'}, at {row['call_site'] or '?'}")
+                say(f"  rank {row['rank']}: last entered {row['last_entered'] or '-'}, "
+                    f"last completed {row['last_completed'] or '-'}, at {row['call_site'] or '?'}")
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
@@ -124,8 +139,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     scan = analysis.JobScan(args.paths, skip_bad=args.skip_bad, jobs=args.jobs)
     counts = export_perfetto(scan, args.perfetto)
     _warn(scan.problems)
-    print(f"wrote {args.perfetto}: {counts['ranks']} ranks, {counts['slices']} ops, {counts['flows']} flows "
-          "(open it in https://ui.perfetto.dev or chrome://tracing)")
+    say(f"wrote {args.perfetto}: {counts['ranks']} ranks, {counts['slices']} ops, {counts['flows']} flows "
+        "(open it in https://ui.perfetto.dev or chrome://tracing)")
     return 0
 
 
@@ -134,7 +149,7 @@ def cmd_view(args: argparse.Namespace) -> int:
     scan = analysis.JobScan(args.paths, skip_bad=args.skip_bad, jobs=args.jobs)
     write_html(scan, args.output, args.title or f"commslayer trace: {', '.join(args.paths)}", max_ops=args.max_ops)
     _warn(scan.problems)
-    print(f"wrote {args.output}")
+    say(f"wrote {args.output}")
     return 0
 
 
@@ -186,21 +201,51 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+class OutputError(Exception):
+    """An output path that cannot be written (checked before reading any trace)."""
+
+
+def check_output(path: str) -> None:
+    """Fail now, not after reading the traces, when ``path`` cannot be a file we write."""
+    if os.path.isdir(path):
+        raise OutputError(f"cannot write {path}: it is a directory")
+    parent = os.path.dirname(path) or "."
+    if not os.path.isdir(parent):
+        raise OutputError(f"cannot write {path}: no such directory {parent}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``commslayer-trace`` console script."""
     args = parser().parse_args(argv)
     # Reading builds millions of short-lived dicts and no cycles: the cyclic GC
     # only re-scans them (measured: it doubled the time to parse a large dump).
+    collecting = gc.isenabled()
     gc.disable()
     try:
+        for out in (getattr(args, "perfetto", None), getattr(args, "output", None)):
+            if out is not None:
+                check_output(out)
         return args.fn(args)
     except BrokenPipeError:  # `| head`: the reader left
         sys.stdout = open(os.devnull, "w")
         return 0
     except TraceFileError as exc:
-        print(f"commslayer-trace: error: {exc}", file=sys.stderr)
-        print("commslayer-trace: --skip-bad leaves such files or lines out", file=sys.stderr)
+        say(f"commslayer-trace: error: {exc}", sys.stderr)
+        if not args.skip_bad and os.path.lexists(exc.path) and not os.path.isdir(exc.path):
+            say("commslayer-trace: --skip-bad leaves such files or lines out", sys.stderr)
         return 2
+    except (OutputError, OSError) as exc:
+        say(f"commslayer-trace: error: {exc}", sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # a bug of ours: still one line, never a traceback
+        say(f"commslayer-trace: internal error: {type(exc).__name__}: {exc} "
+            "(a bug in commslayer-trace: please report it with the input that caused it)", sys.stderr)
+        return 2
+    finally:
+        if collecting:
+            gc.enable()
 
 
 if __name__ == "__main__":

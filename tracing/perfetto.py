@@ -19,6 +19,7 @@ import json
 from typing import Any, Dict, Tuple
 
 from .analysis import P2P_OPS, JobScan, flow_order, rank_timeline
+from .traceio import shapes_ok
 
 _ARGS = ("seq", "comm_id", "generation", "state", "dtype", "reduce_op", "in_sizes", "out_sizes", "in_bytes",
          "out_bytes", "root", "peer", "async_op", "timeout_s", "thread", "call_site", "error", "op_id")
@@ -29,6 +30,7 @@ def export_perfetto(scan: JobScan, path: str) -> Dict[str, int]:
     t0 = scan.span()[0]
     flow_ids: Dict[Tuple[str, int, int], int] = {}
     counts = {"ranks": 0, "slices": 0, "flows": 0}
+    odd_shapes = 0
     tids: Dict[Tuple[int, str, int], int] = {}
     comm_order = {uid: i for i, uid in enumerate(sorted({k[0] for k in scan.collectives} | set(scan.communicators)))}
     with open(path, "w", encoding="utf-8") as f:
@@ -63,6 +65,10 @@ def export_perfetto(scan: JobScan, path: str) -> Dict[str, int]:
                           "args": {"sort_index": comm_order.get(sl.comm, 0) * 1000 + sl.lane}})
                 r = sl.record
                 args = {k: r.get(k) for k in _ARGS}
+                for k in ("in_sizes", "out_sizes"):
+                    if args[k] is not None and not shapes_ok(args[k]):
+                        args[k] = None
+                        odd_shapes += 1
                 if sl.in_flight:
                     args["note"] = "no end recorded: still in flight when the trace was written"
                 emit({"ph": "X", "pid": rank, "tid": tid, "name": r["op"], "cat": r.get("comm") or sl.comm,
@@ -85,4 +91,6 @@ def export_perfetto(scan: JobScan, path: str) -> Dict[str, int]:
                 emit(ev)
                 counts["flows"] += pos == 0
         f.write("\n]}\n")
+    if odd_shapes:
+        scan.problems.append(f"{odd_shapes} ops' in_sizes/out_sizes were not lists of shapes: exported as null")
     return counts

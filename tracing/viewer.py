@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from typing import Any, Dict, List, Optional
 
 from .analysis import (JobScan, OverlapStats, Slice, diagnose, overlap_by_rank, rank_timeline, straggler_line,
@@ -161,13 +162,24 @@ def render(scan: JobScan, title: str, *, max_ops: int = MAX_OPS) -> str:
     note = (f"{data['aggregated']} older ops are aggregated into shaded time bins (darker: busier); "
             f"{len(data['ops'])} ops are drawn one by one." if data["aggregated"] else
             f"{len(data['ops'])} ops.")
-    return (_PAGE.replace("%TITLE%", _e(title)).replace("%STATUS%", status)
-            .replace("%HEADLINE%", _e(d["headline"])).replace("%FINDINGS%", findings)
-            .replace("%PROBLEMS%", f"<h3>input problems</h3><ul>{problems}</ul>" if problems else "")
-            .replace("%STANDS%", stands).replace("%COMMS%", comm_tables).replace("%NOTE%", _e(note))
-            .replace("%GROUPS%", groups).replace("%STRAG%", strag)
-            .replace("%STRAGGLER%", _e(straggler_line(s["straggler"]))).replace("%CLOCK%", clock)
-            .replace("%OVERLAP%", overlap).replace("%SCRIPT%", _SCRIPT).replace("%DATA%", payload))
+    return fill(_PAGE, {
+        "TITLE": _e(title), "STATUS": status, "HEADLINE": _e(d["headline"]), "FINDINGS": findings,
+        "PROBLEMS": f"<h3>input problems</h3><ul>{problems}</ul>" if problems else "", "STANDS": stands,
+        "COMMS": comm_tables, "NOTE": _e(note), "GROUPS": groups, "STRAG": strag,
+        "STRAGGLER": _e(straggler_line(s["straggler"])), "CLOCK": clock, "OVERLAP": overlap, "SCRIPT": _SCRIPT,
+        "DATA": payload})
+
+
+_PLACEHOLDER = re.compile(r"%([A-Z]+)%")
+
+
+def fill(template: str, values: Dict[str, str]) -> str:
+    """``template`` with each ``%NAME%`` replaced by ``values[NAME]``, in one pass
+    over the template: a value that holds ``%DATA%`` (a trace string can) is
+    never substituted again, so the page grows with its input, not its square."""
+    parts = _PLACEHOLDER.split(template)
+    parts[1::2] = [values[name] for name in parts[1::2]]
+    return "".join(parts)
 
 
 def write_html(scan: JobScan, path: str, title: str, *, max_ops: int = MAX_OPS) -> None:
