@@ -84,3 +84,14 @@ class OpRecorder(Protocol):
     def scheduled(self, comm: "Communicator", op: str, op_id: int, seq: int, io: tuple,
                   peer: Optional[int], async_op: bool, timeout_s: float) -> OpRecord:
         """A new op entered ``comm``; ``io`` is (inputs, outputs, reduce_op, root)."""
+
+
+phase_hooks = Hooks("phase")  # fn(job, step, phase) at the phases of a resilient job's step
+
+
+def register_phase_hook(fn: Callable[..., Any]) -> HookHandle:
+    """Run ``fn(job, step, phase)`` at each phase of every step of a resilient job
+    (``commslayer.resilience``): ``forward``, ``backward``, ``allreduce``, ``optimizer``.
+    Here rather than in ``resilience`` so that the fault harness can register while
+    torch is still importing."""
+    return phase_hooks.add(fn)

@@ -242,7 +242,7 @@ class Replicas:
             torch.empty(int(head[1]), dtype=torch.uint8)
         comm.broadcast(data, root)
         if not survivor:
-            state.unpack(bytes(data.untyped_storage()))
+            state.unpack(ctypes.string_at(data.data_ptr(), data.numel()))
         return int(head[0])
 
     def wait_for(self, state: "Healable", step: int, gone: Callable[[int], bool],

@@ -64,21 +64,14 @@ import torch.nn as nn
 from . import config
 from .errors import CommError, InvalidArgument, first_line
 from .exits import exit_now
-from .hooks import HookHandle, Hooks
+from .hooks import phase_hooks as _phase_hooks
+from .hooks import register_phase_hook  # noqa: F401  (public here: where a user looks)
 from .replicas import ReplicaBroken, Replicas, fingerprint
 
 BUCKET_BYTES = 4 << 20  # gradient bytes per bucket of the cross-replica average
 
-_phase_hooks = Hooks("phase")
-
-
 class StateMismatch(CommError):
     """The registered state differs across replicas (names, keys, shapes or dtypes)."""
-
-
-def register_phase_hook(fn: Callable[["Job", int, str], None]) -> HookHandle:
-    """Run ``fn(job, step, phase)`` at each step's phases (see the module docstring)."""
-    return _phase_hooks.add(fn)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
