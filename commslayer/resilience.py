@@ -556,7 +556,8 @@ def init(*, timeout: timedelta = timedelta(seconds=60), bucket_mb: float = BUCKE
     ``COMMSLAYER_RUN_DIR``): where ``finish`` writes this rank's result."""
     if bucket_mb <= 0:
         raise InvalidArgument(f"bucket_mb={bucket_mb!r} must be positive", op="init")
-    previous = sys.excepthook
+    job = Job(timeout=timeout, bucket_bytes=int(bucket_mb * 2 ** 20), run_dir=run_dir,
+              heal_timeout_s=heal_timeout_s)
+    previous = sys.excepthook  # after init_process_group: its hook captures stderr while it calls the one before
     sys.excepthook = lambda t, e, tb: _leave(t, e, tb, previous)
-    return Job(timeout=timeout, bucket_bytes=int(bucket_mb * 2 ** 20), run_dir=run_dir,
-               heal_timeout_s=heal_timeout_s)
+    return job
