@@ -299,7 +299,7 @@ def test_work_wait_takes_seconds_as_a_number():
     comm = _comm("waits")
     for timeout in (5, 2.5, timedelta(seconds=5)):
         assert comm.all_reduce(torch.ones(2), async_op=True).wait(timeout) is True
-    for bad in (-1, 0, math.nan, math.inf, True, "5"):
+    for bad in (-1, 0, math.nan, math.inf, True, "5", timedelta(seconds=-1)):
         work = comm.all_reduce(torch.ones(2), async_op=True)
         msg = _refused(lambda: work.wait(bad))
         assert "timeout must be" in msg and "op all_reduce" in msg, msg
