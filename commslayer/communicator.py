@@ -525,6 +525,8 @@ class Communicator:
         their order. A rank that the others counted as lost gets
         ``CommAborted`` (fenced). This communicator is closed afterwards, and
         so are the communicators split from it: split the new one again.
+        On a communicator closed already (aborted, finalized, replaced,
+        fenced) it raises ``CommAborted`` at once, before the store is touched.
         """
         chk = self._checker("shrink")
         timeout_s = timeout_seconds(timeout, self._timeout_s, chk)
@@ -945,7 +947,10 @@ def new_comm(
     check mode (default ``COMMSLAYER_CHECK``).  ``isolate_writes`` stages
     every output so an op that raised never writes later (default
     ``COMMSLAYER_ISOLATE_WRITES``; commslayer.isolation).  ``hints`` go to
-    the backend (Gloo: ``interface``, ``threads``).  Members watch each
+    the backend (Gloo: ``interface``, ``threads``; NCCL:
+    ``high_priority_stream``), checked first: an unknown hint or a value the
+    backend does not allow is ``InvalidArgument``.  A bad ``COMMSLAYER_*``
+    variable is ``ConfigError`` (config.validate).  Members watch each
     other (``COMMSLAYER_HEARTBEAT_S``, ``COMMSLAYER_PEER_TIMEOUT_S``) and the
     communicator can ``shrink`` and ``reconfigure``.
     """
