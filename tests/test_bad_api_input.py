@@ -4,9 +4,13 @@ backend hints, closed or replaced communicators, long names, every
 not ``ReduceOp``s.  Each gets a named ``CommError`` at once: never a hang, a
 raw exception from C++ or the socket layer, or a silent wrong answer.
 
-Single-process tests (one-rank communicators over a HashStore or a TCPStore
-this process hosts) wherever one rank shows it; real forked ranks for what
-involves several members (a stale ``shrink`` next to a live generation).
+One rank wherever one rank shows it; two for what involves several members
+(a stale ``shrink`` next to a live generation).  Checks that build nothing
+run in the pytest process; a test that builds a communicator runs its rank
+in a forked process (``_alone``), as every other test file does: Gloo's
+threads and the watchdog must not be alive in the pytest process when a
+later test forks its ranks (a forked child then crashed collecting the
+inherited Gloo groups, measured).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch.distributed as dist
 import commslayer
 from commslayer import CommAborted, ConfigError, InvalidArgument, ReduceOp, backends, config
 from commslayer.validation import MAX_NAME_CHARS
-from tests.harness import free_port, run_ranks
+from tests.harness import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 AT_ONCE_S = 1.0  # generous: each of these is refused before anything is sent or built
@@ -36,6 +40,11 @@ AT_ONCE_S = 1.0  # generous: each of these is refused before anything is sent or
 def _comm(name: str, store=None, **kwargs) -> commslayer.Communicator:
     return commslayer.new_comm("gloo", name=name, store=store if store is not None else dist.HashStore(),
                                rank=0, size=1, **{"timeout": 10, **kwargs})
+
+
+def _alone(body) -> None:
+    """Run ``body(store)`` as the only rank of a forked process, over the harness's TCPStore."""
+    run_ranks(lambda rank, size, store: body(store), 1, timeout=60)
 
 
 def _refused(call, cls=InvalidArgument) -> str:
@@ -69,8 +78,8 @@ def test_a_bad_backend_hint_is_refused_before_the_group_is_built(hint, value, al
     assert store.num_keys() == 0, "nothing is built for a refused call"
 
 
-def test_good_hints_work_and_split_checks_its_own():
-    comm = _comm("hints", threads="1", interface="lo")
+def _good_hints(store):
+    comm = _comm("hints", store, threads="1", interface="lo")
     t = torch.ones(3)
     comm.all_reduce(t)
     assert comm._hints == {"threads": "1", "interface": "lo"}
@@ -80,6 +89,11 @@ def test_good_hints_work_and_split_checks_its_own():
     sub = comm.split([0], "sub2", threads=2)  # an int is taken as its string
     sub.all_reduce(t)
     assert sub._hints == {"threads": "2", "interface": "lo"}
+
+
+@pytest.mark.timeout(90)
+def test_good_hints_work_and_split_checks_its_own():
+    _alone(_good_hints)
 
 
 def test_nccl_hints_are_checked_too():
@@ -98,20 +112,23 @@ def _membership_calls(comm):
             "split": lambda: comm.split([0], "late")}
 
 
-@pytest.mark.parametrize("close,state", [("finalize", "finalized"), ("abort", "aborted")])
-def test_a_closed_communicator_cannot_change_membership(close, state):
-    store = dist.HashStore()
-    comm = _comm("closed", store)
-    getattr(comm, close)()
-    keys = store.num_keys()
-    for op, call in _membership_calls(comm).items():
-        msg = _refused(call, CommAborted)
-        assert f"communicator was {state}" in msg and f"op {op}" in msg, msg
-    assert store.num_keys() == keys, "a refused call must not touch the store"
+def _closed(store):
+    for close, state in (("finalize", "finalized"), ("abort", "aborted")):
+        comm = _comm(f"closed-{close}", store)
+        getattr(comm, close)()
+        keys = store.num_keys()
+        for op, call in _membership_calls(comm).items():
+            msg = _refused(call, CommAborted)
+            assert f"communicator was {state}" in msg and f"op {op}" in msg, msg
+        assert store.num_keys() == keys, "a refused call must not touch the store"
 
 
-def test_a_replaced_communicator_cannot_change_membership():
-    store = dist.HashStore()
+@pytest.mark.timeout(90)
+def test_a_closed_communicator_cannot_change_membership():
+    _alone(_closed)
+
+
+def _replaced(store):
     old = _comm("replaced", store)
     new = old.shrink()
     keys = store.num_keys()
@@ -122,6 +139,11 @@ def test_a_replaced_communicator_cannot_change_membership():
     t = torch.ones(2)
     new.all_reduce(t)
     assert new.state == "ok" and new.generation == 1
+
+
+@pytest.mark.timeout(90)
+def test_a_replaced_communicator_cannot_change_membership():
+    _alone(_replaced)
 
 
 def _stale_shrink(rank, size, store):
@@ -174,9 +196,7 @@ def test_stale_shrink_is_refused_at_once_on_every_rank_and_the_live_generation_g
 
 
 # ----------------------------------------------------------------- 10. name cap
-def test_a_name_longer_than_the_cap_is_refused_and_the_shared_store_survives():
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=timedelta(seconds=10))
+def _long_names(store):
     msg = _refused(lambda: _comm("n" * 20000, store))
     assert f"at most {MAX_NAME_CHARS} characters" in msg and "20000 characters" in msg, msg
     assert len(msg) < 1000, "the error does not repeat the whole name"
@@ -187,6 +207,11 @@ def test_a_name_longer_than_the_cap_is_refused_and_the_shared_store_survives():
     t = torch.ones(2)
     _comm("after", store).all_reduce(t)  # the process's store connection still works
     assert t.tolist() == [1.0, 1.0]
+
+
+@pytest.mark.timeout(90)
+def test_a_name_longer_than_the_cap_is_refused_and_the_shared_store_survives():
+    _alone(_long_names)  # over a TCPStore: the connection that a long key used to kill
 
 
 # ------------------------------------------------------------ 11. configuration
@@ -295,8 +320,8 @@ def test_the_configuration_page_documents_every_variable_config_reads():
 
 
 # ------------------------------------------------------ 12. timeouts and reduce ops
-def test_work_wait_takes_seconds_as_a_number():
-    comm = _comm("waits")
+def _waits(store):
+    comm = _comm("waits", store)
     for timeout in (5, 2.5, timedelta(seconds=5)):
         assert comm.all_reduce(torch.ones(2), async_op=True).wait(timeout) is True
     for bad in (-1, 0, math.nan, math.inf, True, "5", timedelta(seconds=-1)):
@@ -307,8 +332,13 @@ def test_work_wait_takes_seconds_as_a_number():
     assert comm.state == "ok"
 
 
-def test_every_timeout_argument_takes_seconds_and_refuses_the_rest():
-    comm = _comm("timeouts", timeout=7)
+@pytest.mark.timeout(90)
+def test_work_wait_takes_seconds_as_a_number():
+    _alone(_waits)
+
+
+def _timeouts(store):
+    comm = _comm("timeouts", store, timeout=7)
     assert comm.get_timeout() == timedelta(seconds=7)
     t = torch.ones(2)
     comm.all_reduce(t, timeout=3)
@@ -316,23 +346,30 @@ def test_every_timeout_argument_takes_seconds_and_refuses_the_rest():
     for bad in (-1, math.nan, True, "3"):
         _refused(lambda: comm.all_reduce(t, timeout=bad))
         _refused(lambda: comm.broadcast(t, 0, timeout=bad))
-        _refused(lambda: _comm("bad-timeout", timeout=bad))
+        _refused(lambda: _comm("bad-timeout", store, timeout=bad))
     assert comm.state == "ok"
 
 
-@pytest.mark.parametrize("op", [5, 0, True, "SUM", None, 1.0])
-def test_a_reduce_op_that_is_not_a_reduce_op_is_refused(op):
-    comm = _comm("ops")
-    t = torch.tensor([6, 3])
-    msg = _refused(lambda: comm.all_reduce(t, op))
-    assert "op must be a commslayer.ReduceOp" in msg and f"got {op!r}" in msg, msg
-    _refused(lambda: comm.reduce_scatter_single(torch.empty(2, dtype=torch.int64), t, op))
-    assert t.tolist() == [6, 3]
+@pytest.mark.timeout(90)
+def test_every_timeout_argument_takes_seconds_and_refuses_the_rest():
+    _alone(_timeouts)
 
 
-@pytest.mark.parametrize("op", [ReduceOp.MAX, dist.ReduceOp.MAX, dist.ReduceOp.RedOpType.MAX, dist.ReduceOp(
-    dist.ReduceOp.MAX)])
-def test_commslayer_and_c10d_reduce_ops_are_accepted(op):
+def _reduce_ops(store):
+    comm = _comm("ops", store)
     t = torch.tensor([6, 3])
-    _comm("max").all_reduce(t, op)
-    assert t.tolist() == [6, 3]
+    for op in (5, 0, True, "SUM", None, 1.0):
+        msg = _refused(lambda: comm.all_reduce(t, op))
+        assert "op must be a commslayer.ReduceOp" in msg and f"got {op!r}" in msg, msg
+        _refused(lambda: comm.reduce_scatter_single(torch.empty(2, dtype=torch.int64), t, op))
+        assert t.tolist() == [6, 3]
+    # what the API documents, and what the c10d adapter passes (its option structs' reduceOp)
+    for op in (ReduceOp.MAX, dist.ReduceOp.MAX, dist.ReduceOp.RedOpType.MAX, dist.ReduceOp(dist.ReduceOp.MAX)):
+        comm.all_reduce(t, op)
+        assert t.tolist() == [6, 3]
+    assert comm.state == "ok"
+
+
+@pytest.mark.timeout(90)
+def test_a_reduce_op_that_is_not_a_reduce_op_is_refused_and_reduce_ops_are_accepted():
+    _alone(_reduce_ops)
