@@ -17,6 +17,7 @@ from .errors import (
     CollectiveTimeout,
     CommAborted,
     CommError,
+    ConfigError,
     InvalidArgument,
     PeerLost,
     StoreUnreachable,
@@ -35,7 +36,7 @@ if _config.route_c10d():  # also when torch's entry-point autoload is off
 __all__ = [
     "new_comm", "join", "Communicator", "register_communicator_hook", "live_communicators", "Work", "WorkStatus", "ReduceOp", "HookHandle",
     "CommError", "CollectiveTimeout", "PeerLost", "CommAborted", "InvalidArgument", "CollectiveMismatch",
-    "StoreUnreachable",
+    "StoreUnreachable", "ConfigError",
 ]
 
 # `import commslayer` may be what first imports torch, and torch then loads the

@@ -25,6 +25,7 @@ import socket
 import struct
 from typing import Any, Optional, Tuple
 
+from . import config
 from .errors import InvalidArgument
 
 LOOPBACK = "127.0.0.1"
@@ -73,7 +74,7 @@ def store_address(store: Any) -> Optional[Tuple[str, int]]:
 
 def advertised_host(store: Any = None) -> str:
     """The address this rank's peers should dial to reach it (rules in the module docstring)."""
-    named = os.environ.get("COMMSLAYER_LIVENESS_HOST", "").strip()
+    named = config.liveness_host()
     if named:
         return resolve(named, "COMMSLAYER_LIVENESS_HOST")
     ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()

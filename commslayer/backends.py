@@ -7,8 +7,9 @@ it is torn down.  The communicator calls the c10d backend object directly
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
-from typing import Dict, FrozenSet, Optional, Type
+from typing import Callable, Dict, FrozenSet, Mapping, Optional, Type
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,37 @@ def classify(exc: BaseException) -> Type[CommError]:
     return CommError
 
 
+MAX_GLOO_THREADS = 256  # each is an OS thread; a few per group is what helps
+
+
+def _gloo_threads(value: object) -> str:
+    allowed = f"an integer from 1 to {MAX_GLOO_THREADS} (Gloo's worker threads)"
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(allowed)
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(allowed) from None
+    if not 1 <= n <= MAX_GLOO_THREADS:  # 0 hangs every op until its deadline; < 0 fails inside Gloo
+        raise ValueError(allowed)
+    return str(n)
+
+
+def _interfaces(value: object) -> str:
+    have = sorted(name for _, name in socket.if_nameindex())
+    allowed = f"the name of a network interface of this host, or several separated by commas (this host has: " \
+              f"{', '.join(have)})"
+    if not isinstance(value, str) or not all(name in have for name in value.split(",")):
+        raise ValueError(allowed)
+    return value
+
+
+def _switch(value: object) -> str:
+    if isinstance(value, (int, str)) and value in (1, "1", 0, "0"):  # True and False are 1 and 0
+        return str(int(value))
+    raise ValueError("'1' or '0' (or True/False)")
+
+
 class BackendSpec:
     """What the communicator needs to know about one kind of backend."""
 
@@ -47,6 +79,25 @@ class BackendSpec:
     device_type: str
     dtypes: FrozenSet[torch.dtype]
     untimed_waits: FrozenSet[str] = frozenset()  # backend ops whose work.wait(timeout) blocks anyway
+    # The hints this backend takes, each with the check that turns a value into the string it uses
+    # (raising ValueError that says what is allowed).
+    hint_checks: Mapping[str, Callable[[object], str]] = {}
+
+    def check_hints(self, hints: Mapping[str, object]) -> Dict[str, str]:
+        """``hints`` as this backend uses them; ``ValueError`` naming the first hint that is
+        unknown here or whose value is not allowed, before anything is built (a bad value
+        would otherwise hang every op, or fail inside the backend with a C++ message)."""
+        checked = {}
+        for key, value in hints.items():
+            check = self.hint_checks.get(key)
+            if check is None:
+                raise ValueError(f"unknown hint {key}={value!r} for the {self.name} backend; it takes: "
+                                 f"{', '.join(sorted(self.hint_checks)) or 'none'}")
+            try:
+                checked[key] = check(value)
+            except ValueError as exc:
+                raise ValueError(f"hint {key}={value!r} is not allowed: {exc}") from None
+        return checked
 
     def create(self, store: dist.Store, rank: int, size: int, timeout: timedelta, hints: Dict[str, str]):
         raise NotImplementedError
@@ -86,6 +137,7 @@ class GlooSpec(BackendSpec):
     # Gloo's reduce-scatter works ignore the timeout of wait() and block until the op ends
     # or fails (measured: a 50 ms wait returned after the op's 3 s deadline).
     untimed_waits = frozenset({"_reduce_scatter_base", "reduce_scatter"})
+    hint_checks = {"interface": _interfaces, "threads": _gloo_threads}
 
     def create(self, store, rank, size, timeout, hints):
         # c10d reads GLOO_SOCKET_IFNAME for the groups it builds; so do we (several hosts).
@@ -107,6 +159,7 @@ class NcclSpec(BackendSpec):
     name = "nccl"
     device_type = "cuda"
     dtypes = _COMMON_DTYPES | {torch.float8_e4m3fn, torch.float8_e5m2}
+    hint_checks = {"high_priority_stream": _switch}
 
     def create(self, store, rank, size, timeout, hints):
         if not dist.is_nccl_available() or not torch.cuda.is_available():

@@ -83,6 +83,7 @@ class CommslayerProcessGroup(dist.ProcessGroup):
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, group_name: str,
                  global_ranks: List[int]) -> None:
         super().__init__(rank, size)
+        config.validate()  # start-up of a c10d job: a bad COMMSLAYER_* variable fails init_process_group
         timeout_s = (config.default_timeout() if config.timeout_is_set() else timeout).total_seconds()
         self._comms = {}
         kinds = ["gloo"] + (["nccl"] if torch.cuda.is_available() and dist.is_nccl_available() else [])

@@ -14,6 +14,7 @@ Names follow torchcomms, so code moves between the two.
 from __future__ import annotations
 
 import itertools
+import numbers
 import threading
 import weakref
 import time
@@ -34,7 +35,7 @@ from .liveness import Liveness
 from .membership import Membership
 from .reduce_op import ReduceOp, coerce
 from .store import env_rank_size, env_store
-from .validation import Checker, Timeout, timeout_seconds
+from .validation import Checker, Timeout, shown_name, timeout_seconds
 from .watchdog import WATCHDOG
 from .work import Waiter, Work
 
@@ -463,8 +464,11 @@ class Communicator:
         ``name`` must be new for this parent.
         """
         chk = self._checker("split")
-        if not isinstance(name, str) or not name:
-            raise chk.fail(f"name must be a non-empty string, got {name!r}")
+        chk.name(name)
+        try:
+            hints = self._spec.check_hints(hints)
+        except ValueError as exc:
+            raise chk.fail(str(exc)) from None
         ranks = [chk.rank_arg(r, "ranks[]", self._size) for r in ranks]
         if not ranks:
             raise chk.fail("ranks is empty")
@@ -521,10 +525,13 @@ class Communicator:
         their order. A rank that the others counted as lost gets
         ``CommAborted`` (fenced). This communicator is closed afterwards, and
         so are the communicators split from it: split the new one again.
+        On a communicator closed already (aborted, finalized, replaced,
+        fenced) it raises ``CommAborted`` at once, before the store is touched.
         """
         chk = self._checker("shrink")
         timeout_s = timeout_seconds(timeout, self._timeout_s, chk)
         lineage = self._lineage_for(chk)
+        self._refuse_closed("shrink")
         # Close this generation's backend first: a survivor still blocked inside it on this
         # group (Gloo's reduce-scatter waits in the caller) is let go at once. The liveness
         # monitor keeps watching until the agreement is over, so that a member that dies
@@ -542,9 +549,12 @@ class Communicator:
                 lambda: {self.members[r] for r in self.lost_ranks if r not in self._departed}
                 | {self.members[r] for r, t in self._departed.items() if t < began},
                 join_window_s=lineage.peer_timeout_s, timeout_s=timeout_s, min_size=min_size)
+            return self._next_generation(generation, members)
+        except CommError as err:
+            self._closed = f"closed by a shrink that failed ({type(err).__name__}: {err.what})"
+            raise
         finally:
             self._stop_watching()
-        return self._next_generation(generation, members)
 
     def reconfigure(self, members: Sequence[int]) -> "Communicator":
         """The next generation with exactly ``members`` (member ids, in the new rank order).
@@ -556,9 +566,13 @@ class Communicator:
         """
         chk = self._checker("reconfigure")
         lineage = self._lineage_for(chk)
+        if not isinstance(members, (list, tuple)) or not members or any(
+                isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 0 for m in members) \
+                or len(set(members)) != len(members):
+            raise chk.fail(f"members must be a non-empty list of member ids (ints >= 0) without duplicates, "
+                           f"got {members!r}")
         members = [int(m) for m in members]
-        if len(set(members)) != len(members) or not members:
-            raise chk.fail(f"members must be a non-empty list without duplicates, got {members}")
+        self._refuse_closed("reconfigure")
         generation = self.generation + 1
         decided = lineage.membership.agree_on(generation, members, self.members[self._rank], self.members)
         return self._next_generation(generation, decided)
@@ -589,8 +603,7 @@ class Communicator:
         chk = self._checker("should_commit")
         timeout_s = timeout_seconds(timeout, self._timeout_s, chk)
         lineage = self._lineage_for(chk)
-        if self._closed:
-            raise CommAborted(f"communicator was {self._closed}", comm=self._name, op="should_commit")
+        self._refuse_closed("should_commit")
         self._commits += 1
         call = self._commits
         try:
@@ -599,6 +612,14 @@ class Communicator:
         except CollectiveTimeout as err:
             self._on_failure(err)
             raise
+
+    def _refuse_closed(self, op: str, seq: Optional[int] = None) -> None:
+        """``CommAborted`` naming why, once this communicator is closed (aborted, finalized,
+        replaced by a later generation, fenced out). Membership changes call it before
+        touching the store: the keys of the next generation may be live already, and a
+        stale caller would join the live generation's rendezvous."""
+        if self._closed:
+            raise CommAborted(f"communicator was {self._closed}", comm=self._name, op=op, seq=seq)
 
     def _lineage_for(self, chk: Checker) -> Lineage:
         if self._lineage is None or self._split or not self._lineage.resizable:
@@ -759,8 +780,8 @@ class Communicator:
             return op
         try:
             op = coerce(op)
-        except KeyError:
-            raise chk.fail(f"unsupported reduce op {op!r}") from None
+        except ValueError as exc:
+            raise chk.fail(str(exc)) from None
         chk.reduce_op(op, dtype)
         return op
 
@@ -781,8 +802,7 @@ class Communicator:
         ``peer`` needs only that member; a collective needs every one."""
         if self._departed:
             self._departure_matters(0.0, None if peer is None else {peer})
-        if self._closed:
-            raise CommAborted(f"communicator was {self._closed}", comm=self._name, op=op, seq=seq)
+        self._refuse_closed(op, seq)
         if self._failure is not None:
             first = self._failure
             raise type(first)(
@@ -927,13 +947,16 @@ def new_comm(
     check mode (default ``COMMSLAYER_CHECK``).  ``isolate_writes`` stages
     every output so an op that raised never writes later (default
     ``COMMSLAYER_ISOLATE_WRITES``; commslayer.isolation).  ``hints`` go to
-    the backend (Gloo: ``interface``, ``threads``).  Members watch each
+    the backend (Gloo: ``interface``, ``threads``; NCCL:
+    ``high_priority_stream``), checked first: an unknown hint or a value the
+    backend does not allow is ``InvalidArgument``.  A bad ``COMMSLAYER_*``
+    variable is ``ConfigError`` (config.validate).  Members watch each
     other (``COMMSLAYER_HEARTBEAT_S``, ``COMMSLAYER_PEER_TIMEOUT_S``) and the
     communicator can ``shrink`` and ``reconfigure``.
     """
-    chk = Checker(str(name), "new_comm", -1 if rank is None else rank)
-    spec, device, timeout_s, store, make_lineage = _lineage(chk, backend, device, name, timeout, store,
-                                                            isolate_writes)
+    chk = Checker(shown_name(name), "new_comm", -1 if rank is None else rank)
+    spec, device, timeout_s, store, hints, make_lineage = _lineage(chk, backend, device, name, timeout, store,
+                                                                   isolate_writes, hints)
     global_ranks = None
     if store is None:
         store, env_rank, env_size = env_store(timedelta(seconds=timeout_s))
@@ -950,7 +973,7 @@ def new_comm(
     lineage = make_lineage(store)
     return Communicator(
         spec, device, name=name, store=lineage.store_for(0), rank=rank, size=size, timeout_s=timeout_s,
-        hints={k: str(v) for k, v in hints.items()},
+        hints=hints,
         check=config.check_mode() if check is None else check,
         uid=lineage.uid_for(0), global_ranks=global_ranks, lineage=lineage,
     )
@@ -971,9 +994,9 @@ def join(
     """Join the running communicator ``name`` as member id ``member`` (a restarted
     rank, or a new one): announce it, wait until the members ``reconfigure`` to
     a generation that includes it, and return that generation's communicator."""
-    chk = Checker(str(name), "join", -1)
-    spec, device, timeout_s, store, make_lineage = _lineage(chk, backend, device, name, timeout, store,
-                                                            isolate_writes)
+    chk = Checker(shown_name(name), "join", -1)
+    spec, device, timeout_s, store, hints, make_lineage = _lineage(chk, backend, device, name, timeout, store,
+                                                                   isolate_writes, hints)
     if store is None:
         store = env_store(timedelta(seconds=timeout_s))[0]
     if not isinstance(member, int) or member < 0:
@@ -984,7 +1007,7 @@ def join(
     return Communicator(
         spec, device, name=name, store=lineage.store_for(generation),
         rank=members.index(member), size=len(members), timeout_s=timeout_s,
-        hints={k: str(v) for k, v in hints.items()}, check=config.check_mode() if check is None else check,
+        hints=hints, check=config.check_mode() if check is None else check,
         uid=lineage.uid_for(generation), lineage=lineage, generation=generation, members=members,
     )
 
@@ -992,27 +1015,23 @@ def join(
 def watched_lineage(store: dist.Store, uid: str, name: str) -> Lineage:
     """The lineage of a communicator whose membership is fixed (a c10d group): its
     members watch each other (``COMMSLAYER_HEARTBEAT_S``), nothing more."""
-    return Lineage(store, uid, Membership(store, name), config.heartbeat_s(), config.peer_timeout_s(),
-                   isolate=False, resizable=False)
+    return Lineage(store, uid, Membership(store, name), *config.liveness_timing(), isolate=False, resizable=False)
 
 
 def _lineage(chk: Checker, backend: str, device: Optional[torch.device], name: str, timeout: Timeout,
-             store: Optional[dist.Store], isolate_writes: Optional[bool]):
-    """What new_comm and join both check and read: (spec, device, timeout_s, store, a
-    function of the store that makes the communicator's ``Lineage``)."""
-    if not isinstance(name, str) or not name or "/" in name:
-        raise chk.fail(f"name must be a non-empty string without '/', got {name!r}")
+             store: Optional[dist.Store], isolate_writes: Optional[bool], hints: Dict[str, object]):
+    """What new_comm and join both check and read: (spec, device, timeout_s, store, the
+    backend hints, a function of the store that makes the communicator's ``Lineage``).
+    Start-up: a bad ``COMMSLAYER_*`` variable raises ``ConfigError`` here."""
+    chk.name(name, forbidden="/")
+    config.validate()
     try:
         spec, device = backends.resolve(backend, device)
+        hints = spec.check_hints(hints)
     except ValueError as exc:
         raise chk.fail(str(exc)) from None
-    try:
-        heartbeat_s, peer_timeout_s = config.heartbeat_s(), config.peer_timeout_s()
-        timeout_s = config.default_timeout().total_seconds() if timeout is None else None
-    except ValueError as exc:
-        raise chk.fail(str(exc)) from None
-    if timeout_s is None:
-        timeout_s = timeout_seconds(timeout, 0.0, chk)
+    heartbeat_s, peer_timeout_s = config.liveness_timing()
+    timeout_s = timeout_seconds(timeout, config.default_timeout().total_seconds(), chk)
     isolate = config.isolate_writes() if isolate_writes is None else bool(isolate_writes)
 
     def make(store: dist.Store) -> Lineage:
@@ -1022,4 +1041,4 @@ def _lineage(chk: Checker, backend: str, device: Optional[torch.device], name: s
         root = dist.PrefixStore(f"commslayer/{name}/{instance}/", store)
         return Lineage(root, f"{name}.{instance}", Membership(root, name), heartbeat_s, peer_timeout_s, isolate)
 
-    return spec, device, timeout_s, store, make
+    return spec, device, timeout_s, store, hints, make

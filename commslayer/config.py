@@ -1,41 +1,100 @@
-"""Every ``COMMSLAYER_*`` environment variable, read in one place.
+"""Every ``COMMSLAYER_*`` environment variable, read and checked in one place.
 
 docs/configuration.md documents this table; keep the two in step.
+
+A value that is not allowed raises ``ConfigError`` naming the variable, the
+value and what is allowed, never a bare ``ValueError`` and never a silent
+fallback to the default.  ``validate()`` checks every variable at once and
+reports all bad ones in one message; it runs at start-up (``new_comm``,
+``join``, a commslayer ``torch.distributed`` group, the tracing autoload),
+so a typo fails the job before it builds anything rather than when a trace
+is dumped or a peer is judged.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional, Set, Tuple
+
+from .errors import ConfigError
+
+MAX_TIMEOUT_S = 10 * 365 * 86400.0  # c10d keeps timeouts in int64 milliseconds
+MAX_TRACE_BUFFER = 10_000_000  # the ring is allocated whole at start-up (8 bytes a slot)
+_ON = ("1", "true", "yes", "on")
+_OFF = ("", "0", "false", "no", "off")
 
 
-def _positive(name: str, default, kind=float):
-    """A positive, finite number of type ``kind`` from the environment, or ``default``."""
-    raw = os.environ.get(name)
-    if raw in (None, ""):
+def _bad(name: str, raw: str, allowed: str) -> ConfigError:
+    return ConfigError(f"{name}={raw!r} is not allowed: {allowed}")
+
+
+def _seconds(name: str, default: float, *, zero_is_off: bool = False) -> float:
+    """A number of seconds from the environment, or ``default`` when unset or empty.
+    With ``zero_is_off``, zero in any spelling (``0``, ``0.0``, ``0e0``) is 0.0."""
+    raw = os.environ.get(name, "")
+    if not raw.strip():
         return default
+    allowed = "a positive number of seconds below 10 years" + (", or 0 (off)" if zero_is_off else "")
     try:
-        value = kind(raw)
+        value = float(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a{'n integer' if kind is int else ' number'}") from None
-    if not 0 < value < float("inf"):  # also rejects nan
-        raise ValueError(f"{name}={raw!r} must be a positive, finite number")
+        raise _bad(name, raw, allowed) from None
+    if zero_is_off and value == 0:
+        return 0.0
+    if not 0 < value < MAX_TIMEOUT_S:  # also rejects nan and inf
+        raise _bad(name, raw, allowed)
+    return value
+
+
+def _shown(name: str, value: float) -> str:
+    """``NAME='raw'`` as given, or that it is unset and what it defaults to."""
+    raw = os.environ.get(name, "")
+    return f"{name}={raw!r}" if raw.strip() else f"{name} (unset, default {value:g})"
+
+
+def _integer(name: str, default: Optional[int], minimum: int, maximum: Optional[int] = None) -> Optional[int]:
+    """An integer in [minimum, maximum] from the environment, or ``default`` when unset or empty."""
+    raw = os.environ.get(name, "")
+    if not raw.strip():
+        return default
+    allowed = f"an integer >= {minimum}" if maximum is None else f"an integer from {minimum} to {maximum}"
+    try:
+        value = int(raw)
+    except ValueError:
+        raise _bad(name, raw, allowed) from None
+    if value < minimum or (maximum is not None and value > maximum):
+        raise _bad(name, raw, allowed)
     return value
 
 
 def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise _bad(name, raw, "1, true, yes or on (on); 0, false, no, off or empty (off); in any case")
+
+
+def _path(name: str, directory: bool) -> str:
+    """A path from the environment (empty: unset); an existing one must be of the right kind."""
+    raw = os.environ.get(name, "")
+    if raw and os.path.exists(raw) and os.path.isdir(raw) != directory:
+        raise _bad(name, raw, "a directory" if directory else "a file path, not a directory")
+    return raw
 
 
 def default_timeout() -> timedelta:
     """``COMMSLAYER_TIMEOUT_S``: deadline of an op that names none (default 300 s)."""
-    return timedelta(seconds=_positive("COMMSLAYER_TIMEOUT_S", 300.0))
+    return timedelta(seconds=_seconds("COMMSLAYER_TIMEOUT_S", 300.0))
 
 
 def timeout_is_set() -> bool:
     """Whether ``COMMSLAYER_TIMEOUT_S`` is given (it then overrides c10d's group timeout)."""
-    return bool(os.environ.get("COMMSLAYER_TIMEOUT_S"))
+    return bool(os.environ.get("COMMSLAYER_TIMEOUT_S", "").strip())
 
 
 def check_mode() -> bool:
@@ -59,7 +118,7 @@ def trace_dir() -> str:
     for every communicator of the process (empty: tracing off). A restarted replica
     group (under ``commslayer-run``) writes into ``replica<R>-restart<N>/`` below it,
     so its files do not replace those of the life before."""
-    base = os.environ.get("COMMSLAYER_TRACE_DIR", "")
+    base = _path("COMMSLAYER_TRACE_DIR", directory=True)
     replica, restart = replica_id(), restart_count()
     if base and replica is not None and restart:
         return os.path.join(base, f"replica{replica}-restart{restart}")
@@ -71,20 +130,17 @@ def job_rank() -> Optional[int]:
     (one per replica group, ``launch/run.py``), each of which numbers its ranks
     from 0. It names trace files, and c10d groups map their ranks into it
     (a torchrun's ranks are taken to be one contiguous block of the job's)."""
-    value = os.environ.get("COMMSLAYER_JOB_RANK", "")
-    if value:
-        return int(value)
+    rank = _integer("COMMSLAYER_JOB_RANK", None, 0)
     replica = replica_id()
-    if replica is not None:  # under commslayer-run: replica groups of WORLD_SIZE ranks each
-        return replica * int(os.environ.get("WORLD_SIZE", "1")) + int(os.environ.get("RANK", "0"))
-    return None
+    if rank is None and replica is not None:  # under commslayer-run: replica groups of WORLD_SIZE ranks
+        return replica * int(os.environ.get("WORLD_SIZE") or 1) + int(os.environ.get("RANK") or 0)
+    return rank
 
 
 def replica_id() -> Optional[int]:
     """``COMMSLAYER_REPLICA``: the replica group this process belongs to, set by the
     launcher (``commslayer-run``) for each of its torchruns; unset under plain torchrun."""
-    value = os.environ.get("COMMSLAYER_REPLICA", "")
-    return int(value) if value else None
+    return _integer("COMMSLAYER_REPLICA", None, 0)
 
 
 def restart_count() -> int:
@@ -113,7 +169,7 @@ def trace_mode() -> int:
 
 def trace_buffer() -> int:
     """``COMMSLAYER_TRACE_BUFFER``: records kept in the flight recorder's ring (default 4096)."""
-    return _positive("COMMSLAYER_TRACE_BUFFER", 4096, int)
+    return _integer("COMMSLAYER_TRACE_BUFFER", 4096, 1, MAX_TRACE_BUFFER)
 
 
 def trace_stack() -> bool:
@@ -135,22 +191,50 @@ def trace_sink_queue() -> int:
     """``COMMSLAYER_TRACE_SINK_QUEUE``: records a trace sink (JSON lines, OpenTelemetry)
     holds before its background thread writes them; beyond it, records are dropped
     and counted rather than slowing the op down (default 65536)."""
-    return _positive("COMMSLAYER_TRACE_SINK_QUEUE", 65536, int)
+    return _integer("COMMSLAYER_TRACE_SINK_QUEUE", 65536, 1)
 
 
 def heartbeat_s() -> float:
     """``COMMSLAYER_HEARTBEAT_S``: how often each member tells its peers it is alive
     (default 0.25 s; ``0`` turns liveness off: a lost peer is then only seen by the
     op that talks to it, or at the op's deadline)."""
-    if os.environ.get("COMMSLAYER_HEARTBEAT_S", "").strip() in ("0", "0.0"):
-        return 0.0
-    return _positive("COMMSLAYER_HEARTBEAT_S", 0.25)
+    return _seconds("COMMSLAYER_HEARTBEAT_S", 0.25, zero_is_off=True)
 
 
 def peer_timeout_s() -> float:
     """``COMMSLAYER_PEER_TIMEOUT_S``: silence after which a peer counts as stopped
     (default 3 s). A peer whose process ends is named at once, whatever this is."""
-    return _positive("COMMSLAYER_PEER_TIMEOUT_S", 3.0)
+    return _seconds("COMMSLAYER_PEER_TIMEOUT_S", 3.0)
+
+
+def liveness_timing() -> Tuple[float, float]:
+    """(heartbeat, peer timeout) in seconds, checked together: with liveness on, the
+    peer timeout must exceed two heartbeat periods, or a healthy peer whose beat is
+    merely late (a busy host, one lost packet) is declared lost."""
+    heartbeat, peer_timeout = heartbeat_s(), peer_timeout_s()
+    if heartbeat > 0 and not peer_timeout > 2 * heartbeat:
+        raise ConfigError(
+            f"{_shown('COMMSLAYER_PEER_TIMEOUT_S', peer_timeout)} is not allowed with "
+            f"{_shown('COMMSLAYER_HEARTBEAT_S', heartbeat)}: the peer timeout must be more than 2 x the "
+            f"heartbeat period (> {2 * heartbeat:g} s), or healthy peers are declared lost")
+    return heartbeat, peer_timeout
+
+
+def liveness_host() -> Optional[str]:
+    """``COMMSLAYER_LIVENESS_HOST``: the host name or address this rank's peers dial for
+    its liveness connections, as given (None when unset). A value that does not
+    resolve is an error: falling back to another address would have peers dial
+    the wrong host."""
+    raw = os.environ.get("COMMSLAYER_LIVENESS_HOST", "")
+    host = raw.strip()
+    if not host:
+        return None
+    try:
+        socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError) as exc:
+        raise _bad("COMMSLAYER_LIVENESS_HOST", raw,
+                   f"a host name or address that resolves on this host ({exc})") from None
+    return host
 
 
 def isolate_writes() -> bool:
@@ -161,11 +245,42 @@ def isolate_writes() -> bool:
 
 
 def faults() -> str:
-    """``COMMSLAYER_FAULTS``: the fault harness's faults, as JSON (faults.inject)."""
+    """``COMMSLAYER_FAULTS``: the fault harness's faults, as JSON (faults.inject
+    parses and checks them when it loads)."""
     return os.environ.get("COMMSLAYER_FAULTS", "")
 
 
 def faults_log() -> str:
     """``COMMSLAYER_FAULTS_LOG``: where a process logs the faults it fires and the
     first failure of each of its communicators (empty: nowhere)."""
-    return os.environ.get("COMMSLAYER_FAULTS_LOG", "")
+    return _path("COMMSLAYER_FAULTS_LOG", directory=False)
+
+
+# What validate() reads: every accessor that can refuse a value.
+_CHECKED: Tuple[Callable[[], object], ...] = (
+    default_timeout, check_mode, route_c10d, trace_dir, job_rank, trace_buffer, trace_stack, trace_jsonl,
+    trace_otel, trace_sink_queue, heartbeat_s, peer_timeout_s, liveness_timing, liveness_host, isolate_writes,
+    faults_log, trace_mode, replica_id,
+)
+_valid: Set[Tuple[Tuple[str, str], ...]] = set()  # environments found valid (resolving a host costs)
+
+
+def validate() -> None:
+    """Check every ``COMMSLAYER_*`` variable; raise one ``ConfigError`` naming every
+    bad one (variable, value, what is allowed). Cheap after the first call for the
+    same environment."""
+    snapshot = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("COMMSLAYER_")))
+    if snapshot in _valid:
+        return
+    problems = []
+    for accessor in _CHECKED:
+        try:
+            accessor()
+        except ConfigError as err:
+            if err.what not in problems:  # liveness_timing repeats a bad heartbeat or peer timeout
+                problems.append(err.what)
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} bad COMMSLAYER_* variables: " + "; ".join(problems))
+    _valid.add(snapshot)

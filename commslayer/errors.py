@@ -89,6 +89,13 @@ class InvalidArgument(CommError, ValueError):
     """The call's arguments are wrong on this rank; nothing was sent."""
 
 
+class ConfigError(CommError, ValueError):
+    """A ``COMMSLAYER_*`` environment variable has a value that is not allowed; the
+    message names the variable, the value and what is allowed (commslayer.config).
+    Raised at start-up (``new_comm``, ``join``, a commslayer c10d group, the tracing
+    autoload), before anything is built."""
+
+
 class CollectiveMismatch(CommError):
     """Ranks called different ops, shapes, dtypes or reduce ops at one sequence number."""
 

@@ -71,14 +71,21 @@ _FROM_C10D = {
 
 
 def coerce(op: object) -> ReduceOp:
-    """Accept our ``ReduceOp``, a c10d ``ReduceOp`` or its ``RedOpType``.
+    """Accept our ``ReduceOp``, a c10d ``ReduceOp`` or its ``RedOpType`` (what the
+    c10d adapter passes); nothing else, since an int compares equal to a
+    ``RedOpType`` (``5`` is ``BAND``) and would be taken silently.
 
-    Raises ``KeyError`` for what cannot be expressed (a c10d PREMUL_SUM, whose
-    factor Python cannot read); the caller turns that into ``InvalidArgument``.
+    Raises ``ValueError`` for another type, and for what cannot be expressed (a
+    c10d PREMUL_SUM, whose factor Python cannot read); the caller turns it into
+    ``InvalidArgument``.
     """
     if isinstance(op, ReduceOp):
         return op
+    if not isinstance(op, dist.ReduceOp):  # RedOpType members are instances of it too
+        raise ValueError(f"op must be a commslayer.ReduceOp (or a torch.distributed.ReduceOp), "
+                         f"got {op!r} ({type(op).__name__})")
     for c10d_op, ours in _FROM_C10D.items():
         if op == c10d_op:  # a ReduceOp instance compares equal to its RedOpType
             return ours
-    raise KeyError(op)
+    raise ValueError(f"unsupported reduce op {op!r}: use commslayer.ReduceOp (PREMUL_SUM(factor) for a "
+                     f"premultiplied sum)")

@@ -7,16 +7,27 @@ every op.
 
 from __future__ import annotations
 
+import numbers
 from datetime import timedelta
 from typing import Optional, Sequence, Union
 
 import torch
 
+from .config import MAX_TIMEOUT_S
 from .errors import InvalidArgument
 from .reduce_op import ReduceOp
 
 Timeout = Union[timedelta, float, int, None]
-_MAX_TIMEOUT_S = 10 * 365 * 86400.0  # c10d keeps timeouts in int64 milliseconds
+# A name is in every store key of its communicator, and a split's keys hold its
+# parent's name too; the store drops the connection of a key near 16 KB (measured),
+# which every communicator of the process shares.
+MAX_NAME_CHARS = 200
+
+
+def shown_name(name: object) -> str:
+    """``name`` as error messages show it: cut to ``MAX_NAME_CHARS`` characters."""
+    text = str(name)
+    return text if len(text) <= MAX_NAME_CHARS else f"{text[:MAX_NAME_CHARS]}... ({len(text)} characters)"
 
 
 class Checker:
@@ -50,6 +61,17 @@ class Checker:
         if t.is_sparse:
             raise self.fail(f"{what} is sparse; only dense tensors are supported")
         return t
+
+    def name(self, name: object, what: str = "name", forbidden: str = "") -> str:
+        """A communicator's name: a non-empty string of at most ``MAX_NAME_CHARS``
+        characters, none of them in ``forbidden``."""
+        rule = f"a non-empty string of at most {MAX_NAME_CHARS} characters" + \
+            "".join(f" without {c!r}" for c in forbidden)
+        if not isinstance(name, str) or not name or any(c in name for c in forbidden):
+            raise self.fail(f"{what} must be {rule}, got {shown_name(repr(name))}")
+        if len(name) > MAX_NAME_CHARS:
+            raise self.fail(f"{what} must be {rule}, got one of {len(name)} characters")
+        return name
 
     def same_dtype(self, a: torch.Tensor, b: torch.Tensor, what: str) -> None:
         if a.dtype != b.dtype:
@@ -119,12 +141,13 @@ class Checker:
 
 
 def timeout_seconds(timeout: Timeout, default_s: float, check: Checker) -> float:
-    """The op's deadline in seconds: ``timeout`` (timedelta or seconds) or the default."""
+    """A deadline in seconds: ``timeout`` (a timedelta, or seconds as an int or a float,
+    as torch users pass them) or ``default_s`` when it is None."""
     if timeout is None:
         return default_s
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
-        raise check.fail(f"timeout must be a timedelta or seconds, got {timeout!r}")
-    if not 0 < seconds < _MAX_TIMEOUT_S:  # also rejects nan and inf
-        raise check.fail(f"timeout must be positive and finite, got {timeout!r}")
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
+        raise check.fail(f"timeout must be a timedelta or a number of seconds, got {timeout!r}")
+    if not 0 < seconds < MAX_TIMEOUT_S:  # also rejects nan and inf
+        raise check.fail(f"timeout must be positive, finite and below 10 years, got {timeout!r}")
     return float(seconds)

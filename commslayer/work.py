@@ -21,6 +21,7 @@ import torch
 
 from .backends import classify
 from .errors import CollectiveTimeout, CommError
+from .validation import Timeout, timeout_seconds
 
 if TYPE_CHECKING:
     from .communicator import Communicator
@@ -97,17 +98,20 @@ class Work:
             return True
         return False
 
-    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+    def wait(self, timeout: Timeout = None) -> bool:
         """Block until the op is done; raise its ``CommError`` if it failed.
 
-        ``timeout`` shortens the op's own deadline: an op still running when
-        the wait gives up is declared timed out (it cannot be cancelled, so
-        the communicator cannot be trusted after it either).
+        ``timeout`` (a timedelta or seconds) shortens the op's own deadline: an
+        op still running when the wait gives up is declared timed out (it
+        cannot be cancelled, so the communicator cannot be trusted after it
+        either). Not positive, not finite or not a number: ``InvalidArgument``.
         """
+        if timeout is not None:
+            timeout_s = timeout_seconds(timeout, self.timeout_s, self.comm._checker(self.op))
         if self._status not in _DONE:
             remaining = (self.deadline_ns - time.monotonic_ns()) / 1e9
             if timeout is not None:
-                remaining = min(remaining, timeout.total_seconds())
+                remaining = min(remaining, timeout_s)
             self._settle_from_backend(remaining)
         if self._error is not None:
             raise self._error

@@ -20,7 +20,12 @@ def autoload() -> None:
 
 
 def _install() -> None:
-    # An exception here would make `import torch` itself fail: warn instead.
+    from commslayer import config
+
+    # A bad COMMSLAYER_* value fails here, at start-up (torch reports it as the cause of a
+    # failed `import torch`): a job must not run on with tracing silently off.
+    config.validate()
+    # Anything else here would make `import torch` itself fail: warn instead.
     try:
         from .recorder import install
 
