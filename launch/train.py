@@ -61,6 +61,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 import commslayer  # noqa: E402
 import fsdp_overlap  # noqa: E402
+from commslayer import runs  # noqa: E402
 from commslayer.errors import first_line  # noqa: E402
 from commslayer.replicas import ReplicaBroken, Replicas, flatten, unflatten  # noqa: E402
 from faults.inject import PHASES, Fault, injector  # noqa: E402
@@ -177,7 +178,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kill", action="append", default=[], metavar="R:STEP:PHASE[:RANK]")
-    p.add_argument("--run-dir", help="write this rank's result (losses, recoveries, fingerprints) here")
+    p.add_argument("--run-dir", default=os.environ.get("COMMSLAYER_RUN_DIR") or None,
+                   help="write this rank's result (losses, recoveries, fingerprints) here (default: $COMMSLAYER_RUN_DIR)")
     p.add_argument("--heal-timeout", type=float, default=120.0,
                    help="at the end, wait this long for restarted replica groups to rejoin")
     p.add_argument("--plain", action="store_true", help="plain Gloo groups, no resilience (the baseline)")
@@ -253,24 +255,21 @@ def main() -> None:
                 report_recovery(rep, step, store)
     elapsed = time.perf_counter() - begin
 
-    result = {"member": _MEMBER, "replica": replica, "rank": rank, "restart": _RESTART, "pid": os.getpid(),
-              "started": _STARTED, "steps": args.steps,
-              "start_step": start_step, "elapsed_s": elapsed, "step_s": step_s, "losses": losses,
-              "optimizer_steps": [int(opt.state[q]["step"]) for q in params], "live": list(range(replicas)),
-              "fingerprints": None, "recoveries": [], "admissions": []}
+    result = runs.RankResult(member=_MEMBER, replica=replica, rank=rank, restart=_RESTART, pid=os.getpid(),
+                             started=_STARTED, steps=args.steps, start_step=start_step, elapsed_s=elapsed,
+                             step_s=step_s, losses=losses,
+                             optimizer_steps=[int(opt.state[q]["step"]) for q in params], live=list(range(replicas)))
     if rep is not None:
         rep.wait_for(state, args.steps, lambda r: store.check([f"replica/{r}/gone"]), args.heal_timeout)
-        result.update(generation=rep.generation, live=rep.live, fingerprints=compare_replicas(rep, state),
-                      recoveries=[vars(r) for r in rep.recoveries], admissions=[vars(a) for a in rep.admissions])
+        result.generation, result.live, result.fingerprints = rep.generation, rep.live, compare_replicas(rep, state)
+        result.recoveries, result.admissions = list(rep.recoveries), list(rep.admissions)
         if rep.world.get_rank() == 0 and step_s:
             print(f"done: steps {start_step}..{args.steps - 1} in {elapsed:.1f}s, {len(rep.recoveries)} "
                   f"recoveries, {len(rep.admissions)} admissions, replicas {rep.live}/{replicas} live at the end, "
                   f"generation {rep.generation}", flush=True)
         store.set("job/finished", "1")  # a group restarting from now on has nothing to rejoin
     if args.run_dir:
-        os.makedirs(args.run_dir, exist_ok=True)
-        with open(os.path.join(args.run_dir, f"result-m{_MEMBER}-r{_RESTART}.json"), "w") as f:
-            json.dump(result, f)
+        runs.save(result, args.run_dir)
     finish(0)
 
 
