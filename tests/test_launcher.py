@@ -51,12 +51,20 @@ runs.save(runs.RankResult(member=0, replica=0, rank=0, restart=0, pid=os.getpid(
 '''
 
 
-def launch(args: List[str], cwd: Path, timeout: float = 150) -> tuple[subprocess.CompletedProcess, bytes]:
-    """Run the launcher; return its result and the tag its processes carried."""
-    tag = f"COMMSLAYER_TEST_TAG={uuid.uuid4().hex}"
-    env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="", COMMSLAYER_TEST_TAG=tag.split("=")[1])
-    proc = subprocess.run([*LAUNCHER, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    return proc, tag.encode()
+def launch(args: List[str], cwd: Path, timeout: float = 100) -> tuple[subprocess.CompletedProcess, bytes]:
+    """Run the launcher; return its result and the tag its processes carried.  Past
+    ``timeout`` (inside pytest's 120 s) it gets SIGTERM, which ends all it started."""
+    tag = uuid.uuid4().hex
+    env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="", COMMSLAYER_TEST_TAG=tag)
+    proc = subprocess.Popen([*LAUNCHER, *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, err = proc.communicate(timeout=15)
+        pytest.fail(f"the launcher ran past {timeout}s:\n{out[-3000:]}{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), f"COMMSLAYER_TEST_TAG={tag}".encode()
 
 
 def tagged(tag: bytes) -> List[int]:
