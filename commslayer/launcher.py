@@ -171,7 +171,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, on_signal)
-    store, codes = None, {}
     try:
         store = _job_store(a)
         codes = _supervise(a, store, procs)
@@ -180,6 +179,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 130
     except _Failed as exc:
         print(f"{PROG}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except dist.DistNetworkError as exc:  # the job's store went away between two checks
+        print(f"{PROG}: the job's store failed ({first_line(exc)}); ended the replica groups started here",
+              file=sys.stderr, flush=True)
         return 1
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second Ctrl-C must not cut the ending short
