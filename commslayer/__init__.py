@@ -8,7 +8,9 @@ Layout: ``communicator`` (API, validation, deadlines), ``backends`` (how Gloo
 and NCCL groups are built, classified, torn down), ``work``/``watchdog``
 (deadline enforcement), ``check`` (cross-rank check mode), ``c10d`` (the
 ``torch.distributed`` adapter), ``errors``, ``reduce_op``, ``hooks``,
-``config`` (the ``COMMSLAYER_*`` table), ``store``.
+``config`` (the ``COMMSLAYER_*`` table), ``store``; for resilient jobs
+``replicas`` (the replicate dimension), ``launcher`` (``commslayer-run``),
+``runs`` (what a run leaves, for its writer and readers) and ``processes``.
 """
 
 from .communicator import Communicator, join, live_communicators, new_comm, register_communicator_hook

@@ -127,7 +127,7 @@ def trace_dir() -> str:
 
 def job_rank() -> Optional[int]:
     """``COMMSLAYER_JOB_RANK``: this process's rank in a job made of several torchruns
-    (one per replica group, ``launch/run.py``), each of which numbers its ranks
+    (one per replica group, ``commslayer-run``), each of which numbers its ranks
     from 0. It names trace files, and c10d groups map their ranks into it
     (a torchrun's ranks are taken to be one contiguous block of the job's)."""
     rank = _integer("COMMSLAYER_JOB_RANK", None, 0)

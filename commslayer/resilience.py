@@ -53,7 +53,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict
 from datetime import timedelta
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -61,7 +60,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import config
+from . import config, runs
 from .errors import CommError, InvalidArgument, first_line
 from .exits import exit_now
 from .hooks import phase_hooks as _phase_hooks
@@ -436,7 +435,7 @@ class Job:
         if self.member != first:
             return
         a = self.admissions[-1]
-        self.store.append("job/admissions", json.dumps(asdict(a)) + "\n")
+        runs.record(self.store, a)
         print(f"admitted replica(s) {a.replicas} at step {step}: generation {a.generation}, join and state "
               f"transfer {a.heal_s:.3f}s", flush=True)
 
@@ -446,7 +445,7 @@ class Job:
         r = self.recoveries[-1] if self.recoveries else None
         if r is None or r.step != step or r.committed_at is None or self._replicas.world.get_rank() != 0:
             return
-        self.store.append("job/recoveries", json.dumps(asdict(r)) + "\n")
+        runs.record(self.store, r)
         print(f"recovered: lost replica(s) {r.lost_replicas} at step {step}; generation {r.generation} built "
               f"{r.resumed_at - r.detected_at:.3f}s and the step committed {r.committed_at - r.detected_at:.3f}s "
               f"after the loss was seen", flush=True)
@@ -487,17 +486,14 @@ class Job:
 
     def _write_result(self, elapsed: float, prints: List[int]) -> None:
         opt = next(iter(self._state.optimizers.values()), None)
-        steps = [int(opt.state[p]["step"]) for p in self._state.params() if opt is not None and
-                 "step" in opt.state.get(p, {})]
-        result = {"member": self.member, "replica": self.replica, "rank": self.rank, "restart": self.restart,
-                  "pid": os.getpid(), "started": self.started, "steps": self._total, "start_step": self.start_step,
-                  "elapsed_s": elapsed, "step_s": self.step_s, "losses": self.losses, "optimizer_steps": steps,
-                  "live": self.live_replicas, "generation": self.generation, "fingerprints": prints,
-                  "recoveries": [asdict(r) for r in self.recoveries],
-                  "admissions": [asdict(a) for a in self.admissions]}
-        os.makedirs(self.run_dir, exist_ok=True)
-        with open(os.path.join(self.run_dir, f"result-m{self.member}-r{self.restart}.json"), "w") as f:
-            json.dump(result, f)
+        counts = [int(opt.state[p]["step"]) for p in self._state.params() if opt is not None and
+                  "step" in opt.state.get(p, {})]
+        runs.save(runs.RankResult(
+            member=self.member, replica=self.replica, rank=self.rank, restart=self.restart, pid=os.getpid(),
+            started=self.started, steps=self._total, start_step=self.start_step, elapsed_s=elapsed,
+            step_s=self.step_s, losses=self.losses, optimizer_steps=counts, live=self.live_replicas,
+            fingerprints=prints, recoveries=list(self.recoveries), admissions=list(self.admissions),
+            generation=self.generation), self.run_dir)
 
 
 def _buckets(tensors: Sequence[torch.Tensor], extra: Optional[torch.Tensor],

@@ -13,6 +13,8 @@ Modules: ``scenarios`` (what each scenario injects and promises),
 ``harness`` (running a scenario, the invariants, the reports), ``netns``
 (hosts made of network namespaces), ``cli``, ``autoload`` (the injector
 starts when torch is imported), ``wake`` (the helper that ends a
-``sigstop`` fault).  This package imports nothing heavy: every
-process of a job under the harness imports ``faults.inject``.
+``sigstop`` fault).  What a run leaves (result files, the fault log,
+the summary) is read through ``commslayer.runs``, the definition the
+launcher and the training script share; the processes the harness starts
+are handled by ``commslayer.processes``.
 """

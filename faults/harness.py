@@ -1,6 +1,6 @@
 """Run a scenario against a real job, then check what survived and write the report.
 
-The job is the resilient launcher (``launch/run.py``: a coordinator and one
+The job is the resilient launcher (``commslayer-run``: a coordinator and one
 torchrun per replica group) running ``launch/train.py`` or the job given.
 Faults fired from inside the ranks travel in ``COMMSLAYER_FAULTS``; the
 harness carries out the external ones itself when the job reports the
@@ -8,10 +8,10 @@ fault step (SIGKILL of the coordinator, a link cut or a bandwidth cap in
 network namespaces, a trace directory on a full tmpfs).  The harness is a
 subreaper, so every process the job leaves behind is found and ended.
 
-Then it reads what the ranks wrote (result files, the fault log, trace
-dumps, the launcher's summary) and checks the invariants: the faults fired,
-the job did what the scenario promises, survivors' state bitwise
-identical, no step applied twice or skipped, a dump covering the fault on
+Then it reads what the ranks wrote (result files, the fault log and the
+launcher's summary through ``commslayer.runs``; trace dumps) and checks the
+invariants: the faults fired, the job did what the scenario promises,
+survivors' state bitwise identical, no step applied twice or skipped, a dump covering the fault on
 every survivor, the viewer's verdict, and no process, namespace or mount
 left behind.  ``run`` returns the report; ``write_reports`` writes it as
 JSON and Markdown.
@@ -19,7 +19,6 @@ JSON and Markdown.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
@@ -34,16 +33,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from commslayer.processes import ProcessSet, become_subreaper, descendants, free_port
+from commslayer.replicas import Recovery
+from commslayer.runs import FAULT_LOG, RankResult, load_results, load_summary, longest, read_log, result_paths
 from tracing import analysis
 from tracing.traceio import TraceFileError, read_dump
 
-from .inject import Fault, Log, encode, read_log
+from .inject import Fault, Log, encode
 from .scenarios import BY_NAME, FAULT_STEP, Layout, Scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_JOB = str(ROOT / "launch" / "train.py")
-sys.path.insert(0, str(ROOT))  # the launcher's result readers: the harness runs the repository's launcher anyway
-from launch.run import FAULT_LOG, become_subreaper, descendants, free_port, load_results, longest  # noqa: E402
 
 EXTERNAL = ("coordinator-kill", "link-cut", "bandwidth-cap")  # fired by the harness at the fault step
 LINK_CUT_S = 8.0
@@ -107,30 +107,25 @@ class _Job:
     """The job's launcher processes, their output (to ``job.log``, scanned for steps)."""
 
     def __init__(self, run_dir: str) -> None:
+        self._set = ProcessSet(grace_s=0.0)
         self.procs: List[subprocess.Popen] = []
         self.step = -1
         self.stepped = threading.Condition()
         self.ended_at: Optional[float] = None
         self._log = open(os.path.join(run_dir, "job.log"), "w")
-        self._readers: List[threading.Thread] = []
 
     def start(self, cmd: List[str], env: Dict[str, str], name: str) -> subprocess.Popen:
-        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, text=True, bufsize=1)
+        proc = self._set.start(name, cmd, env, on_line=lambda line: self._read(line, name))
         self.procs.append(proc)
-        t = threading.Thread(target=self._read, args=(proc, name), daemon=True)
-        t.start()
-        self._readers.append(t)
         return proc
 
-    def _read(self, proc: subprocess.Popen, name: str) -> None:
-        for line in proc.stdout:
-            self._log.write(f"[{name}] {line}")
-            m = STEP_LINE.search(line)
-            if m:
-                with self.stepped:
-                    self.step = max(self.step, int(m.group(1)))
-                    self.stepped.notify_all()
+    def _read(self, line: str, name: str) -> None:
+        self._log.write(f"[{name}] {line}")
+        m = STEP_LINE.search(line)
+        if m:
+            with self.stepped:
+                self.step = max(self.step, int(m.group(1)))
+                self.stepped.notify_all()
 
     def wait_step(self, step: int, deadline: float) -> bool:
         with self.stepped:
@@ -151,15 +146,7 @@ class _Job:
         return True
 
     def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            p.wait()
-        for t in self._readers:
-            t.join(timeout=2)
+        self._set.stop()
         self._log.close()
 
 
@@ -193,10 +180,10 @@ def run(name: str, out_dir: str, options: Optional[Options] = None) -> Dict[str,
     env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_FAULTS=encode(faults), COMMSLAYER_FAULTS_LOG=log.path,
                **scenario.env)
     env.pop("COMMSLAYER_TRACE_DIR", None)  # the launcher's default: <run-dir>/traces
-    base = [sys.executable, str(ROOT / "launch" / "run.py"), "--replicas", str(layout.replicas),
+    base = [sys.executable, "-m", "commslayer.launcher", "--replicas", str(layout.replicas),
             "--nproc-per-replica", str(layout.per_replica), "--max-restarts", str(scenario.max_restarts),
-            "--run-dir", run_dir, "--script", options.job]
-    job_args = ["--", "--steps", str(options.steps), "--heal-timeout", "90", *options.job_args]
+            "--run-dir", run_dir]
+    job_args = [options.job, "--steps", str(options.steps), "--heal-timeout", "90", *options.job_args]
     began = time.time()
     deadline = time.monotonic() + options.timeout_s
     notes: List[str] = []
@@ -318,7 +305,8 @@ def evaluate(scenario: Scenario, layout: Layout, options: Options, run_dir: str,
     events = read_log(os.path.join(run_dir, FAULT_LOG))
     injected = [e for e in events if e["event"] == "injected"]
     results = load_results(run_dir)
-    summary = _load_json(os.path.join(run_dir, "summary.json")) or {}
+    summary = load_summary(run_dir)
+    recoveries = summary.recoveries if summary else []
     t0 = injected[0]["t"] if injected else None
     checks: List[Check] = []
     notes: List[str] = []
@@ -327,8 +315,8 @@ def evaluate(scenario: Scenario, layout: Layout, options: Options, run_dir: str,
                         f"{len(injected)} of {wanted}: " + "; ".join(e["what"] for e in injected)))
     target_pids = {e["pid"] for e in injected if e["member"] == layout.target and e["fault"] not in
                    ("coordinator", "link", "cap")}
-    detection = _detection(events, injected, layout, {r["pid"]: r["started"] for r in results})
-    recovery = recovery_of(summary, injected, results)
+    detection = _detection(events, injected, layout, {r.pid: r.started for r in results})
+    recovery = recovery_of(recoveries, injected, results)
     if scenario.expect == "survive":
         checks += state_checks(results, options.steps, layout)
         checks.append(Check("job finished", ended_at is not None and all(c == 0 for c in codes),
@@ -339,13 +327,11 @@ def evaluate(scenario: Scenario, layout: Layout, options: Options, run_dir: str,
     quiet = scenario.straggler or scenario.external == "bandwidth-cap"
     if quiet:
         # Once a rank has finished (its result written), the others may see it go: not a fault.
-        done = min((os.path.getmtime(p) for p in glob.glob(os.path.join(run_dir, "result-m*-r*.json"))),
-                   default=float("inf"))
+        done = min((os.path.getmtime(p) for p in result_paths(run_dir)), default=float("inf"))
         failures = [e for e in events if e["event"] == "failure" and e["t"] < done]
         late = sum(e["event"] == "failure" and e["t"] >= done for e in events)
-        checks.append(Check("nobody declared dead", not failures and not summary.get("recoveries"),
-                            f"{len(failures)} communicator failures, {len(summary.get('recoveries') or [])} "
-                            "recoveries"))
+        checks.append(Check("nobody declared dead", not failures and not recoveries,
+                            f"{len(failures)} communicator failures, {len(recoveries)} recoveries"))
         if late:
             notes.append(f"{late} communicator failure(s) logged after the first rank had finished the run "
                          "(a peer that finished was seen to go; see faults.jsonl)")
@@ -354,7 +340,7 @@ def evaluate(scenario: Scenario, layout: Layout, options: Options, run_dir: str,
         checks.append(Check("survivors recovered from every fault", bool(stalls) and None not in stalls,
                             "fault to next committed step: " + ", ".join(f"{x}s" for x in stalls)))
     if scenario.stopped:
-        checks.append(_fenced(events, summary, results, layout, target_pids, trace_dir))
+        checks.append(_fenced(events, recoveries, results, layout, target_pids, trace_dir))
     diagnosis = _diagnose(trace_dir, layout, scenario)
     if scenario.culprit:
         checks.append(Check("viewer names the rank", layout.target in diagnosis.get("culprits", []),
@@ -390,21 +376,20 @@ def evaluate(scenario: Scenario, layout: Layout, options: Options, run_dir: str,
     }
 
 
-def state_checks(results: List[dict], steps: int, layout: Layout) -> List[Check]:
+def state_checks(results: List[RankResult], steps: int, layout: Layout) -> List[Check]:
     """Nothing lost: every rank of every group reached the end with the same state, each step applied once."""
-    members = sorted(r["member"] for r in results)
+    members = sorted(r.member for r in results)
     out = [Check("every rank finished every step", members == list(range(layout.ranks)) and
-                 all(r["start_step"] + len(r["step_s"]) == steps for r in results),
+                 all(r.end_step == steps for r in results),
                  f"result files of members {members}")]
-    twice = [(r["member"], sorted(set(r["optimizer_steps"]))) for r in results
-             if set(r["optimizer_steps"]) != {steps} or sorted(map(int, r["losses"])) != list(range(r["start_step"],
-                                                                                                  steps))]
+    twice = [(r.member, sorted(set(r.optimizer_steps))) for r in results
+             if set(r.optimizer_steps) != {steps} or sorted(r.losses) != list(range(r.start_step, steps))]
     out.append(Check("no step applied twice or skipped", bool(results) and not twice,
                      f"AdamW step counts all {steps} and one loss per step on every rank" if not twice
                      else f"wrong on (member, AdamW steps): {twice}"))
     diffs = []
-    for shard in sorted({r["rank"] for r in results}):
-        prints = {tuple(r["fingerprints"] or ()) for r in results if r["rank"] == shard}
+    for shard in sorted({r.rank for r in results}):
+        prints = {tuple(r.fingerprints or ()) for r in results if r.rank == shard}
         values = {x for p in prints for x in p}
         if len(prints) != 1 or len(values) != 1:
             diffs.append(shard)
@@ -433,53 +418,52 @@ def _detection(events: List[dict], injected: List[dict], layout: Layout,
     return out
 
 
-def recovery_of(summary: Dict[str, Any], injected: List[dict], results: List[dict]) -> Dict[str, Any]:
+def recovery_of(recoveries: List[Recovery], injected: List[dict], results: List[RankResult]) -> Dict[str, Any]:
     """Per fault, the recovery it caused (the first one seen after it): fault to next
     committed step; the rejoins (as the longest-lived rank saw them, also those at the
     end of the run); how many recoveries in all."""
-    recoveries = summary.get("recoveries") or []
-    admissions = longest(results)["admissions"] if results else []
+    admissions = longest(results).admissions if results else []
     per_fault = []
     for i, inj in enumerate(injected):
         until = injected[i + 1]["t"] if i + 1 < len(injected) else float("inf")
-        rec = next((r for r in recoveries if inj["t"] <= r["detected_at"] < until and r.get("committed_at")), None)
-        per_fault.append({"fault": inj["what"], "stall_s": None if rec is None else round(rec["committed_at"] - inj["t"], 4),
+        rec = next((r for r in recoveries if inj["t"] <= r.detected_at < until and r.committed_at), None)
+        per_fault.append({"fault": inj["what"], "stall_s": None if rec is None else round(rec.committed_at - inj["t"], 4),
                           "detected_to_committed_s": None if rec is None else
-                          round(rec["committed_at"] - rec["detected_at"], 4),
-                          "redone_step": None if rec is None else rec["step"]})
+                          round(rec.committed_at - rec.detected_at, 4),
+                          "redone_step": None if rec is None else rec.step})
     return {
         "stall_s": per_fault[0]["stall_s"] if per_fault else None, "per_fault": per_fault,
-        "rejoined": [{"replicas": a["replicas"], "step": a["step"], "heal_s": round(a["heal_s"], 4)}
+        "rejoined": [{"replicas": a.replicas, "step": a.step, "heal_s": round(a.heal_s, 4)}
                      for a in admissions],
         "recoveries": len(recoveries),
     }
 
 
-def _dump_path(trace_dir: str, result: dict) -> str:
-    sub = "" if not result["restart"] else f"replica{result['replica']}-restart{result['restart']}"
-    return os.path.join(trace_dir, sub, f"rank{result['member']}.json")
+def _dump_path(trace_dir: str, result: RankResult) -> str:
+    sub = "" if not result.restart else f"replica{result.replica}-restart{result.restart}"
+    return os.path.join(trace_dir, sub, f"rank{result.member}.json")
 
 
-def _dumps_cover(scenario: Scenario, results: List[dict], trace_dir: str, t: Optional[float],
+def _dumps_cover(scenario: Scenario, results: List[RankResult], trace_dir: str, t: Optional[float],
                  target_pids: set, layout: Layout) -> Check:
     if scenario.external == "disk-full":
         return Check("every survivor has a dump covering the fault", None, "the trace disk is full by design")
     if t is None:
         return Check("every survivor has a dump covering the fault", False, "no fault was injected")
-    survivors = [r for r in results if r.get("started", 0) < t and r["pid"] not in target_pids]
+    survivors = [r for r in results if r.started < t and r.pid not in target_pids]
     bad = []
     for r in survivors:
         try:
             doc = read_dump(_dump_path(trace_dir, r))
         except (OSError, TraceFileError) as exc:
-            bad.append(f"member {r['member']}: {exc}")
+            bad.append(f"member {r.member}: {exc}")
             continue
         shift = doc["clock"]["wall_ns"] - doc["clock"]["mono_ns"]
         starts = [x["enqueue_ns"] for x in doc["records"]]
         ends = [x.get("end_ns") or x["enqueue_ns"] for x in doc["records"]]
         first = t if scenario.straggler else (min(starts, default=t) + shift) / 1e9  # a delay lasts: records after it
         if not starts or not first <= t <= (max(ends) + shift) / 1e9:
-            bad.append(f"member {r['member']}: records do not span the fault")
+            bad.append(f"member {r.member}: records do not span the fault")
     return Check("every survivor has a dump covering the fault", bool(survivors) and not bad,
                  f"{len(survivors)} survivors" + (": " + "; ".join(bad) if bad else ", each dump's records span it"))
 
@@ -514,22 +498,21 @@ def _stop_checks(t: Optional[float], layout: Layout, codes: List[Optional[int]],
     return out
 
 
-def _fenced(events: List[dict], summary: Dict[str, Any], results: List[dict], layout: Layout,
+def _fenced(events: List[dict], recoveries: List[Recovery], results: List[RankResult], layout: Layout,
             target_pids: set, trace_dir: str) -> Check:
     """The stopped rank's group was dropped, and the rank never finished a step after it."""
     stop = next(e for e in events if e["event"] == "injected" and e["action"] == "sigstop")
     resumed = stop["t"] + stop["seconds"]  # when its helper sent SIGCONT
-    dropped = [r for r in summary.get("recoveries") or []
-               if layout.target // layout.per_replica in r["lost_replicas"]]
-    finished = [r for r in results if r["pid"] in target_pids]
-    detail = f"SIGCONT {resumed - min(r['detected_at'] for r in dropped):.3f}s after the survivors saw the loss" \
+    dropped = [r for r in recoveries if layout.target // layout.per_replica in r.lost_replicas]
+    finished = [r for r in results if r.pid in target_pids]
+    detail = f"SIGCONT {resumed - min(r.detected_at for r in dropped):.3f}s after the survivors saw the loss" \
         if dropped else "no recovery dropped its group"
     try:  # a dump shows it resumed (it dumps on the SIGTERM its torchrun sent); none: killed while stopped
         ended = f"its dump says it ended on: {read_dump(os.path.join(trace_dir, f'rank{layout.target}.json'))['reason']}"
     except (OSError, TraceFileError):
         ended = "it left no dump (ended while stopped)"
     return Check("the stopped rank was fenced", bool(dropped) and not finished,
-                 f"{detail}; its replica group was dropped at step(s) {[r['step'] for r in dropped]}; "
+                 f"{detail}; its replica group was dropped at step(s) {[r.step for r in dropped]}; "
                  f"the stopped process {'finished (WRONG)' if finished else 'never finished a step after it'}; "
                  f"{ended}")
 
@@ -568,12 +551,12 @@ def _mismatch_raised(trace_dir: str, layout: Layout) -> Check:
                  "; ".join(f"rank {m}: {e[:160]}" for m, e in sorted(seen.items())) or "none recorded")
 
 
-def _step_times(results: List[dict], injected: List[dict]) -> str:
-    r = min(results, key=lambda r: (r["start_step"], r["member"])) if results else None
+def _step_times(results: List[RankResult], injected: List[dict]) -> str:
+    r = longest(results) if results else None
     if r is None or not injected or injected[0].get("step") is None:
         return "step times: n/a"
-    cut = injected[0]["step"] - r["start_step"]
-    before, after = sorted(r["step_s"][:cut]), sorted(r["step_s"][cut + 1:])
+    cut = injected[0]["step"] - r.start_step
+    before, after = sorted(r.step_s[:cut]), sorted(r.step_s[cut + 1:])
     if not before or not after:
         return "step times: n/a"
     b, a = before[len(before) // 2], after[len(after) // 2]
@@ -586,14 +569,6 @@ def _grep(path: str, text: str) -> int:
             return sum(text in line for line in f)
     except OSError:
         return 0
-
-
-def _load_json(path: str) -> Optional[Dict[str, Any]]:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 # ---------------------------------------------------------------- reports

@@ -16,8 +16,9 @@ process keeps the faults aimed at its own job rank and fires each one:
 
 Every process also appends to ``COMMSLAYER_FAULTS_LOG`` (JSON lines): each
 fault when it fires, and the first failure each of its communicators sees.
-The harness reads injection and detection times from there; a restarted
-process reads it to skip the faults an earlier life fired.
+The harness and the launcher's summary read injection and detection times
+from there (``commslayer.runs.read_log``); a restarted process reads it to
+skip the faults an earlier life fired.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
+from commslayer.runs import read_log
 from tracing.dumps import open_append
 
 ACTIONS = ("sigkill", "exit", "raise", "sigstop", "hang", "delay", "mismatch")
@@ -150,15 +152,6 @@ class Log:
 
     def read(self) -> List[Dict[str, Any]]:
         return read_log(self.path) if self.path else []
-
-
-def read_log(path: str) -> List[Dict[str, Any]]:
-    """The events of a fault log, in the order they were written."""
-    try:
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except FileNotFoundError:
-        return []
 
 
 class Injector:

@@ -23,7 +23,7 @@ so only detection can end the wait):
   first all_reduce of the restarted job (new processes, torch imported
   again, a fresh group on a per-restart store prefix).
 
-The ranks of the first two kinds run under ``tests.harness.run_ranks``, a
+The ranks of the first two kinds run under ``faults.ranks.run_ranks``, a
 small launcher that, unlike torchrun, leaves survivors running.  Times are
 wall-clock (``time.time``) on one host.
 """
@@ -45,8 +45,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.harness import free_port, run_ranks  # noqa: E402
+from commslayer.processes import free_port
+from faults.ranks import run_ranks
 
 SIZE, VICTIM = 4, 2
 

@@ -27,7 +27,8 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List
 
-from run import free_port, load_results
+from commslayer.processes import free_port
+from commslayer.runs import load_results
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,7 +54,7 @@ def run_once(variant: str, args: argparse.Namespace, work: str, i: int) -> float
            "--master-port", str(free_port()), str(ROOT / "launch" / "train.py"), "--steps", str(args.steps),
            "--run-dir", run_dir, *args.train_args]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    rank0 = next((r for r in load_results(run_dir) if r["member"] == 0), None)
+    rank0 = next((r for r in load_results(run_dir) if r.member == 0), None)
     if rank0 is None:
         raise SystemExit(f"{variant} run failed (exit status {out.returncode}):\n{out.stderr[-3000:]}")
     traces = env.get("COMMSLAYER_TRACE_DIR")
@@ -63,7 +64,7 @@ def run_once(variant: str, args: argparse.Namespace, work: str, i: int) -> float
         EXIT_FAILURES[variant] += 1
         print(f"[bench_tracing_train] {variant}: exit status {out.returncode} after training; stderr tail:\n"
               f"{out.stderr[-600:]}", file=sys.stderr, flush=True)
-    return statistics.median(rank0["step_s"][1:])
+    return statistics.median(rank0.step_s[1:])
 
 
 def main() -> int:

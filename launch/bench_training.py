@@ -12,11 +12,11 @@ The job is launch/train.py's decoder-only LM at its default size (dim 128,
 4 layers, seq 128, batch 8 per rank), 2 replica groups of 2 FSDP2 ranks
 (4 ranks), ``--steps`` steps.  Configurations:
 
-* ``ours``: ``launch/run.py`` running train.py on commslayer (the
+* ``ours``: ``commslayer-run`` running train.py on commslayer (the
   ``"commslayer"`` backend inside each replica group, the resilient
-  replicate dimension across them, tracing on: run.py's default,
+  replicate dimension across them, tracing on: the launcher's default,
   ``COMMSLAYER_TRACE_DIR=<run dir>/traces``), no fault;
-* ``ours, untraced``: the same with ``COMMSLAYER_TRACE_DIR=""`` in run.py's
+* ``ours, untraced``: the same with ``COMMSLAYER_TRACE_DIR=""`` in the launcher's
   environment (tracing off), so that the resilience's cost and tracing's
   cost can be told apart;
 * ``plain Gloo`` and ``plain Gloo (A/A)``: the same launcher and job with
@@ -42,9 +42,9 @@ to repeat so drift hits them alike.  Figures:
   to plain Gloo's in the same repeat, minus 1 (and the same for the A/A);
   tracing's cost: ours' step time over ours, untraced's in the same repeat,
   minus 1;
-* survivor stall (ours, traced: run.py's default): from the kill (the wall
+* survivor stall (ours, traced: the launcher's default): from the kill (the wall
   time the victim noted just before SIGKILL) to the commit of the step it
-  hit, as world rank 0 of the survivors recorded the recovery (run.py's
+  hit, as world rank 0 of the survivors recorded the recovery (the launcher's
   ``summary.json``); also the loss detected to that commit, and how much
   longer the faulted step took on the survivor that saw the whole run than
   its median step before the fault: the work lost, as opposed to the rest
@@ -72,12 +72,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence
 
+from commslayer.processes import free_port
+from commslayer.runs import load_results, load_summary, longest
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "launch"))
-from run import free_port, load_results, longest  # noqa: E402
 
 REPLICAS, RANKS = 2, 2
 VICTIM_REPLICA = 1  # rank 0 of this replica group dies (global rank 2 in the DCP job)
@@ -185,7 +187,7 @@ def _log(msg: str) -> None:
 
 
 def _env(trace: bool = True) -> Dict[str, str]:
-    """The launchers' environment; ``trace=False``: ``COMMSLAYER_TRACE_DIR=""``, which run.py leaves alone."""
+    """The launchers' environment; ``trace=False``: ``COMMSLAYER_TRACE_DIR=""``, which the launcher leaves alone."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMMSLAYER_")}
     env["OMP_NUM_THREADS"] = "1"
     if not trace:
@@ -201,9 +203,9 @@ def _train_args(args: argparse.Namespace) -> List[str]:
     return out
 
 
-def _run_py(run_dir: str, train_args: List[str], log_path: str, trace: bool = True) -> int:
-    cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "--replicas", str(REPLICAS), "--nproc-per-replica",
-           str(RANKS), "--run-dir", run_dir, "--", *train_args]
+def _launch(run_dir: str, train_args: List[str], log_path: str, trace: bool = True) -> int:
+    cmd = [sys.executable, "-m", "commslayer.launcher", "--replicas", str(REPLICAS), "--nproc-per-replica",
+           str(RANKS), "--run-dir", run_dir, str(ROOT / "launch" / "train.py"), *train_args]
     with open(log_path, "w") as log:
         return subprocess.run(cmd, cwd=ROOT, env=_env(trace), stdout=log, stderr=subprocess.STDOUT,
                               stdin=subprocess.DEVNULL, timeout=600).returncode
@@ -216,17 +218,17 @@ def _fail(what: str, log_path: str) -> None:
 
 
 def fault_free(plain: bool, args: argparse.Namespace, work: str, name: str, trace: bool = True) -> dict:
-    """One fault-free run through run.py: the slowest rank's step time per step, its median from --warmup on."""
+    """One fault-free run through the launcher: the slowest rank's step time per step, its median from --warmup on."""
     run_dir, log_path = os.path.join(work, name), os.path.join(work, name + ".log")
-    rc = _run_py(run_dir, _train_args(args) + (["--plain"] if plain else []), log_path, trace)
-    results = [r for r in load_results(run_dir) if r["restart"] == 0]
-    if rc != 0 or len(results) != REPLICAS * RANKS or any(len(r["step_s"]) != args.steps for r in results):
-        _fail(f"{name}: run.py exit status {rc}, {len(results)} ranks' results", log_path)
+    rc = _launch(run_dir, _train_args(args) + (["--plain"] if plain else []), log_path, trace)
+    results = [r for r in load_results(run_dir) if r.restart == 0]
+    if rc != 0 or len(results) != REPLICAS * RANKS or any(len(r.step_s) != args.steps for r in results):
+        _fail(f"{name}: launcher exit status {rc}, {len(results)} ranks' results", log_path)
     traced = os.path.isdir(os.path.join(run_dir, "traces"))
     if not plain and traced != trace:
         _fail(f"{name}: traces {'written' if traced else 'not written'} with tracing {'on' if trace else 'off'}",
               log_path)
-    slowest = [max(r["step_s"][s] for r in results) for s in range(args.warmup, args.steps)]
+    slowest = [max(r.step_s[s] for r in results) for s in range(args.warmup, args.steps)]
     step = statistics.median(slowest)
     return {"step_s": step, "steps_per_s": 1 / step, "slowest_rank_step_s": slowest, "traces_written": traced}
 
@@ -235,29 +237,27 @@ def survivor_stall(phase: str, args: argparse.Namespace, work: str, name: str) -
     """One run of ours with a replica group SIGKILLed at --fault-step in ``phase``."""
     run_dir, log_path = os.path.join(work, name), os.path.join(work, name + ".log")
     kill = f"{VICTIM_REPLICA}:{args.fault_step}:{phase}"
-    rc = _run_py(run_dir, _train_args(args) + ["--kill", kill], log_path)
-    summary_path = os.path.join(run_dir, "summary.json")
-    if not os.path.exists(summary_path):
-        _fail(f"{name}: run.py exit status {rc}, no summary", log_path)
-    with open(summary_path) as f:
-        summary = json.load(f)
+    rc = _launch(run_dir, _train_args(args) + ["--kill", kill], log_path)
+    summary = load_summary(run_dir)
+    if summary is None:
+        _fail(f"{name}: launcher exit status {rc}, no summary", log_path)
     with open(log_path) as f:  # what train.py prints when a rank gives up
         leaving = [line.strip() for line in f if "leaving (" in line]
-    killed = summary["killed"]
+    killed = summary.killed
     if len(killed) != 1 or killed[0]["step"] != args.fault_step:
         _fail(f"{name}: faults fired {killed}, expected one at step {args.fault_step}", log_path)
     t = killed[0]["t"]
-    # As run.py's summary: the recovery that names the victim's group, after the kill.
-    rec = next((x for x in summary["recoveries"] if VICTIM_REPLICA in x["lost_replicas"] and x["committed_at"]
-                and x["detected_at"] >= t), None)
-    if rec is None or rec["step"] != args.fault_step:
-        _fail(f"{name}: no recovery committed step {args.fault_step}: {summary['recoveries']}", log_path)
+    # As the launcher's summary: the recovery that names the victim's group, after the kill.
+    rec = next((x for x in summary.recoveries if VICTIM_REPLICA in x.lost_replicas and x.committed_at
+                and x.detected_at >= t), None)
+    if rec is None or rec.step != args.fault_step:
+        _fail(f"{name}: no recovery committed step {args.fault_step}: {summary.recoveries}", log_path)
     leader = longest(load_results(run_dir))  # a survivor that saw the whole run
-    before = statistics.median(leader["step_s"][args.warmup:args.fault_step])
-    return {"stall_s": rec["committed_at"] - t, "detected_to_committed_s": rec["committed_at"] - rec["detected_at"],
-            "killed_to_detected_s": rec["detected_at"] - t,
-            "faulted_step_extra_s": leader["step_s"][args.fault_step] - before, "median_step_before_s": before,
-            "admissions": leader["admissions"], "job_ok": rc == 0 and summary["ok"], "run_py_exit": rc,
+    before = statistics.median(leader.step_s[args.warmup:args.fault_step])
+    return {"stall_s": rec.committed_at - t, "detected_to_committed_s": rec.committed_at - rec.detected_at,
+            "killed_to_detected_s": rec.detected_at - t,
+            "faulted_step_extra_s": leader.step_s[args.fault_step] - before, "median_step_before_s": before,
+            "admissions": [asdict(a) for a in leader.admissions], "job_ok": rc == 0 and summary.ok, "run_py_exit": rc,
             "ranks_that_gave_up": leaving, "log": log_path}
 
 
@@ -427,7 +427,7 @@ def main() -> int:
     print(f"| torchrun + DCP | one checkpoint save (all {len(saves)} saves before the fault) | {_fmt(saves)} |")
     for name, bad in failures.items():
         print(f"\n{name}: the job ended in failure after the recovery in {len(bad)} of {len(figures[name])} runs"
-              + "".join(f"\n- run.py exit {x['run_py_exit']}, {x['log']}: {x['ranks_that_gave_up']}" for x in bad))
+              + "".join(f"\n- launcher exit {x['run_py_exit']}, {x['log']}: {x['ranks_that_gave_up']}" for x in bad))
     before = [x["median_step_before_s"] * 1e3 for x in xs]
     print(f"\nTorchrun + DCP: losses of the redone steps bitwise equal to the first time: "
           f"{[x['replayed_losses_identical'] for x in xs]}; median step time before the fault "

@@ -7,14 +7,14 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 RUN="${RUN_DIR:-runs/demo-$(date +%Y%m%d-%H%M%S)}"
 KILL="${KILL:-1:10:allreduce}"
-launch() { python launch/run.py --replicas 2 --nproc-per-replica 2 "$@"; }
+launch() { commslayer-run --replicas 2 --nproc-per-replica 2 "$@"; }
 
 echo "== 1/3 fault-free reference run -> $RUN/clean"
-launch --run-dir "$RUN/clean" -- "$@" | grep -E "^(coordinator|summary)|done:"
+launch --run-dir "$RUN/clean" launch/train.py "$@" | grep -E "^(coordinator|summary)|done:"
 echo
 echo "== 2/3 the same run; replica group ${KILL%%:*} is SIGKILLed at step $(cut -d: -f2 <<<"$KILL") ($(cut -d: -f3 <<<"$KILL")) -> $RUN/fault"
 status=0
-launch --run-dir "$RUN/fault" --compare-to "$RUN/clean" -- --kill "$KILL" "$@" || status=$?
+launch --run-dir "$RUN/fault" --compare-to "$RUN/clean" launch/train.py --kill "$KILL" "$@" || status=$?
 echo
 echo "== 3/3 what the traces say (every rank's flight recorder, $RUN/fault/traces)"
 commslayer-trace summary "$RUN/fault/traces" | head -40

@@ -33,7 +33,6 @@ without any of it, the baseline of ``launch/bench_training.py``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from datetime import timedelta
@@ -47,7 +46,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import fsdp_overlap
-from commslayer import resilience
+from commslayer import resilience, runs
 from commslayer.exits import exit_now
 from faults.inject import PHASES, Fault, injector, install
 
@@ -117,7 +116,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kill", action="append", default=[], metavar="R:STEP:PHASE[:RANK]")
-    p.add_argument("--run-dir", help="write this rank's result (losses, recoveries, fingerprints) here")
+    p.add_argument("--run-dir", default=os.environ.get("COMMSLAYER_RUN_DIR") or None,
+                   help="write this rank's result (losses, recoveries, fingerprints) here (default: $COMMSLAYER_RUN_DIR)")
     p.add_argument("--heal-timeout", type=float, default=120.0,
                    help="at the end, wait this long for restarted replica groups to rejoin")
     p.add_argument("--plain", action="store_true", help="plain Gloo groups, no resilience (the baseline)")
@@ -181,12 +181,13 @@ class PlainJob:
         self.losses: Dict[int, float] = {}
         self.step_s: List[float] = []
         self.run_dir = run_dir
+        self.started = time.time()
 
     def register(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.opt = model, optimizer
 
     def steps(self, total: int):
-        self.total = total
+        self.total, self.begin = total, time.perf_counter()
         for self.step_index in range(total):
             self.t0 = time.perf_counter()
             yield self.step_index
@@ -209,11 +210,11 @@ class PlainJob:
 
     def finish(self) -> None:
         if self.run_dir:
-            member = self.replica * self.world_size + self.rank
-            with open(os.path.join(self.run_dir, f"result-m{member}-r0.json"), "w") as f:
-                json.dump({"member": member, "replica": self.replica, "rank": self.rank, "restart": 0,
-                           "steps": self.total, "start_step": 0, "step_s": self.step_s, "losses": self.losses,
-                           "fingerprints": None, "recoveries": [], "admissions": []}, f)
+            runs.save(runs.RankResult(
+                member=self.replica * self.world_size + self.rank, replica=self.replica, rank=self.rank, restart=0,
+                pid=os.getpid(), started=self.started, steps=self.total, start_step=0,
+                elapsed_s=time.perf_counter() - self.begin, step_s=self.step_s, losses=self.losses,
+                optimizer_steps=[], live=self.live_replicas), self.run_dir)
         exit_now(0)
 
 

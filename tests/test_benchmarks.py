@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from launch.run import free_port
+from commslayer.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "docs" / "data"

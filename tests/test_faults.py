@@ -13,10 +13,12 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from commslayer.runs import RankResult
 from faults.harness import Layout, state_checks
 from faults.inject import Fault, decode, encode
 from faults.scenarios import SCENARIOS
@@ -91,14 +93,15 @@ def test_a_job_that_does_not_survive_fails_the_run(tmp_path):
 
 
 def test_state_checks_catch_a_skipped_step_and_diverged_state():
-    good = [{"member": m, "rank": m % 2, "start_step": 0, "step_s": [0.1] * 4, "optimizer_steps": [4, 4],
-             "losses": {str(s): 1.0 for s in range(4)}, "fingerprints": [7 + m % 2, 7 + m % 2]} for m in range(4)]
+    good = [RankResult(member=m, replica=m // 2, rank=m % 2, restart=0, pid=100 + m, started=0.0, steps=4,
+                       start_step=0, elapsed_s=0.4, step_s=[0.1] * 4, losses={s: 1.0 for s in range(4)},
+                       optimizer_steps=[4, 4], live=[0, 1], fingerprints=[7 + m % 2, 7 + m % 2]) for m in range(4)]
     layout = Layout(2, 2)
     assert all(c.ok for c in state_checks(good, 4, layout))
-    skipped = [dict(r) for r in good]
-    skipped[3] = dict(skipped[3], optimizer_steps=[3, 3])
-    diverged = [dict(r) for r in good]
-    diverged[2] = dict(diverged[2], fingerprints=[7, 9])
+    skipped = list(good)
+    skipped[3] = replace(good[3], optimizer_steps=[3, 3])
+    diverged = list(good)
+    diverged[2] = replace(good[2], fingerprints=[7, 9])
     assert [c.name for c in state_checks(skipped, 4, layout) if not c.ok] == ["no step applied twice or skipped"]
     assert [c.name for c in state_checks(diverged, 4, layout) if not c.ok] == \
         ["state bitwise identical across replicas"]

@@ -1,4 +1,4 @@
-"""The resilient HSDP job end to end: launch/run.py starts a coordinator and one torchrun per
+"""The resilient HSDP job end to end: commslayer-run starts a coordinator and one torchrun per
 replica group (2 x 2 ranks), launch/train.py trains, a rank is SIGKILLed at a chosen point of
 a step, its torchrun restarts the group, which heals and rejoins.
 
@@ -10,7 +10,6 @@ before the fault and close to it after, and against plain c10d Gloo the same los
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -22,11 +21,15 @@ from typing import Dict, List
 
 import pytest
 
+from commslayer.launcher import compare_losses
+from commslayer.processes import descendants
+from commslayer.runs import load_results, load_summary, longest
 from faults.harness import Layout, state_checks
 from faults.netns import Network
-from launch.run import compare_losses, descendants, load_results, longest
 
 ROOT = Path(__file__).resolve().parent.parent
+LAUNCHER = [sys.executable, "-m", "commslayer.launcher", "--replicas", "2", "--nproc-per-replica", "2"]
+TRAIN = str(ROOT / "launch" / "train.py")
 
 STEPS = 14
 FAULT_STEP = 5
@@ -36,14 +39,12 @@ TINY = ["--steps", str(STEPS), "--dim", "32", "--layers", "2", "--seq", "32", "-
 
 def launch(run_dir: Path, *args: str, timeout: float = 150) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="")
-    cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "--replicas", "2", "--nproc-per-replica", "2",
-           "--run-dir", str(run_dir), "--", *TINY, *args]
+    cmd = [*LAUNCHER, "--run-dir", str(run_dir), TRAIN, *TINY, *args]
     return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def losses_of(run_dir: Path) -> Dict[int, float]:
-    whole = longest(load_results(str(run_dir)))
-    return {int(s): v for s, v in whole["losses"].items()}
+    return longest(load_results(str(run_dir))).losses
 
 
 @pytest.fixture(scope="module")
@@ -63,15 +64,15 @@ def check_invariants(run_dir: Path, proc: subprocess.CompletedProcess, steps: in
     done = load_results(str(run_dir))
     failed = [c for c in state_checks(done, steps, Layout(2, 2)) if not c.ok]
     assert not failed, (failed, log)
-    assert all(r["live"] == [0, 1] for r in done), log
+    assert all(r.live == [0, 1] for r in done), log
     return done
 
 
 def test_plain_gloo_and_commslayer_give_the_same_losses(clean, tmp_path):
     proc = launch(tmp_path, "--plain")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    plain = min(load_results(str(tmp_path)), key=lambda r: r["member"])
-    assert {int(s): v for s, v in plain["losses"].items()} == losses_of(clean)
+    plain = min(load_results(str(tmp_path)), key=lambda r: r.member)
+    assert plain.losses == losses_of(clean)
 
 
 @pytest.mark.parametrize("phase,replica,rank", [
@@ -83,19 +84,19 @@ def test_plain_gloo_and_commslayer_give_the_same_losses(clean, tmp_path):
 def test_a_killed_replica_group_is_survived_healed_and_loses_nothing(clean, tmp_path, phase, replica, rank):
     proc = launch(tmp_path, "--kill", f"{replica}:{FAULT_STEP}:{phase}:{rank}")
     done = check_invariants(tmp_path, proc)
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert [(k["replica"], k["step"], k["phase"]) for k in summary["killed"]] == [(replica, FAULT_STEP, phase)]
+    summary = load_summary(str(tmp_path))
+    assert [(k["replica"], k["step"], k["phase"]) for k in summary.killed] == [(replica, FAULT_STEP, phase)]
     # The survivors recovered once, from the step the fault hit (the next one when the kill
     # came after the commit), and the group came back.
     whole = longest(done)
-    assert whole["replica"] != replica
-    [rec] = whole["recoveries"]
-    assert rec["step"] == (FAULT_STEP + 1 if phase == "optimizer" else FAULT_STEP)
-    assert rec["lost_replicas"] == [replica]
-    assert rec["committed_at"] - summary["killed"][0]["t"] < 3.0  # generous: speed is the benchmark's
-    assert [a["replicas"] for a in whole["admissions"]] == [[replica]]
-    restarted = [r for r in done if r["replica"] == replica]
-    assert all(r["restart"] == 1 and r["start_step"] > FAULT_STEP for r in restarted)
+    assert whole.replica != replica
+    [rec] = whole.recoveries
+    assert rec.step == (FAULT_STEP + 1 if phase == "optimizer" else FAULT_STEP)
+    assert rec.lost_replicas == [replica]
+    assert rec.committed_at - summary.killed[0]["t"] < 3.0  # generous: speed is the benchmark's
+    assert [a.replicas for a in whole.admissions] == [[replica]]
+    restarted = [r for r in done if r.replica == replica]
+    assert all(r.restart == 1 and r.start_step > FAULT_STEP for r in restarted)
     # Same seeds: identical losses before the fault, close after it.
     assert compare_losses(losses_of(tmp_path), losses_of(clean), FAULT_STEP, 0.05, str(clean))
 
@@ -108,14 +109,13 @@ def test_replica_groups_on_separate_hosts(tmp_path):
         coordinator = f"{net.address(1, 0)}:29650"
         env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="", GLOO_SOCKET_IFNAME="eth0")
         env.pop("COMMSLAYER_LIVENESS_HOST", None)
-        base = [sys.executable, str(ROOT / "launch" / "run.py"), "--replicas", "2", "--nproc-per-replica", "2",
-                "--run-dir", str(tmp_path)]
+        base = [*LAUNCHER, "--run-dir", str(tmp_path)]
         procs = [subprocess.Popen(net.run(0, [*base, "--replica-ids", "none", "--host", net.address(1, 0),
                                               "--port", "29650"]), env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True)]
         for replica in (0, 1):
             procs.append(subprocess.Popen(
-                net.run(replica + 1, [*base, "--replica-ids", str(replica), "--coordinator", coordinator, "--",
+                net.run(replica + 1, [*base, "--replica-ids", str(replica), "--coordinator", coordinator, TRAIN,
                                       *TINY, "--kill", f"1:{FAULT_STEP}:allreduce"]),
                 env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         try:
@@ -127,7 +127,7 @@ def test_replica_groups_on_separate_hosts(tmp_path):
         assert [p.returncode for p in procs] == [0, 0, 0], log
     done = check_invariants(tmp_path, subprocess.CompletedProcess([], 0, log, ""))
     whole = longest(done)
-    assert [r["lost_replicas"] for r in whole["recoveries"]] == [[1]]
+    assert [r.lost_replicas for r in whole.recoveries] == [[1]]
     assert "summary: shard 0: parameters and optimizer state bitwise identical across replicas [0, 1]: True" in outs[0]
 
 
@@ -141,29 +141,27 @@ def test_soak_twenty_faults(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="")
     steps = 6000  # enough for 20 restarts (several seconds each) at a few hundredths of a second per step
     args = [a if a != str(STEPS) else str(steps) for a in TINY]
-    cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "--replicas", "2", "--nproc-per-replica", "2",
-           "--max-restarts", "12", "--run-dir", str(tmp_path), "--", *args]
+    cmd = [*LAUNCHER, "--max-restarts", "12", "--run-dir", str(tmp_path), TRAIN, *args]
     for k in kills:
         cmd += ["--kill", k]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1100)
     (tmp_path / "launcher.log").write_text(proc.stdout + proc.stderr)  # the whole story, for a failure
     done = check_invariants(tmp_path, proc, steps)
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert len(summary["killed"]) == 20, summary["killed"]
+    summary = load_summary(str(tmp_path))
+    assert len(summary.killed) == 20, summary.killed
     # Every replica group was killed ten times, and came back each time: the ranks that
     # finished are the tenth restart of their group.
-    assert sorted(r["restart"] for r in done) == [10, 10, 10, 10], [(r["member"], r["restart"]) for r in done]
+    assert sorted(r.restart for r in done) == [10, 10, 10, 10], [(r.member, r.restart) for r in done]
     # The job's store has a recovery for every kill, and an admission after each.
-    assert len(summary["recoveries"]) == 20 and len(summary["admissions"]) == 20
-    assert all(k["stall_s"] is not None for k in summary["killed"]), summary["killed"]
+    assert len(summary.recoveries) == 20 and len(summary.admissions) == 20
+    assert all(k["stall_s"] is not None for k in summary.killed), summary.killed
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_the_launcher_ends_every_process_it_started(tmp_path, sig):
     """Ctrl-C (or SIGTERM) to the launcher mid-run: no torchrun agent or worker is left."""
     env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="")
-    cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "--replicas", "2", "--nproc-per-replica", "2",
-           "--run-dir", str(tmp_path), "--", *TINY[:-2], "--steps", "100000"]
+    cmd = [*LAUNCHER, "--run-dir", str(tmp_path), TRAIN, *TINY[:-2], "--steps", "100000"]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in proc.stdout:  # wait until the job is training

@@ -1,0 +1,350 @@
+"""``commslayer-run``: a resilient job's launcher, one torchrun per replica group and a coordinator outside them.
+
+torchrun's agent ends every worker of its group when one dies, so a job that
+must outlive a rank runs one torchrun per replica group, each with
+``--max-restarts`` (it restarts its own group), and a coordinator that none of
+them can take down: it holds the job's store, where the membership of the
+replicate dimension is decided (commslayer.membership) and where each
+group's launcher records that it finished (``replica/<r>/done``) or gave up
+(``replica/<r>/gone``).
+
+Like torchrun, the script is the first argument that is not an option, and
+every argument after it is the script's::
+
+    commslayer-run --replicas 2 --nproc-per-replica 2 --run-dir runs/x train.py --steps 40
+
+Several hosts: the coordinator on one, each host's replica groups on it (all
+of them with the same ``--run-dir`` on a shared filesystem, or none;
+``GLOO_SOCKET_IFNAME`` names the interface the ranks use)::
+
+    commslayer-run --replicas 2 --replica-ids none --host 10.0.0.1 --port 29600 --run-dir /shared/x
+    GLOO_SOCKET_IFNAME=eth0 commslayer-run --replicas 2 --replica-ids 1 --coordinator 10.0.0.1:29600 \\
+        --run-dir /shared/x train.py --steps 40
+
+The workers run in the caller's working directory and get
+``COMMSLAYER_JOB_STORE`` (the coordinator's host:port), ``COMMSLAYER_REPLICA``,
+``COMMSLAYER_REPLICAS`` and, with ``--run-dir``, ``COMMSLAYER_RUN_DIR``,
+``COMMSLAYER_FAULTS_LOG=<run-dir>/faults.jsonl`` and
+``COMMSLAYER_TRACE_DIR=<run-dir>/traces`` unless they are set already (set
+the trace directory empty to run without tracing).  Every process started
+here runs in its own session and is ended (SIGTERM, then SIGKILL after
+``--grace``), with everything it started, when the launcher exits, Ctrl-C
+and SIGTERM included.  With ``--run-dir``, the coordinator prints at the end
+the run's summary (commslayer's recoveries, the survivor stall per fault,
+whether the replicas' state matches; also in ``<run-dir>/summary.json``) and
+``--compare-to`` compares its loss curve with another run's.
+
+Exit status: 0 when every replica group started here finished (and, with
+``--run-dir``, the summary found nothing wrong); 1 when one gave up, the
+coordinator was lost or the summary found a problem; 2 for bad arguments;
+130 when interrupted.  Anything but 0 comes with one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from typing import Dict, List, NoReturn, Optional, Tuple
+
+import torch.distributed as dist
+
+from . import runs
+from .errors import first_line
+from .processes import ProcessSet, become_subreaper, free_port
+
+PROG = "commslayer-run"
+STORE_TIMEOUT = timedelta(seconds=60)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line, exit 2 (argparse's own adds the whole usage)."""
+        self.exit(2, f"{PROG}: error: {message}\n")
+
+
+class _Failed(Exception):
+    """The job could not go on; the message is the launcher's one line."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, usage=f"{PROG} [options] script.py [script args]", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p.add_argument("--replicas", type=int, default=2, help="replica groups in the job (default 2)")
+    p.add_argument("--nproc-per-replica", type=int, default=2, help="ranks per replica group (default 2)")
+    p.add_argument("--replica-ids", default="all",
+                   help="the replica groups to run here: all (default), none (only the coordinator) or 0,2,...")
+    p.add_argument("--coordinator", metavar="HOST:PORT", help="a running coordinator (default: be the coordinator)")
+    p.add_argument("--host", help="the address the coordinator listens on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="the coordinator's port (default: a free one)")
+    p.add_argument("--max-restarts", type=int, default=3, help="restarts of each replica group (torchrun's; default 3)")
+    p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL on exit (default 5)")
+    p.add_argument("--run-dir", help="results, the fault log and traces go here")
+    p.add_argument("--compare-to", metavar="RUN_DIR", help="a fault-free run's --run-dir: compare the loss curves")
+    p.add_argument("--loss-tolerance", type=float, default=0.05,
+                   help="largest relative difference of a 5-step mean loss against --compare-to (default 0.05)")
+    p.add_argument("script", nargs="?", help="the training script, run by torchrun on every rank")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
+    return p
+
+
+def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """The arguments, checked: anything that cannot make a job is a one-line error (exit 2)."""
+    p = parser()
+    a = p.parse_args(argv)
+    if a.script_args[:1] == ["--"]:  # `script.py -- args`
+        a.script_args = a.script_args[1:]
+    if a.replicas < 1:
+        p.error(f"--replicas {a.replicas}: a job needs at least 1 replica group")
+    if a.nproc_per_replica < 1:
+        p.error(f"--nproc-per-replica {a.nproc_per_replica}: a replica group needs at least 1 rank")
+    if a.max_restarts < 0:
+        p.error(f"--max-restarts {a.max_restarts}: must be 0 or more")
+    if not 0 <= a.grace < math.inf:
+        p.error(f"--grace {a.grace}: must be a finite number of seconds >= 0")
+    if not 0 <= a.loss_tolerance < math.inf:
+        p.error(f"--loss-tolerance {a.loss_tolerance}: must be a finite number >= 0")
+    a.ids = _replica_ids(p, a.replica_ids, a.replicas)
+    if a.coordinator is not None:
+        if a.host is not None or a.port is not None:
+            p.error("--coordinator joins a running coordinator; --host and --port start one: give one or the other")
+        a.coordinator_host, a.coordinator_port = _address(p, a.coordinator)
+    elif a.port is not None and not 0 <= a.port <= 65535:
+        p.error(f"--port {a.port}: a TCP port is 0..65535")
+    if a.script is None:
+        if a.ids:
+            p.error(f"name the script to run: {PROG} [options] script.py [script args]")
+    elif not os.path.isfile(a.script):
+        why = "is a directory" if os.path.isdir(a.script) else "no such file"
+        p.error(f"script {a.script!r}: {why}")
+    elif not os.access(a.script, os.R_OK):
+        p.error(f"script {a.script!r}: not readable")
+    else:
+        a.script = os.path.abspath(a.script)
+    if a.compare_to is not None:
+        if a.run_dir is None:
+            p.error("--compare-to compares this run's --run-dir with another's: give --run-dir too")
+        if not runs.result_paths(a.compare_to):
+            p.error(f"--compare-to {a.compare_to!r}: no result files there (result-m*-r*.json)")
+    if a.run_dir is not None:
+        a.run_dir = os.path.abspath(a.run_dir)
+        try:
+            os.makedirs(a.run_dir, exist_ok=True)
+        except OSError as exc:
+            p.error(f"--run-dir {a.run_dir!r}: {exc.strerror or exc}")
+    return a
+
+
+def _replica_ids(p: argparse.ArgumentParser, spec: str, replicas: int) -> List[int]:
+    if spec == "all":
+        return list(range(replicas))
+    if spec == "none":
+        return []
+    try:
+        ids = [int(x) for x in spec.split(",")]
+    except ValueError:
+        p.error(f"--replica-ids {spec!r}: expected all, none, or replica ids such as 0,2")
+    if any(not 0 <= r < replicas for r in ids) or len(set(ids)) != len(ids):
+        p.error(f"--replica-ids {spec}: distinct replica ids in 0..{replicas - 1} (--replicas {replicas})")
+    return ids
+
+
+def _address(p: argparse.ArgumentParser, text: str) -> Tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        p.error(f"--coordinator {text!r}: expected HOST:PORT, PORT in 1..65535")
+    return host.strip("[]"), int(port)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of the ``commslayer-run`` console script."""
+    a = parse(argv)
+    become_subreaper()
+    procs = ProcessSet(a.grace)
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    try:
+        store = _job_store(a)
+        codes = _supervise(a, store, procs)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; ending every process it started", file=sys.stderr, flush=True)
+        return 130
+    except _Failed as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except dist.DistNetworkError as exc:  # the job's store went away between two checks
+        print(f"{PROG}: the job's store failed ({first_line(exc)}); ended the replica groups started here",
+              file=sys.stderr, flush=True)
+        return 1
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second Ctrl-C must not cut the ending short
+            signal.signal(sig, signal.SIG_IGN)
+        procs.stop()
+    gave_up = sorted(r for r, c in codes.items() if c != 0)
+    if gave_up:
+        print(f"{PROG}: replica group(s) {gave_up} gave up (torchrun exit {[codes[r] for r in gave_up]} after up to "
+              f"{a.max_restarts} restart(s)); their output is above", file=sys.stderr, flush=True)
+    ok = not gave_up
+    if a.run_dir and not a.coordinator:  # the coordinator has seen every replica group end
+        summarized = summarize(a.run_dir, store, a.nproc_per_replica, a.compare_to, a.loss_tolerance)
+        if not summarized and ok:
+            print(f"{PROG}: the run's summary found a problem (the 'summary:' lines above, {a.run_dir}/"
+                  f"{runs.SUMMARY})", file=sys.stderr, flush=True)
+        ok = ok and summarized
+    return 0 if ok else 1
+
+
+def _job_store(a: argparse.Namespace):
+    """The job's store: a client of ``--coordinator``, or this process's own (it is the coordinator)."""
+    if a.coordinator:
+        try:
+            return dist.TCPStore(a.coordinator_host, a.coordinator_port, is_master=False, timeout=STORE_TIMEOUT,
+                                 use_libuv=True)
+        except (RuntimeError, OSError) as exc:
+            raise _Failed(f"cannot reach the coordinator at {a.coordinator}: {first_line(exc)}") from None
+    host, port = a.host or "127.0.0.1", a.port or 0
+    try:
+        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT,
+                              use_libuv=True)
+    except (RuntimeError, OSError) as exc:
+        raise _Failed(f"cannot start the coordinator's store at {host}:{port}: {first_line(exc)}") from None
+    a.address = f"{host if host != '0.0.0.0' else '127.0.0.1'}:{store.port}"
+    print(f"coordinator: job store at {host}:{store.port} for {a.replicas} replica group(s) of "
+          f"{a.nproc_per_replica}", flush=True)
+    return store
+
+
+def _supervise(a: argparse.Namespace, store, procs: ProcessSet) -> Dict[int, int]:
+    """Start this host's replica groups and wait until they (or, on the coordinator
+    alone, every group of the job) ended; each one's torchrun exit status."""
+    address = a.coordinator or a.address
+    for r in a.ids:
+        env = dict(os.environ, COMMSLAYER_JOB_STORE=address, COMMSLAYER_REPLICA=str(r),
+                   COMMSLAYER_REPLICAS=str(a.replicas), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        if a.run_dir:
+            env["COMMSLAYER_RUN_DIR"] = a.run_dir
+            if "COMMSLAYER_TRACE_DIR" not in os.environ:  # set empty, it keeps tracing off
+                env["COMMSLAYER_TRACE_DIR"] = os.path.join(a.run_dir, "traces")
+            env.setdefault("COMMSLAYER_FAULTS_LOG", os.path.join(a.run_dir, runs.FAULT_LOG))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+               "--nproc-per-node", str(a.nproc_per_replica), "--max-restarts", str(a.max_restarts),
+               "--monitor-interval", "0.1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+               "--role", f"replica{r}", a.script, *a.script_args]
+        procs.start(r, cmd, env, on_line=lambda line, r=r: _echo(f"[replica {r}] {line}"))
+    codes: Dict[int, int] = {}
+    watched = time.monotonic()
+    while len(codes) < len(a.ids) or (not a.ids and not _all_ended(store, a.replicas)):
+        if a.coordinator and time.monotonic() - watched > 0.5:
+            watched = time.monotonic()
+            _check_reachable(store, a.coordinator)
+        for r, proc in procs.procs.items():
+            if r not in codes and proc.poll() is not None:
+                codes[r] = proc.returncode
+                store.set(f"replica/{r}/{'done' if proc.returncode == 0 else 'gone'}", str(proc.returncode))
+                print(f"coordinator: replica group {r} {'finished' if proc.returncode == 0 else 'gave up'} "
+                      f"(torchrun exit {proc.returncode})", flush=True)
+        time.sleep(0.1)
+    return codes
+
+
+def _echo(line: str) -> None:
+    sys.stdout.write(line)
+    sys.stdout.flush()
+
+
+def _check_reachable(store, address: str) -> None:
+    """Raise if the coordinator no longer answers (this host's groups are then ended:
+    without the job's store no step can commit, and a restarted group could not rejoin)."""
+    try:
+        store.check(["job/finished"])
+    except dist.DistNetworkError as exc:
+        raise _Failed(f"the coordinator (the job's store at {address}) is unreachable ({first_line(exc)}); "
+                      "ended the replica groups started here") from None
+
+
+def _all_ended(store, replicas: int) -> bool:
+    return all(store.check([f"replica/{r}/done"]) or store.check([f"replica/{r}/gone"]) for r in range(replicas))
+
+
+# ------------------------------------------------------------------ the summary
+def summarize(run_dir: str, store, shards: int, compare_to: Optional[str], tolerance: float) -> bool:
+    """Print what the run did and whether its invariants hold (also into
+    ``summary.json``); False if one does not, or if there is nothing to
+    compare with ``compare_to``."""
+    results = runs.load_results(run_dir)
+    if not results:  # a script that writes none (commslayer.runs.save): nothing to check
+        print(f"summary: no result files in {run_dir}", flush=True)
+        if compare_to:
+            print(f"summary: no loss curve to compare with {compare_to}", flush=True)
+        return not compare_to
+    ok = True
+    steps = results[0].steps
+    whole = all(r.end_step == steps for r in results)
+    print(f"summary: {len(results)} rank(s) finished, every one at step {steps}: {whole}", flush=True)
+    ok &= whole
+    for shard in sorted({r.rank for r in results if r.fingerprints is not None}):
+        prints = {r.replica: r.fingerprints for r in results if r.rank == shard}
+        same = len({tuple(v) for v in prints.values()}) == 1 and len(set(next(iter(prints.values())))) == 1
+        ok &= same
+        print(f"summary: shard {shard}: parameters and optimizer state bitwise identical across replicas "
+              f"{sorted(prints)}: {same}", flush=True)
+    killed = runs.injections(run_dir, shards)
+    recoveries, admissions = runs.job_recoveries(store), runs.job_admissions(store)
+    for i, k in enumerate(killed):
+        until = killed[i + 1]["t"] if i + 1 < len(killed) else float("inf")
+        rec = next((x for x in recoveries if k["replica"] in x.lost_replicas and k["t"] <= x.detected_at < until),
+                   None)
+        k["stall_s"] = rec.committed_at - k["t"] if rec and rec.committed_at is not None else None
+        stall = "n/a (no recovery recorded)" if k["stall_s"] is None else f"{k['stall_s']:.3f}s"
+        print(f"summary: fault: {k['what']} (replica group {k['replica']}); "
+              f"survivor stall (fault to next committed step) {stall}", flush=True)
+    for adm in admissions:
+        print(f"summary: replica(s) {adm.replicas} rejoined at step {adm.step} (generation "
+              f"{adm.generation}); join and state transfer {adm.heal_s:.3f}s", flush=True)
+    losses = runs.longest(results).losses
+    if compare_to:
+        ref = runs.longest(runs.load_results(compare_to)).losses
+        ok &= compare_losses(losses, ref, min((k.get("step", steps) for k in killed), default=steps), tolerance,
+                             compare_to)
+    runs.save_summary(runs.Summary(ok=bool(ok), killed=killed, losses=losses, recoveries=recoveries,
+                                   admissions=admissions), run_dir)
+    return bool(ok)
+
+
+def compare_losses(losses: Dict[int, float], ref: Dict[int, float], first_fault: int, tolerance: float,
+                   ref_dir: str, window: int = 5) -> bool:
+    """Steps before the first fault must have the reference's loss exactly (same seeds,
+    same data); after it, the mean loss of every ``window`` consecutive steps must stay
+    within ``tolerance`` (relative) of the reference's: while a replica group is
+    missing a step averages fewer batches, so single steps differ more."""
+    steps = sorted(ref)
+    if sorted(losses) != steps:
+        print(f"summary: loss vs {ref_dir}: the runs have different steps ({len(losses)} vs {len(steps)})",
+              flush=True)
+        return False
+    same = all(losses[s] == ref[s] for s in steps if s < first_fault)
+    worst, at = 0.0, None
+    for i in range(len(steps) - window + 1):
+        span = steps[i:i + window]
+        mine, theirs = sum(losses[s] for s in span) / window, sum(ref[s] for s in span) / window
+        if abs(mine - theirs) / theirs > worst:
+            worst, at = abs(mine - theirs) / theirs, span[0]
+    last = steps[-1]
+    within = same and worst <= tolerance
+    print(f"summary: loss vs the fault-free run {ref_dir}: steps before the fault identical: {same}; largest "
+          f"difference of a {window}-step mean {worst:.2%} (steps {at}..{None if at is None else at + window - 1}; "
+          f"tolerance {tolerance:.0%}); final loss {losses[last]:.4f} vs {ref[last]:.4f} "
+          f"({losses[last] / ref[last] - 1:+.2%}): {'within' if within else 'OUTSIDE'} tolerance", flush=True)
+    return within
+
+
+if __name__ == "__main__":
+    sys.exit(main())

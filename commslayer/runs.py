@@ -1,0 +1,176 @@
+"""What a resilient run leaves behind, and the one definition its writer and readers share.
+
+A run under ``commslayer-run --run-dir D`` leaves in ``D``:
+
+- ``result-m<member>-r<restart>.json``: one ``RankResult`` per process that
+  reached the end of the job (a rank killed on the way writes none; its
+  restarted life does), written by the training script with ``save``;
+- ``faults.jsonl``: the fault log (``faults.inject`` appends each fault it
+  fires and the first failure each communicator sees), read by ``read_log``;
+- ``summary.json``: the launcher's ``Summary`` of the run.
+
+The job's store (the coordinator's) holds the recoveries and admissions the
+ranks recorded (``record``; read by ``job_recoveries``, ``job_admissions``):
+it outlives every rank, so they survive whichever rank saw them.
+
+The launcher's summary, the fault harness, the benchmarks and the tests all
+read through this module, so a field changes in one place.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Union
+
+from .replicas import Admission, Recovery
+
+FAULT_LOG = "faults.jsonl"
+SUMMARY = "summary.json"
+RECOVERIES = "job/recoveries"  # keys of the job's store: JSON lines, one per record
+ADMISSIONS = "job/admissions"
+
+
+@dataclass
+class RankResult:
+    """What one process of the job did, written when it reached the end."""
+
+    member: int  # its rank in the job: replica * ranks per replica + rank
+    replica: int  # its replica group
+    rank: int  # its rank in the replica group (the shard it holds)
+    restart: int  # its torchrun's restart count: which life of the group it is
+    pid: int
+    started: float  # wall clock when the process started: which processes lived through a fault
+    steps: int  # the steps the job was asked to run
+    start_step: int  # its first step (after a restart: the step it healed to)
+    elapsed_s: float  # from start_step to the end of the last step
+    step_s: List[float]  # each step's time, from start_step on
+    losses: Dict[int, float]  # step -> the loss averaged over the live replicas
+    optimizer_steps: List[int]  # per parameter, the optimizer's step count at the end
+    live: List[int]  # the replica groups live at the end
+    fingerprints: Optional[List[int]] = None  # each live replica's hash of this shard's state; None: not compared
+    recoveries: List[Recovery] = field(default_factory=list)  # the losses it recovered from
+    admissions: List[Admission] = field(default_factory=list)  # the replica groups it let back in
+    generation: Optional[int] = None  # the replicate dimension's generation at the end; None: not resilient
+
+    @property
+    def end_step(self) -> int:
+        """The step after its last one."""
+        return self.start_step + len(self.step_s)
+
+    @classmethod
+    def from_json(cls, data: Dict[str, Any]) -> "RankResult":
+        return cls(**dict(data, losses={int(s): v for s, v in data["losses"].items()},
+                          recoveries=[Recovery(**r) for r in data["recoveries"]],
+                          admissions=[Admission(**a) for a in data["admissions"]]))
+
+
+RESULT_GLOB = "result-m*-r*.json"
+
+
+def result_name(member: int, restart: int) -> str:
+    return f"result-m{member}-r{restart}.json"
+
+
+def save(result: RankResult, run_dir: str) -> str:
+    """Write ``result`` into ``run_dir`` (created if missing) whole or not at all; return its path."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, result_name(result.member, result.restart))
+    _write_json(path, asdict(result))
+    return path
+
+
+def result_paths(run_dir: str) -> List[str]:
+    """The result files of a run, in name order."""
+    return sorted(glob.glob(os.path.join(run_dir, RESULT_GLOB)))
+
+
+def load_results(run_dir: str) -> List[RankResult]:
+    """The results of a run: one per process that reached the end."""
+    out = []
+    for path in result_paths(run_dir):
+        with open(path) as f:
+            out.append(RankResult.from_json(json.load(f)))
+    return out
+
+
+def longest(results: List[RankResult]) -> RankResult:
+    """The result of the rank that saw the most of the run (the earliest start)."""
+    return min(results, key=lambda r: (r.start_step, r.member))
+
+
+# ------------------------------------------------------------ the job's store
+def record(store: Any, item: Union[Recovery, Admission]) -> None:
+    """Append a recovery or an admission to the job's store (``store``: a c10d Store)."""
+    key = RECOVERIES if isinstance(item, Recovery) else ADMISSIONS
+    store.append(key, json.dumps(asdict(item)) + "\n")
+
+
+def job_recoveries(store: Any) -> List[Recovery]:
+    """The recoveries the ranks recorded in the job's store, in order."""
+    return [Recovery(**d) for d in _lines(store, RECOVERIES)]
+
+
+def job_admissions(store: Any) -> List[Admission]:
+    """The admissions the ranks recorded in the job's store, in order."""
+    return [Admission(**d) for d in _lines(store, ADMISSIONS)]
+
+
+def _lines(store: Any, key: str) -> List[dict]:
+    if not store.check([key]):
+        return []
+    return [json.loads(line) for line in store.get(key).decode().splitlines() if line]
+
+
+# ---------------------------------------------------------------- the fault log
+def read_log(path: str) -> List[Dict[str, Any]]:
+    """The events of a fault log, in the order they were written (none: no log)."""
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def injections(run_dir: str, shards: int) -> List[Dict[str, Any]]:
+    """The faults injected in a run (its fault log's ``injected`` events), each with
+    the replica group it hit (``shards``: ranks per replica group)."""
+    return [dict(e, replica=e["member"] // shards) for e in read_log(os.path.join(run_dir, FAULT_LOG))
+            if e["event"] == "injected"]
+
+
+# ------------------------------------------------------------------ the summary
+@dataclass
+class Summary:
+    """The launcher's account of a run (``summary.json``)."""
+
+    ok: bool  # every invariant the launcher checks held
+    killed: List[Dict[str, Any]]  # ``injections``, each with ``stall_s``: fault to the next committed step (None: none)
+    losses: Dict[int, float]  # the longest-lived rank's loss per step
+    recoveries: List[Recovery]  # from the job's store
+    admissions: List[Admission]
+
+
+def save_summary(summary: Summary, run_dir: str) -> None:
+    _write_json(os.path.join(run_dir, SUMMARY), asdict(summary), indent=1)
+
+
+def load_summary(run_dir: str) -> Optional[Summary]:
+    """The run's summary; None when the launcher wrote none (or not whole)."""
+    try:
+        with open(os.path.join(run_dir, SUMMARY)) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return Summary(ok=data["ok"], killed=data["killed"], losses={int(s): v for s, v in data["losses"].items()},
+                   recoveries=[Recovery(**r) for r in data["recoveries"]],
+                   admissions=[Admission(**a) for a in data["admissions"]])
+
+
+def _write_json(path: str, data: Any, indent: Optional[int] = None) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=indent)
+    os.replace(tmp, path)

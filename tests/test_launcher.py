@@ -1,0 +1,162 @@
+"""``commslayer-run`` as a user runs it: from any directory, on any script, and on bad input
+a one-line error, a non-zero exit status and no process left behind.
+
+Every launch carries a tag in its environment, which every process it starts inherits:
+after the launcher exited, no live process may hold it (/proc/<pid>/environ).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+import uuid
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from commslayer import runs
+
+ROOT = Path(__file__).resolve().parent.parent
+# The console script where it is installed (the way users run it), else the same entry point.
+LAUNCHER = [shutil.which("commslayer-run")] if shutil.which("commslayer-run") else \
+    [sys.executable, "-m", "commslayer.launcher"]
+
+USER_SCRIPT = '''
+import os, sys
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("commslayer")
+t = torch.ones(1) * (int(os.environ["COMMSLAYER_REPLICA"]) + 1)
+dist.all_reduce(t)
+line = (f"user script: replica {os.environ['COMMSLAYER_REPLICA']} rank {dist.get_rank()} sum {t.item():g} "
+        f"cwd {os.getcwd()} args {sys.argv[1:]} run_dir {os.environ.get('COMMSLAYER_RUN_DIR')}\\n")
+os.write(1, line.encode())  # one write: the group's ranks share the launcher's pipe
+dist.destroy_process_group()
+'''
+
+# Writes its result the way launch/train.py does: the launcher's summary reads it.
+RESULT_SCRIPT = '''
+import os, time
+from commslayer import runs
+
+runs.save(runs.RankResult(member=0, replica=0, rank=0, restart=0, pid=os.getpid(), started=time.time(), steps=2,
+                          start_step=0, elapsed_s=0.1, step_s=[0.05, 0.05], losses={0: 2.0, 1: 1.5},
+                          optimizer_steps=[2], live=[0]), os.environ["COMMSLAYER_RUN_DIR"])
+'''
+
+
+def launch(args: List[str], cwd: Path, timeout: float = 100) -> tuple[subprocess.CompletedProcess, bytes]:
+    """Run the launcher; return its result and the tag its processes carried.  Past
+    ``timeout`` (inside pytest's 120 s) it gets SIGTERM, which ends all it started."""
+    tag = uuid.uuid4().hex
+    env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="", COMMSLAYER_TEST_TAG=tag)
+    proc = subprocess.Popen([*LAUNCHER, *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, err = proc.communicate(timeout=15)
+        pytest.fail(f"the launcher ran past {timeout}s:\n{out[-3000:]}{err}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), f"COMMSLAYER_TEST_TAG={tag}".encode()
+
+
+def tagged(tag: bytes) -> List[int]:
+    """Live processes whose environment holds ``tag``, after a moment for the last to be reaped."""
+    deadline = time.monotonic() + 2
+    while True:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if tag in f.read().split(b"\0"):
+                        found.append(int(pid))
+            except OSError:
+                pass
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
+
+
+def test_the_console_script_is_declared():
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        scripts = tomllib.load(f)["project"]["scripts"]
+    assert scripts["commslayer-run"] == "commslayer.launcher:main"
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--replicas", "0", "{script}"], "--replicas 0: a job needs at least 1 replica group"),
+    (["--nproc-per-replica", "0", "{script}"], "--nproc-per-replica 0: a replica group needs at least 1 rank"),
+    (["--replica-ids", "2", "{script}"], "--replica-ids 2: distinct replica ids in 0..1 (--replicas 2)"),
+    (["--replica-ids", "0,0", "{script}"], "--replica-ids 0,0: distinct replica ids"),
+    (["--coordinator", "10.0.0.1", "{script}"], "--coordinator '10.0.0.1': expected HOST:PORT"),
+    (["--coordinator", "10.0.0.1:29600", "--port", "29600", "{script}"], "give one or the other"),
+    (["--max-restarts", "-1", "{script}"], "--max-restarts -1: must be 0 or more"),
+    (["missing.py", "--steps", "3"], "script 'missing.py': no such file"),
+    (["."], "script '.': is a directory"),
+    ([], "name the script to run"),
+    (["--compare-to", "{tmp}", "--run-dir", "out", "{script}"], "no result files there"),
+])
+def test_nonsense_is_one_line_and_exit_2(tmp_path, args, says):
+    script = tmp_path / "job.py"
+    script.write_text(USER_SCRIPT)
+    proc, tag = launch([a.format(script=script, tmp=tmp_path) for a in args], cwd=tmp_path)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("commslayer-run: error: ") and says in lines[0], proc.stderr
+    assert proc.stdout == ""  # nothing started, not even the coordinator
+    assert not tagged(tag)
+
+
+def test_a_script_that_fails_at_start_up(tmp_path):
+    """Every rank exits 1 at once, in every life torchrun gives it: each replica group gives up,
+    the launcher says so in one line and exits 1, nothing is left."""
+    (tmp_path / "fails.py").write_text("import sys\nsys.exit(1)\n")
+    proc, tag = launch(["--replicas", "2", "--nproc-per-replica", "2", "--max-restarts", "1", "fails.py"],
+                       cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("commslayer-run: replica group(s) [0, 1] gave up"), proc.stderr
+    assert "coordinator: replica group 0 gave up (torchrun exit 1)" in proc.stdout, proc.stdout[-3000:]
+    assert not tagged(tag)
+
+
+def test_a_user_script_from_any_directory(tmp_path):
+    """A script outside the repository, named relative to a directory outside it: the workers
+    run there, get exactly the script's arguments (no --run-dir added: it comes in
+    COMMSLAYER_RUN_DIR) and reach each other through commslayer."""
+    work = tmp_path / "elsewhere"
+    (work / "scripts").mkdir(parents=True)
+    (work / "scripts" / "job.py").write_text(USER_SCRIPT)
+    proc, tag = launch(["--replicas", "2", "--nproc-per-replica", "2", "--run-dir", "out",
+                        "scripts/job.py", "--lr", "0.1", "data"], cwd=work)
+    log = proc.stdout[-4000:] + proc.stderr
+    assert proc.returncode == 0, log
+    said = sorted(line.split("user script: ", 1)[1] for line in proc.stdout.splitlines() if "user script: " in line)
+    expect = sorted(f"replica {r} rank {k} sum {2 * (r + 1)} cwd {work} args ['--lr', '0.1', 'data'] "
+                    f"run_dir {work / 'out'}" for r in (0, 1) for k in (0, 1))
+    assert said == expect, log
+    assert "summary: no result files in" in proc.stdout, log  # a script that writes none is not a failure
+    assert not tagged(tag)
+
+
+def test_one_replica_group_and_the_results_contract(tmp_path):
+    """``--replicas 1`` with no coordinator flag; a script that writes its result through
+    ``commslayer.runs``: the launcher's summary reads it, and so does any reader."""
+    (tmp_path / "result.py").write_text(RESULT_SCRIPT)
+    proc, tag = launch(["--replicas", "1", "--nproc-per-replica", "1", "--run-dir", "out", "--", "result.py"],
+                       cwd=tmp_path)
+    log = proc.stdout[-4000:] + proc.stderr
+    assert proc.returncode == 0, log
+    assert "summary: 1 rank(s) finished, every one at step 2: True" in proc.stdout, log
+    [result] = runs.load_results(str(tmp_path / "out"))
+    assert result.losses == {0: 2.0, 1: 1.5} and result.end_step == 2
+    summary = runs.load_summary(str(tmp_path / "out"))
+    assert summary is not None and summary.ok and summary.losses == {0: 2.0, 1: 1.5}
+    assert not tagged(tag)
