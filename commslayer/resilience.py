@@ -288,8 +288,12 @@ class Job:
         gradients of their parameters are the ones ``step`` averages), optimizers, and
         any object with ``state_dict()``/``load_state_dict()`` (an LR scheduler, a data
         position, RNG state, counters). Every replica registers the same names, before
-        ``steps``. Objects' state must be made of tensors, numbers, strings, lists and
-        dicts (it is loaded with ``torch.load(weights_only=True)``)."""
+        ``steps``. Registered state must be the same on every replica (it is what a
+        restarted replica receives, and ``finish`` compares it): a data stream that
+        differs per replica keeps its position as state and derives the rest from
+        ``job.replica`` and ``job.rank``. Objects' state must be made of tensors,
+        numbers, strings, lists and dicts (it is loaded with
+        ``torch.load(weights_only=True)``)."""
         if self.start_step is not None:
             raise InvalidArgument("register() after steps() began: register everything first", op="register")
         for name, obj in state.items():

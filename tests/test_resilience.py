@@ -3,12 +3,17 @@ the way a user launches them: real torchruns, real SIGKILLs, real sockets."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Dict, List
 
 import pytest
+
+from commslayer.runs import RankResult, load_results, longest
+from faults.harness import Layout, state_checks
 
 ROOT = Path(__file__).resolve().parent.parent
 MISUSE = ROOT / "tests" / "jobs" / "misuse_job.py"
@@ -16,14 +21,59 @@ MISUSE = ROOT / "tests" / "jobs" / "misuse_job.py"
 
 def launch(script: Path, *script_args: str, replicas: int = 2, per_replica: int = 1, restarts: int = 0,
            run_dir: str = "", env: dict = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """The launcher on ``script``; its whole output (the ranks' included)."""
-    cmd = [sys.executable, str(ROOT / "launch" / "run.py"), "--replicas", str(replicas), "--nproc-per-replica",
-           str(per_replica), "--max-restarts", str(restarts), "--script", str(script)]
+    """``commslayer-run`` on ``script``, from a directory outside the repository; its whole
+    output (the ranks' included)."""
+    cmd = [sys.executable, "-m", "commslayer.launcher", "--replicas", str(replicas), "--nproc-per-replica",
+           str(per_replica), "--max-restarts", str(restarts)]
     if run_dir:
         cmd += ["--run-dir", run_dir]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="", **(env or {}))
-    return subprocess.run([*cmd, "--", *script_args], env=full_env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([*cmd, str(script), *script_args], env=full_env, cwd="/", capture_output=True,
+                          text=True, timeout=timeout)
+
+
+EXAMPLES = {"fsdp2": ROOT / "launch" / "examples" / "fsdp2_resilient.py",
+            "ddp": ROOT / "launch" / "examples" / "ddp_resilient.py"}
+STEPS, FAULT_STEP = 1000, 20  # the steps are short (~15 ms): a killed group restarts and heals well before the end
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory) -> Dict[str, List[RankResult]]:
+    out = {}
+    for name, script in EXAMPLES.items():
+        run_dir = tmp_path_factory.mktemp(f"clean-{name}")
+        run = launch(script, "--steps", str(STEPS), per_replica=2, restarts=2, run_dir=str(run_dir))
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        out[name] = load_results(str(run_dir))
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("example, phase, member", [
+    ("fsdp2", "forward", 2),     # replica 1's rank 0, entering its forward pass
+    ("fsdp2", "optimizer", 3),   # replica 1's rank 1, after the commit, before applying it
+    ("ddp", "backward", 0),      # replica 0's rank 0 (world rank 0), inside backward
+    ("ddp", "allreduce", 1),     # replica 0's rank 1, entering the average
+])
+def test_a_users_script_survives_a_killed_replica_group(clean, tmp_path, example, phase, member):
+    fault = [{"action": "sigkill", "rank": member, "step": FAULT_STEP, "phase": phase, "life": None}]
+    run = launch(EXAMPLES[example], "--steps", str(STEPS), per_replica=2, restarts=2, run_dir=str(tmp_path),
+                 env={"COMMSLAYER_FAULTS": json.dumps(fault)}, timeout=200)
+    log = run.stdout[-4000:] + run.stderr[-4000:]
+    assert run.returncode == 0, log
+    done = load_results(str(tmp_path))
+    failed = [c for c in state_checks(done, STEPS, Layout(2, 2)) if not c.ok]
+    assert not failed, (failed, log)  # every rank at the end, each step applied once, replicas bitwise equal
+    whole = longest(done)
+    assert whole.replica != member // 2
+    [rec] = whole.recoveries
+    assert rec.lost_replicas == [member // 2]
+    assert rec.step == (FAULT_STEP + 1 if phase == "optimizer" else FAULT_STEP)
+    restarted = [r for r in done if r.replica == member // 2]
+    assert all(r.restart == 1 and FAULT_STEP < r.start_step < STEPS for r in restarted), \
+        [(r.member, r.restart, r.start_step) for r in restarted]  # healed mid-run, not at the end
+    reference = longest(clean[example]).losses
+    assert all(whole.losses[s] == reference[s] for s in range(FAULT_STEP)), "losses before the fault differ"
 
 
 @pytest.mark.timeout(150)

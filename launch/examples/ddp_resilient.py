@@ -6,7 +6,7 @@ are the whole change from the plain torchrun script it was (docs/training.md sho
 
 A small CNN classifies synthetic 8x8 "images" (which quadrant holds a bright
 blob). DDP averages gradients inside a replica group; commslayer averages
-them across groups. The RNG that draws the data is the user's state and
+them across groups. The data stream's position is the user's state and
 heals with the model.
 """
 
@@ -21,25 +21,29 @@ from commslayer import resilience  # commslayer
 
 
 class Blobs:
-    """Batches of 1x8x8 images with a blob in one quadrant, labelled by the quadrant."""
+    """Batches of 1x8x8 images with a blob in one quadrant, labelled by the quadrant. The
+    batch drawn depends on the stream (one per data-parallel rank) and the position,
+    and only the position is state: it is the same on every replica, so a healed
+    replica continues its own stream where the others are."""
 
-    def __init__(self, seed: int, batch: int) -> None:
-        self.batch = batch
-        self.rng = torch.Generator().manual_seed(seed)
+    def __init__(self, stream: int, batch: int) -> None:
+        self.stream, self.batch, self.position = stream, batch, 0
 
     def next(self):
-        labels = torch.randint(0, 4, (self.batch,), generator=self.rng)
-        images = 0.1 * torch.randn(self.batch, 1, 8, 8, generator=self.rng)
+        rng = torch.Generator().manual_seed(self.position * 1_000_003 + self.stream)
+        self.position += 1
+        labels = torch.randint(0, 4, (self.batch,), generator=rng)
+        images = 0.1 * torch.randn(self.batch, 1, 8, 8, generator=rng)
         for i, q in enumerate(labels.tolist()):
             r, c = divmod(q, 2)
             images[i, 0, 4 * r:4 * r + 4, 4 * c:4 * c + 4] += 1.0
         return images, labels
 
     def state_dict(self):
-        return {"rng": self.rng.get_state()}
+        return {"position": self.position}
 
     def load_state_dict(self, state):
-        self.rng.set_state(state["rng"])
+        self.position = state["position"]
 
 
 def main() -> None:
@@ -53,8 +57,8 @@ def main() -> None:
     net = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
                         nn.Linear(8 * 4 * 4, 4))
     model = DistributedDataParallel(net, process_group=job.process_group)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    data = Blobs(seed=job.replica * job.world_size + job.rank, batch=args.batch)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = Blobs(stream=job.replica * job.world_size + job.rank, batch=args.batch)
     job.register(model=model, optimizer=opt, data=data)  # commslayer
 
     for step in job.steps(args.steps):  # commslayer: instead of range(args.steps)
