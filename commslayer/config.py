@@ -125,6 +125,12 @@ def trace_dir() -> str:
     return base
 
 
+def run_dir() -> Optional[str]:
+    """``COMMSLAYER_RUN_DIR``: set by ``commslayer-run --run-dir`` for its workers; where a
+    resilient job's ranks write their results (``commslayer.runs``). None when unset."""
+    return _path("COMMSLAYER_RUN_DIR", directory=True) or None
+
+
 def job_rank() -> Optional[int]:
     """``COMMSLAYER_JOB_RANK``: this process's rank in a job made of several torchruns
     (one per replica group, ``commslayer-run``), each of which numbers its ranks
@@ -260,7 +266,7 @@ def faults_log() -> str:
 _CHECKED: Tuple[Callable[[], object], ...] = (
     default_timeout, check_mode, route_c10d, trace_dir, job_rank, trace_buffer, trace_stack, trace_jsonl,
     trace_otel, trace_sink_queue, heartbeat_s, peer_timeout_s, liveness_timing, liveness_host, isolate_writes,
-    faults_log, trace_mode, replica_id,
+    faults_log, trace_mode, replica_id, run_dir,
 )
 _valid: Set[Tuple[Tuple[str, str], ...]] = set()  # environments found valid (resolving a host costs)
 

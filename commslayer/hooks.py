@@ -86,7 +86,7 @@ class OpRecorder(Protocol):
         """A new op entered ``comm``; ``io`` is (inputs, outputs, reduce_op, root)."""
 
 
-phase_hooks = Hooks("phase")  # fn(job, step, phase) at the phases of a resilient job's step
+phase_hooks = Hooks("phase")  # fn(job, step, phase); the job calls them itself: what they raise propagates
 
 
 def register_phase_hook(fn: Callable[..., Any]) -> HookHandle:

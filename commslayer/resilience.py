@@ -233,7 +233,7 @@ class Job:
         self.started = time.time()
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.restart = config.restart_count()
-        self.run_dir = run_dir if run_dir is not None else os.environ.get("COMMSLAYER_RUN_DIR") or None
+        self.run_dir = run_dir if run_dir is not None else config.run_dir()
         self._bucket_bytes = bucket_bytes
         self._heal_timeout_s = heal_timeout_s
         dist.init_process_group("commslayer", store=self._group_store(timeout), rank=self.rank,
@@ -311,8 +311,11 @@ class Job:
             output.register_hook(lambda grad: self._phase("backward"))
 
     def _phase(self, phase: str) -> None:
+        """Run the phase hooks; unlike op hooks, what they raise propagates (a fault
+        that raises must raise in the job's own code)."""
         if self.step_index >= 0:
-            _phase_hooks(self, self.step_index, phase)
+            for fn in _phase_hooks.fns:
+                fn(self, self.step_index, phase)
 
     # ---------------------------------------------------------------- steps
     @property
@@ -387,7 +390,7 @@ class Job:
         if loss is not None:
             extra = loss.detach().reshape(1).to(locals_[0].dtype) / self.world_size
             dist.all_reduce(extra)
-        _phase_hooks(self, step, "allreduce")
+        self._phase("allreduce")
         buckets, layout = _buckets(locals_, extra, self._bucket_bytes)
         averaged = self._replicas.average(buckets, step)
         _unbucket(averaged, layout, locals_)

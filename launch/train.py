@@ -46,7 +46,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import fsdp_overlap
-from commslayer import resilience, runs
+from commslayer import config, resilience, runs
 from commslayer.exits import exit_now
 from faults.inject import PHASES, Fault, injector, install
 
@@ -116,7 +116,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kill", action="append", default=[], metavar="R:STEP:PHASE[:RANK]")
-    p.add_argument("--run-dir", default=os.environ.get("COMMSLAYER_RUN_DIR") or None,
+    p.add_argument("--run-dir", default=config.run_dir(),
                    help="write this rank's result (losses, recoveries, fingerprints) here (default: $COMMSLAYER_RUN_DIR)")
     p.add_argument("--heal-timeout", type=float, default=120.0,
                    help="at the end, wait this long for restarted replica groups to rejoin")

@@ -92,3 +92,19 @@ def test_a_mistake_is_a_clear_error_on_every_rank(mistake, expected):
     for line in leaving:
         for text in expected:
             assert text in line, line
+
+
+@pytest.mark.timeout(120)
+def test_the_same_script_runs_under_plain_torchrun(tmp_path):
+    """No launcher: one replica group, the same script unchanged, its result written."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="", COMMSLAYER_RUN_DIR=str(tmp_path))
+    for name in ("COMMSLAYER_JOB_STORE", "COMMSLAYER_REPLICA", "COMMSLAYER_REPLICAS"):
+        env.pop(name, None)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          str(EXAMPLES["ddp"]), "--steps", "20"], env=env, cwd="/", capture_output=True,
+                         text=True, timeout=100)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    done = load_results(str(tmp_path))
+    assert sorted(r.member for r in done) == [0, 1]
+    assert all(r.live == [0] and sorted(r.losses) == list(range(20)) and set(r.optimizer_steps) == {20}
+               for r in done)
