@@ -111,6 +111,12 @@ def peer_timeout_s() -> float:
     return _positive("COMMSLAYER_PEER_TIMEOUT_S", 3.0)
 
 
+def store_timeout_s() -> float:
+    """``COMMSLAYER_STORE_TIMEOUT_S``: how long one store request may go unanswered
+    before the store counts as unreachable (default 10 s; commslayer.store)."""
+    return _positive("COMMSLAYER_STORE_TIMEOUT_S", 10.0)
+
+
 def isolate_writes() -> bool:
     """``COMMSLAYER_ISOLATE_WRITES=1``: ops write into staging buffers that are
     copied to the caller's tensors only when the op succeeds, so an op that

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from .communicator import Communicator, join, new_comm
-from .errors import CommAborted, CommError
+from .errors import CommAborted, CommError, StoreUnreachable
 from .reduce_op import ReduceOp
 
 
@@ -218,7 +218,7 @@ class Replicas:
         stepping on and blocking on it in their group's collectives)."""
         try:
             return self.world.should_commit(ok)
-        except CommAborted:
+        except (CommAborted, StoreUnreachable):  # fenced, or nothing can be agreed any more
             raise
         except CommError:
             return False

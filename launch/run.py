@@ -188,9 +188,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     import torch.distributed as dist  # after parsing: --help stays fast
 
+    from commslayer.store import bounded
+
     if a.coordinator:
         host, port = a.coordinator.rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60), use_libuv=True)
+        # bounded: a stopped coordinator makes a call fail after COMMSLAYER_STORE_TIMEOUT_S, not hang
+        store = bounded(dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60), use_libuv=True))
         address = a.coordinator
     else:
         store = dist.TCPStore(a.host, a.port, is_master=True, wait_for_workers=False,
@@ -254,15 +257,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _reachable(store, address: str) -> bool:
     """Whether the coordinator still answers; if not, say so (its groups are then ended:
     without the job's store no step can commit, and a restarted group could not rejoin)."""
-    import torch.distributed as dist
-
-    from commslayer.errors import first_line
+    from commslayer.errors import StoreUnreachable
 
     try:
         store.check(["job/finished"])
         return True
-    except dist.DistNetworkError as exc:
-        print(f"launcher: the coordinator (the job's store at {address}) is unreachable ({first_line(exc)}); ending the "
+    except StoreUnreachable as exc:
+        print(f"launcher: the coordinator (the job's store at {address}) is unreachable ({exc.what}); ending the "
               "replica groups started here", flush=True)
         return False
 

@@ -63,6 +63,7 @@ import commslayer  # noqa: E402
 import fsdp_overlap  # noqa: E402
 from commslayer.errors import first_line  # noqa: E402
 from commslayer.replicas import ReplicaBroken, Replicas, flatten, unflatten  # noqa: E402
+from commslayer.store import bounded  # noqa: E402
 from faults.inject import PHASES, Fault, injector  # noqa: E402
 
 
@@ -151,10 +152,10 @@ def job_store(timeout: timedelta) -> Tuple[dist.Store, int, int]:
     replica id and count; without a launcher, this torchrun's store as one replica."""
     address = os.environ.get("COMMSLAYER_JOB_STORE")
     if not address:
-        return dist.PrefixStore(f"job{_RESTART}/", dist.distributed_c10d._get_default_store()), 0, 1
+        return bounded(dist.distributed_c10d._get_default_store(), f"job{_RESTART}/"), 0, 1
     host, port = address.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout, use_libuv=True)
-    return store, _REPLICA, int(os.environ["COMMSLAYER_REPLICAS"])
+    return bounded(store), _REPLICA, int(os.environ["COMMSLAYER_REPLICAS"])
 
 
 def replica_store(timeout: timedelta) -> dist.Store:
