@@ -50,6 +50,7 @@ from typing import Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 FAULT_LOG = "faults.jsonl"  # in --run-dir: injected faults and each communicator's first failure (faults.inject)
+GRACE_S = 5.0  # default --grace
 
 
 class Launcher:
@@ -175,7 +176,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--host", default="127.0.0.1", help="the address the coordinator listens on")
     p.add_argument("--port", type=int, default=0, help="the coordinator's port (default: a free one)")
     p.add_argument("--max-restarts", type=int, default=3, help="restarts of each replica group (torchrun's)")
-    p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL on exit")
+    p.add_argument("--grace", type=float, default=GRACE_S, help="seconds between SIGTERM and SIGKILL on exit")
     p.add_argument("--run-dir", help="results and traces go here")
     p.add_argument("--compare-to", help="a fault-free run's --run-dir: compare the loss curves")
     p.add_argument("--loss-tolerance", type=float, default=0.05,
@@ -188,12 +189,17 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     import torch.distributed as dist  # after parsing: --help stays fast
 
+    from commslayer import config
+    from commslayer.errors import StoreUnreachable
     from commslayer.store import bounded
 
     if a.coordinator:
         host, port = a.coordinator.rsplit(":", 1)
-        # bounded: a stopped coordinator makes a call fail after COMMSLAYER_STORE_TIMEOUT_S, not hang
-        store = bounded(dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60), use_libuv=True))
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60), use_libuv=True)
+        # A stopped coordinator answers nothing: give up on it after twice the ranks' store deadline, so that
+        # a rank that talks to the store at least once a deadline (every step does) raises StoreUnreachable
+        # itself, naming the call, before this launcher ends it.
+        store = bounded(store, deadline_s=2 * config.store_timeout_s())
         address = a.coordinator
     else:
         store = dist.TCPStore(a.host, a.port, is_master=True, wait_for_workers=False,
@@ -234,8 +240,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         while len(codes) < len(ids) or (not ids and not _all_ended(store, a.replicas)):
             if a.coordinator and time.monotonic() - watched > 0.5:
                 watched = time.monotonic()
-                if not _reachable(store, a.coordinator):
-                    return 1
+                store.check(["job/finished"])  # is the coordinator still there?
             for r, proc in launcher.procs.items():
                 if r not in codes and proc.poll() is not None:
                     codes[r] = proc.returncode
@@ -243,6 +248,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                     print(f"coordinator: replica group {r} {'finished' if proc.returncode == 0 else 'gave up'} "
                           f"(torchrun exit {proc.returncode})", flush=True)
             time.sleep(0.1)
+    except StoreUnreachable as exc:  # without the job's store no step can commit, and no group can rejoin
+        print(f"launcher: the coordinator (the job's store at {address}) is unreachable ({exc.what}); ending the "
+              "replica groups started here", flush=True)
+        return 1
     except KeyboardInterrupt:
         print("launcher: interrupted; ending every process it started", flush=True)
         return 130
@@ -252,20 +261,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.run_dir and not a.coordinator:  # the coordinator has seen every replica group end
         ok = summarize(a.run_dir, store, a.nproc_per_replica, a.compare_to, a.loss_tolerance) and ok
     return 0 if ok else 1
-
-
-def _reachable(store, address: str) -> bool:
-    """Whether the coordinator still answers; if not, say so (its groups are then ended:
-    without the job's store no step can commit, and a restarted group could not rejoin)."""
-    from commslayer.errors import StoreUnreachable
-
-    try:
-        store.check(["job/finished"])
-        return True
-    except StoreUnreachable as exc:
-        print(f"launcher: the coordinator (the job's store at {address}) is unreachable ({exc.what}); ending the "
-              "replica groups started here", flush=True)
-        return False
 
 
 def _all_ended(store, replicas: int) -> bool:
