@@ -574,8 +574,12 @@ class Communicator:
         lineage = self._lineage_for(chk)
         self._seq = seq = self._seq + 1
         self._ensure_usable("pending_members", seq)
-        return lineage.membership.pending(self.generation, seq, self.members, self._rank == 0,
-                                          lambda: self._broken("pending_members", seq), timeout_s)
+        try:
+            return lineage.membership.pending(self.generation, seq, self.members, self._rank == 0,
+                                              lambda: self._broken("pending_members", seq), timeout_s)
+        except StoreUnreachable as err:  # no member can be let in, and no step committed, any more
+            self._on_failure(err)
+            raise
 
     def should_commit(self, ok: bool = True, *, timeout: Timeout = None) -> bool:
         """Whether every member's part of a step succeeded: the same answer on every member.

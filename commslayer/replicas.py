@@ -175,7 +175,7 @@ class Replicas:
             return []
         try:
             pending = self.world.pending_members()
-        except CommAborted:
+        except (CommAborted, StoreUnreachable):
             raise
         except CommError:
             # A member was lost; its mates may have got the list before (the leader died

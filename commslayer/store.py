@@ -199,8 +199,7 @@ class BoundedStore(dist.Store):
     def _call(self, op: str, fn: Callable[..., Any], *args: Any) -> Any:
         conn = self._connection
         if conn.broken is not None:
-            raise StoreUnreachable(f"the store at {conn.address} is not used any more: {conn.broken}",
-                                   comm=self._comm, op=self._describe(op, args))
+            raise self._unusable(op, args)
         answer: List[Tuple[bool, Any]] = []
         done = threading.Lock()
         done.acquire()
@@ -209,6 +208,8 @@ class BoundedStore(dist.Store):
         waited = 0.0
         while not done.acquire(timeout=min(_SLICE_S, self.deadline_s - waited)):
             waited += _SLICE_S
+            if conn.broken is not None:  # queued behind a call that failed
+                raise self._unusable(op, args)
             if waited >= self.deadline_s:
                 raise self._overrun(op, args, time.monotonic() - start)
         ok, value = answer[0]
@@ -221,6 +222,11 @@ class BoundedStore(dist.Store):
                                    "the process holding it is gone, or it refused the request",
                                    comm=self._comm, op=call, elapsed_s=time.monotonic() - start) from None
         raise value
+
+    def _unusable(self, op: str, args: tuple) -> StoreUnreachable:
+        conn = self._connection
+        return StoreUnreachable(f"the store at {conn.address} is not used any more: {conn.broken}", comm=self._comm,
+                                op=self._describe(op, args))
 
     def _overrun(self, op: str, args: tuple, elapsed_s: float) -> StoreUnreachable:
         conn = self._connection

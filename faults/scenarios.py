@@ -130,9 +130,10 @@ SCENARIOS: List[Scenario] = [
     Scenario("coordinator-stop", "coordinator", f"the coordinator process (the job's store) SIGSTOPped at step "
              f"{FAULT_STEP}, and never resumed",
              "a store that stops answering is found by its deadline (COMMSLAYER_STORE_TIMEOUT_S, 10 s): every rank "
-             "raises StoreUnreachable naming the store and the call that got no answer, and dumps its trace; the "
-             "launcher finds the coordinator unreachable too and ends the job (exit 1) within the store deadline "
-             "and its grace period; nothing is left behind",
+             "waiting on the store raises StoreUnreachable naming the store and the call that got no answer, one "
+             "waiting on such a rank in a collective gets PeerLost when it leaves; every rank dumps its trace; the "
+             "launcher finds the coordinator unreachable too (after twice the deadline) and ends the job (exit 1); "
+             "nothing is left behind",
              external="coordinator-stop", expect="stop"),
     Scenario("trace-disk-full", "storage", "the trace directory on a full filesystem (a 2 MiB tmpfs, filled); "
              f"SIGKILL of a rank at step {FAULT_STEP}",
