@@ -1016,7 +1016,8 @@ def _lineage(chk: Checker, backend: str, device: Optional[torch.device], name: s
     except ValueError as exc:
         raise chk.fail(str(exc)) from None
     try:
-        heartbeat_s, peer_timeout_s = config.heartbeat_s(), config.peer_timeout_s()
+        heartbeat_s, peer_timeout_s, store_timeout_s = config.heartbeat_s(), config.peer_timeout_s(), \
+            config.store_timeout_s()
         timeout_s = config.default_timeout().total_seconds() if timeout is None else None
     except ValueError as exc:
         raise chk.fail(str(exc)) from None
@@ -1028,7 +1029,7 @@ def _lineage(chk: Checker, backend: str, device: Optional[torch.device], name: s
         with _instances_lock:
             instance = _instances.get(name, 0)
             _instances[name] = instance + 1
-        root = bounded(store, f"commslayer/{name}/{instance}/", comm=name)
+        root = bounded(store, f"commslayer/{name}/{instance}/", comm=name, deadline_s=store_timeout_s)
         return Lineage(root, f"{name}.{instance}", Membership(root, name), heartbeat_s, peer_timeout_s, isolate)
 
     return spec, device, timeout_s, store, make
