@@ -164,6 +164,7 @@ def _serve(calls: "queue.SimpleQueue") -> None:
         except BaseException as exc:  # the caller raises it
             answer.append((False, exc))
         done.release()
+        del call, fn, args, answer, done  # hold nothing between calls: the last user of the connection may go
 
 
 def _keys(keys: Any) -> str:
