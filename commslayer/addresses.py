@@ -65,7 +65,7 @@ def store_address(store: Any) -> Optional[Tuple[str, int]]:
         host, port = getattr(store, "host", None), getattr(store, "port", None)
         if isinstance(host, str) and isinstance(port, int):
             return host, port
-        inner = getattr(store, "underlying_store", None) or getattr(store, "_store", None)
+        inner = getattr(store, "underlying_store", None) or getattr(store, "_store", None)  # _store: membership's
         if inner is None:
             return None
         store = inner

@@ -29,6 +29,7 @@ from torch._C import _distributed_c10d as c10d
 from . import backends, config
 from .communicator import Communicator, watched_lineage
 from .errors import InvalidArgument
+from .store import bounded
 from .work import Work
 
 BACKEND_NAME = "commslayer"
@@ -94,7 +95,7 @@ class CommslayerProcessGroup(dist.ProcessGroup):
             spec, device = backends.resolve(kind, None)
             uid = f"c10d:{group_name}:{spec.device_type}" + (f"+{shift}" if shift else "")
             name = f"c10d:{group_name}:{spec.device_type}"
-            comm_store = dist.PrefixStore(f"commslayer/{spec.device_type}/", store)
+            comm_store = bounded(store, f"commslayer/{spec.device_type}/", comm=name)
             comm = Communicator(
                 spec, device, name=name, store=comm_store, rank=rank, size=size,
                 timeout_s=timeout_s, hints={}, check=config.check_mode(),

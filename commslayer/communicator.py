@@ -28,13 +28,14 @@ from torch._C import _distributed_c10d as c10d
 
 from . import backends, config
 from .check import CrossRankCheck
-from .errors import CollectiveMismatch, CollectiveTimeout, CommAborted, CommError, PeerLost, first_line
+from .errors import (CollectiveMismatch, CollectiveTimeout, CommAborted, CommError, PeerLost, StoreUnreachable,
+                     first_line)
 from .hooks import HookHandle, Hooks, OpRecorder
 from .isolation import IsolatedBackend, StagedWork
 from .liveness import Liveness
 from .membership import Membership
 from .reduce_op import ReduceOp, coerce
-from .store import env_rank_size, env_store
+from .store import bounded, env_rank_size, env_store
 from .validation import Checker, Timeout, shown_name, timeout_seconds
 from .watchdog import WATCHDOG
 from .work import Waiter, Work
@@ -114,7 +115,7 @@ class _Released:
 class Lineage:
     """What every generation of one communicator shares (``new_comm`` makes it)."""
 
-    root_store: dist.Store  # generation g > 0 lives under its prefix "g<g>/"
+    root_store: dist.Store  # bounded (commslayer.store); generation g > 0 lives under its prefix "g<g>/"
     base_uid: str
     membership: Membership
     heartbeat_s: float  # 0: no liveness monitor
@@ -172,6 +173,8 @@ class Communicator:
         self._split = parent is not None
         try:
             self._backend = spec.create(store, rank, size, timedelta(seconds=timeout_s), hints)
+        except StoreUnreachable:  # raised by the store inside the rendezvous: not a peer's fault
+            raise
         except RuntimeError as exc:  # the rendezvous of the new group failed
             raise backends.classify(exc)(f"could not build the {spec.name} group: {exc}", comm=name,
                                          op="new_comm", timeout_s=timeout_s) from exc
@@ -585,8 +588,12 @@ class Communicator:
         lineage = self._lineage_for(chk)
         self._seq = seq = self._seq + 1
         self._ensure_usable("pending_members", seq)
-        return lineage.membership.pending(self.generation, seq, self.members, self._rank == 0,
-                                          lambda: self._broken("pending_members", seq), timeout_s)
+        try:
+            return lineage.membership.pending(self.generation, seq, self.members, self._rank == 0,
+                                              lambda: self._broken("pending_members", seq), timeout_s)
+        except StoreUnreachable as err:  # no member can be let in, and no step committed, any more
+            self._on_failure(err)
+            raise
 
     def should_commit(self, ok: bool = True, *, timeout: Timeout = None) -> bool:
         """Whether every member's part of a step succeeded: the same answer on every member.
@@ -598,7 +605,9 @@ class Communicator:
         member that voted yes and died afterwards does not undo a commit. On a
         communicator already broken by a loss it returns ``False`` (after
         casting that vote). Raises ``CollectiveTimeout`` when a member neither
-        votes nor is found lost within the timeout.
+        votes nor is found lost within the timeout, ``StoreUnreachable`` when the
+        store does not answer (``COMMSLAYER_STORE_TIMEOUT_S``); either breaks the
+        communicator.
         """
         chk = self._checker("should_commit")
         timeout_s = timeout_seconds(timeout, self._timeout_s, chk)
@@ -609,7 +618,7 @@ class Communicator:
         try:
             return lineage.membership.vote(self.generation, call, self._size, ok and self._failure is None,
                                            lambda: self._broken("should_commit", call), timeout_s)
-        except CollectiveTimeout as err:
+        except (CollectiveTimeout, StoreUnreachable) as err:  # no step can commit on this communicator any more
             self._on_failure(err)
             raise
 
@@ -1031,6 +1040,7 @@ def _lineage(chk: Checker, backend: str, device: Optional[torch.device], name: s
     except ValueError as exc:
         raise chk.fail(str(exc)) from None
     heartbeat_s, peer_timeout_s = config.liveness_timing()
+    store_timeout_s = config.store_timeout_s()
     timeout_s = timeout_seconds(timeout, config.default_timeout().total_seconds(), chk)
     isolate = config.isolate_writes() if isolate_writes is None else bool(isolate_writes)
 
@@ -1038,7 +1048,7 @@ def _lineage(chk: Checker, backend: str, device: Optional[torch.device], name: s
         with _instances_lock:
             instance = _instances.get(name, 0)
             _instances[name] = instance + 1
-        root = dist.PrefixStore(f"commslayer/{name}/{instance}/", store)
+        root = bounded(store, f"commslayer/{name}/{instance}/", comm=name, deadline_s=store_timeout_s)
         return Lineage(root, f"{name}.{instance}", Membership(root, name), heartbeat_s, peer_timeout_s, isolate)
 
     return spec, device, timeout_s, store, hints, make

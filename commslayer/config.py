@@ -243,6 +243,12 @@ def liveness_host() -> Optional[str]:
     return host
 
 
+def store_timeout_s() -> float:
+    """``COMMSLAYER_STORE_TIMEOUT_S``: how long one store request may go unanswered
+    before the store counts as unreachable (default 10 s; commslayer.store)."""
+    return _seconds("COMMSLAYER_STORE_TIMEOUT_S", 10.0)
+
+
 def isolate_writes() -> bool:
     """``COMMSLAYER_ISOLATE_WRITES=1``: ops write into staging buffers that are
     copied to the caller's tensors only when the op succeeds, so an op that
@@ -266,7 +272,7 @@ def faults_log() -> str:
 _CHECKED: Tuple[Callable[[], object], ...] = (
     default_timeout, check_mode, route_c10d, trace_dir, job_rank, trace_buffer, trace_stack, trace_jsonl,
     trace_otel, trace_sink_queue, heartbeat_s, peer_timeout_s, liveness_timing, liveness_host, isolate_writes,
-    faults_log, trace_mode, replica_id, run_dir,
+    faults_log, trace_mode, replica_id, run_dir, store_timeout_s,
 )
 _valid: Set[Tuple[Tuple[str, str], ...]] = set()  # environments found valid (resolving a host costs)
 

@@ -53,11 +53,13 @@ from typing import Dict, List, NoReturn, Optional, Tuple
 
 import torch.distributed as dist
 
-from . import runs
-from .errors import first_line
+from . import config, runs
+from .errors import StoreUnreachable, first_line
 from .processes import ProcessSet, become_subreaper, free_port
+from .store import bounded
 
 PROG = "commslayer-run"
+GRACE_S = 5.0  # default --grace: SIGTERM to SIGKILL when the launcher ends its processes
 STORE_TIMEOUT = timedelta(seconds=60)
 
 
@@ -82,7 +84,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="the address the coordinator listens on (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="the coordinator's port (default: a free one)")
     p.add_argument("--max-restarts", type=int, default=3, help="restarts of each replica group (torchrun's; default 3)")
-    p.add_argument("--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL on exit (default 5)")
+    p.add_argument("--grace", type=float, default=GRACE_S,
+                   help=f"seconds between SIGTERM and SIGKILL on exit (default {GRACE_S:g})")
     p.add_argument("--run-dir", help="results, the fault log and traces go here")
     p.add_argument("--compare-to", metavar="RUN_DIR", help="a fault-free run's --run-dir: compare the loss curves")
     p.add_argument("--loss-tolerance", type=float, default=0.05,
@@ -206,10 +209,14 @@ def _job_store(a: argparse.Namespace):
     """The job's store: a client of ``--coordinator``, or this process's own (it is the coordinator)."""
     if a.coordinator:
         try:
-            return dist.TCPStore(a.coordinator_host, a.coordinator_port, is_master=False, timeout=STORE_TIMEOUT,
-                                 use_libuv=True)
+            store = dist.TCPStore(a.coordinator_host, a.coordinator_port, is_master=False, timeout=STORE_TIMEOUT,
+                                  use_libuv=True)
         except (RuntimeError, OSError) as exc:
             raise _Failed(f"cannot reach the coordinator at {a.coordinator}: {first_line(exc)}") from None
+        # A stopped coordinator answers nothing: give up on it after twice the ranks' store deadline, so
+        # that a rank, which talks to the store at least once a deadline (every step does), raises
+        # StoreUnreachable itself, naming the call, before this launcher ends it.
+        return bounded(store, deadline_s=2 * config.store_timeout_s())
     host, port = a.host or "127.0.0.1", a.port or 0
     try:
         store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT,
@@ -265,8 +272,8 @@ def _check_reachable(store, address: str) -> None:
     without the job's store no step can commit, and a restarted group could not rejoin)."""
     try:
         store.check(["job/finished"])
-    except dist.DistNetworkError as exc:
-        raise _Failed(f"the coordinator (the job's store at {address}) is unreachable ({first_line(exc)}); "
+    except StoreUnreachable as exc:
+        raise _Failed(f"the coordinator (the job's store at {address}) is unreachable ({exc.what}); "
                       "ended the replica groups started here") from None
 
 

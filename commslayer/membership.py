@@ -48,37 +48,15 @@ from typing import Callable, Dict, List, Optional, Sequence, Set
 
 import torch.distributed as dist
 
-from .errors import CollectiveTimeout, CommAborted, CommError, StoreUnreachable, first_line
+from .errors import CollectiveTimeout, CommAborted, CommError
 from .store import POLL_S, wait_for_keys
-
-
-class _Reached:
-    """A store whose lost connection raises ``StoreUnreachable`` (naming the
-    communicator and the store op) instead of torch's bare network error."""
-
-    def __init__(self, store: dist.Store, name: str) -> None:
-        self._store = store
-        self._name = name
-
-    def __getattr__(self, op: str) -> Callable:
-        call = getattr(self._store, op)
-
-        def reached(*args, **kwargs):
-            try:
-                return call(*args, **kwargs)
-            except dist.DistNetworkError as exc:
-                raise StoreUnreachable(f"store unreachable ({first_line(exc)}): the process hosting it is gone "
-                                       "or cut off", comm=self._name, op=f"store.{op}") from None
-
-        setattr(self, op, reached)  # built once per store op: later calls do not come back here
-        return reached
 
 
 class Membership:
     """The membership keys of one root communicator (every generation of it)."""
 
     def __init__(self, store: dist.Store, name: str) -> None:
-        self._store = _Reached(dist.PrefixStore("membership/", store), name)
+        self._store = dist.PrefixStore("membership/", store)
         self._name = name
 
     def _entries(self, key: str) -> List[int]:

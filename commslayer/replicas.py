@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from .communicator import Communicator, join, new_comm
-from .errors import CommAborted, CommError
+from .errors import CommAborted, CommError, StoreUnreachable
 from .reduce_op import ReduceOp
 
 
@@ -179,7 +179,7 @@ class Replicas:
             return []
         try:
             pending = self.world.pending_members()
-        except CommAborted:
+        except (CommAborted, StoreUnreachable):
             raise
         except CommError:
             # A member was lost; its mates may have got the list before (the leader died
@@ -222,7 +222,7 @@ class Replicas:
         stepping on and blocking on it in their group's collectives)."""
         try:
             return self.world.should_commit(ok)
-        except CommAborted:
+        except (CommAborted, StoreUnreachable):  # fenced, or nothing can be agreed any more
             raise
         except CommError:
             return False

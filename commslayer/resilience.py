@@ -66,6 +66,7 @@ from .exits import exit_now
 from .hooks import phase_hooks as _phase_hooks
 from .hooks import register_phase_hook  # noqa: F401  (public here: where a user looks)
 from .replicas import ReplicaBroken, Replicas, fingerprint
+from .store import bounded
 
 BUCKET_BYTES = 4 << 20  # gradient bytes per bucket of the cross-replica average
 
@@ -277,10 +278,10 @@ class Job:
         if not address:
             from torch.distributed.distributed_c10d import _get_default_store
 
-            return dist.PrefixStore(f"job{self.restart}/", _get_default_store()), 0, 1
+            return bounded(_get_default_store(), f"job{self.restart}/"), 0, 1
         host, port = address.rsplit(":", 1)
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout, use_libuv=True)
-        return store, config.replica_id() or 0, int(os.environ["COMMSLAYER_REPLICAS"])
+        return bounded(store), config.replica_id() or 0, int(os.environ["COMMSLAYER_REPLICAS"])
 
     # ---------------------------------------------------------------- state
     def register(self, **state: Any) -> None:

@@ -1,26 +1,68 @@
-"""Where a communicator's store comes from when the caller gives none, and how
-its waits on the store stay interruptible.
+"""Where a communicator's store comes from when the caller gives none, how its
+waits stay interruptible, and how every call on it stays bounded in time.
 
 Under torchrun the store is the agent's (``TORCHELASTIC_USE_AGENT_STORE``), so
 it outlives any one worker; standalone, rank 0 hosts it.  One connection is
 shared by every communicator of the process; each communicator works under
 its own prefix.
+
+**Every store call has a deadline** (``COMMSLAYER_STORE_TIMEOUT_S``, default
+10 s): ``bounded`` wraps a store so that a call that gets no answer within it
+raises ``StoreUnreachable`` naming the store's address and the call.  Why it
+takes a thread: a TCPStore client blocks for ever in a call to a server that
+is stopped (SIGSTOP) or cut off without a reset, whatever its own timeout
+(measured, torch 2.13: ``check`` still blocked after 70 s with a 2 s client
+timeout, ``get`` of a key that exists too), and nothing can interrupt a
+thread blocked inside C++.  So the calls on one connection (the store at the
+bottom of the ``PrefixStore`` chain) are made by one worker thread of their
+own, and the caller waits for the answer with a bound.  One thread per
+connection, not per call: a TCPStore client makes its calls one at a time on
+one socket, so a second thread would only queue behind a stuck call.  Once a
+call overruns, that connection is in an unknown state (a late answer would be
+read as the answer to the next request), so it is marked broken and every
+later call on it, from any communicator of the process, fails at once with
+``StoreUnreachable`` naming the first failure.  A connection that the server
+closed (its process died, or it refused a request: a key longer than 8192
+bytes makes torch's server drop the connection) is broken the same way: a
+store failure is ``StoreUnreachable``, never a peer's loss.
+
+The deadline bounds one request, not a wait for another rank: ``get`` of a
+key that does not exist yet and ``wait`` block until a peer writes it, which
+may legitimately take long.  The wrapper turns them into polls of ``check``
+(each one bounded) followed by the read; a key that never comes ends with
+torch's ``DistStoreError`` after the store's own timeout, as before.  A
+``get`` therefore costs a ``check`` more than on the bare store, plus the
+hand-over to the worker thread (measured in docs/recovery.md).
+
+The wrapper is a ``torch.distributed.Store``, so everything built on it uses
+it too: ``PrefixStore``s, and the C++ rendezvous of the Gloo and NCCL groups.
+A C++ reference does not keep the Python object alive, so whoever builds
+``PrefixStore``s over a wrapper keeps the wrapper itself (a communicator's
+``Lineage`` does).
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
+import weakref
 from datetime import timedelta
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
+from . import config
+from .errors import StoreUnreachable, first_line
+
 POLL_S = 0.005  # the longest pause between polls of a store wait
 _FIRST_POLL_S = 0.0002  # waits that usually end within a millisecond start polling this fast
+_SLICE_S = 0.5  # a caller waits for the worker in slices: time this process spends stopped does not count
+_KEY_SHOWN = 120  # longest key shown whole in a message
 _lock = threading.Lock()
 _env_store: Optional[Tuple[dist.Store, int, int]] = None
+_connections: "weakref.WeakValueDictionary[int, _Connection]" = weakref.WeakValueDictionary()
 
 
 def env_rank_size() -> Tuple[int, int]:
@@ -71,3 +113,196 @@ def wait_for_keys(store: dist.Store, keys: Sequence[str], interrupted: Callable[
         time.sleep(pause)
         pause = min(pause * 2, POLL_S)
     return True
+
+
+def bounded(store: dist.Store, prefix: str = "", comm: Optional[str] = None,
+            deadline_s: Optional[float] = None) -> "BoundedStore":
+    """``store`` (under ``prefix``, if given) with every call bounded by ``deadline_s``
+    (default ``COMMSLAYER_STORE_TIMEOUT_S``; see the module doc); its errors name the
+    communicator ``comm``.  Keep the returned object for as long as anything built
+    on it is used."""
+    deadline_s = config.store_timeout_s() if deadline_s is None else deadline_s
+    if isinstance(store, BoundedStore):  # one hand-over, not two
+        target = dist.PrefixStore(prefix, store._target) if prefix else store._target
+        shown = "/".join(p for p in (store._prefix, prefix) if p)  # as nested PrefixStores join them
+        return BoundedStore(target, store._connection, deadline_s, shown, comm)
+    bottom = store
+    while isinstance(bottom, dist.PrefixStore):
+        bottom = bottom.underlying_store
+    with _lock:
+        connection = _connections.get(id(bottom))
+        if connection is None:
+            connection = _connections[id(bottom)] = _Connection(bottom)
+    return BoundedStore(dist.PrefixStore(prefix, store) if prefix else store, connection, deadline_s, prefix, comm)
+
+
+class _Connection:
+    """The worker thread that makes every call on one store connection, and whether
+    that connection is still usable (``broken``: why not)."""
+
+    def __init__(self, bottom: dist.Store) -> None:
+        self.bottom = bottom  # keeps its id, the registry's key, from being reused
+        if isinstance(bottom, dist.TCPStore):
+            self.address = f"{bottom.host}:{bottom.port}"
+        else:
+            self.address = f"a {type(bottom).__name__}"
+        self.broken: Optional[str] = None
+        calls: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.calls = calls
+        threading.Thread(target=_serve, args=(calls,), name=f"commslayer-store-{self.address}", daemon=True).start()
+        weakref.finalize(self, calls.put, None)  # the thread ends with the last user of the connection
+
+
+def _serve(calls: "queue.SimpleQueue") -> None:
+    while True:
+        call = calls.get()
+        if call is None:
+            return
+        fn, args, answer, done = call
+        try:
+            answer.append((True, fn(*args)))
+        except BaseException as exc:  # the caller raises it
+            answer.append((False, exc))
+        done.release()
+        del call, fn, args, answer, done  # hold nothing between calls: the last user of the connection may go
+
+
+def _keys(keys: Any) -> str:
+    """Keys for a message: long ones cut short (a 20,000-character key stays readable)."""
+    def one(key: str) -> str:
+        return repr(key) if len(key) <= _KEY_SHOWN else repr(key[:_KEY_SHOWN // 2]) + f"...({len(key)} characters)"
+
+    return "[" + ", ".join(one(k) for k in keys) + "]" if isinstance(keys, list) else one(str(keys))
+
+
+def _never() -> None:
+    return None
+
+
+class BoundedStore(dist.Store):
+    """A store whose every call answers within ``deadline_s`` or raises
+    ``StoreUnreachable`` (build it with ``bounded``; the module doc says how)."""
+
+    def __init__(self, target: dist.Store, connection: _Connection, deadline_s: float, prefix: str,
+                 comm: Optional[str]) -> None:
+        super().__init__()
+        self._target = target
+        self._connection = connection
+        self._prefix = prefix
+        self._comm = comm
+        self.deadline_s = deadline_s
+        self.set_timeout(target.timeout)
+
+    @property
+    def address(self) -> str:
+        return self._connection.address
+
+    @property
+    def underlying_store(self) -> dist.Store:
+        """The store this one bounds (what ``commslayer.addresses`` follows to find the host)."""
+        return self._target
+
+    def _call(self, op: str, fn: Callable[..., Any], *args: Any) -> Any:
+        conn = self._connection
+        if conn.broken is not None:
+            raise self._unusable(op, args)
+        answer: List[Tuple[bool, Any]] = []
+        done = threading.Lock()
+        done.acquire()
+        start = time.monotonic()
+        conn.calls.put((fn, args, answer, done))
+        waited = 0.0
+        while not done.acquire(timeout=min(_SLICE_S, self.deadline_s - waited)):
+            waited += _SLICE_S
+            if conn.broken is not None:  # queued behind a call that failed
+                raise self._unusable(op, args)
+            if waited >= self.deadline_s:
+                raise self._overrun(op, args, time.monotonic() - start)
+        ok, value = answer[0]
+        if ok:
+            return value
+        if isinstance(value, dist.DistNetworkError):
+            call = self._describe(op, args)
+            conn.broken = conn.broken or f"it closed the connection during {call} ({first_line(value)})"
+            raise StoreUnreachable(f"the store at {conn.address} closed the connection ({first_line(value)}): "
+                                   "the process holding it is gone, or it refused the request",
+                                   comm=self._comm, op=call, elapsed_s=time.monotonic() - start) from None
+        raise value
+
+    def _unusable(self, op: str, args: tuple) -> StoreUnreachable:
+        conn = self._connection
+        return StoreUnreachable(f"the store at {conn.address} is not used any more: {conn.broken}", comm=self._comm,
+                                op=self._describe(op, args))
+
+    def _overrun(self, op: str, args: tuple, elapsed_s: float) -> StoreUnreachable:
+        conn = self._connection
+        call = self._describe(op, args)
+        conn.broken = conn.broken or f"{call} got no answer within {self.deadline_s:g}s"
+        return StoreUnreachable(f"the store at {conn.address} did not answer within {self.deadline_s:g}s: the process "
+                               "holding it is stopped, hung or cut off (COMMSLAYER_STORE_TIMEOUT_S)",
+                               comm=self._comm, op=call, timeout_s=self.deadline_s, elapsed_s=elapsed_s)
+
+    def _describe(self, op: str, args: tuple) -> str:
+        return f"store.{op}({_keys(self._full(args[0]))})"
+
+    def _full(self, keys: Any) -> Any:
+        """A key (or keys) as the server sees it (``PrefixStore`` joins with a ``/``)."""
+        if not self._prefix:
+            return keys
+        return [f"{self._prefix}/{k}" for k in keys] if isinstance(keys, list) else f"{self._prefix}/{keys}"
+
+    # ------------------------------------------------------------ requests
+    def set(self, key: str, value) -> None:
+        self._call("set", self._target.set, key, value)
+
+    def check(self, keys: List[str]) -> bool:
+        return self._call("check", self._target.check, list(keys))
+
+    def add(self, key: str, value: int) -> int:
+        return self._call("add", self._target.add, key, value)
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        return self._call("compare_set", self._target.compare_set, key, expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        return self._call("delete_key", self._target.delete_key, key)
+
+    deleteKey = delete_key  # the name c10d's C++ side calls it by
+
+    def append(self, key: str, value) -> None:
+        self._call("append", self._target.append, key, value)
+
+    def multi_set(self, keys: List[str], values) -> None:
+        self._call("multi_set", self._target.multi_set, list(keys), list(values))
+
+    def has_extended_api(self) -> bool:
+        return self._target.has_extended_api()
+
+    # --------------------------------------------- waits for another rank
+    def get(self, key: str) -> bytes:
+        value = self._call("get", self._get_if_set, key)
+        if value is None:
+            self.wait([key])
+            value = self._call("get", self._target.get, key)
+        return value
+
+    def multi_get(self, keys: List[str]) -> List[bytes]:
+        keys = list(keys)
+        values = self._call("multi_get", self._multi_get_if_set, keys)
+        if values is None:
+            self.wait(keys)
+            values = self._call("multi_get", self._target.multi_get, keys)
+        return values
+
+    def wait(self, keys: List[str], timeout: Optional[timedelta] = None) -> None:
+        if timeout is None or timeout.total_seconds() <= 0:  # c10d's "no timeout given"
+            timeout = self.timeout
+        if not wait_for_keys(self, keys, _never, timeout.total_seconds()):
+            raise dist.DistStoreError(f"wait timeout after {timeout.total_seconds() * 1000:.0f}ms, keys: "
+                                      f"{_keys(self._full(list(keys)))}")
+
+    def _get_if_set(self, key: str) -> Optional[bytes]:
+        return self._target.get(key) if self._target.check([key]) else None
+
+    def _multi_get_if_set(self, keys: List[str]) -> Optional[List[bytes]]:
+        return self._target.multi_get(keys) if self._target.check(keys) else None

@@ -4,8 +4,8 @@ The job is the resilient launcher (``commslayer-run``: a coordinator and one
 torchrun per replica group) running ``launch/train.py`` or the job given.
 Faults fired from inside the ranks travel in ``COMMSLAYER_FAULTS``; the
 harness carries out the external ones itself when the job reports the
-fault step (SIGKILL of the coordinator, a link cut or a bandwidth cap in
-network namespaces, a trace directory on a full tmpfs).  The harness is a
+fault step (SIGKILL or SIGSTOP of the coordinator, a link cut or a bandwidth
+cap in network namespaces, a trace directory on a full tmpfs).  The harness is a
 subreaper, so every process the job leaves behind is found and ended.
 
 Then it reads what the ranks wrote (result files, the fault log and the
@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from commslayer.launcher import GRACE_S
 from commslayer.processes import ProcessSet, become_subreaper, descendants, free_port
 from commslayer.replicas import Recovery
 from commslayer.runs import FAULT_LOG, RankResult, load_results, load_summary, longest, read_log, result_paths
@@ -45,7 +46,8 @@ from .scenarios import BY_NAME, FAULT_STEP, Layout, Scenario
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_JOB = str(ROOT / "launch" / "train.py")
 
-EXTERNAL = ("coordinator-kill", "link-cut", "bandwidth-cap")  # fired by the harness at the fault step
+# fired by the harness at the fault step
+EXTERNAL = ("coordinator-kill", "coordinator-stop", "link-cut", "bandwidth-cap")
 LINK_CUT_S = 8.0
 CAP_RATE = "200mbit"
 STEP_LINE = re.compile(r"\] step\s+(\d+)\s")
@@ -135,9 +137,10 @@ class _Job:
     def ended(self) -> bool:
         return all(p.poll() is not None for p in self.procs)
 
-    def wait(self, deadline: float) -> bool:
-        """True if every launcher ended before ``deadline`` (``ended_at``: when the last did)."""
-        for p in self.procs:
+    def wait(self, deadline: float, procs: Optional[List[subprocess.Popen]] = None) -> bool:
+        """True if every launcher (of ``procs``, if given) ended before ``deadline``
+        (``ended_at``: when the last did)."""
+        for p in self.procs if procs is None else procs:
             try:
                 p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -210,7 +213,7 @@ def run(name: str, out_dir: str, options: Optional[Options] = None) -> Dict[str,
             for r in range(layout.replicas):
                 job.start(net.run(r + 1, [*base, "--replica-ids", str(r), "--coordinator", coordinator, *job_args]),
                           env, f"host {r + 1}")
-        elif scenario.external == "coordinator-kill":
+        elif scenario.external in ("coordinator-kill", "coordinator-stop"):
             port = free_port()
             coordinator_proc = job.start([*base, "--replica-ids", "none", "--port", str(port)], env, "coordinator")
             job.start([*base, "--coordinator", f"127.0.0.1:{port}", *job_args], env, "groups")
@@ -221,7 +224,13 @@ def run(name: str, out_dir: str, options: Optional[Options] = None) -> Dict[str,
                 _inject_external(scenario.external, log, job, layout, net, coordinator_proc)
             else:
                 notes.append(f"the job never reached step {layout.step}: the external fault was not injected")
-        finished = job.wait(deadline)
+        if scenario.external == "coordinator-stop":  # the job ends without its stopped coordinator
+            finished = job.wait(deadline, [p for p in job.procs if p is not coordinator_proc])
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                os.killpg(coordinator_proc.pid, sig)
+            coordinator_proc.wait()
+        else:
+            finished = job.wait(deadline)
         if not finished:
             notes.append(f"the job did not end within {options.timeout_s:.0f}s: ended by the harness")
         codes = [p.poll() for p in job.procs]
@@ -247,6 +256,10 @@ def _inject_external(kind: str, log: Log, job: _Job, layout: Layout, net: Any,
         log.write("injected", fault="coordinator", action="sigkill", what="SIGKILL of the coordinator",
                   step=job.step, member=-1, target=coordinator.pid)
         os.killpg(coordinator.pid, signal.SIGKILL)
+    elif kind == "coordinator-stop":
+        log.write("injected", fault="coordinator", action="sigstop", what="SIGSTOP of the coordinator",
+                  step=job.step, member=-1, target=coordinator.pid)
+        os.killpg(coordinator.pid, signal.SIGSTOP)
     elif kind == "link-cut":
         log.write("injected", fault="link", action="link-cut", what=f"link of rank {layout.target} cut for "
                   f"{LINK_CUT_S:g}s", step=job.step, member=layout.target)
@@ -323,7 +336,7 @@ def evaluate(scenario: Scenario, layout: Layout, options: Options, run_dir: str,
                             f"launcher exit {codes}"))
         checks.append(_dumps_cover(scenario, results, trace_dir, t0, target_pids, layout))
     else:
-        checks += _stop_checks(t0, layout, codes, ended_at, trace_dir, run_dir)
+        checks += _stop_checks(scenario, t0, layout, codes, ended_at, trace_dir, run_dir)
     quiet = scenario.straggler or scenario.external == "bandwidth-cap"
     if quiet:
         # Once a rank has finished (its result written), the others may see it go: not a fault.
@@ -468,17 +481,23 @@ def _dumps_cover(scenario: Scenario, results: List[RankResult], trace_dir: str, 
                  f"{len(survivors)} survivors" + (": " + "; ".join(bad) if bad else ", each dump's records span it"))
 
 
-def _stop_checks(t: Optional[float], layout: Layout, codes: List[Optional[int]], ended_at: Optional[float],
-                 trace_dir: str, run_dir: str) -> List[Check]:
+def _stop_checks(scenario: Scenario, t: Optional[float], layout: Layout, codes: List[Optional[int]],
+                 ended_at: Optional[float], trace_dir: str, run_dir: str) -> List[Check]:
     """A fault the job cannot survive: the whole job must end soon after it, the cause
-    named, and every rank must leave a dump that says why it ended."""
+    named, and every rank must leave a dump that says why it ended.  Soon: a killed
+    coordinator closes its connections, so within the peer timeout; a stopped one
+    answers nothing, so within the launcher's deadline for it (twice the store's),
+    its poll of it (0.5 s) and its grace period; by then the ranks that waited on
+    the store must have raised ``StoreUnreachable`` themselves."""
     from commslayer import config
 
     if t is None:
         return [Check("job ended with the cause named", False, "no fault was injected")]
     took = None if ended_at is None else ended_at - t
-    peer_timeout_s = config.peer_timeout_s()  # the job's, inherited from this environment
-    out = [Check(f"job ended (non-zero) within {peer_timeout_s:g}s", took is not None and took <= peer_timeout_s
+    # the job's settings, inherited from this environment
+    stopped = scenario.external == "coordinator-stop"
+    bound_s = 2 * config.store_timeout_s() + 0.5 + GRACE_S if stopped else config.peer_timeout_s()
+    out = [Check(f"job ended (non-zero) within {bound_s:g}s", took is not None and took <= bound_s
                  and any(c not in (0, None) for c in codes),
                  f"every process gone {took:.3f}s after the fault; launcher exits {codes}" if took is not None
                  else "the job did not end")]
@@ -495,6 +514,13 @@ def _stop_checks(t: Optional[float], layout: Layout, codes: List[Optional[int]],
                      f"StoreUnreachable themselves: {named}"))
     out.append(Check("every rank dumped its trace, saying why it ended", sorted(reasons) == list(range(layout.ranks)),
                      "; ".join(f"rank {m}: {why[:120]}" for m, why in sorted(reasons.items())) or "no dumps"))
+    if stopped:  # each rank waited on the store, or in a collective on a rank that did and left
+        others = [m for m in range(layout.ranks) if m not in named]
+        out.append(Check("ranks waiting on the store raised StoreUnreachable, the others lost such a rank",
+                         bool(named) and all("PeerLost" in reasons.get(m, "") for m in others),
+                         f"StoreUnreachable: ranks {named}; PeerLost: ranks {others}; first: "
+                         + next((why[why.find('StoreUnreachable'):][:300] for m, why in sorted(reasons.items())
+                                 if m in named), "none")))
     return out
 
 

@@ -49,7 +49,7 @@ class Scenario:
     summary: str
     promise: str
     faults: Callable[[Layout], List[Fault]] = lambda layout: []
-    external: Optional[str] = None           # coordinator-kill | link-cut | bandwidth-cap | disk-full
+    external: Optional[str] = None           # coordinator-kill | -stop | link-cut | bandwidth-cap | disk-full
     expect: str = "survive"                  # survive | stop
     fast: bool = True                        # in the default test suite
     needs_root: bool = False
@@ -127,6 +127,14 @@ SCENARIOS: List[Scenario] = [
              "the coordinator is the job's single point of failure: every rank stops within the peer timeout "
              "with an error naming the job's store, and dumps its trace; the launcher ends the job (exit 1)",
              external="coordinator-kill", expect="stop"),
+    Scenario("coordinator-stop", "coordinator", f"the coordinator process (the job's store) SIGSTOPped at step "
+             f"{FAULT_STEP}, and never resumed",
+             "a store that stops answering is found by its deadline (COMMSLAYER_STORE_TIMEOUT_S, 10 s): every rank "
+             "waiting on the store raises StoreUnreachable naming the store and the call that got no answer, one "
+             "waiting on such a rank in a collective gets PeerLost when it leaves; every rank dumps its trace; the "
+             "launcher finds the coordinator unreachable too (after twice the deadline) and ends the job (exit 1); "
+             "nothing is left behind",
+             external="coordinator-stop", expect="stop"),
     Scenario("trace-disk-full", "storage", "the trace directory on a full filesystem (a 2 MiB tmpfs, filled); "
              f"SIGKILL of a rank at step {FAULT_STEP}",
              "tracing never fails the job: each rank logs once that it cannot write, training survives and "

@@ -53,6 +53,13 @@ def test_fast_scenario_passes(name, tmp_path):
         # Every fault was survived, and the survivors saw each one (generous bound: speed is a benchmark's).
         assert all(f["stall_s"] is not None and f["stall_s"] < 10 for f in report["recovery"]["per_fault"])
         assert report["detection"] and all(d["after_s"] < 10 for d in report["detection"])
+    if scenario.expect == "stop":
+        # The ranks named the cause themselves (their fault log): the store's failure, or the loss of a
+        # rank that left because of it; a stopped store (no reset) is found by the store deadline.
+        errors = {d["error"] for d in report["detection"]}
+        assert errors and errors <= {"PeerLost", "StoreUnreachable"}, report["detection"]
+        if scenario.external == "coordinator-stop":
+            assert "StoreUnreachable" in errors, report["detection"]
 
 
 @pytest.mark.slow
