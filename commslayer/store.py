@@ -65,6 +65,17 @@ _env_store: Optional[Tuple[dist.Store, int, int]] = None
 _connections: "weakref.WeakValueDictionary[int, _Connection]" = weakref.WeakValueDictionary()
 
 
+def _forget_connections() -> None:
+    """In a forked child: the parent's workers did not come along (a fork copies one
+    thread), so none of its connections may be used from here."""
+    global _lock
+    _lock = threading.Lock()
+    _connections.clear()
+
+
+os.register_at_fork(after_in_child=_forget_connections)
+
+
 def env_rank_size() -> Tuple[int, int]:
     """``RANK`` and ``WORLD_SIZE`` from the environment (torchrun sets both)."""
     try:
