@@ -193,10 +193,6 @@ class BoundedStore(dist.Store):
         self.deadline_s = deadline_s
         self.set_timeout(target.timeout)
 
-    @property
-    def address(self) -> str:
-        return self._connection.address
-
     def _call(self, op: str, fn: Callable[..., Any], *args: Any) -> Any:
         conn = self._connection
         if conn.broken is not None:
