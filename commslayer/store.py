@@ -205,10 +205,6 @@ class BoundedStore(dist.Store):
         self.set_timeout(target.timeout)
 
     @property
-    def address(self) -> str:
-        return self._connection.address
-
-    @property
     def underlying_store(self) -> dist.Store:
         """The store this one bounds (what ``commslayer.addresses`` follows to find the host)."""
         return self._target
