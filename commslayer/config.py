@@ -256,6 +256,14 @@ def isolate_writes() -> bool:
     return _flag("COMMSLAYER_ISOLATE_WRITES")
 
 
+def average_after_backward() -> bool:
+    """``COMMSLAYER_AVERAGE_AFTER_BACKWARD=1``: a resilient job averages every gradient
+    across replica groups after backward, in buckets, instead of beginning during
+    backward where FSDP2 or DDP hooks allow (the default of ``resilience.init``'s
+    ``overlap``; for comparing the two without editing the script)."""
+    return _flag("COMMSLAYER_AVERAGE_AFTER_BACKWARD")
+
+
 def faults() -> str:
     """``COMMSLAYER_FAULTS``: the fault harness's faults, as JSON (faults.inject
     parses and checks them when it loads)."""
@@ -272,7 +280,7 @@ def faults_log() -> str:
 _CHECKED: Tuple[Callable[[], object], ...] = (
     default_timeout, check_mode, route_c10d, trace_dir, job_rank, trace_buffer, trace_stack, trace_jsonl,
     trace_otel, trace_sink_queue, heartbeat_s, peer_timeout_s, liveness_timing, liveness_host, isolate_writes,
-    faults_log, trace_mode, replica_id, run_dir, store_timeout_s,
+    faults_log, trace_mode, replica_id, run_dir, store_timeout_s, average_after_backward,
 )
 _valid: Set[Tuple[Tuple[str, str], ...]] = set()  # environments found valid (resolving a host costs)
 

@@ -16,7 +16,8 @@ What this module owns, on top of commslayer's recovery (``shrink``,
   membership decisions and the commit votes; the averaging runs on
   ``replicate``, its split over the ranks that hold the same shard.
 - Atomic steps (``average``): the gradient average of a step (its buckets
-  all-reduced together) counts only if
+  all-reduced together, some of them begun during backward with ``start``)
+  counts only if
   every rank of every live replica group voted that its part succeeded
   (``should_commit``); otherwise the survivors shrink and redo the average
   from the same local gradients, so the optimizer step is applied once, on
@@ -44,8 +45,9 @@ import torch
 import torch.distributed as dist
 
 from .communicator import Communicator, join, new_comm
-from .errors import CommAborted, CommError, StoreUnreachable
+from .errors import CommAborted, CommError, InvalidArgument, StoreUnreachable
 from .reduce_op import ReduceOp
+from .work import Work
 
 
 class ReplicaBroken(CommError):
@@ -73,6 +75,29 @@ class Admission:
     replicas: List[int]
     generation: int
     heal_s: float  # the reconfigure and the state transfer, on this rank
+
+
+@dataclass
+class Started:
+    """A bucket's cross-replica average in flight (``Replicas.start``)."""
+
+    out: torch.Tensor  # the average, once ``work`` is done
+    work: Optional[Work]  # None: it could not be issued (a loss)
+    generation: int  # the generation it was issued in
+
+
+def _finished(started: Sequence[Started]) -> bool:
+    """Wait for every started average; whether all succeeded."""
+    try:
+        for s in started:
+            if s.work is None:
+                return False
+            s.work.wait()
+    except CommAborted:
+        raise
+    except CommError:
+        return False
+    return True
 
 
 class Replicas:
@@ -123,28 +148,39 @@ class Replicas:
         return [m for m in members if counts[m // self.shards] == self.shards]
 
     # ------------------------------------------------------------ atomic steps
-    def average(self, buckets: Sequence[torch.Tensor], step: int) -> List[torch.Tensor]:
+    def start(self, bucket: torch.Tensor) -> "Started":
+        """Start the average of one bucket over the live replica groups now (during
+        backward), for ``average`` to finish; ``bucket`` itself is never written."""
+        out = bucket.clone()
+        try:
+            return Started(out, self.replicate.all_reduce(out, ReduceOp.AVG, async_op=True), self.generation)
+        except CommAborted:
+            raise  # fenced out: the others went on without this replica group
+        except CommError:
+            return Started(out, None, self.generation)  # a loss: ``average`` finds it and recovers
+
+    def average(self, buckets: Sequence[torch.Tensor], step: int,
+                started: Optional[Sequence["Started"]] = None) -> List[torch.Tensor]:
         """The average of each of ``buckets`` over the live replica groups, committed on
         every rank of every one of them (the buckets themselves are never written). The
-        buckets' all-reduces are in flight together. Redone on the survivors after a
-        loss; raises ``ReplicaBroken`` if this rank's own group lost a member."""
+        buckets' all-reduces are in flight together; ``started``, if given, are those of
+        ``buckets`` begun earlier with ``start``. Redone on the survivors after a loss;
+        raises ``ReplicaBroken`` if this rank's own group lost a member."""
+        if started is not None and (len(started) != len(buckets) or
+                                    any(s.generation != self.generation for s in started)):
+            raise InvalidArgument("average: the started averages do not match the buckets of this generation",
+                                  comm=self.replicate.get_name(), op="average")
         while True:
-            outs = [b.clone() for b in buckets]
-            ok = True
-            try:
-                works = [self.replicate.all_reduce(out, ReduceOp.AVG, async_op=True) for out in outs]
-                for work in works:
-                    work.wait()
-            except CommAborted:
-                raise  # fenced out: the others went on without this replica group
-            except CommError:
-                ok = False
+            if started is None:
+                started = [self.start(b) for b in buckets]
+            ok = _finished(started)
             detected = time.time()
             if self._agreed(ok):
                 if self.recoveries and self.recoveries[-1].committed_at is None:
                     self.recoveries[-1].committed_at = time.time()
-                return outs
+                return [s.out for s in started]
             self._recover(step, detected)
+            started = None
 
     def _recover(self, step: int, detected: float) -> None:
         before = self.live

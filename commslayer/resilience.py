@@ -17,8 +17,9 @@ replicated, and this module keeps the replicas in step::
     job.finish()                                   # end of job: replicas compared, results written
 
 What ``step`` does: the gradients of the registered modules (the local
-shards of FSDP2's) are averaged across the live replica groups in buckets
-that are all in flight together; every rank of every live group votes that
+shards of FSDP2's) are averaged across the live replica groups, begun during
+backward for FSDP2 and DDP modules and in buckets after it for the rest
+(``commslayer.gradients``); every rank of every live group votes that
 its part succeeded, and only then is the optimizer applied, on all of them
 (or, after a loss, the average is redone on the survivors from the same
 local gradients: the optimizer never ran on a half-averaged gradient).  A
@@ -54,7 +55,7 @@ import os
 import sys
 import time
 from datetime import timedelta
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -63,6 +64,7 @@ import torch.nn as nn
 from . import config, runs
 from .errors import CommError, InvalidArgument, first_line
 from .exits import exit_now
+from .gradients import GradientAverage, local
 from .hooks import phase_hooks as _phase_hooks
 from .hooks import register_phase_hook  # noqa: F401  (public here: where a user looks)
 from .replicas import ReplicaBroken, Replicas, fingerprint
@@ -72,11 +74,6 @@ BUCKET_BYTES = 4 << 20  # gradient bytes per bucket of the cross-replica average
 
 class StateMismatch(CommError):
     """The registered state differs across replicas (names, keys, shapes or dtypes)."""
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The part of ``t`` this rank holds (a DTensor's local shard, as a view)."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class _State:
@@ -104,7 +101,7 @@ class _State:
         return [p for m in self.modules.values() for p in m.parameters()]
 
     def _module_tensors(self) -> Dict[str, List[torch.Tensor]]:
-        return {name: [_local(t).detach() for t in list(m.parameters()) + list(m.buffers())]
+        return {name: [local(t).detach() for t in list(m.parameters()) + list(m.buffers())]
                 for name, m in self.modules.items()}
 
     def _optimizer_state(self, opt: torch.optim.Optimizer) -> Dict[str, Any]:
@@ -113,7 +110,7 @@ class _State:
         for p in params:
             entry = {}
             for k, v in opt.state.get(p, {}).items():
-                entry[k] = (_local(v).detach(), hasattr(v, "to_local")) if isinstance(v, torch.Tensor) else (v, False)
+                entry[k] = (local(v).detach(), hasattr(v, "to_local")) if isinstance(v, torch.Tensor) else (v, False)
             state.append(entry)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
         return {"state": state, "groups": groups}
@@ -156,7 +153,7 @@ class _State:
                     state[k] = v.clone() if isinstance(v, torch.Tensor) else v
                 elif k in state:
                     with torch.no_grad():
-                        _local(state[k]).copy_(v)
+                        local(state[k]).copy_(v)
                 else:
                     state[k] = DTensor.from_local(v.clone(), p.device_mesh, p.placements, run_check=False,
                                                   shape=p.size(), stride=p.stride())
@@ -229,13 +226,14 @@ def _differences(a: Dict[str, str], b: Dict[str, str], *, optimizer_state: bool 
 class Job:
     """This process's place in a resilient job; made by ``init``."""
 
-    def __init__(self, *, timeout: timedelta, bucket_bytes: int, run_dir: Optional[str],
+    def __init__(self, *, timeout: timedelta, bucket_bytes: int, overlap: bool, run_dir: Optional[str],
                  heal_timeout_s: float) -> None:
         self.started = time.time()
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.restart = config.restart_count()
         self.run_dir = run_dir if run_dir is not None else config.run_dir()
-        self._bucket_bytes = bucket_bytes
+        self._average = GradientAverage(bucket_bytes)
+        self._overlap = overlap
         self._heal_timeout_s = heal_timeout_s
         dist.init_process_group("commslayer", store=self._group_store(timeout), rank=self.rank,
                                 world_size=self.world_size, timeout=timeout)
@@ -253,6 +251,7 @@ class Job:
         self._replicas: Optional[Replicas] = None  # built by steps(): a restarted group announces itself
         # only once its model is built, so that the survivors admitting it do not wait for that
         self._state = _State()
+        self.overlapped: List[str] = []  # the registered modules whose average begins during backward
         self.start_step: Optional[int] = None  # known once ``steps`` begins (after a heal)
         self.healed_at: Optional[int] = None  # the step a restarted life healed to
         self.step_index = -1  # the step the loop is in
@@ -299,7 +298,9 @@ class Job:
             raise InvalidArgument("register() after steps() began: register everything first", op="register")
         for name, obj in state.items():
             self._state.add(name, obj)
-        for obj in state.values():
+        for name, obj in state.items():
+            if isinstance(obj, nn.Module) and self._overlap and self.replicas > 1 and self._average.attach(obj):
+                self.overlapped.append(name)
             if isinstance(obj, nn.Module) and obj is next(iter(self._state.modules.values())):
                 obj.register_forward_pre_hook(lambda *_: self._phase("forward"))
                 obj.register_forward_hook(self._on_output)
@@ -347,6 +348,7 @@ class Job:
         # is the whole job's: there is no live replica to heal from, it starts again at step 0
         self._replicas = Replicas(replica=self.replica, replicas=self.replicas, shard=self.rank,
                                   shards=self.world_size, store=self.store, rejoin=rejoin, timeout=self._timeout)
+        self._average.replicas = self._replicas
         if rejoin:
             self.start_step = self.healed_at = self._replicas.heal(self._state)
             self._checked = True  # the heal compared this state with a live replica's
@@ -362,6 +364,7 @@ class Job:
             if admitted:
                 self._report_admission(step, admitted)
             self.step_index, self._stepped = step, False
+            self._average.discard()
             yield step
             if not self._stepped:
                 raise InvalidArgument(f"step {step} ended without job.step(): call it once per step, after "
@@ -386,17 +389,14 @@ class Job:
                                   "loss.backward() first (and register the model)", op="step")
         if not self._checked:
             self._check_same_state()
-        locals_ = [_local(g) for g in grads]
         extra = None
         if loss is not None:
-            extra = loss.detach().reshape(1).to(locals_[0].dtype) / self.world_size
+            extra = loss.detach().reshape(1).to(local(grads[0]).dtype) / self.world_size
             dist.all_reduce(extra)
         self._phase("allreduce")
-        buckets, layout = _buckets(locals_, extra, self._bucket_bytes)
-        averaged = self._replicas.average(buckets, step)
-        _unbucket(averaged, layout, locals_)
-        if extra is not None:
-            self.losses[step] = averaged[-1][-1].item()
+        averaged_loss = self._average.average(params, extra, step)
+        if averaged_loss is not None:
+            self.losses[step] = averaged_loss.item()
         for opt in self._state.optimizers.values():
             opt.step()
             opt.zero_grad()
@@ -501,39 +501,7 @@ class Job:
             started=self.started, steps=self._total, start_step=self.start_step, elapsed_s=elapsed,
             step_s=self.step_s, losses=self.losses, optimizer_steps=counts, live=self.live_replicas,
             fingerprints=prints, recoveries=list(self.recoveries), admissions=list(self.admissions),
-            generation=self.generation), self.run_dir)
-
-
-def _buckets(tensors: Sequence[torch.Tensor], extra: Optional[torch.Tensor],
-             bucket_bytes: int) -> Tuple[List[torch.Tensor], List[List[int]]]:
-    """``tensors`` (and ``extra`` at the very end) packed into flat buckets of one dtype
-    and at most ``bucket_bytes`` each (a larger tensor gets a bucket of its own); with
-    the indices of the tensors in each bucket."""
-    buckets, layout, current, size, dtype = [], [], [], 0, None
-    for i, t in enumerate(tensors):
-        nbytes = t.numel() * t.element_size()
-        if current and (size + nbytes > bucket_bytes or t.dtype != dtype):
-            layout.append(current)
-            current, size = [], 0
-        current.append(i)
-        size, dtype = size + nbytes, t.dtype
-    layout.append(current)
-    for k, idx in enumerate(layout):
-        parts = [tensors[i].reshape(-1) for i in idx]
-        if extra is not None and k == len(layout) - 1:
-            parts.append(extra.to(parts[0].dtype))
-        buckets.append(torch.cat(parts))
-    return buckets, layout
-
-
-def _unbucket(buckets: Sequence[torch.Tensor], layout: List[List[int]], tensors: Sequence[torch.Tensor]) -> None:
-    with torch.no_grad():
-        for flat, idx in zip(buckets, layout):
-            offset = 0
-            for i in idx:
-                n = tensors[i].numel()
-                tensors[i].copy_(flat[offset:offset + n].view_as(tensors[i]))
-                offset += n
+            generation=self.generation, overlapped=self.overlapped), self.run_dir)
 
 
 def _leave(exc_type: type, exc: BaseException, tb: Any, previous: Callable[..., None]) -> None:
@@ -552,15 +520,21 @@ def _leave(exc_type: type, exc: BaseException, tb: Any, previous: Callable[..., 
 
 
 def init(*, timeout: timedelta = timedelta(seconds=60), bucket_mb: float = BUCKET_BYTES / 2 ** 20,
-         run_dir: Optional[str] = None, heal_timeout_s: float = 120.0) -> Job:
+         overlap: Optional[bool] = None, run_dir: Optional[str] = None, heal_timeout_s: float = 120.0) -> Job:
     """Start this rank's part of a resilient job, from the environment ``commslayer-run``
     (or plain ``torchrun``) sets: the replica group's process group on the
     ``"commslayer"`` backend, ``job.mesh`` (1-D over the group, for ``fully_shard``), and
-    the job's resilient replicate communicator. ``run_dir`` (default
-    ``COMMSLAYER_RUN_DIR``): where ``finish`` writes this rank's result."""
+    the job's resilient replicate communicator. ``bucket_mb``: the size of a bucket of
+    gradients averaged after backward. ``overlap``: begin the cross-replica average of
+    FSDP2 and DDP modules during backward (``commslayer.gradients``); ``False``
+    averages everything after backward (default: ``True`` unless
+    ``COMMSLAYER_AVERAGE_AFTER_BACKWARD`` is set). ``run_dir`` (default ``COMMSLAYER_RUN_DIR``):
+    where ``finish`` writes this rank's result."""
     if bucket_mb <= 0:
         raise InvalidArgument(f"bucket_mb={bucket_mb!r} must be positive", op="init")
-    job = Job(timeout=timeout, bucket_bytes=int(bucket_mb * 2 ** 20), run_dir=run_dir,
+    if overlap is None:
+        overlap = not config.average_after_backward()
+    job = Job(timeout=timeout, bucket_bytes=int(bucket_mb * 2 ** 20), overlap=overlap, run_dir=run_dir,
               heal_timeout_s=heal_timeout_s)
     previous = sys.excepthook  # after init_process_group: its hook captures stderr while it calls the one before
     sys.excepthook = lambda t, e, tb: _leave(t, e, tb, previous)

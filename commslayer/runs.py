@@ -54,6 +54,7 @@ class RankResult:
     recoveries: List[Recovery] = field(default_factory=list)  # the losses it recovered from
     admissions: List[Admission] = field(default_factory=list)  # the replica groups it let back in
     generation: Optional[int] = None  # the replicate dimension's generation at the end; None: not resilient
+    overlapped: List[str] = field(default_factory=list)  # registered modules whose average began during backward
 
     @property
     def end_step(self) -> int:

@@ -12,8 +12,9 @@ from a live one and rejoins at a step boundary.
 Why not FSDP2's own HSDP mesh: a DeviceMesh's groups are fixed when it is
 built, and the replicate dimension must change its members; an error inside
 FSDP2's backward hooks would also leave its state half-done.  So FSDP2 owns
-the shard dimension and the gradients of the sharded parameters are averaged
-across replicas after backward, in buckets that are in flight together.
+the shard dimension, and each FSDP module's reduce-scatter output is averaged
+across replicas as backward produces it (``commslayer.gradients``, through
+FSDP2's all-reduce hook), committed by ``job.step``.
 
 The data is synthetic and deterministic: the batch of (step, replica, rank)
 comes from a generator seeded by all three, so any step can be replayed and
@@ -27,27 +28,22 @@ average) or ``optimizer`` (after the step was committed); each fault fires
 once per job.  The fault harness (``commslayer-faults``) fires its step faults
 at the same points (the API's phase hooks), under the same rule
 (``faults.inject.fault_window``).  ``--plain`` runs the same job on plain Gloo groups
-without any of it, the baseline of ``launch/bench_training.py``.
+without any of it (``launch/plain.py``), the baseline of ``launch/bench_training.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import time
-from datetime import timedelta
-from typing import Dict, List
+from typing import List
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import fsdp_overlap
-from commslayer import config, resilience, runs
-from commslayer.exits import exit_now
+import plain
+from commslayer import config, resilience
 from faults.inject import PHASES, Fault, injector, install
 
 
@@ -120,13 +116,16 @@ def main() -> None:
                    help="write this rank's result (losses, recoveries, fingerprints) here (default: $COMMSLAYER_RUN_DIR)")
     p.add_argument("--heal-timeout", type=float, default=120.0,
                    help="at the end, wait this long for restarted replica groups to rejoin")
-    p.add_argument("--plain", action="store_true", help="plain Gloo groups, no resilience (the baseline)")
+    p.add_argument("--plain", action="store_true", help="plain Gloo groups, no resilience (the baseline: plain.py)")
+    p.add_argument("--bucket-mb", type=float, default=4.0,
+                   help="gradients averaged after backward go in buckets of this size (resilience.init)")
     p.add_argument("--overlap", action="store_true",
                    help="reduce-scatter on its own communicator, overlapping all-gather (fsdp_overlap)")
     p.add_argument("--rs-interface", help="with --overlap: the network interface for reduce-scatter")
     args = p.parse_args()
 
-    job = PlainJob(args.run_dir) if args.plain else resilience.init(run_dir=args.run_dir, heal_timeout_s=args.heal_timeout)
+    job = (plain.init(run_dir=args.run_dir) if args.plain else
+           resilience.init(run_dir=args.run_dir, heal_timeout_s=args.heal_timeout, bucket_mb=args.bucket_mb))
     if args.kill:
         injector().add(kill_faults(args.kill, job.world_size))
         install()
@@ -158,64 +157,6 @@ def build(args: argparse.Namespace, mesh) -> nn.Module:
     if args.overlap:
         fsdp_overlap.enable(model, interface=args.rs_interface)
     return model
-
-
-class PlainJob:
-    """The baseline (``--plain``): the same loop on plain Gloo groups, with nothing of
-    commslayer in it; gradients averaged across replica groups in one all-reduce per step."""
-
-    def __init__(self, run_dir: str) -> None:
-        timeout = timedelta(seconds=60)
-        self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        self.replica = int(os.environ.get("COMMSLAYER_REPLICA", "0"))
-        self.replicas = int(os.environ.get("COMMSLAYER_REPLICAS", "1"))
-        self.live_replicas, self.generation = list(range(self.replicas)), "-"
-        self.reports = (self.rank, self.replica) == (0, 0)
-        dist.init_process_group("gloo", timeout=timeout)
-        self.mesh = init_device_mesh("cpu", (self.world_size,))
-        address = os.environ.get("COMMSLAYER_JOB_STORE", f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
-        host, port = address.rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout, use_libuv=True)
-        self.replicate = dist.ProcessGroupGloo(dist.PrefixStore(f"plain/replicate{self.rank}/", store),
-                                               self.replica, self.replicas, timeout)
-        self.losses: Dict[int, float] = {}
-        self.step_s: List[float] = []
-        self.run_dir = run_dir
-        self.started = time.time()
-
-    def register(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model, self.opt = model, optimizer
-
-    def steps(self, total: int):
-        self.total, self.begin = total, time.perf_counter()
-        for self.step_index in range(total):
-            self.t0 = time.perf_counter()
-            yield self.step_index
-
-    def step(self, loss: torch.Tensor) -> None:
-        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in self.model.parameters()]
-        mean_loss = loss.detach().reshape(1) / self.world_size
-        dist.all_reduce(mean_loss)
-        flat = torch.cat([g.reshape(-1) for g in grads] + [mean_loss])
-        self.replicate.allreduce([flat]).wait()
-        flat.div_(self.replicas)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-        self.opt.step()
-        self.opt.zero_grad()
-        self.losses[self.step_index] = flat[-1].item()
-        self.step_s.append(time.perf_counter() - self.t0)
-
-    def finish(self) -> None:
-        if self.run_dir:
-            runs.save(runs.RankResult(
-                member=self.replica * self.world_size + self.rank, replica=self.replica, rank=self.rank, restart=0,
-                pid=os.getpid(), started=self.started, steps=self.total, start_step=0,
-                elapsed_s=time.perf_counter() - self.begin, step_s=self.step_s, losses=self.losses,
-                optimizer_steps=[], live=self.live_replicas), self.run_dir)
-        exit_now(0)
 
 
 if __name__ == "__main__":

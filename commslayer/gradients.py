@@ -1,0 +1,192 @@
+"""A step's gradients averaged across the live replica groups: in buckets, begun during backward.
+
+``resilience.Job.step`` hands the average to ``Replicas.average``, which
+commits it on every live replica or redoes it on the survivors.  This module
+decides what is averaged and when it starts, by what wraps each registered
+module:
+
+- FSDP2 (``fully_shard``): each FSDP module's reduce-scatter output, this
+  rank's shard of its gradients already averaged inside the replica group, is
+  handed to us by ``FSDPModule.set_all_reduce_hook``; its cross-replica
+  average starts right there, while backward goes on with the layers below.
+  FSDP views the sharded gradients into that buffer, so the average is
+  written back into it in place.
+- DDP: a comm hook runs DDP's own in-group average (torch's default
+  ``allreduce_hook``) and remembers the bucket; a bucket's cross-replica
+  average starts once its in-group average is done, checked at each later
+  bucket (and at ``step`` for the rest), in bucket order on every rank.
+- Anything else (and any gradient the above did not cover, e.g. one
+  accumulated over several backward passes or cast to another dtype after
+  the reduce-scatter): after backward, packed into flat buckets of at most
+  ``bucket_bytes``, all in flight together.
+
+Which path a gradient takes follows from the model's structure, so it is the
+same on every rank, and the collectives on the replicate communicator are
+issued in the same order everywhere.  Without a second replica group there is
+nothing to begin early and no hook is installed.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .replicas import Replicas, Started
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this rank holds (a DTensor's local shard, as a view)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@dataclass
+class _Early:
+    """A buffer whose cross-replica average began during backward."""
+
+    buffer: torch.Tensor  # the in-group average (its values stay local: the redo after a loss reads them)
+    started: Started
+    write: Callable[[torch.Tensor], None]  # puts the cross-replica average where the gradients are
+    params: Tuple[torch.Tensor, ...]  # the parameters whose gradients ``write`` sets
+
+
+@dataclass
+class _DdpBucket:
+    index: int
+    params: Tuple[torch.Tensor, ...]
+    future: "torch.futures.Future[torch.Tensor]"
+
+
+class GradientAverage:
+    """The cross-replica gradient average of one job (see the module doc)."""
+
+    def __init__(self, bucket_bytes: int) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.replicas: Optional[Replicas] = None  # set while steps run; hooks do nothing without it
+        self._early: List[_Early] = []
+        self._ddp: List[_DdpBucket] = []
+
+    # ------------------------------------------------------------------ hooks
+    def attach(self, module: nn.Module) -> bool:
+        """Begin averages during ``module``'s backward where its wrapper allows it;
+        whether a hook was installed."""
+        from torch.distributed.fsdp import FSDPModule
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(module, DistributedDataParallel):
+            try:
+                module.register_comm_hook(module.process_group, self._on_ddp_bucket)
+            except RuntimeError:  # the user registered a comm hook of their own: we average after backward
+                return False
+            return True
+        hooked = False
+        for m in module.modules():
+            if isinstance(m, FSDPModule):
+                try:
+                    m.set_all_reduce_hook(self._on_fsdp_shard)
+                    hooked = True
+                except ValueError:  # several parameter groups: we average after backward
+                    pass
+        return hooked
+
+    def _on_fsdp_shard(self, reduce_output: torch.Tensor) -> None:
+        if self.replicas is None:
+            return
+        self._early.append(_Early(reduce_output, self.replicas.start(reduce_output), reduce_output.copy_, ()))
+
+    def _on_ddp_bucket(self, group: dist.ProcessGroup,
+                       bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:  # (DDP checks the hints)
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        future = allreduce_hook(group, bucket)
+        if self.replicas is not None:
+            self._ddp.append(_DdpBucket(bucket.index(), tuple(bucket.parameters()), future))
+            self._start_ddp(wait=False)
+        return future
+
+    def _start_ddp(self, *, wait: bool) -> None:
+        """Start the cross-replica average of the DDP buckets whose in-group average is
+        done, in bucket order (``wait``: of all of them)."""
+        self._ddp.sort(key=lambda b: b.index)
+        while self._ddp and (wait or self._ddp[0].future.done()):
+            b = self._ddp.pop(0)
+            buffer = b.future.wait()
+            self._early.append(_Early(buffer, self.replicas.start(buffer), _writer(b.params), b.params))
+
+    # ------------------------------------------------------------------- step
+    def average(self, params: Sequence[torch.Tensor], extra: Optional[torch.Tensor],
+                step: int) -> Optional[torch.Tensor]:
+        """Average the gradients of ``params`` (and ``extra``, a small tensor of the
+        same dtype, returned averaged) over the live replica groups, committed, and
+        write them back."""
+        self._start_ddp(wait=True)
+        early, self._early = self._early, []
+        covered = {id(p) for e in early for p in e.params}
+        buffers = {local(e.buffer).untyped_storage().data_ptr() for e in early}
+        rest = [local(p.grad) for p in params if p.grad is not None and id(p) not in covered and
+                local(p.grad).untyped_storage().data_ptr() not in buffers]
+        buckets, layout = pack(rest, extra, self.bucket_bytes)
+        started = [e.started for e in early] + [self.replicas.start(b) for b in buckets]
+        averaged = self.replicas.average([e.buffer for e in early] + buckets, step, started)
+        with torch.no_grad():
+            for e, avg in zip(early, averaged):
+                e.write(avg)
+        rest_avg = averaged[len(early):]
+        unpack(rest_avg, layout, rest)
+        return rest_avg[-1][-extra.numel():] if extra is not None else None
+
+    def discard(self) -> None:
+        """Forget what backward began (a step that ended without ``average``)."""
+        self._early.clear()
+        self._ddp.clear()
+
+
+def _writer(params: Tuple[torch.Tensor, ...]) -> Callable[[torch.Tensor], None]:
+    """Copies a flat DDP bucket into its parameters' gradients (the bucket holds them
+    in the order of ``params``)."""
+    def write(flat: torch.Tensor) -> None:
+        offset = 0
+        for p in params:
+            if p.grad is not None:
+                n = p.grad.numel()
+                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                offset += n
+            else:
+                offset += p.numel()
+    return write
+
+
+def pack(tensors: Sequence[torch.Tensor], extra: Optional[torch.Tensor],
+         bucket_bytes: int) -> Tuple[List[torch.Tensor], List[List[int]]]:
+    """``tensors`` (and ``extra`` at the very end) packed into flat buckets of one dtype
+    and at most ``bucket_bytes`` each (a larger tensor gets a bucket of its own); with
+    the indices of the tensors in each bucket."""
+    if not tensors and extra is None:
+        return [], []
+    buckets, layout, current, size, dtype = [], [], [], 0, None
+    for i, t in enumerate(tensors):
+        nbytes = t.numel() * t.element_size()
+        if current and (size + nbytes > bucket_bytes or t.dtype != dtype):
+            layout.append(current)
+            current, size = [], 0
+        current.append(i)
+        size, dtype = size + nbytes, t.dtype
+    layout.append(current)
+    for k, idx in enumerate(layout):
+        parts = [tensors[i].reshape(-1) for i in idx]
+        if extra is not None and k == len(layout) - 1:
+            parts.append(extra.reshape(-1).to(parts[0].dtype if parts else extra.dtype))
+        buckets.append(torch.cat(parts))
+    return buckets, layout
+
+
+def unpack(buckets: Sequence[torch.Tensor], layout: List[List[int]], tensors: Sequence[torch.Tensor]) -> None:
+    """Copy ``pack``'s buckets (averaged) back into ``tensors``."""
+    with torch.no_grad():
+        for flat, idx in zip(buckets, layout):
+            offset = 0
+            for i in idx:
+                n = tensors[i].numel()
+                tensors[i].copy_(flat[offset:offset + n].view_as(tensors[i]))
+                offset += n
