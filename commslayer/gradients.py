@@ -12,9 +12,15 @@ module:
   FSDP views the sharded gradients into that buffer, so the average is
   written back into it in place.
 - DDP: a comm hook runs DDP's own in-group average (torch's default
-  ``allreduce_hook``) and remembers the bucket; a bucket's cross-replica
-  average starts once its in-group average is done, checked at each later
-  bucket (and at ``step`` for the rest), in bucket order on every rank.
+  ``allreduce_hook``).  The cross-replica average does not follow DDP's
+  buckets: DDP rebuilds them after a process's first iteration, so a
+  restarted replica's buckets differ from the survivors' for one step, and
+  averaging bucket with bucket would mix different parameters.  It follows
+  chunks of the parameters in a fixed order (reversed, the order backward
+  produces them, up to ``bucket_bytes`` each) instead: a chunk starts once
+  every parameter in it has its in-group average (checked at each DDP
+  bucket, and at ``step`` for the rest), chunk after chunk in the same order
+  on every rank.
 - Anything else (and any gradient the above did not cover, e.g. one
   accumulated over several backward passes or cast to another dtype after
   the reduce-scatter): after backward, packed into flat buckets of at most
@@ -27,7 +33,7 @@ nothing to begin early and no hook is installed.
 """
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -51,11 +57,31 @@ class _Early:
     params: Tuple[torch.Tensor, ...]  # the parameters whose gradients ``write`` sets
 
 
-@dataclass
-class _DdpBucket:
-    index: int
-    params: Tuple[torch.Tensor, ...]
-    future: "torch.futures.Future[torch.Tensor]"
+class _DdpChunks:
+    """A DDP module's parameters in the fixed chunks of their cross-replica average."""
+
+    def __init__(self, module: nn.Module, bucket_bytes: int) -> None:
+        params = [p for p in module.parameters() if p.requires_grad][::-1]
+        self.chunks: List[Tuple[torch.Tensor, ...]] = []
+        current: List[torch.Tensor] = []
+        size = 0
+        for p in params:
+            nbytes = p.numel() * p.element_size()
+            if current and (size + nbytes > bucket_bytes or p.dtype != current[0].dtype):
+                self.chunks.append(tuple(current))
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        if current:
+            self.chunks.append(tuple(current))
+        self.group = module.process_group
+        self.next = 0  # the first chunk not started this step
+        self.done: Dict[int, torch.Tensor] = {}  # id(param) -> its in-group average, this step
+        # DDP buckets whose in-group average is in flight: (their parameters, views of their gradients, the future)
+        self.pending: List[Tuple[Tuple[torch.Tensor, ...], List[torch.Tensor], torch.futures.Future]] = []
+
+    def reset(self) -> None:
+        self.next, self.done, self.pending = 0, {}, []
 
 
 class GradientAverage:
@@ -65,7 +91,7 @@ class GradientAverage:
         self.bucket_bytes = bucket_bytes
         self.replicas: Optional[Replicas] = None  # set while steps run; hooks do nothing without it
         self._early: List[_Early] = []
-        self._ddp: List[_DdpBucket] = []
+        self._ddp: List[_DdpChunks] = []  # one per DDP module attached
 
     # ------------------------------------------------------------------ hooks
     def attach(self, module: nn.Module) -> bool:
@@ -75,10 +101,12 @@ class GradientAverage:
         from torch.nn.parallel import DistributedDataParallel
 
         if isinstance(module, DistributedDataParallel):
+            chunks = _DdpChunks(module, self.bucket_bytes)
             try:
-                module.register_comm_hook(module.process_group, self._on_ddp_bucket)
+                module.register_comm_hook(chunks, self._on_ddp_bucket)
             except RuntimeError:  # the user registered a comm hook of their own: we average after backward
                 return False
+            self._ddp.append(chunks)
             return True
         hooked = False
         for m in module.modules():
@@ -95,24 +123,31 @@ class GradientAverage:
             return
         self._early.append(_Early(reduce_output, self.replicas.start(reduce_output), reduce_output.copy_, ()))
 
-    def _on_ddp_bucket(self, group: dist.ProcessGroup,
+    def _on_ddp_bucket(self, chunks: _DdpChunks,
                        bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:  # (DDP checks the hints)
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        future = allreduce_hook(group, bucket)
+        views = bucket.gradients()  # into the buffer the in-group average is written to
+        future = allreduce_hook(chunks.group, bucket)
         if self.replicas is not None:
-            self._ddp.append(_DdpBucket(bucket.index(), tuple(bucket.parameters()), future))
-            self._start_ddp(wait=False)
+            chunks.pending.append((tuple(bucket.parameters()), views, future))
+            self._start_ddp(chunks, wait=False)
         return future
 
-    def _start_ddp(self, *, wait: bool) -> None:
-        """Start the cross-replica average of the DDP buckets whose in-group average is
-        done, in bucket order (``wait``: of all of them)."""
-        self._ddp.sort(key=lambda b: b.index)
-        while self._ddp and (wait or self._ddp[0].future.done()):
-            b = self._ddp.pop(0)
-            buffer = b.future.wait()
-            self._early.append(_Early(buffer, self.replicas.start(buffer), _writer(b.params), b.params))
+    def _start_ddp(self, chunks: _DdpChunks, *, wait: bool) -> None:
+        """Start the cross-replica average of every next chunk whose parameters all have
+        their in-group average (``wait``: wait for every DDP bucket first)."""
+        for entry in list(chunks.pending):
+            params, views, future = entry
+            if wait or future.done():
+                future.wait()
+                chunks.pending.remove(entry)
+                chunks.done.update((id(p), v) for p, v in zip(params, views))
+        while chunks.next < len(chunks.chunks) and all(id(p) in chunks.done for p in chunks.chunks[chunks.next]):
+            params = chunks.chunks[chunks.next]
+            chunks.next += 1
+            flat = torch.cat([chunks.done[id(p)].reshape(-1) for p in params])
+            self._early.append(_Early(flat, self.replicas.start(flat), _writer(params), params))
 
     # ------------------------------------------------------------------- step
     def average(self, params: Sequence[torch.Tensor], extra: Optional[torch.Tensor],
@@ -120,7 +155,8 @@ class GradientAverage:
         """Average the gradients of ``params`` (and ``extra``, a small tensor of the
         same dtype, returned averaged) over the live replica groups, committed, and
         write them back."""
-        self._start_ddp(wait=True)
+        for chunks in self._ddp:
+            self._start_ddp(chunks, wait=True)
         early, self._early = self._early, []
         covered = {id(p) for e in early for p in e.params}
         buffers = {local(e.buffer).untyped_storage().data_ptr() for e in early}
@@ -139,21 +175,17 @@ class GradientAverage:
     def discard(self) -> None:
         """Forget what backward began (a step that ended without ``average``)."""
         self._early.clear()
-        self._ddp.clear()
+        for chunks in self._ddp:
+            chunks.reset()
 
 
 def _writer(params: Tuple[torch.Tensor, ...]) -> Callable[[torch.Tensor], None]:
-    """Copies a flat DDP bucket into its parameters' gradients (the bucket holds them
-    in the order of ``params``)."""
+    """Copies a flat chunk into its parameters' gradients, in the order of ``params``."""
     def write(flat: torch.Tensor) -> None:
         offset = 0
         for p in params:
-            if p.grad is not None:
-                n = p.grad.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                offset += n
-            else:
-                offset += p.numel()
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
     return write
 
 

@@ -34,7 +34,7 @@ def launch(script: Path, *script_args: str, replicas: int = 2, per_replica: int 
 
 EXAMPLES = {"fsdp2": ROOT / "launch" / "examples" / "fsdp2_resilient.py",
             "ddp": ROOT / "launch" / "examples" / "ddp_resilient.py"}
-STEPS, FAULT_STEP = 1000, 20  # the steps are short (~15 ms): a killed group restarts and heals well before the end
+STEPS, FAULT_STEP = 1500, 20  # the steps are short (~10-15 ms): a killed group restarts and heals well before the end
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +74,23 @@ def test_a_users_script_survives_a_killed_replica_group(clean, tmp_path, example
         [(r.member, r.restart, r.start_step) for r in restarted]  # healed mid-run, not at the end
     reference = longest(clean[example]).losses
     assert all(whole.losses[s] == reference[s] for s in range(FAULT_STEP)), "losses before the fault differ"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_the_average_begun_during_backward_equals_the_one_after_it(clean, tmp_path, example):
+    """FSDP2's all-reduce hook and the DDP comm hook begin the cross-replica average
+    during backward (the clean runs); averaged after backward instead, every loss is
+    bitwise the same."""
+    steps = 40
+    run = launch(EXAMPLES[example], "--steps", str(steps), per_replica=2, run_dir=str(tmp_path),
+                 env={"COMMSLAYER_AVERAGE_AFTER_BACKWARD": "1"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    after = load_results(str(tmp_path))
+    assert all(r.overlapped == ["model"] for r in clean[example])
+    assert all(r.overlapped == [] for r in after)
+    reference = longest(clean[example]).losses
+    assert [longest(after).losses[s] for s in range(steps)] == [reference[s] for s in range(steps)]
 
 
 @pytest.mark.timeout(150)
