@@ -258,6 +258,7 @@ class Job:
         self.losses: Dict[int, float] = {}
         self.step_s: List[float] = []
         self._stepped = True
+        self._admissions_reported = 0
         self._checked = False
         self._total: Optional[int] = None
         self._begin = 0.0
@@ -360,9 +361,8 @@ class Job:
         self._begin = time.perf_counter()
         for step in range(self.start_step, total):
             self._t0 = time.perf_counter()
-            admitted = self._replicas.admit(self._state, step)
-            if admitted:
-                self._report_admission(step, admitted)
+            self._replicas.admit(self._state, step)
+            self._report_admissions()
             self.step_index, self._stepped = step, False
             self._average.discard()
             yield step
@@ -437,15 +437,16 @@ class Job:
                             comm=world.get_name(), op="step")
 
     # ------------------------------------------------------------ reporting
-    def _report_admission(self, step: int, admitted: List[int]) -> None:
-        """Record in the job's store and print an admission (by the first survivor)."""
-        first = min(m for m in self._replicas.world.members if m // self.world_size not in admitted)
-        if self.member != first:
-            return
-        a = self.admissions[-1]
-        runs.record(self.store, a)
-        print(f"admitted replica(s) {a.replicas} at step {step}: generation {a.generation}, join and state "
-              f"transfer {a.heal_s:.3f}s", flush=True)
+    def _report_admissions(self) -> None:
+        """Record in the job's store and print the admissions not reported yet (by the
+        first survivor of each)."""
+        for a in self.admissions[self._admissions_reported:]:
+            first = min(m for m in self._replicas.world.members if m // self.world_size not in a.replicas)
+            if self.member == first:
+                runs.record(self.store, a)
+                print(f"admitted replica(s) {a.replicas} at step {a.step}: generation {a.generation}, join and "
+                      f"state transfer {a.heal_s:.3f}s", flush=True)
+        self._admissions_reported = len(self.admissions)
 
     def _report_recovery(self, step: int) -> None:
         """World rank 0 records (in the job's store, which outlives every rank) and prints
@@ -476,6 +477,7 @@ class Job:
         rep = self._replicas
         rep.wait_for(self._state, self._total, lambda r: self.store.check([f"replica/{r}/gone"]),
                      self._heal_timeout_s)
+        self._report_admissions()
         prints = rep.fingerprints(self._state)
         if rep.replicate.get_rank() == 0:
             same = "identical" if len(set(prints)) == 1 else "DIFFERENT"

@@ -186,7 +186,7 @@ def _log(msg: str) -> None:
     print(f"[bench_training] {msg}", file=sys.stderr, flush=True)
 
 
-def _env(trace: bool = True) -> Dict[str, str]:
+def launcher_env(trace: bool = True) -> Dict[str, str]:
     """The launchers' environment; ``trace=False``: ``COMMSLAYER_TRACE_DIR=""``, which the launcher leaves alone."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMMSLAYER_")}
     env["OMP_NUM_THREADS"] = "1"
@@ -207,7 +207,7 @@ def _launch(run_dir: str, train_args: List[str], log_path: str, trace: bool = Tr
     cmd = [sys.executable, "-m", "commslayer.launcher", "--replicas", str(REPLICAS), "--nproc-per-replica",
            str(RANKS), "--run-dir", run_dir, str(ROOT / "launch" / "train.py"), *train_args]
     with open(log_path, "w") as log:
-        return subprocess.run(cmd, cwd=ROOT, env=_env(trace), stdout=log, stderr=subprocess.STDOUT,
+        return subprocess.run(cmd, cwd=ROOT, env=launcher_env(trace), stdout=log, stderr=subprocess.STDOUT,
                               stdin=subprocess.DEVNULL, timeout=600).returncode
 
 
@@ -270,7 +270,7 @@ def dcp_restart(args: argparse.Namespace, work: str, name: str) -> dict:
         f.write(_DCP_JOB)
     cfg = dict(args.model, replicas=REPLICAS, steps=args.steps, fault_step=args.fault_step,
                ckpt_every=args.ckpt_every, victim=VICTIM_REPLICA * RANKS, out=out)
-    env = _env()
+    env = launcher_env()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "launch"), str(ROOT)] + env.get("PYTHONPATH", "").split(os.pathsep))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(REPLICAS * RANKS),
            "--max-restarts", "1", "--monitor-interval", "0.1", "--master-addr", "127.0.0.1",
@@ -306,7 +306,7 @@ def dcp_restart(args: argparse.Namespace, work: str, name: str) -> dict:
     }
 
 
-def _revision() -> str:
+def measured_revision() -> str:
     """The commit measured, and whether the code the job runs differed from it."""
     git = ["git", "-C", str(ROOT)]
     head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -316,7 +316,7 @@ def _revision() -> str:
     return f"{head or 'unknown'}" + (f" with uncommitted changes to {', '.join(changed)}" if changed else "")
 
 
-def _fmt(xs: Sequence[float], scale: float = 1.0, digits: int = 3, unit: str = "") -> str:
+def median_range(xs: Sequence[float], scale: float = 1.0, digits: int = 3, unit: str = "") -> str:
     """Two table cells: the median, and min–max."""
     return (f"{statistics.median(xs) * scale:.{digits}f}{unit} | "
             f"{min(xs) * scale:.{digits}f}–{max(xs) * scale:.{digits}f}{unit}")
@@ -353,7 +353,7 @@ def main() -> int:
     runs["torchrun + DCP"] = lambda work, name: dcp_restart(args, work, name)
 
     figures: Dict[str, List[dict]] = {name: [] for name in runs}
-    revision = _revision()
+    revision = measured_revision()
     began = time.time()
     work = tempfile.mkdtemp(prefix="bench-training-")  # kept when a run fails: its logs are there
     for i in range(args.repeats):
@@ -391,11 +391,11 @@ def main() -> int:
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name in ("ours", "ours, untraced", "plain Gloo", "plain Gloo (A/A)"):
         xs = figures[name]
-        rel = _fmt([x["vs_plain"] for x in xs], 100, 2, " %") if "vs_plain" in xs[0] else "– | –"
-        print(f"| {name} | {_fmt([x['step_s'] for x in xs], 1e3, 1)} | {_fmt([x['steps_per_s'] for x in xs])} "
-              f"| {rel} |")
+        rel = median_range([x["vs_plain"] for x in xs], 100, 2, " %") if "vs_plain" in xs[0] else "– | –"
+        print(f"| {name} | {median_range([x['step_s'] for x in xs], 1e3, 1)} | "
+              f"{median_range([x['steps_per_s'] for x in xs])} | {rel} |")
     print(f"\nTracing's cost (ours / ours, untraced in the same repeat − 1): median and min–max "
-          f"{_fmt([x['vs_untraced'] for x in figures['ours']], 100, 2, ' %').replace(' | ', ', ')}.")
+          f"{median_range([x['vs_untraced'] for x in figures['ours']], 100, 2, ' %').replace(' | ', ', ')}.")
 
     print(f"\nA fault at step {args.fault_step} (replica group {VICTIM_REPLICA}'s rank 0 SIGKILLed); seconds from "
           "the kill, median and min–max over runs.\n")
@@ -406,11 +406,11 @@ def main() -> int:
         xs = figures[f"ours, SIGKILL in {phase}"]
         name = f"ours, SIGKILL in {phase}"
         print(f"| {name} | kill → step {args.fault_step} committed by the survivors (survivor stall) "
-              f"| {_fmt([x['stall_s'] for x in xs])} |")
+              f"| {median_range([x['stall_s'] for x in xs])} |")
         print(f"| {name} | loss detected → step {args.fault_step} committed | "
-              f"{_fmt([x['detected_to_committed_s'] for x in xs])} |")
+              f"{median_range([x['detected_to_committed_s'] for x in xs])} |")
         print(f"| {name} | step {args.fault_step}'s time − the run's median step before it "
-              f"| {_fmt([x['faulted_step_extra_s'] for x in xs])} |")
+              f"| {median_range([x['faulted_step_extra_s'] for x in xs])} |")
         failures[name] = [x for x in xs if not x["job_ok"]]
     xs = figures["torchrun + DCP"]
     resumed = xs[0]["resumed_at_step"]
@@ -422,9 +422,9 @@ def main() -> int:
             ("back_where_it_was_s", f"kill → back where it was (step {args.fault_step - 1} committed again)"),
             ("fault_step_committed_s", f"kill → step {args.fault_step} committed (ours' end point)")]
     for key, what in rows:
-        print(f"| torchrun + DCP | {what} | {_fmt([x[key] for x in xs])} |")
+        print(f"| torchrun + DCP | {what} | {median_range([x[key] for x in xs])} |")
     saves = [s for x in xs for s in x["save_s"]]
-    print(f"| torchrun + DCP | one checkpoint save (all {len(saves)} saves before the fault) | {_fmt(saves)} |")
+    print(f"| torchrun + DCP | one checkpoint save (all {len(saves)} saves before the fault) | {median_range(saves)} |")
     for name, bad in failures.items():
         print(f"\n{name}: the job ended in failure after the recovery in {len(bad)} of {len(figures[name])} runs"
               + "".join(f"\n- launcher exit {x['run_py_exit']}, {x['log']}: {x['ranks_that_gave_up']}" for x in bad))

@@ -177,6 +177,31 @@ def test_training_smoke():
     assert "bitwise equal to the first time: [True]" in out
 
 
+@pytest.mark.timeout(300)
+def test_resilience_smoke():
+    out = run_bench("launch/bench_resilience.py", "--smoke", timeout=290)
+    scripts = ["DDP example"]
+    configs = ["ours", "ours, after backward", "plain HSDP", "plain HSDP (A/A)", "plain torchrun, 4 ranks"]
+    header = ["script", "configuration", "step time, median (ms)", "min–max (ms)", "vs plain HSDP, median", "min–max"]
+    free = rows(out, header)
+    assert [(r[0], r[1]) for r in free] == [(s, c) for s in scripts for c in configs]
+    for row in free:
+        step, (lo, hi) = numbers(row[2])[0], numbers(row[3])
+        assert 0 < lo == step == hi, row  # one run
+        if row[1] == "plain HSDP":
+            assert row[4:] == ["–", "–"]
+        else:
+            assert numbers(row[4]) and numbers(row[5]), row
+    assert [r[0] for r in rows(out, ["script", "median", "min–max"])] == scripts
+    header = ["script", "phase", "kill → the step committed by the survivors (stall)", "min–max",
+              "loss detected → committed", "min–max", "heal (join + state transfer)", "min–max"]
+    faulted = rows(out, header)
+    assert [(r[0], r[1]) for r in faulted] == [("DDP example", "backward")]
+    for row in faulted:
+        stall, detected, heal = numbers(row[2])[0], numbers(row[4])[0], numbers(row[6])[0]
+        assert 0 < detected <= stall and heal > 0, row
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
                     reason="builds network namespaces: needs root and iproute2")
