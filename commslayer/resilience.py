@@ -52,6 +52,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import sys
 import time
 from datetime import timedelta
@@ -506,6 +507,9 @@ class Job:
             generation=self.generation, overlapped=self.overlapped), self.run_dir)
 
 
+_FUTURE_WRAPPING = re.compile(r"(RuntimeError: )?Got the following error when running the callback: ")
+
+
 def _leave(exc_type: type, exc: BaseException, tb: Any, previous: Callable[..., None]) -> None:
     """An uncaught error in a resilient job: say why in one line (a broken replica group
     is expected: its torchrun restarts it), dump, hang up and leave with status 1."""
@@ -515,7 +519,8 @@ def _leave(exc_type: type, exc: BaseException, tb: Any, previous: Callable[..., 
         why = f"{type(exc).__name__}: {first_line(exc)}"
     else:
         previous(exc_type, exc, tb)
-        why = f"{type(exc).__name__}: {first_line(exc)}"
+        # a CommError inside DDP's comm hook arrives wrapped by each future it passed through
+        why = _FUTURE_WRAPPING.sub("", f"{type(exc).__name__}: {first_line(exc)}")
     print(f"[replica {config.replica_id() or 0} rank {os.environ.get('RANK')}] leaving ({why})", file=sys.stderr,
           flush=True)
     exit_now(1, why)
