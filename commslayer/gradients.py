@@ -7,10 +7,11 @@ module:
 
 - FSDP2 (``fully_shard``): each FSDP module's reduce-scatter output, this
   rank's shard of its gradients already averaged inside the replica group, is
-  handed to us by ``FSDPModule.set_all_reduce_hook``; its cross-replica
-  average starts right there, while backward goes on with the layers below.
-  FSDP views the sharded gradients into that buffer, so the average is
-  written back into it in place.
+  handed to us by ``FSDPModule.set_all_reduce_hook``; once such outputs add up
+  to ``bucket_bytes``, their cross-replica average starts, as one bucket,
+  while backward goes on with the layers below (the rest at ``step``).  FSDP
+  views the sharded gradients into those outputs, so the average is written
+  back into them in place.
 - DDP: a comm hook runs DDP's own in-group average (torch's default
   ``allreduce_hook``).  The cross-replica average does not follow DDP's
   buckets: DDP rebuilds them after a process's first iteration, so a
@@ -54,7 +55,8 @@ class _Early:
     buffer: torch.Tensor  # the in-group average (its values stay local: the redo after a loss reads them)
     started: Started
     write: Callable[[torch.Tensor], None]  # puts the cross-replica average where the gradients are
-    params: Tuple[torch.Tensor, ...]  # the parameters whose gradients ``write`` sets
+    params: Tuple[torch.Tensor, ...] = ()  # the parameters whose gradients ``write`` sets (DDP)
+    shards: Tuple[torch.Tensor, ...] = ()  # the FSDP reduce-scatter outputs ``write`` sets (the gradients view them)
 
 
 class _DdpChunks:
@@ -91,6 +93,8 @@ class GradientAverage:
         self.bucket_bytes = bucket_bytes
         self.replicas: Optional[Replicas] = None  # set while steps run; hooks do nothing without it
         self._early: List[_Early] = []
+        self._shards: List[torch.Tensor] = []  # FSDP reduce-scatter outputs not started yet (under bucket_bytes)
+        self._shard_bytes = 0
         self._ddp: List[_DdpChunks] = []  # one per DDP module attached
 
     # ------------------------------------------------------------------ hooks
@@ -121,7 +125,23 @@ class GradientAverage:
     def _on_fsdp_shard(self, reduce_output: torch.Tensor) -> None:
         if self.replicas is None:
             return
-        self._early.append(_Early(reduce_output, self.replicas.start(reduce_output), reduce_output.copy_, ()))
+        self._shards.append(reduce_output)
+        self._shard_bytes += reduce_output.numel() * reduce_output.element_size()
+        if self._shard_bytes >= self.bucket_bytes or reduce_output.dtype != self._shards[0].dtype:
+            self._start_shards()
+
+    def _start_shards(self) -> None:
+        """Start the cross-replica average of the FSDP outputs gathered so far, as one
+        bucket: one all-reduce per ``bucket_bytes``, not per FSDP module (each op has a
+        fixed cost that a small module's transfer does not repay)."""
+        if not self._shards:
+            return
+        shards = tuple(self._shards)
+        self._shards, self._shard_bytes = [], 0
+        flat = torch.cat([t.reshape(-1) for t in shards]) if len(shards) > 1 else shards[0]
+        layout = [list(range(len(shards)))]
+        self._early.append(_Early(flat, self.replicas.start(flat), lambda avg: unpack([avg], layout, shards),
+                                  shards=shards))
 
     def _on_ddp_bucket(self, chunks: _DdpChunks,
                        bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:  # (DDP checks the hints)
@@ -147,7 +167,7 @@ class GradientAverage:
             params = chunks.chunks[chunks.next]
             chunks.next += 1
             flat = torch.cat([chunks.done[id(p)].reshape(-1) for p in params])
-            self._early.append(_Early(flat, self.replicas.start(flat), _writer(params), params))
+            self._early.append(_Early(flat, self.replicas.start(flat), _writer(params), params=params))
 
     # ------------------------------------------------------------------- step
     def average(self, params: Sequence[torch.Tensor], extra: Optional[torch.Tensor],
@@ -157,9 +177,10 @@ class GradientAverage:
         write them back."""
         for chunks in self._ddp:
             self._start_ddp(chunks, wait=True)
+        self._start_shards()
         early, self._early = self._early, []
         covered = {id(p) for e in early for p in e.params}
-        buffers = {local(e.buffer).untyped_storage().data_ptr() for e in early}
+        buffers = {t.untyped_storage().data_ptr() for e in early for t in e.shards}
         rest = [local(p.grad) for p in params if p.grad is not None and id(p) not in covered and
                 local(p.grad).untyped_storage().data_ptr() not in buffers]
         buckets, layout = pack(rest, extra, self.bucket_bytes)
@@ -175,6 +196,7 @@ class GradientAverage:
     def discard(self) -> None:
         """Forget what backward began (a step that ended without ``average``)."""
         self._early.clear()
+        self._shards, self._shard_bytes = [], 0
         for chunks in self._ddp:
             chunks.reset()
 
