@@ -120,7 +120,7 @@ class Work:
     def wait_issued(self, timeout: timedelta) -> None:
         """The synchronous path: wait the op's whole timeout right after issuing it
         (in slices when a liveness monitor may interrupt it)."""
-        sliced = self.comm._watched and self.peer is None
+        sliced = self.comm.lifecycle.watched and self.peer is None
         try:
             self._c10d.wait(_SLICE if sliced else timeout)
         except RuntimeError as exc:
@@ -199,7 +199,7 @@ class Work:
             self._expire(time.monotonic_ns())
             return
         end_ns = time.monotonic_ns() + int(remaining_s * 1e9)
-        sliceable = self.comm._watched and self.peer is None
+        sliceable = self.comm.lifecycle.watched and self.peer is None
         while True:
             watched = sliceable and remaining_s > _SLICE_S
             try:
