@@ -199,6 +199,20 @@ def test_a_peer_that_left_becomes_a_loss_only_when_an_op_needs_it():
     assert life.state is State.BROKEN and life.lost_ranks == {2}
 
 
+def test_a_rank_the_others_went_on_without_is_fenced_and_a_loss_then_changes_nothing():
+    store = dist.HashStore()
+    owner = Owner()
+    life = _life(owner, size=3, rank=2, store=store)
+    assert not life.check_fenced()  # no decision yet
+    life.lineage.membership.agree_on(1, [0, 1], 0, [0, 1, 2])
+    seen = []
+    life.error_hooks.add(seen.append)
+    assert life.check_fenced()  # what its monitor asks when the others leave or vanish
+    life.peers_lost({0}, "no heartbeat")  # a loss reported later does not break a fenced rank
+    assert life.state is State.FENCED and owner.released == 1 and seen == [] and life.lost_ranks == {0}
+    assert life.reason == "fenced out of generation 1: the others went on with members [0, 1]"
+
+
 # ------------------------------------------------- the same races, real communicators
 def _finalize_while_waiting(rank, size, store):
     comm = commslayer.new_comm("gloo", name="fin", store=store, rank=rank, size=size, timeout=30)
