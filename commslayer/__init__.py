@@ -42,8 +42,8 @@ __all__ = [
 ]
 
 # `import commslayer` may be what first imports torch, and torch then loads the
-# entry points (ours, tracing's) while this package is half built: they queue
-# what they need here instead, and it runs now that the package is complete.
-_ready = True
-for _deferred in globals().pop("_when_ready", []):
-    _deferred()
+# entry points (ours, tracing's, faults') while this package is half built: they
+# wait for this (commslayer.startup).
+from .startup import mark_ready as _mark_ready
+
+_mark_ready()
