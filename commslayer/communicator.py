@@ -30,7 +30,7 @@ from torch._C import _distributed_c10d as c10d
 from . import backends, config
 from .check import CrossRankCheck
 from .errors import CollectiveMismatch, CommAborted, CommError, PeerLost, StoreUnreachable, first_line
-from .hooks import HookHandle, Hooks, OpRecorder
+from .hooks import HookHandle, Hooks, OpIO, OpRecorder
 from .isolation import IsolatedBackend, StagedWork
 from .lifecycle import Lifecycle, Lineage, State
 from .membership import Membership
@@ -258,7 +258,7 @@ class Communicator:
         op = self._reduce_op(chk, op, tensor.dtype)
         opts = self._opts(c10d.AllreduceOptions, op)
         finish = (lambda: _average(tensor, self._size)) if op.name == "AVG" else None
-        return self._run(chk, timeout, async_op, ((tensor,), (tensor,), op, None),
+        return self._run(chk, timeout, async_op, OpIO((tensor,), (tensor,), op, None),
                          self._fp(chk.op, tensor, op),
                          opts, _in_place(self._ops.allreduce, _wire(tensor), op, opts), finish)
 
@@ -273,7 +273,7 @@ class Communicator:
             raise chk.fail(f"output has {output.numel()} elements; needs input.numel() x size = "
                            f"{input.numel()} x {self._size}")
         opts = self._opts(c10d.AllgatherOptions)
-        return self._run(chk, timeout, async_op, ((input,), (output,), None, None),
+        return self._run(chk, timeout, async_op, OpIO((input,), (output,), None, None),
                          self._fp(chk.op, input),
                          opts, lambda: self._ops._allgather_base(_wire(output), _wire(input), opts))
 
@@ -291,7 +291,7 @@ class Communicator:
         src = _scaled_copy(input, op.factor) if op.name == "PREMUL_SUM" else input
         opts = self._opts(c10d.ReduceScatterOptions, op)
         finish = (lambda: _average(output, self._size)) if op.name == "AVG" else None
-        return self._run(chk, timeout, async_op, ((input,), (output,), op, None),
+        return self._run(chk, timeout, async_op, OpIO((input,), (output,), op, None),
                          self._fp(chk.op, output, op),
                          opts, lambda: self._ops._reduce_scatter_base(_wire(output), _wire(src), opts),
                          finish)
@@ -321,7 +321,7 @@ class Communicator:
             fp["splits"] = [in_splits or even_in, out_splits or even_out]
         opts = self._opts(c10d.AllToAllOptions)
         return self._run(chk, timeout, async_op,
-                         ((input,), (output,), None, None), fp,
+                         OpIO((input,), (output,), None, None), fp,
                          opts, lambda: self._ops.alltoall_base(_wire(output), _wire(input), out_splits or [],
                                                                 in_splits or [], opts))
 
@@ -332,7 +332,7 @@ class Communicator:
         self._tensor(chk, tensor, "tensor")
         outs = chk.tensor_list(tensor_list, "tensor_list", self._size, tensor, self._device_type, self._dtypes)
         opts = self._opts(c10d.AllgatherOptions)
-        return self._run(chk, timeout, async_op, ((tensor,), tuple(outs), None, None),
+        return self._run(chk, timeout, async_op, OpIO((tensor,), tuple(outs), None, None),
                          self._fp(chk.op, tensor),
                          opts, lambda: self._ops.allgather([[_wire(o) for o in outs]], [_wire(tensor)],
                                                             opts))
@@ -348,7 +348,7 @@ class Communicator:
             ins = [_scaled_copy(t, op.factor) for t in ins]
         opts = self._opts(c10d.ReduceScatterOptions, op)
         finish = (lambda: _average(output, self._size)) if op.name == "AVG" else None
-        return self._run(chk, timeout, async_op, (tuple(ins), (output,), op, None),
+        return self._run(chk, timeout, async_op, OpIO(tuple(ins), (output,), op, None),
                          self._fp(chk.op, output, op),
                          opts, lambda: self._ops.reduce_scatter([_wire(output)], [[_wire(t) for t in ins]],
                                                                  opts), finish)
@@ -359,7 +359,7 @@ class Communicator:
         self._tensor(chk, tensor, "tensor")
         root = chk.rank_arg(root, "root", self._size)
         opts = self._opts(c10d.BroadcastOptions, root=root)
-        return self._run(chk, timeout, async_op, ((tensor,), (tensor,), None, root),
+        return self._run(chk, timeout, async_op, OpIO((tensor,), (tensor,), None, root),
                          self._fp(chk.op, tensor, root=root),
                          opts, lambda: self._ops.broadcast([_wire(tensor)], opts))
 
@@ -372,7 +372,7 @@ class Communicator:
         op = self._reduce_op(chk, op, tensor.dtype)
         opts = self._opts(c10d.ReduceOptions, op, root)
         finish = (lambda: _average(tensor, self._size)) if op.name == "AVG" and root == self._rank else None
-        return self._run(chk, timeout, async_op, ((tensor,), (tensor,), op, root),
+        return self._run(chk, timeout, async_op, OpIO((tensor,), (tensor,), op, root),
                          self._fp(chk.op, tensor, op, root=root),
                          opts, _in_place(self._ops.reduce, _wire(tensor), op, opts), finish)
 
@@ -386,7 +386,7 @@ class Communicator:
                              self._device_type, self._dtypes)
         opts = self._opts(c10d.GatherOptions, root=root)
         wire_outs = [[_wire(o) for o in outs]] if outs else []
-        return self._run(chk, timeout, async_op, ((input_tensor,), tuple(outs), None, root),
+        return self._run(chk, timeout, async_op, OpIO((input_tensor,), tuple(outs), None, root),
                          self._fp(chk.op, input_tensor, root=root),
                          opts, lambda: self._ops.gather(wire_outs, [_wire(input_tensor)], opts))
 
@@ -400,7 +400,7 @@ class Communicator:
                             self._device_type, self._dtypes)
         opts = self._opts(c10d.ScatterOptions, root=root)
         wire_ins = [[_wire(t) for t in ins]] if ins else []
-        return self._run(chk, timeout, async_op, (tuple(ins), (output_tensor,), None, root),
+        return self._run(chk, timeout, async_op, OpIO(tuple(ins), (output_tensor,), None, root),
                          self._fp(chk.op, output_tensor, root=root),
                          opts, lambda: self._ops.scatter([_wire(output_tensor)], wire_ins, opts))
 
@@ -408,7 +408,7 @@ class Communicator:
         """Return once every rank has entered the barrier."""
         chk = self._checker("barrier")
         opts = self._barrier_opts
-        return self._run(chk, timeout, async_op, ((), (), None, None), {"op": "barrier"},
+        return self._run(chk, timeout, async_op, OpIO((), (), None, None), {"op": "barrier"},
                          opts, lambda: self._ops.barrier(opts))
 
     # ---------------------------------------------------------- point to point
@@ -430,9 +430,9 @@ class Communicator:
         self._p2p_seq[pair] = n
         self._ensure_usable(op, n, peer)
         call = self._ops.send if op == "send" else self._ops.recv
-        io = ((tensor,), ()) if op == "send" else ((), (tensor,))
-        return self._run(chk, timeout, async_op, io + (None, None), self._fp(op, tensor), None,
-                         lambda: call([_wire(tensor)], peer, tag), None, peer, n)
+        io = OpIO((tensor,), (), None, None) if op == "send" else OpIO((), (tensor,), None, None)
+        return self._run(chk, timeout, async_op, io, self._fp(op, tensor), None,
+                         lambda: call([_wire(tensor)], peer, tag), peer=peer, seq=n)
 
     # ------------------------------------------------------------- management
     def split(self, ranks: Sequence[int], name: str, *, timeout: Timeout = None,
@@ -650,8 +650,8 @@ class Communicator:
     def _ensure_usable(self, op: str, seq: int, peer: Optional[int] = None) -> None:
         self.lifecycle.ensure_usable(op, seq, peer)
 
-    def _run(self, chk: Checker, timeout: Timeout, async_op: bool, io: tuple, fp: Optional[dict],
-             opts: Any, issue: Callable[[], Any], finish: Optional[Callable[[], None]] = None,
+    def _run(self, chk: Checker, timeout: Timeout, async_op: bool, io: OpIO, fp: Optional[dict],
+             opts: Any, issue: Callable[[], Any], finish: Optional[Callable[[], None]] = None, *,
              peer: Optional[int] = None, seq: Optional[int] = None) -> Work:
         """Issue one op: deadline, sequence number, check mode, hooks, then the backend call.
 
@@ -668,10 +668,9 @@ class Communicator:
         record = None if recorder is None else recorder.scheduled(
             self, op, op_id, seq, io, peer, async_op, timeout_s)
         if self._pre.fns:
-            inputs, outputs, reduce_op, root = io
             self._pre(op, op_id, {
-                "seq": seq, "inputs": list(inputs), "outputs": list(outputs), "reduce_op": reduce_op,
-                "root": root, "peer": peer, "async_op": async_op, "timeout_s": timeout_s,
+                "seq": seq, "inputs": list(io.inputs), "outputs": list(io.outputs), "reduce_op": io.reduce_op,
+                "root": io.root, "peer": peer, "async_op": async_op, "timeout_s": timeout_s,
                 "backend_op": BACKEND_OPS[op],
             })
         start = time.monotonic_ns()

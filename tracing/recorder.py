@@ -38,6 +38,7 @@ from commslayer import config
 from commslayer.communicator import BACKEND_OPS
 from commslayer.work import WorkStatus
 from commslayer.exits import register_before_exit
+from commslayer.hooks import OpIO
 from commslayer.liveness import close_all
 
 from . import fr_format
@@ -151,12 +152,13 @@ class FlightRecorder:
         info.update(rank=comm.get_rank(), size=comm.get_size(), global_ranks=comm.global_ranks,
                     generation=comm.generation, members=comm.members, state=comm.state)
 
-    def scheduled(self, comm: "commslayer.Communicator", op: str, op_id: int, seq: int, io: tuple,
+    def scheduled(self, comm: "commslayer.Communicator", op: str, op_id: int, seq: int, io: OpIO,
                   peer: Optional[int], async_op: bool, timeout_s: float) -> Record:
         """The op path's call as ``op`` enters ``comm``: a new record in the ring."""
         r = Record()
         r.enqueue_ns = time.monotonic_ns()
-        inputs, outputs, r.reduce_op, r.root = io
+        inputs, outputs = io.inputs, io.outputs
+        r.reduce_op, r.root = io.reduce_op, io.root
         r.in_sizes = [t.shape for t in inputs]
         r.out_sizes = [t.shape for t in outputs]
         first = inputs[0] if inputs else (outputs[0] if outputs else None)
