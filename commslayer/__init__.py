@@ -4,7 +4,9 @@ Every op has a deadline, failures are classified into ``CommError``
 subclasses, every op is observable through hooks, and the whole thing plugs
 into ``torch.distributed`` as the ``"commslayer"`` backend.
 
-Layout: ``communicator`` (API, validation, deadlines), ``backends`` (how Gloo
+Layout: ``communicator`` (API, validation, deadlines, the op path),
+``lifecycle`` (state machine, membership, recovery of each generation),
+``startup`` (what torch's entry points wait for), ``backends`` (how Gloo
 and NCCL groups are built, classified, torn down), ``work``/``watchdog``
 (deadline enforcement), ``check`` (cross-rank check mode), ``c10d`` (the
 ``torch.distributed`` adapter), ``errors``, ``reduce_op``, ``hooks``,
