@@ -21,7 +21,7 @@ import threading
 import weakref
 import time
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -75,15 +75,17 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t) if t.dtype.is_complex else t
 
 
-def _scaled_copy(t: torch.Tensor, factor) -> torch.Tensor:
-    return t * factor
+def _scaled_copy(t: torch.Tensor, factor: Any) -> torch.Tensor:
+    scaled: torch.Tensor = t * factor
+    return scaled
 
 
-def _in_place(call: Callable, t: torch.Tensor, op: ReduceOp, opts) -> Callable[[], Any]:
+def _in_place(call: Callable[..., Any], t: torch.Tensor, op: ReduceOp, opts: Any) -> Callable[[], Any]:
     """The issue step of an in-place reduction (all_reduce, reduce). PREMUL_SUM scales
     the tensor first: the result overwrites it anyway. Decided once, not per call."""
     if op.name == "PREMUL_SUM":
-        return lambda: call([t.mul_(op.factor)], opts)
+        factor: Any = op.factor
+        return lambda: call([t.mul_(factor)], opts)
     return lambda: call([t], opts)
 
 
@@ -141,10 +143,11 @@ class Communicator:
         # several torchruns (COMMSLAYER_JOB_RANK, commslayer.c10d.job_rank_shift)
         self.global_ranks = global_ranks
         # state, membership, recovery (commslayer.lifecycle)
-        self.lifecycle = life = Lifecycle(
+        life = Lifecycle(
             self, name=name, rank=rank, size=size, lineage=lineage, generation=generation,
             members=list(range(size)) if members is None else list(members),
             parent=None if parent is None else parent.lifecycle)
+        self.lifecycle: Lifecycle = life
         try:
             self._backend = spec.create(store, rank, size, timedelta(seconds=timeout_s), hints)
         except StoreUnreachable:  # raised by the store inside the rendezvous: not a peer's fault
@@ -155,18 +158,18 @@ class Communicator:
         isolate = life.lineage is not None and life.lineage.isolate
         self._ops = IsolatedBackend(self._backend) if isolate else self._backend  # what op closures call
         me = weakref.ref(self)  # the check must not keep its communicator alive
-        self._check = CrossRankCheck(store, name, rank, size, lambda op, seq: (c := me()) and c.lifecycle.interruption(op, seq)) \
+        self._check = CrossRankCheck(store, name, rank, size, lambda op, seq: None if (c := me()) is None else c.lifecycle.interruption(op, seq)) \
             if check else None
         self._seq = 0
-        self._p2p_seq: Dict[tuple, int] = {}
-        self._splits: set = set()
+        self._p2p_seq: Dict[Tuple[int, int], int] = {}
+        self._splits: Set[str] = set()
         self._pre = Hooks("pre")
         self._post = Hooks("post")
-        self._process_group = None
+        self._process_group: Optional[dist.ProcessGroup] = None
         self._checkers: Dict[str, Checker] = {}
         self._device_type = spec.device_type
         self._dtypes = spec.dtypes
-        self._opts_cache: Dict[tuple, Any] = {}
+        self._opts_cache: Dict[Tuple[Any, ...], Any] = {}
         self._opts_timeout: Dict[int, float] = {}  # id of a cached struct -> the timeout it holds
         self._timedeltas: Dict[float, timedelta] = {}
         self._barrier_opts = spec.barrier_options(self._timedelta(timeout_s), device)
@@ -315,7 +318,7 @@ class Communicator:
             raise chk.fail(f"with even splits output and input need the same dim 0 "
                            f"({output.shape[0]} vs {input.shape[0]})")
         fp = self._fp(chk.op, input, extra_shape=list(input.shape[1:]))
-        if self._check is not None:
+        if fp is not None:  # check mode
             even_in = [input.shape[0] // self._size] * self._size
             even_out = [output.shape[0] // self._size] * self._size
             fp["splits"] = [in_splits or even_in, out_splits or even_out]
@@ -603,7 +606,7 @@ class Communicator:
             chk = self._checkers[op] = Checker(self._name, op, self._rank)
         return chk
 
-    def _opts(self, cls, reduce_op: Optional[ReduceOp] = None, root: Optional[int] = None):
+    def _opts(self, cls: Callable[[], Any], reduce_op: Optional[ReduceOp] = None, root: Optional[int] = None) -> Any:
         """The backend's option struct for this op, cached (c10d copies it on every call)."""
         key = (cls, None if reduce_op is None else reduce_op.name, root)
         opts = self._opts_cache.get(key)
@@ -636,11 +639,11 @@ class Communicator:
         return op
 
     def _fp(self, op: str, t: torch.Tensor, reduce_op: Optional[ReduceOp] = None, *, root: Optional[int] = None,
-            extra_shape: Optional[list] = None) -> Optional[dict]:
+            extra_shape: Optional[List[int]] = None) -> Optional[Dict[str, Any]]:
         """The op's cross-rank fingerprint (only built in check mode)."""
         if self._check is None:
             return None
-        fp = {"op": op, "dtype": str(t.dtype), "shape": extra_shape if extra_shape is not None else list(t.shape)}
+        fp: Dict[str, Any] = {"op": op, "dtype": str(t.dtype), "shape": extra_shape if extra_shape is not None else list(t.shape)}
         if reduce_op is not None:
             fp["reduce_op"] = repr(reduce_op)
         if root is not None:
@@ -650,7 +653,7 @@ class Communicator:
     def _ensure_usable(self, op: str, seq: int, peer: Optional[int] = None) -> None:
         self.lifecycle.ensure_usable(op, seq, peer)
 
-    def _run(self, chk: Checker, timeout: Timeout, async_op: bool, io: OpIO, fp: Optional[dict],
+    def _run(self, chk: Checker, timeout: Timeout, async_op: bool, io: OpIO, fp: Optional[Dict[str, Any]],
              opts: Any, issue: Callable[[], Any], finish: Optional[Callable[[], None]] = None, *,
              peer: Optional[int] = None, seq: Optional[int] = None) -> Work:
         """Issue one op: deadline, sequence number, check mode, hooks, then the backend call.
@@ -661,7 +664,7 @@ class Communicator:
         op = chk.op
         timeout_s = self._timeout_s if timeout is None else timeout_seconds(timeout, self._timeout_s, chk)
         collective = seq is None
-        if collective:
+        if seq is None:
             self._seq = seq = self._seq + 1
         op_id = next(_op_ids)
         recorder = self.recorder
@@ -678,9 +681,11 @@ class Communicator:
             if collective and not self.lifecycle.clean:
                 self.lifecycle.ensure_usable(op, seq)  # refused, but recorded like any op that failed
             if self._check is not None:
+                assert fp is not None  # built in check mode
                 if collective:
                     self._check.collective(fp, seq, timeout_s)
                 else:
+                    assert peer is not None  # point-to-point
                     src, dst = (self._rank, peer) if op == "send" else (peer, self._rank)
                     self._check.p2p(fp, src, dst, seq, timeout_s)
             td = self._timedeltas.get(timeout_s) or self._timedelta(timeout_s)
@@ -718,9 +723,9 @@ class Communicator:
             return exc
         cls = backends.classify(exc)
         what = first_line(exc)
-        ranks = () if peer is None else (peer,)
+        ranks: Tuple[int, ...] = () if peer is None else (peer,)
         if cls is PeerLost and not ranks and self.lifecycle.watched:
-            ranks = self.lifecycle.await_lost_ranks()
+            ranks = tuple(self.lifecycle.await_lost_ranks())
             if ranks:
                 what = f"peer lost: rank(s) {', '.join(map(str, sorted(ranks)))} (backend: {what})"
         return cls(what, comm=self._name, op=op, seq=seq, timeout_s=timeout_s, elapsed_s=elapsed_s, ranks=ranks)
@@ -828,7 +833,9 @@ def join(
 
 
 def _lineage(chk: Checker, backend: str, device: Optional[torch.device], name: str, timeout: Timeout,
-             store: Optional[dist.Store], isolate_writes: Optional[bool], hints: Dict[str, object]):
+             store: Optional[dist.Store], isolate_writes: Optional[bool], hints: Dict[str, Any]
+             ) -> Tuple[backends.BackendSpec, torch.device, float, Optional[dist.Store], Dict[str, str],
+                        Callable[[dist.Store], Lineage]]:
     """What new_comm and join both check and read: (spec, device, timeout_s, store, the
     backend hints, a function of the store that makes the communicator's ``Lineage``).
     Start-up: a bad ``COMMSLAYER_*`` variable raises ``ConfigError`` here."""

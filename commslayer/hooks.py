@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol, Set, Tuple
 
 if TYPE_CHECKING:
     import torch
@@ -45,7 +45,7 @@ class Hooks:
         self.kind = kind
         self.fns: Tuple[Callable[..., Any], ...] = ()  # replaced, never mutated: safe to iterate
         self._lock = threading.Lock()
-        self._warned: set = set()
+        self._warned: Set[int] = set()
 
     def add(self, fn: Callable[..., Any]) -> HookHandle:
         if not callable(fn):

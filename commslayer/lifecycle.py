@@ -113,7 +113,7 @@ class Lifecycle:
         self._rank = rank
         self._size = size
         # A split shares its parent's lineage (timing, isolation) but cannot change membership.
-        self.lineage = lineage if parent is None else parent.lineage
+        self.lineage: Optional[Lineage] = lineage if parent is None else parent.lineage
         self.is_split = parent is not None
         self.generation = generation  # bumped by recovery when the membership changes
         self.members = members  # member ids, in rank order
@@ -128,7 +128,7 @@ class Lifecycle:
         self.abort_hooks = Hooks("abort")
         self._children: List[Tuple["weakref.ReferenceType[Lifecycle]", List[int]]] = []
         self._liveness: Optional[Liveness] = None
-        self.watched = parent is not None and parent.watched  # a liveness monitor covers this group
+        self.watched: bool = parent is not None and parent.watched  # a liveness monitor covers this group
         self._commits = 0  # should_commit rounds of this generation
 
     # ------------------------------------------------------------------ state
