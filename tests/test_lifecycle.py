@@ -20,7 +20,7 @@ from commslayer.errors import CommAborted, CommError, PeerLost
 from commslayer.lifecycle import OPEN, TRANSITIONS, Lifecycle, Lineage, State
 from commslayer.membership import Membership
 
-from harness import run_ranks
+from harness import on_threads, run_ranks
 
 ROUNDS = 200  # races repeated: each round is well under a millisecond
 
@@ -47,27 +47,6 @@ def _life(owner: Owner, *, size: int = 2, rank: int = 0, store=None, peer_timeou
                       isolate=False)
     return Lifecycle(owner, name="t", rank=rank, size=size, lineage=lineage, generation=0,
                      members=list(range(size)), parent=parent)
-
-
-def _together(*calls):
-    """Run ``calls`` on threads released at the same instant; each one's result or exception."""
-    start = threading.Barrier(len(calls))
-    results = [None] * len(calls)
-
-    def run(i, call):
-        start.wait()
-        try:
-            results[i] = call()
-        except Exception as exc:
-            results[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert not any(t.is_alive() for t in threads)
-    return results
 
 
 # ------------------------------------------------------------------ the table
@@ -110,7 +89,7 @@ def test_a_failure_reported_from_many_threads_at_once_runs_the_error_hook_once()
         seen = []
         life.error_hooks.add(seen.append)
         errors = [CommError(f"failure {i}", comm="t") for i in range(4)]
-        won = _together(*(lambda e=e: life.fail(e) for e in errors))
+        won = on_threads(*(lambda e=e: life.fail(e) for e in errors))
         assert won.count(True) == 1, won
         assert seen == [life.failure] and life.failure is errors[won.index(True)]
         assert life.state is State.BROKEN
@@ -122,7 +101,7 @@ def test_abort_racing_the_start_of_a_shrink_ends_in_one_state_or_the_other():
         life = _life(owner)
         aborts = []
         life.abort_hooks.add(lambda: aborts.append(1))
-        aborted, shrank = _together(lambda: life.close(State.ABORTED),
+        aborted, shrank = on_threads(lambda: life.close(State.ABORTED),
                                     lambda: life.retire(State.SHRINKING, "being shrunk after a loss",
                                                         stop_watching=False, op="shrink"))
         if aborted:  # abort first: the shrink is refused, naming the state
@@ -172,7 +151,7 @@ def test_a_loss_named_twice_at_once_is_one_failure_and_reaches_the_split():
         parent.adopt(child, [1, 2])
         seen = []
         parent.error_hooks.add(seen.append)
-        _together(lambda: parent.peers_lost({2}, "socket closed"), lambda: parent.peers_lost({2}, "no heartbeat"))
+        on_threads(lambda: parent.peers_lost({2}, "socket closed"), lambda: parent.peers_lost({2}, "no heartbeat"))
         assert len(seen) == 1 and seen[0].ranks == (2,) and seen[0].seq == 7
         assert parent.lost_ranks == {2} and child.lost_ranks == {1} and child.state is State.BROKEN
 

@@ -11,25 +11,7 @@ import torch.distributed as dist
 from commslayer.errors import CollectiveTimeout, CommAborted, CommError, PeerLost
 from commslayer.membership import Membership
 
-
-def _members(*calls, stagger_s=0.0):
-    """Run each call on its own thread (started ``stagger_s`` apart); each one's result or exception."""
-    results = [None] * len(calls)
-
-    def run(i, call):
-        try:
-            results[i] = call()
-        except Exception as exc:
-            results[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
-    for t in threads:
-        t.start()
-        time.sleep(stagger_s)
-    for t in threads:
-        t.join(10)
-    assert not any(t.is_alive() for t in threads)
-    return results
+from harness import on_threads
 
 
 @pytest.fixture
@@ -45,40 +27,40 @@ def _shrink(m, me, suspects=(), members=(0, 1, 2, 3), window_s=2.0, min_size=1):
 # ------------------------------------------------------------------ shrinking
 def test_survivors_agree_without_waiting_out_the_window_once_every_unsuspected_member_joined(m):
     start = time.monotonic()
-    got = _members(_shrink(m, 0, suspects={3}), _shrink(m, 1), _shrink(m, 2))
+    got = on_threads(_shrink(m, 0, suspects={3}), _shrink(m, 1), _shrink(m, 2))
     assert got == [[0, 1, 2]] * 3
     assert time.monotonic() - start < 1.0  # the 2 s join window was not needed
     assert m.decided(1) == [0, 1, 2] and m.current() == 1
 
 
 def test_a_survivor_slow_to_notice_the_loss_still_gets_in(m):
-    got = _members(_shrink(m, 0, suspects={3}), _shrink(m, 1, suspects={3}), _shrink(m, 2), stagger_s=0.05)
+    got = on_threads(_shrink(m, 0, suspects={3}), _shrink(m, 1, suspects={3}), _shrink(m, 2), stagger_s=0.05)
     assert got == [[0, 1, 2]] * 3
 
 
 def test_a_member_that_never_joins_is_left_out_after_the_join_window(m):
     start = time.monotonic()
-    got = _members(_shrink(m, 0, window_s=0.1), _shrink(m, 1, window_s=0.1))
+    got = on_threads(_shrink(m, 0, window_s=0.1), _shrink(m, 1, window_s=0.1))
     assert got == [[0, 1]] * 2 and time.monotonic() - start >= 0.1
 
 
 def test_a_member_the_others_suspected_is_fenced_out_when_it_arrives(m):
-    assert _members(_shrink(m, 0, suspects={2}, members=(0, 1, 2)),
+    assert on_threads(_shrink(m, 0, suspects={2}, members=(0, 1, 2)),
                     _shrink(m, 1, suspects={2}, members=(0, 1, 2))) == [[0, 1]] * 2
-    late = _members(_shrink(m, 2, members=(0, 1, 2)))[0]
+    late = on_threads(_shrink(m, 2, members=(0, 1, 2)))[0]
     assert isinstance(late, CommAborted) and "fenced out of generation 1" in str(late), late
     assert m.decided(1) == [0, 1]  # the late member's join did not change the decision
 
 
 def test_too_few_survivors_for_min_size_decide_nothing(m):
-    got = _members(_shrink(m, 0, suspects={1, 2, 3}, min_size=2))[0]
+    got = on_threads(_shrink(m, 0, suspects={1, 2, 3}, min_size=2))[0]
     assert isinstance(got, CommError) and "only 1 member(s) [0] survived; min_size is 2" in str(got), got
     assert m.decided(1) is None
 
 
 # ------------------------------------------------------------------ reconfigure and admission
 def test_concurrent_reconfigures_adopt_the_first_list(m):
-    got = _members(lambda: m.agree_on(1, [0, 1], 0, [0, 1]), lambda: m.agree_on(1, [1, 0], 1, [0, 1]))
+    got = on_threads(lambda: m.agree_on(1, [0, 1], 0, [0, 1]), lambda: m.agree_on(1, [1, 0], 1, [0, 1]))
     assert got[0] == got[1] and got[0] in ([0, 1], [1, 0])
 
 
@@ -88,9 +70,9 @@ def test_a_joiner_is_pending_until_admitted_and_then_not_again(m):
     before = m.announce(2)
     joiner = threading.Thread(target=lambda: joined.update(got=m.wait_for_admission(2, before, 5.0)))
     joiner.start()
-    assert _members(lambda: m.pending(0, 1, [0, 1], True, none, 5.0),
+    assert on_threads(lambda: m.pending(0, 1, [0, 1], True, none, 5.0),
                     lambda: m.pending(0, 1, [0, 1], False, none, 5.0)) == [[2], [2]]
-    assert _members(lambda: m.agree_on(1, [0, 1, 2], 0, [0, 1]),
+    assert on_threads(lambda: m.agree_on(1, [0, 1, 2], 0, [0, 1]),
                     lambda: m.agree_on(1, [0, 1, 2], 1, [0, 1])) == [[0, 1, 2]] * 2
     joiner.join(5)
     assert joined["got"] == (1, [0, 1, 2])
@@ -112,20 +94,20 @@ def _vote(m, call, ok, interrupted=lambda: None, size=3, timeout_s=5.0):
 
 
 def test_every_yes_commits_everywhere_and_one_no_aborts_everywhere(m):
-    assert _members(*(_vote(m, 1, True) for _ in range(3))) == [True] * 3
-    assert _members(_vote(m, 2, True), _vote(m, 2, False), _vote(m, 2, True)) == [False] * 3
+    assert on_threads(*(_vote(m, 1, True) for _ in range(3))) == [True] * 3
+    assert on_threads(_vote(m, 2, True), _vote(m, 2, False), _vote(m, 2, True)) == [False] * 3
 
 
 def test_a_member_lost_before_voting_aborts_the_step_for_those_waiting(m):
     lost = PeerLost("peer lost", comm="proto", ranks=[2])
-    assert _members(_vote(m, 1, True, lambda: lost), _vote(m, 1, True, lambda: lost)) == [False] * 2
+    assert on_threads(_vote(m, 1, True, lambda: lost), _vote(m, 1, True, lambda: lost)) == [False] * 2
 
 
 def test_a_yes_that_arrives_after_the_commit_cannot_turn_it(m):
-    assert _members(*(_vote(m, 1, True, size=2) for _ in range(2))) == [True] * 2
+    assert on_threads(*(_vote(m, 1, True, size=2) for _ in range(2))) == [True] * 2
     assert _vote(m, 1, False, size=2)() is True  # a late "no" (say, a member fenced later) reads the outcome
 
 
 def test_a_vote_nobody_completes_times_out(m):
-    got = _members(_vote(m, 1, True, timeout_s=0.05))[0]
+    got = on_threads(_vote(m, 1, True, timeout_s=0.05))[0]
     assert isinstance(got, CollectiveTimeout) and "should_commit" in str(got), got
