@@ -4,7 +4,9 @@ Every op has a deadline, failures are classified into ``CommError``
 subclasses, every op is observable through hooks, and the whole thing plugs
 into ``torch.distributed`` as the ``"commslayer"`` backend.
 
-Layout: ``communicator`` (API, validation, deadlines), ``backends`` (how Gloo
+Layout: ``communicator`` (API, validation, deadlines, the op path),
+``lifecycle`` (state machine, membership, recovery of each generation),
+``startup`` (what torch's entry points wait for), ``backends`` (how Gloo
 and NCCL groups are built, classified, torn down), ``work``/``watchdog``
 (deadline enforcement), ``check`` (cross-rank check mode), ``c10d`` (the
 ``torch.distributed`` adapter), ``errors``, ``reduce_op``, ``hooks``,
@@ -42,8 +44,8 @@ __all__ = [
 ]
 
 # `import commslayer` may be what first imports torch, and torch then loads the
-# entry points (ours, tracing's) while this package is half built: they queue
-# what they need here instead, and it runs now that the package is complete.
-_ready = True
-for _deferred in globals().pop("_when_ready", []):
-    _deferred()
+# entry points (ours, tracing's, faults') while this package is half built: they
+# wait for this (commslayer.startup).
+from .startup import mark_ready as _mark_ready
+
+_mark_ready()

@@ -9,9 +9,11 @@ through commslayer.
 def autoload() -> None:
     import sys
 
-    package = sys.modules.get("commslayer")
-    if package is not None and not getattr(package, "_ready", False):
-        return  # commslayer is importing torch; its __init__ registers the backend itself
+    if "commslayer" in sys.modules:
+        from .startup import is_ready
+
+        if not is_ready():
+            return  # commslayer is importing torch; its __init__ registers the backend itself
     # An exception here would make `import torch` itself fail: warn instead.
     try:
         from . import config

@@ -27,7 +27,8 @@ import torch.distributed.distributed_c10d as dc
 from torch._C import _distributed_c10d as c10d
 
 from . import backends, config
-from .communicator import Communicator, watched_lineage
+from .communicator import Communicator
+from .lifecycle import watched_lineage
 from .errors import InvalidArgument
 from .store import bounded
 from .work import Work

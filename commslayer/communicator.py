@@ -1,12 +1,14 @@
 """The ``Communicator``: the public API, argument checks, deadlines and hooks.
 
-This is the one module that knows every other part: it validates a call
-(``validation``), optionally compares it across ranks (``check``), issues it
-on the c10d backend built by ``backends`` with the op's deadline in the
-backend's option struct, and hands back a ``Work`` whose deadline the caller's
-``wait`` or the ``watchdog`` enforces.  After any failure the backend group
-is unusable (Gloo cannot cancel an op), so the communicator remembers the
-first error and every later op raises at once.
+It validates a call (``validation``), optionally compares it across ranks
+(``check``), issues it on the c10d backend built by ``backends`` with the
+op's deadline in the backend's option struct, and hands back a ``Work`` whose
+deadline the caller's ``wait`` or the ``watchdog`` enforces.  Whether it may
+issue at all is its ``lifecycle``'s business (commslayer.lifecycle: the state
+machine, lost and departed peers, fencing, shrink, reconfigure, votes, the
+liveness callbacks): after any failure the backend group is unusable (Gloo
+cannot cancel an op), so the lifecycle remembers the first error and every
+later op raises at once.
 
 Names follow torchcomms, so code moves between the two.
 """
@@ -19,7 +21,6 @@ import threading
 import weakref
 import time
 from datetime import timedelta
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -28,11 +29,10 @@ from torch._C import _distributed_c10d as c10d
 
 from . import backends, config
 from .check import CrossRankCheck
-from .errors import (CollectiveMismatch, CollectiveTimeout, CommAborted, CommError, PeerLost, StoreUnreachable,
-                     first_line)
-from .hooks import HookHandle, Hooks, OpRecorder
+from .errors import CollectiveMismatch, CommAborted, CommError, PeerLost, StoreUnreachable, first_line
+from .hooks import HookHandle, Hooks, OpIO, OpRecorder
 from .isolation import IsolatedBackend, StagedWork
-from .liveness import Liveness
+from .lifecycle import Lifecycle, Lineage, State
 from .membership import Membership
 from .reduce_op import ReduceOp, coerce
 from .store import bounded, env_rank_size, env_store
@@ -75,21 +75,18 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t) if t.dtype.is_complex else t
 
 
-def _scaled_copy(t: torch.Tensor, factor) -> torch.Tensor:
-    return t * factor
+def _scaled_copy(t: torch.Tensor, factor: Any) -> torch.Tensor:
+    scaled: torch.Tensor = t * factor
+    return scaled
 
 
-def _in_place(call: Callable, t: torch.Tensor, op: ReduceOp, opts) -> Callable[[], Any]:
+def _in_place(call: Callable[..., Any], t: torch.Tensor, op: ReduceOp, opts: Any) -> Callable[[], Any]:
     """The issue step of an in-place reduction (all_reduce, reduce). PREMUL_SUM scales
     the tensor first: the result overwrites it anyway. Decided once, not per call."""
     if op.name == "PREMUL_SUM":
-        return lambda: call([t.mul_(op.factor)], opts)
+        factor: Any = op.factor
+        return lambda: call([t.mul_(factor)], opts)
     return lambda: call([t], opts)
-
-
-def _in_child(ranks: Set[int], child_ranks: List[int]) -> Set[int]:
-    """Which of ``ranks`` (of a parent) belong to a split over ``child_ranks``, as its ranks."""
-    return {child_ranks.index(r) for r in ranks if r in child_ranks}
 
 
 def _average(t: torch.Tensor, size: int) -> None:
@@ -109,25 +106,6 @@ class _Released:
             raise CommAborted("the backend was released after a membership change", op=name)
 
         return refuse
-
-
-@dataclass
-class Lineage:
-    """What every generation of one communicator shares (``new_comm`` makes it)."""
-
-    root_store: dist.Store  # bounded (commslayer.store); generation g > 0 lives under its prefix "g<g>/"
-    base_uid: str
-    membership: Membership
-    heartbeat_s: float  # 0: no liveness monitor
-    peer_timeout_s: float
-    isolate: bool  # write isolation (commslayer.isolation)
-    resizable: bool = True  # False for a c10d group: watched, but its membership is fixed
-
-    def store_for(self, generation: int) -> dist.Store:
-        return self.root_store if generation == 0 else dist.PrefixStore(f"g{generation}/", self.root_store)
-
-    def uid_for(self, generation: int) -> str:
-        return self.base_uid if generation == 0 else f"{self.base_uid}@g{generation}"
 
 
 class Communicator:
@@ -164,13 +142,12 @@ class Communicator:
         # member i's rank in the job, where known: the default group's rank, unless the job is
         # several torchruns (COMMSLAYER_JOB_RANK, commslayer.c10d.job_rank_shift)
         self.global_ranks = global_ranks
-        self.generation = generation  # bumped by recovery when the membership changes
-        self.members = list(range(size)) if members is None else list(members)  # member ids, in rank order
-        self.lost_ranks: Set[int] = set()  # ranks the liveness monitor (or a failed op) named as lost
-        self._departed: Dict[int, float] = {}  # rank -> when it closed the group on purpose (monotonic)
-        # A split shares its parent's lineage (timing, isolation) but cannot change membership.
-        self._lineage = lineage if parent is None else parent._lineage
-        self._split = parent is not None
+        # state, membership, recovery (commslayer.lifecycle)
+        life = Lifecycle(
+            self, name=name, rank=rank, size=size, lineage=lineage, generation=generation,
+            members=list(range(size)) if members is None else list(members),
+            parent=None if parent is None else parent.lifecycle)
+        self.lifecycle: Lifecycle = life
         try:
             self._backend = spec.create(store, rank, size, timedelta(seconds=timeout_s), hints)
         except StoreUnreachable:  # raised by the store inside the rendezvous: not a peer's fault
@@ -178,42 +155,32 @@ class Communicator:
         except RuntimeError as exc:  # the rendezvous of the new group failed
             raise backends.classify(exc)(f"could not build the {spec.name} group: {exc}", comm=name,
                                          op="new_comm", timeout_s=timeout_s) from exc
-        isolate = self._lineage is not None and self._lineage.isolate
+        isolate = life.lineage is not None and life.lineage.isolate
         self._ops = IsolatedBackend(self._backend) if isolate else self._backend  # what op closures call
         me = weakref.ref(self)  # the check must not keep its communicator alive
-        self._check = CrossRankCheck(store, name, rank, size, lambda op, seq: (c := me()) and c._broken(op, seq)) \
+        self._check = CrossRankCheck(store, name, rank, size, lambda op, seq: None if (c := me()) is None else c.lifecycle.interruption(op, seq)) \
             if check else None
         self._seq = 0
-        self._commits = 0  # should_commit rounds of this generation
-        self._p2p_seq: Dict[tuple, int] = {}
-        self._failure: Optional[CommError] = None
-        self._closed: Optional[str] = None  # "aborted" or "finalized"
-        self._splits: set = set()
+        self._p2p_seq: Dict[Tuple[int, int], int] = {}
+        self._splits: Set[str] = set()
         self._pre = Hooks("pre")
         self._post = Hooks("post")
-        self._abort_hooks = Hooks("abort")
-        self._error_hooks = Hooks("error")
-        self._process_group = None
+        self._process_group: Optional[dist.ProcessGroup] = None
         self._checkers: Dict[str, Checker] = {}
         self._device_type = spec.device_type
         self._dtypes = spec.dtypes
-        self._opts_cache: Dict[tuple, Any] = {}
+        self._opts_cache: Dict[Tuple[Any, ...], Any] = {}
         self._opts_timeout: Dict[int, float] = {}  # id of a cached struct -> the timeout it holds
         self._timedeltas: Dict[float, timedelta] = {}
         self._barrier_opts = spec.barrier_options(self._timedelta(timeout_s), device)
         self.settle_lock = threading.Lock()  # shared by this communicator's Work objects
         self.completion_hooks = Hooks("completion")
-        self._children: List[Tuple["weakref.ReferenceType[Communicator]", List[int]]] = []
-        self._liveness: Optional[Liveness] = None
         self._waiter_thread: Optional[Waiter] = None
-        self._watched = parent is not None and parent._watched  # a liveness monitor covers this group
-        if parent is None and lineage is not None and lineage.heartbeat_s > 0 and size > 1:
-            self._liveness = self._start_liveness(store, lineage)
-            self._watched = True
+        life.watch(store, timeout_s)
         # Our ops whose backend work ignores wait timeouts: a helper thread waits for them.
         self._waited_elsewhere = frozenset(
             op for op, backend_op in BACKEND_OPS.items() if backend_op in spec.untimed_waits) \
-            if self._watched else frozenset()
+            if life.watched else frozenset()
         self.recorder: Optional[OpRecorder] = None  # set by tracing's flight recorder
         _live.add(self)
         _created(self)
@@ -240,12 +207,24 @@ class Communicator:
     @property
     def state(self) -> str:
         """"ok", "broken: <first failure>", or why it was closed ("aborted", "finalized",
-        "replaced by generation 2 (members [...])", "fenced out of generation 2: ...")."""
-        if self._closed:
-            return self._closed
-        if self._failure is not None:
-            return f"broken: {type(self._failure).__name__}: {self._failure.what}"
-        return "ok"
+        "replaced by generation 2 (members [...])", "fenced out of generation 2: ...");
+        ``lifecycle.state`` is the same as a ``State``."""
+        return self.lifecycle.describe()
+
+    @property
+    def generation(self) -> int:
+        """Bumped by recovery when the membership changes (each generation is a new communicator)."""
+        return self.lifecycle.generation
+
+    @property
+    def members(self) -> List[int]:
+        """Member ids, in rank order (the same across generations of one communicator)."""
+        return self.lifecycle.members
+
+    @property
+    def lost_ranks(self) -> Set[int]:
+        """Ranks the liveness monitor (or a failed op) named as lost."""
+        return self.lifecycle.lost_ranks
 
     def __repr__(self) -> str:
         return f"<Communicator {self._name!r} {self._spec.name} rank {self._rank}/{self._size} {self.state}>"
@@ -261,7 +240,7 @@ class Communicator:
 
     def register_abort_hook(self, fn: Callable[[], None]) -> HookHandle:
         """``fn()`` runs once when the communicator is aborted."""
-        return self._abort_hooks.add(fn)
+        return self.lifecycle.abort_hooks.add(fn)
 
     def register_completion_hook(self, fn: Callable[[Work], None]) -> HookHandle:
         """``fn(work)`` runs once per op when its outcome is known (completed, timed
@@ -271,7 +250,7 @@ class Communicator:
 
     def register_error_hook(self, fn: Callable[[CommError], None]) -> HookHandle:
         """``fn(error)`` runs once, on the first failure that breaks the communicator."""
-        return self._error_hooks.add(fn)
+        return self.lifecycle.error_hooks.add(fn)
 
     # ------------------------------------------------------------- collectives
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *,
@@ -282,7 +261,7 @@ class Communicator:
         op = self._reduce_op(chk, op, tensor.dtype)
         opts = self._opts(c10d.AllreduceOptions, op)
         finish = (lambda: _average(tensor, self._size)) if op.name == "AVG" else None
-        return self._run(chk, timeout, async_op, ((tensor,), (tensor,), op, None),
+        return self._run(chk, timeout, async_op, OpIO((tensor,), (tensor,), op, None),
                          self._fp(chk.op, tensor, op),
                          opts, _in_place(self._ops.allreduce, _wire(tensor), op, opts), finish)
 
@@ -297,7 +276,7 @@ class Communicator:
             raise chk.fail(f"output has {output.numel()} elements; needs input.numel() x size = "
                            f"{input.numel()} x {self._size}")
         opts = self._opts(c10d.AllgatherOptions)
-        return self._run(chk, timeout, async_op, ((input,), (output,), None, None),
+        return self._run(chk, timeout, async_op, OpIO((input,), (output,), None, None),
                          self._fp(chk.op, input),
                          opts, lambda: self._ops._allgather_base(_wire(output), _wire(input), opts))
 
@@ -315,7 +294,7 @@ class Communicator:
         src = _scaled_copy(input, op.factor) if op.name == "PREMUL_SUM" else input
         opts = self._opts(c10d.ReduceScatterOptions, op)
         finish = (lambda: _average(output, self._size)) if op.name == "AVG" else None
-        return self._run(chk, timeout, async_op, ((input,), (output,), op, None),
+        return self._run(chk, timeout, async_op, OpIO((input,), (output,), op, None),
                          self._fp(chk.op, output, op),
                          opts, lambda: self._ops._reduce_scatter_base(_wire(output), _wire(src), opts),
                          finish)
@@ -339,13 +318,13 @@ class Communicator:
             raise chk.fail(f"with even splits output and input need the same dim 0 "
                            f"({output.shape[0]} vs {input.shape[0]})")
         fp = self._fp(chk.op, input, extra_shape=list(input.shape[1:]))
-        if self._check is not None:
+        if fp is not None:  # check mode
             even_in = [input.shape[0] // self._size] * self._size
             even_out = [output.shape[0] // self._size] * self._size
             fp["splits"] = [in_splits or even_in, out_splits or even_out]
         opts = self._opts(c10d.AllToAllOptions)
         return self._run(chk, timeout, async_op,
-                         ((input,), (output,), None, None), fp,
+                         OpIO((input,), (output,), None, None), fp,
                          opts, lambda: self._ops.alltoall_base(_wire(output), _wire(input), out_splits or [],
                                                                 in_splits or [], opts))
 
@@ -356,7 +335,7 @@ class Communicator:
         self._tensor(chk, tensor, "tensor")
         outs = chk.tensor_list(tensor_list, "tensor_list", self._size, tensor, self._device_type, self._dtypes)
         opts = self._opts(c10d.AllgatherOptions)
-        return self._run(chk, timeout, async_op, ((tensor,), tuple(outs), None, None),
+        return self._run(chk, timeout, async_op, OpIO((tensor,), tuple(outs), None, None),
                          self._fp(chk.op, tensor),
                          opts, lambda: self._ops.allgather([[_wire(o) for o in outs]], [_wire(tensor)],
                                                             opts))
@@ -372,7 +351,7 @@ class Communicator:
             ins = [_scaled_copy(t, op.factor) for t in ins]
         opts = self._opts(c10d.ReduceScatterOptions, op)
         finish = (lambda: _average(output, self._size)) if op.name == "AVG" else None
-        return self._run(chk, timeout, async_op, (tuple(ins), (output,), op, None),
+        return self._run(chk, timeout, async_op, OpIO(tuple(ins), (output,), op, None),
                          self._fp(chk.op, output, op),
                          opts, lambda: self._ops.reduce_scatter([_wire(output)], [[_wire(t) for t in ins]],
                                                                  opts), finish)
@@ -383,7 +362,7 @@ class Communicator:
         self._tensor(chk, tensor, "tensor")
         root = chk.rank_arg(root, "root", self._size)
         opts = self._opts(c10d.BroadcastOptions, root=root)
-        return self._run(chk, timeout, async_op, ((tensor,), (tensor,), None, root),
+        return self._run(chk, timeout, async_op, OpIO((tensor,), (tensor,), None, root),
                          self._fp(chk.op, tensor, root=root),
                          opts, lambda: self._ops.broadcast([_wire(tensor)], opts))
 
@@ -396,7 +375,7 @@ class Communicator:
         op = self._reduce_op(chk, op, tensor.dtype)
         opts = self._opts(c10d.ReduceOptions, op, root)
         finish = (lambda: _average(tensor, self._size)) if op.name == "AVG" and root == self._rank else None
-        return self._run(chk, timeout, async_op, ((tensor,), (tensor,), op, root),
+        return self._run(chk, timeout, async_op, OpIO((tensor,), (tensor,), op, root),
                          self._fp(chk.op, tensor, op, root=root),
                          opts, _in_place(self._ops.reduce, _wire(tensor), op, opts), finish)
 
@@ -410,7 +389,7 @@ class Communicator:
                              self._device_type, self._dtypes)
         opts = self._opts(c10d.GatherOptions, root=root)
         wire_outs = [[_wire(o) for o in outs]] if outs else []
-        return self._run(chk, timeout, async_op, ((input_tensor,), tuple(outs), None, root),
+        return self._run(chk, timeout, async_op, OpIO((input_tensor,), tuple(outs), None, root),
                          self._fp(chk.op, input_tensor, root=root),
                          opts, lambda: self._ops.gather(wire_outs, [_wire(input_tensor)], opts))
 
@@ -424,7 +403,7 @@ class Communicator:
                             self._device_type, self._dtypes)
         opts = self._opts(c10d.ScatterOptions, root=root)
         wire_ins = [[_wire(t) for t in ins]] if ins else []
-        return self._run(chk, timeout, async_op, (tuple(ins), (output_tensor,), None, root),
+        return self._run(chk, timeout, async_op, OpIO(tuple(ins), (output_tensor,), None, root),
                          self._fp(chk.op, output_tensor, root=root),
                          opts, lambda: self._ops.scatter([_wire(output_tensor)], wire_ins, opts))
 
@@ -432,7 +411,7 @@ class Communicator:
         """Return once every rank has entered the barrier."""
         chk = self._checker("barrier")
         opts = self._barrier_opts
-        return self._run(chk, timeout, async_op, ((), (), None, None), {"op": "barrier"},
+        return self._run(chk, timeout, async_op, OpIO((), (), None, None), {"op": "barrier"},
                          opts, lambda: self._ops.barrier(opts))
 
     # ---------------------------------------------------------- point to point
@@ -454,9 +433,9 @@ class Communicator:
         self._p2p_seq[pair] = n
         self._ensure_usable(op, n, peer)
         call = self._ops.send if op == "send" else self._ops.recv
-        io = ((tensor,), ()) if op == "send" else ((), (tensor,))
-        return self._run(chk, timeout, async_op, io + (None, None), self._fp(op, tensor), None,
-                         lambda: call([_wire(tensor)], peer, tag), None, peer, n)
+        io = OpIO((tensor,), (), None, None) if op == "send" else OpIO((), (tensor,), None, None)
+        return self._run(chk, timeout, async_op, io, self._fp(op, tensor), None,
+                         lambda: call([_wire(tensor)], peer, tag), peer=peer, seq=n)
 
     # ------------------------------------------------------------- management
     def split(self, ranks: Sequence[int], name: str, *, timeout: Timeout = None,
@@ -492,27 +471,18 @@ class Communicator:
             uid=f"{self.uid}/{name}", global_ranks=[parent[r] for r in ranks] if parent else None,
             generation=self.generation, members=[self.members[r] for r in ranks], parent=self,
         )
-        self._children.append((weakref.ref(child), list(ranks)))
-        lost = _in_child(self.lost_ranks, list(ranks))
-        if lost:
-            child._peers_lost(lost, "lost before the split")
+        self.lifecycle.adopt(child.lifecycle, ranks)
         return child
 
     def abort(self) -> None:
         """Stop using the group now: later ops raise ``CommAborted``. Idempotent, never raises."""
-        if self._closed:
-            return
-        self._closed = "aborted"
-        self._stop_watching()
-        self._abort_hooks()
-        backends.BackendSpec.abort(self._backend)
+        if self.lifecycle.close(State.ABORTED):
+            backends.BackendSpec.abort(self._backend)
 
     def finalize(self) -> None:
         """Release the group after normal use. Idempotent, never raises."""
-        if self._closed:
+        if not self.lifecycle.close(State.FINALIZED):
             return
-        self._closed = "finalized"
-        self._stop_watching()
         try:
             self._backend.shutdown() if hasattr(self._backend, "shutdown") else None
         except Exception:
@@ -533,31 +503,8 @@ class Communicator:
         """
         chk = self._checker("shrink")
         timeout_s = timeout_seconds(timeout, self._timeout_s, chk)
-        lineage = self._lineage_for(chk)
-        self._refuse_closed("shrink")
-        # Close this generation's backend first: a survivor still blocked inside it on this
-        # group (Gloo's reduce-scatter waits in the caller) is let go at once. The liveness
-        # monitor keeps watching until the agreement is over, so that a member that dies
-        # during it is a suspect at once rather than after the whole join window.
-        self._retire("being shrunk after a loss", stop_watching=False)
-        generation = self.generation + 1
-        began = time.monotonic()
-        try:
-            members = lineage.membership.agree_after_loss(
-                # Members that say goodbye during the agreement are not suspects: the others close
-                # this generation on purpose once they agreed. One that left before this rank began
-                # (sys.exit, finalize) will not join: a suspect at once, not after the join window.
-                # (Had it left because it agreed already, the decision exists and suspects do not count.)
-                generation, self.members, self.members[self._rank],
-                lambda: {self.members[r] for r in self.lost_ranks if r not in self._departed}
-                | {self.members[r] for r, t in self._departed.items() if t < began},
-                join_window_s=lineage.peer_timeout_s, timeout_s=timeout_s, min_size=min_size)
-            return self._next_generation(generation, members)
-        except CommError as err:
-            self._closed = f"closed by a shrink that failed ({type(err).__name__}: {err.what})"
-            raise
-        finally:
-            self._stop_watching()
+        self._check_resizable(chk)
+        return self.lifecycle.shrink(timeout_s, min_size, self._next_generation)
 
     def reconfigure(self, members: Sequence[int]) -> "Communicator":
         """The next generation with exactly ``members`` (member ids, in the new rank order).
@@ -568,32 +515,23 @@ class Communicator:
         shrink: ``comm.reconfigure(comm.members + comm.pending_members())``.
         """
         chk = self._checker("reconfigure")
-        lineage = self._lineage_for(chk)
+        self._check_resizable(chk)
         if not isinstance(members, (list, tuple)) or not members or any(
                 isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 0 for m in members) \
                 or len(set(members)) != len(members):
             raise chk.fail(f"members must be a non-empty list of member ids (ints >= 0) without duplicates, "
                            f"got {members!r}")
-        members = [int(m) for m in members]
-        self._refuse_closed("reconfigure")
-        generation = self.generation + 1
-        decided = lineage.membership.agree_on(generation, members, self.members[self._rank], self.members)
-        return self._next_generation(generation, decided)
+        return self.lifecycle.reconfigure([int(m) for m in members], self._next_generation)
 
     def pending_members(self, *, timeout: Timeout = None) -> List[int]:
         """Member ids that announced themselves (``commslayer.join``) and are not in
         yet; the same list on every member (a collective: every member calls it)."""
         chk = self._checker("pending_members")
         timeout_s = timeout_seconds(timeout, self._timeout_s, chk)
-        lineage = self._lineage_for(chk)
+        self._check_resizable(chk)
         self._seq = seq = self._seq + 1
-        self._ensure_usable("pending_members", seq)
-        try:
-            return lineage.membership.pending(self.generation, seq, self.members, self._rank == 0,
-                                              lambda: self._broken("pending_members", seq), timeout_s)
-        except StoreUnreachable as err:  # no member can be let in, and no step committed, any more
-            self._on_failure(err)
-            raise
+        self.lifecycle.ensure_usable("pending_members", seq)
+        return self.lifecycle.pending(seq, timeout_s)
 
     def should_commit(self, ok: bool = True, *, timeout: Timeout = None) -> bool:
         """Whether every member's part of a step succeeded: the same answer on every member.
@@ -611,130 +549,36 @@ class Communicator:
         """
         chk = self._checker("should_commit")
         timeout_s = timeout_seconds(timeout, self._timeout_s, chk)
-        lineage = self._lineage_for(chk)
-        self._refuse_closed("should_commit")
-        self._commits += 1
-        call = self._commits
-        try:
-            return lineage.membership.vote(self.generation, call, self._size, ok and self._failure is None,
-                                           lambda: self._broken("should_commit", call), timeout_s)
-        except (CollectiveTimeout, StoreUnreachable) as err:  # no step can commit on this communicator any more
-            self._on_failure(err)
-            raise
+        self._check_resizable(chk)
+        return self.lifecycle.vote(ok, timeout_s)
 
-    def _refuse_closed(self, op: str, seq: Optional[int] = None) -> None:
-        """``CommAborted`` naming why, once this communicator is closed (aborted, finalized,
-        replaced by a later generation, fenced out). Membership changes call it before
-        touching the store: the keys of the next generation may be live already, and a
-        stale caller would join the live generation's rendezvous."""
-        if self._closed:
-            raise CommAborted(f"communicator was {self._closed}", comm=self._name, op=op, seq=seq)
-
-    def _lineage_for(self, chk: Checker) -> Lineage:
-        if self._lineage is None or self._split or not self._lineage.resizable:
+    def _check_resizable(self, chk: Checker) -> None:
+        if self.lifecycle.resizable() is None:
             raise chk.fail("only a communicator made by new_comm or join (not a split or a c10d group) "
                            "can change its membership; rebuild splits from the new generation")
-        return self._lineage
 
     def _next_generation(self, generation: int, members: List[int]) -> "Communicator":
-        lineage = self._lineage
+        """Build generation ``generation`` of this communicator, with ``members`` (decided)."""
+        lineage = self.lifecycle.lineage
+        assert lineage is not None  # _check_resizable
         me = self.members[self._rank]
-        nxt = Communicator(
+        return Communicator(
             self._spec, self._device, name=self._name, store=lineage.store_for(generation),
             rank=members.index(me), size=len(members), timeout_s=self._timeout_s, hints=self._hints,
             check=self._check is not None, uid=lineage.uid_for(generation),
             global_ranks=members if self.global_ranks is not None else None,
             lineage=lineage, generation=generation, members=members,
         )
-        self._retire(f"replaced by generation {generation} (members {members})")
-        return nxt
 
-    def _retire(self, why: str, stop_watching: bool = True) -> None:
-        """Close this generation, and the communicators split from it."""
-        for child, _ in self._live_children():
-            child._retire(f"split from {self._name!r} generation {self.generation}, which was {why}; "
-                          f"split the new generation again")
-        first = not self._closed
-        self._closed = why
-        if first:
-            if stop_watching:
-                self._stop_watching()
-            self._abort_hooks()
-            if self._process_group is None:  # a c10d group still refers to it otherwise
-                # Dropping the last reference closes the group's connections (the
-                # watchdog holds it instead while one of its ops still runs).
-                self._spec.release(self._backend)
-                self._backend = self._ops = _Released()
+    def _release(self) -> None:
+        """The lifecycle retired this generation: let go of the backend."""
+        if self._process_group is None:  # a c10d group still refers to it otherwise
+            # Dropping the last reference closes the group's connections (the
+            # watchdog holds it instead while one of its ops still runs).
+            self._spec.release(self._backend)
+            self._backend = self._ops = _Released()
 
-    # --------------------------------------------------------------- liveness
-    def _start_liveness(self, store: dist.Store, lineage: Lineage) -> Liveness:
-        ref = weakref.ref(self)
-
-        def on_lost(ranks: Set[int], why: str) -> None:
-            comm = ref()
-            if comm is not None:
-                comm._peers_lost(ranks, why)
-
-        def on_left(ranks: Set[int]) -> None:
-            comm = ref()
-            if comm is not None and not comm._check_fenced():
-                comm._peers_left(ranks)
-
-        return Liveness(store, self._rank, self._size, heartbeat_s=lineage.heartbeat_s,
-                        peer_timeout_s=lineage.peer_timeout_s, connect_timeout_s=self._timeout_s,
-                        on_lost=on_lost, on_left=on_left, label=f"{self._name}@g{self.generation}")
-
-    def _check_fenced(self) -> bool:
-        """Peers left or vanished: if they went on without this rank, it is fenced (True)."""
-        try:
-            decided = self._lineage.membership.decided(self.generation + 1)
-        except Exception:  # the store is gone too: nothing to learn from it
-            return False
-        if decided is None or self.members[self._rank] in decided:
-            return False
-        self._retire(f"fenced out of generation {self.generation + 1}: the others went on with members "
-                     f"{decided}")
-        return True
-
-    def _peers_lost(self, ranks: Set[int], why: str) -> None:
-        """The monitor named ``ranks`` (of this group) as lost: ops in flight and
-        every later op raise ``PeerLost``; splits that contain them learn it too."""
-        ranks = set(ranks) - self.lost_ranks
-        if not ranks or (self._liveness is not None and self._check_fenced()):
-            return
-        self.lost_ranks |= ranks
-        members = ", ".join(f"rank {r} (member {self.members[r]})" for r in sorted(ranks))
-        self._on_failure(PeerLost(f"peer lost: {members}: {why}", comm=self._name, op="liveness",
-                                  seq=self._seq, ranks=ranks))
-        for child, parent_ranks in self._live_children():
-            child._peers_lost(_in_child(ranks, parent_ranks), why)
-
-    def _peers_left(self, ranks: Set[int]) -> None:
-        """Peers finalized or exited normally: nothing is wrong until an op needs them
-        (``_ensure_usable``, ``_interrupted``)."""
-        now = time.monotonic()
-        for r in ranks:
-            self._departed.setdefault(r, now)
-        for child, parent_ranks in self._live_children():
-            child._peers_left(_in_child(ranks, parent_ranks))
-
-    def _departure_matters(self, grace_s: float, among: Optional[Set[int]] = None) -> None:
-        """Turn members (``among`` them, if given) that left at least ``grace_s`` ago into a loss."""
-        if self._failure is None and not self._closed:
-            now = time.monotonic()
-            gone = {r for r, t in self._departed.items() if now - t >= grace_s and (among is None or r in among)}
-            if gone:
-                self._peers_lost(gone, "it left the communicator (finalize or exit) while this rank still "
-                                       "needs it")
-
-    def _live_children(self) -> List[Tuple["Communicator", List[int]]]:
-        """The communicators split from this one that still exist, with the ranks
-        (of this one) they were split over."""
-        return [(child, ranks) for ref, ranks in self._children if (child := ref()) is not None]
-
-    def _stop_watching(self) -> None:
-        if self._liveness is not None:
-            self._liveness.close()
+    def _stop_waiter(self) -> None:
         if self._waiter_thread is not None:
             self._waiter_thread.stop()
 
@@ -762,7 +606,7 @@ class Communicator:
             chk = self._checkers[op] = Checker(self._name, op, self._rank)
         return chk
 
-    def _opts(self, cls, reduce_op: Optional[ReduceOp] = None, root: Optional[int] = None):
+    def _opts(self, cls: Callable[[], Any], reduce_op: Optional[ReduceOp] = None, root: Optional[int] = None) -> Any:
         """The backend's option struct for this op, cached (c10d copies it on every call)."""
         key = (cls, None if reduce_op is None else reduce_op.name, root)
         opts = self._opts_cache.get(key)
@@ -795,11 +639,11 @@ class Communicator:
         return op
 
     def _fp(self, op: str, t: torch.Tensor, reduce_op: Optional[ReduceOp] = None, *, root: Optional[int] = None,
-            extra_shape: Optional[list] = None) -> Optional[dict]:
+            extra_shape: Optional[List[int]] = None) -> Optional[Dict[str, Any]]:
         """The op's cross-rank fingerprint (only built in check mode)."""
         if self._check is None:
             return None
-        fp = {"op": op, "dtype": str(t.dtype), "shape": extra_shape if extra_shape is not None else list(t.shape)}
+        fp: Dict[str, Any] = {"op": op, "dtype": str(t.dtype), "shape": extra_shape if extra_shape is not None else list(t.shape)}
         if reduce_op is not None:
             fp["reduce_op"] = repr(reduce_op)
         if root is not None:
@@ -807,20 +651,10 @@ class Communicator:
         return fp
 
     def _ensure_usable(self, op: str, seq: int, peer: Optional[int] = None) -> None:
-        """Raise unless the communicator can run ``op``: a point-to-point op with
-        ``peer`` needs only that member; a collective needs every one."""
-        if self._departed:
-            self._departure_matters(0.0, None if peer is None else {peer})
-        self._refuse_closed(op, seq)
-        if self._failure is not None:
-            first = self._failure
-            raise type(first)(
-                f"communicator is broken by an earlier failure ({first.op} #{first.seq}: {first.what})",
-                comm=self._name, op=op, seq=seq, ranks=first.ranks,
-            )
+        self.lifecycle.ensure_usable(op, seq, peer)
 
-    def _run(self, chk: Checker, timeout: Timeout, async_op: bool, io: tuple, fp: Optional[dict],
-             opts: Any, issue: Callable[[], Any], finish: Optional[Callable[[], None]] = None,
+    def _run(self, chk: Checker, timeout: Timeout, async_op: bool, io: OpIO, fp: Optional[Dict[str, Any]],
+             opts: Any, issue: Callable[[], Any], finish: Optional[Callable[[], None]] = None, *,
              peer: Optional[int] = None, seq: Optional[int] = None) -> Work:
         """Issue one op: deadline, sequence number, check mode, hooks, then the backend call.
 
@@ -830,27 +664,28 @@ class Communicator:
         op = chk.op
         timeout_s = self._timeout_s if timeout is None else timeout_seconds(timeout, self._timeout_s, chk)
         collective = seq is None
-        if collective:
+        if seq is None:
             self._seq = seq = self._seq + 1
         op_id = next(_op_ids)
         recorder = self.recorder
         record = None if recorder is None else recorder.scheduled(
             self, op, op_id, seq, io, peer, async_op, timeout_s)
         if self._pre.fns:
-            inputs, outputs, reduce_op, root = io
             self._pre(op, op_id, {
-                "seq": seq, "inputs": list(inputs), "outputs": list(outputs), "reduce_op": reduce_op,
-                "root": root, "peer": peer, "async_op": async_op, "timeout_s": timeout_s,
+                "seq": seq, "inputs": list(io.inputs), "outputs": list(io.outputs), "reduce_op": io.reduce_op,
+                "root": io.root, "peer": peer, "async_op": async_op, "timeout_s": timeout_s,
                 "backend_op": BACKEND_OPS[op],
             })
         start = time.monotonic_ns()
         try:
-            if collective and (self._closed or self._failure is not None or self._departed):
-                self._ensure_usable(op, seq)  # refused, but recorded like any op that failed
+            if collective and not self.lifecycle.clean:
+                self.lifecycle.ensure_usable(op, seq)  # refused, but recorded like any op that failed
             if self._check is not None:
+                assert fp is not None  # built in check mode
                 if collective:
                     self._check.collective(fp, seq, timeout_s)
                 else:
+                    assert peer is not None  # point-to-point
                     src, dst = (self._rank, peer) if op == "send" else (peer, self._rank)
                     self._check.p2p(fp, src, dst, seq, timeout_s)
             td = self._timedeltas.get(timeout_s) or self._timedelta(timeout_s)
@@ -888,20 +723,12 @@ class Communicator:
             return exc
         cls = backends.classify(exc)
         what = first_line(exc)
-        ranks = () if peer is None else (peer,)
-        if cls is PeerLost and not ranks and self._watched:
-            ranks = self._await_lost_ranks()
+        ranks: Tuple[int, ...] = () if peer is None else (peer,)
+        if cls is PeerLost and not ranks and self.lifecycle.watched:
+            ranks = tuple(self.lifecycle.await_lost_ranks())
             if ranks:
                 what = f"peer lost: rank(s) {', '.join(map(str, sorted(ranks)))} (backend: {what})"
         return cls(what, comm=self._name, op=op, seq=seq, timeout_s=timeout_s, elapsed_s=elapsed_s, ranks=ranks)
-
-    def _await_lost_ranks(self) -> Set[int]:
-        """The backend saw a connection drop; the monitor names the rank within
-        milliseconds when its process died (give it up to one heartbeat period)."""
-        deadline = time.monotonic() + max(self._lineage.heartbeat_s, 0.2)
-        while not self.lost_ranks and time.monotonic() < deadline:
-            time.sleep(0.005)
-        return set(self.lost_ranks)
 
     def _classify(self, exc: BaseException, work: Work) -> CommError:
         """Turn a backend exception raised while waiting on ``work`` into our error."""
@@ -909,29 +736,13 @@ class Communicator:
                                   (time.monotonic_ns() - work.start_ns) / 1e9, work.peer)
 
     def _on_failure(self, err: CommError) -> None:
-        if self._failure is None and not self._closed:
-            self._failure = err
-            self._error_hooks(err)
+        self.lifecycle.fail(err)
 
     def _interrupted(self, work: Work) -> Optional[CommError]:
         """The error an op in flight ends with once this communicator is broken
         or closed (None while it is usable)."""
-        return self._broken(work.op, work.seq, work.timeout_s, (time.monotonic_ns() - work.start_ns) / 1e9)
-
-    def _broken(self, op: str, seq: int, timeout_s: Optional[float] = None,
-                elapsed_s: Optional[float] = None) -> Optional[CommError]:
-        """The error a wait inside ``op`` ends with once this communicator is broken
-        or closed (None while it is usable)."""
-        if self._departed:  # a member that finished its part may leave while this op completes
-            self._departure_matters(self._lineage.peer_timeout_s)
-        first = self._failure
-        if first is None and not self._closed:
-            return None
-        if first is None:
-            return CommAborted(f"communicator was {self._closed}", comm=self._name, op=op, seq=seq,
-                               timeout_s=timeout_s, elapsed_s=elapsed_s)
-        return type(first)(f"interrupted: {first.what}", comm=self._name, op=op, seq=seq,
-                           timeout_s=timeout_s, elapsed_s=elapsed_s, ranks=first.ranks)
+        return self.lifecycle.interruption(work.op, work.seq, work.timeout_s,
+                                           (time.monotonic_ns() - work.start_ns) / 1e9)
 
 
 def new_comm(
@@ -1021,14 +832,10 @@ def join(
     )
 
 
-def watched_lineage(store: dist.Store, uid: str, name: str) -> Lineage:
-    """The lineage of a communicator whose membership is fixed (a c10d group): its
-    members watch each other (``COMMSLAYER_HEARTBEAT_S``), nothing more."""
-    return Lineage(store, uid, Membership(store, name), *config.liveness_timing(), isolate=False, resizable=False)
-
-
 def _lineage(chk: Checker, backend: str, device: Optional[torch.device], name: str, timeout: Timeout,
-             store: Optional[dist.Store], isolate_writes: Optional[bool], hints: Dict[str, object]):
+             store: Optional[dist.Store], isolate_writes: Optional[bool], hints: Dict[str, Any]
+             ) -> Tuple[backends.BackendSpec, torch.device, float, Optional[dist.Store], Dict[str, str],
+                        Callable[[dist.Store], Lineage]]:
     """What new_comm and join both check and read: (spec, device, timeout_s, store, the
     backend hints, a function of the store that makes the communicator's ``Lineage``).
     Start-up: a bad ``COMMSLAYER_*`` variable raises ``ConfigError`` here."""

@@ -7,7 +7,7 @@ where they are known.  Callers branch on the class; people read the message.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Any, Dict, Iterable, Optional, Tuple, Type
 
 
 class CommError(RuntimeError):
@@ -51,7 +51,7 @@ class CommError(RuntimeError):
             where.append("ranks " + ",".join(map(str, self.ranks)))
         return f"{self.what} [{'; '.join(where)}]" if where else self.what
 
-    def __reduce__(self):  # keep the keyword attributes across pickling
+    def __reduce__(self) -> Tuple[Any, ...]:  # keep the keyword attributes across pickling
         return (_rebuild, (type(self), self.what, self.__dict__.copy()))
 
 
@@ -61,7 +61,7 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _rebuild(cls, what, state):
+def _rebuild(cls: Type["CommError"], what: str, state: Dict[str, Any]) -> "CommError":
     err = cls.__new__(cls)
     RuntimeError.__init__(err, what)
     err.__dict__.update(state)

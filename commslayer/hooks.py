@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol, Set, Tuple
 
 if TYPE_CHECKING:
+    import torch
+
     from .communicator import Communicator
+    from .reduce_op import ReduceOp
     from .work import Work
 
 log = logging.getLogger("commslayer")
@@ -42,7 +45,7 @@ class Hooks:
         self.kind = kind
         self.fns: Tuple[Callable[..., Any], ...] = ()  # replaced, never mutated: safe to iterate
         self._lock = threading.Lock()
-        self._warned: set = set()
+        self._warned: Set[int] = set()
 
     def add(self, fn: Callable[..., Any]) -> HookHandle:
         if not callable(fn):
@@ -68,6 +71,15 @@ class Hooks:
                     log.exception("commslayer: %s hook %r raised (its later errors are not logged)", self.kind, fn)
 
 
+class OpIO(NamedTuple):
+    """What one op reads and writes, as the recorder and the pre hooks see it."""
+
+    inputs: Tuple["torch.Tensor", ...]
+    outputs: Tuple["torch.Tensor", ...]
+    reduce_op: Optional["ReduceOp"]  # None for ops that do not reduce
+    root: Optional[int]  # None for ops without a root
+
+
 class OpRecord(Protocol):
     """One op's entry in a recorder, as the op path fills it."""
 
@@ -81,9 +93,9 @@ class OpRecord(Protocol):
 class OpRecorder(Protocol):
     """What ``Communicator.recorder`` must be (tracing's ``FlightRecorder`` is one)."""
 
-    def scheduled(self, comm: "Communicator", op: str, op_id: int, seq: int, io: tuple,
+    def scheduled(self, comm: "Communicator", op: str, op_id: int, seq: int, io: OpIO,
                   peer: Optional[int], async_op: bool, timeout_s: float) -> OpRecord:
-        """A new op entered ``comm``; ``io`` is (inputs, outputs, reduce_op, root)."""
+        """A new op entered ``comm``; ``io`` is what it reads and writes."""
 
 
 phase_hooks = Hooks("phase")  # fn(job, step, phase); the job calls them itself: what they raise propagates

@@ -6,7 +6,7 @@ scaling step (before or after the op); this module says which step is needed.
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Dict, Union
 
 import torch
 import torch.distributed as dist
@@ -41,9 +41,9 @@ class ReduceOp:
 
     def to_c10d(self) -> dist.ReduceOp:
         """The c10d op that runs on the wire (AVG and PREMUL_SUM travel as SUM)."""
-        if self.name in ("AVG", "PREMUL_SUM"):
-            return dist.ReduceOp.SUM
-        return getattr(dist.ReduceOp, self.name)
+        name = "SUM" if self.name in ("AVG", "PREMUL_SUM") else self.name
+        op: dist.ReduceOp = getattr(dist.ReduceOp, name)
+        return op
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ReduceOp) and (self.name, self.factor) == (other.name, other.factor)
@@ -58,7 +58,7 @@ class ReduceOp:
 for _name in ("SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR"):
     setattr(ReduceOp, _name, ReduceOp(_name))
 
-_FROM_C10D = {
+_FROM_C10D: Dict[object, "ReduceOp"] = {
     dist.ReduceOp.SUM: ReduceOp.SUM,
     dist.ReduceOp.PRODUCT: ReduceOp.PRODUCT,
     dist.ReduceOp.MIN: ReduceOp.MIN,

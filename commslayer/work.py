@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -25,7 +25,7 @@ from .validation import Timeout, timeout_seconds
 
 if TYPE_CHECKING:
     from .communicator import Communicator
-    from .hooks import OpRecord
+    from .hooks import Hooks, OpRecord
 
 
 class WorkStatus(enum.Enum):
@@ -61,7 +61,7 @@ class Work:
         op_id: int,
         timeout_s: float,
         start_ns: int,
-        c10d_work,
+        c10d_work: Any,
         finish: Optional[Callable[[], None]] = None,
         peer: Optional[int] = None,
         record: Optional[OpRecord] = None,
@@ -120,12 +120,13 @@ class Work:
     def wait_issued(self, timeout: timedelta) -> None:
         """The synchronous path: wait the op's whole timeout right after issuing it
         (in slices when a liveness monitor may interrupt it)."""
-        sliced = self.comm._watched and self.peer is None
+        sliced = self.comm.lifecycle.watched and self.peer is None
         try:
             self._c10d.wait(_SLICE if sliced else timeout)
         except RuntimeError as exc:
             if not sliced:
                 self._backend_failed(exc)
+                assert self._error is not None  # a failed backend always leaves its error
                 raise self._error from None
             self._settle_from_backend((self.deadline_ns - time.monotonic_ns()) / 1e9)
             if self._error is not None:
@@ -142,21 +143,22 @@ class Work:
         if self._error is not None:
             raise self._error
 
-    def fail_before_issue(self, err: CommError, post_hooks, breaks: bool) -> None:
+    def fail_before_issue(self, err: CommError, post_hooks: "Hooks", breaks: bool) -> None:
         """The op never reached the backend (check mode refused it, or the call raised)."""
         if post_hooks.fns:
             post_hooks(self.op_id, self)
         self._fail(err, time.monotonic_ns(), breaks=breaks)
 
-    def get_future(self) -> "torch.futures.Future":
+    def get_future(self) -> "torch.futures.Future[None]":
         """A future that completes with the op, or fails with its ``CommError``."""
 
-        def settle(fut: torch.futures.Future) -> None:
+        def settle(fut: "torch.futures.Future[Any]") -> None:
             self._settle_from_future(fut)
             if self._error is not None:
                 raise self._error
 
-        return self._c10d.get_future().then(settle)
+        future: "torch.futures.Future[None]" = self._c10d.get_future().then(settle)
+        return future
 
     def settle_when_done(self) -> None:
         """Settle the op from the backend's completion callback, as it ends.
@@ -171,7 +173,7 @@ class Work:
             return
         future.add_done_callback(self._settle_from_future)
 
-    def _settle_from_future(self, fut: "torch.futures.Future") -> None:
+    def _settle_from_future(self, fut: "torch.futures.Future[Any]") -> None:
         # Runs on the backend's thread as the op ends: waiting here would deadlock.
         try:
             fut.value()
@@ -199,7 +201,7 @@ class Work:
             self._expire(time.monotonic_ns())
             return
         end_ns = time.monotonic_ns() + int(remaining_s * 1e9)
-        sliceable = self.comm._watched and self.peer is None
+        sliceable = self.comm.lifecycle.watched and self.peer is None
         while True:
             watched = sliceable and remaining_s > _SLICE_S
             try:
@@ -286,7 +288,7 @@ class WaitedElsewhere:
 
     __slots__ = ("work", "done", "error")
 
-    def __init__(self, work) -> None:
+    def __init__(self, work: Any) -> None:
         self.work = work
         self.done = threading.Event()
         self.error: Optional[BaseException] = None
@@ -301,7 +303,7 @@ class WaitedElsewhere:
     def is_completed(self) -> bool:
         return self.done.is_set()
 
-    def get_future(self):
+    def get_future(self) -> Any:
         raise RuntimeError("this work has no future")
 
 
@@ -313,7 +315,7 @@ class Waiter:
         self._thread = threading.Thread(target=self._run, name=f"commslayer-waiter-{label}", daemon=True)
         self._thread.start()
 
-    def wrap(self, work) -> WaitedElsewhere:
+    def wrap(self, work: Any) -> WaitedElsewhere:
         waited = WaitedElsewhere(work)
         self._queue.put(waited)
         return waited

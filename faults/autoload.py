@@ -12,11 +12,12 @@ def autoload() -> None:
 
     if not (os.environ.get("COMMSLAYER_FAULTS") or os.environ.get("COMMSLAYER_FAULTS_LOG")):
         return
-    package = sys.modules.get("commslayer")
-    if package is not None and not getattr(package, "_ready", False):
-        package.__dict__.setdefault("_when_ready", []).append(_install)  # commslayer is importing torch
+    if "commslayer" not in sys.modules:
+        _install()
         return
-    _install()
+    from commslayer.startup import when_ready
+
+    when_ready(_install)  # commslayer may be importing torch: then it runs once the package is complete
 
 
 def _install() -> None:

@@ -56,8 +56,10 @@ def _child(fn, rank, size, port, args, conn, env) -> None:
             conn.send(("error", (RuntimeError(repr(exc)), traceback.format_exc())))
     finally:
         conn.close()
-        if "commslayer.liveness" in sys.modules:  # what atexit would do for the liveness monitors
-            sys.modules["commslayer.liveness"].close_all()
+        if "commslayer.liveness" in sys.modules:  # what atexit would do: goodbye, before-exit hooks
+            from commslayer.exits import before_exit
+
+            before_exit(0, "")
         os._exit(0)  # skip atexit: a broken Gloo group must not hang teardown
 
 

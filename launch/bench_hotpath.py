@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 import commslayer
+from commslayer.hooks import OpIO
 from tracing.recorder import FlightRecorder
 
 
@@ -51,7 +52,7 @@ def main() -> int:
         rec = FlightRecorder(4096, trace_dir, job="bench")
         rec.attach(traced)
         t = torch.ones(1)
-        io = ((t,), (t,), dist.ReduceOp.SUM, None)
+        io = OpIO((t,), (t,), dist.ReduceOp.SUM, None)
         done = plain.all_reduce(t)
 
         def record_only() -> None:

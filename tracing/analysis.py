@@ -156,7 +156,10 @@ SYMMETRIC_OPS = frozenset(("all_reduce", "all_gather_single", "all_gather", "red
                            "reduce_scatter", "all_to_all_single", "barrier"))
 _STATE_CODES = {s: i for i, s in enumerate(STATES)}
 _COMPLETED = _STATE_CODES[COMPLETED]
-_W = 7  # a collective's array holds, per rank: rank, enqueue, start, end (-1: none), fingerprint, state, call site
+# A collective's flat array holds _W values per rank, at these offsets (JobScan.collectives):
+# rank, enqueue, start, end (-1: none), fingerprint id, state code, call site id.
+_RANK, _ENQ, _START, _END, _FP, _STATE, _SITE = range(7)
+_W = 7
 
 
 def bus_factor(op: str, n: int) -> Optional[float]:
@@ -277,7 +280,7 @@ class JobScan:
         for key, a in part.collectives.items():
             if not same_ids:
                 for i in range(0, len(a), _W):
-                    a[i + 4], a[i + 6] = fmap[a[i + 4]], smap[a[i + 6]]
+                    a[i + _FP], a[i + _SITE] = fmap[a[i + _FP]], smap[a[i + _SITE]]
             mine = self.collectives.get(key)
             if mine is None:
                 self.collectives[key] = a
@@ -402,16 +405,16 @@ class JobScan:
         for key, a in self.collectives.items():
             if len(a) < 2 * _W or self.coll_ops[key] not in SYMMETRIC_OPS:
                 continue
-            ref, ref_start, ref_end, ref_state = a[0], a[2], a[3], a[5]
+            ref, ref_start, ref_end, ref_state = a[_RANK], a[_START], a[_END], a[_STATE]
             if ref_state != _COMPLETED:
                 continue
             for i in range(_W, len(a), _W):
-                if a[i + 5] != _COMPLETED:
+                if a[i + _STATE] != _COMPLETED:
                     continue
-                lo, hi = a[i + 2] - ref_end, a[i + 3] - ref_start
-                b = bounds.get((ref, a[i]))
+                lo, hi = a[i + _START] - ref_end, a[i + _END] - ref_start
+                b = bounds.get((ref, a[i + _RANK]))
                 if b is None:
-                    bounds[(ref, a[i])] = [lo, hi, 1]
+                    bounds[(ref, a[i + _RANK])] = [lo, hi, 1]
                 else:
                     if lo > b[0]:
                         b[0] = lo
@@ -526,7 +529,7 @@ def flow_order(scan: JobScan, key: Tuple[str, int, int]) -> List[int]:
     a = scan.collectives.get(key, ())
     mids = []
     for i in range(0, len(a), _W):
-        rank, start, end = a[i], a[i + 2], a[i + 3]
+        rank, start, end = a[i + _RANK], a[i + _START], a[i + _END]
         mids.append(((start + (start if end < 0 else end)) // 2 - scan.offsets[rank].offset_ns, rank))
     return [rank for _, rank in sorted(mids)]
 
@@ -617,7 +620,7 @@ def stragglers(scan: JobScan) -> List[Dict[str, Any]]:
         n = len(a) // _W
         if n < 2 or n != scan.comm_size(comm):
             continue
-        arrivals = [(a[i + 1] - off[a[i]], a[i]) for i in range(0, len(a), _W)]
+        arrivals = [(a[i + _ENQ] - off[a[i + _RANK]], a[i + _RANK]) for i in range(0, len(a), _W)]
         latest, late_rank = max(arrivals)
         last[late_rank] += 1
         for t, rank in arrivals:
@@ -726,12 +729,12 @@ def _call_site_splits(scan: JobScan, findings: List[Finding]) -> None:
     reported: Dict[str, int] = {}
     for key in sorted(scan.collectives, key=lambda k: (k[0], k[1], k[2])):
         a = scan.collectives[key]
-        sids = a[6::_W]
+        sids = a[_SITE::_W]
         if len(set(sids)) < 2 or reported.get(key[0], 0) >= 3:
             continue
         reported[key[0]] = reported.get(key[0], 0) + 1
         groups: Dict[int, List[int]] = {}
-        for rank, sid in zip(a[0::_W], sids):
+        for rank, sid in zip(a[_RANK::_W], sids):
             groups.setdefault(sid, []).append(rank)
         where = "; ".join(f"{_ranks(rs)} at {names[sid]}" for sid, rs in sorted(groups.items(), key=lambda kv: min(kv[1])))
         name = scan.communicators.get(key[0], {}).get("name") or key[0]
@@ -744,10 +747,10 @@ def _mismatches(scan: JobScan, findings: List[Finding], culprits: Dict[int, str]
     by_id = {fid: fp for fp, fid in scan.fingerprints.items()}
     out: Dict[Tuple[str, int, int], List[int]] = {}
     for key, a in scan.collectives.items():
-        fids = a[4::_W]
+        fids = a[_FP::_W]
         if len(set(fids)) < 2:
             continue
-        ranks = a[0::_W]
+        ranks = a[_RANK::_W]
         groups: Dict[int, List[int]] = {}
         for rank, fid in zip(ranks, fids):
             groups.setdefault(fid, []).append(rank)
@@ -795,7 +798,7 @@ def _diagnose_comm(scan: JobScan, uid: str, missing: List[int], mismatches: Dict
         gen, seq = trouble.get("generation") or 0, trouble["seq"]
         key = (uid, gen, seq)
         a = scan.collectives.get(key, array("q"))
-        entered = {a[i]: STATES[a[i + 5]] for i in range(0, len(a), _W)}
+        entered = {a[i + _RANK]: STATES[a[i + _STATE]] for i in range(0, len(a), _W)}
         never = [r for r in present if r not in entered and _before(scan.last_entered.get((r, uid)), gen, seq)]
         by_state: Dict[str, List[int]] = {}
         for r, st in entered.items():

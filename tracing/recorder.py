@@ -17,7 +17,6 @@ ending), and whenever ``dump()`` is called.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import pickle
@@ -37,8 +36,8 @@ import commslayer
 from commslayer import config
 from commslayer.communicator import BACKEND_OPS
 from commslayer.work import WorkStatus
-from commslayer.exits import register_before_exit
-from commslayer.liveness import close_all
+from commslayer.exits import before_exit, exit_now, register_before_exit
+from commslayer.hooks import OpIO
 
 from . import fr_format
 from .dumps import FILE_MODE, DumpWriter
@@ -151,12 +150,13 @@ class FlightRecorder:
         info.update(rank=comm.get_rank(), size=comm.get_size(), global_ranks=comm.global_ranks,
                     generation=comm.generation, members=comm.members, state=comm.state)
 
-    def scheduled(self, comm: "commslayer.Communicator", op: str, op_id: int, seq: int, io: tuple,
+    def scheduled(self, comm: "commslayer.Communicator", op: str, op_id: int, seq: int, io: OpIO,
                   peer: Optional[int], async_op: bool, timeout_s: float) -> Record:
         """The op path's call as ``op`` enters ``comm``: a new record in the ring."""
         r = Record()
         r.enqueue_ns = time.monotonic_ns()
-        inputs, outputs, r.reduce_op, r.root = io
+        inputs, outputs = io.inputs, io.outputs
+        r.reduce_op, r.root = io.reduce_op, io.root
         r.in_sizes = [t.shape for t in inputs]
         r.out_sizes = [t.shape for t in outputs]
         first = inputs[0] if inputs else (outputs[0] if outputs else None)
@@ -304,19 +304,20 @@ _recorder: Optional[FlightRecorder] = None
 _lock = threading.Lock()
 
 
-def _dump_at_exit(rec: FlightRecorder) -> None:
-    """Say goodbye first (the others need not wait while this process writes its dump), then dump."""
-    close_all(goodbye=True)
-    rec.dump("exit")
-
-
 def _dump_before_exit(rec: FlightRecorder, status: int, why: str) -> None:
-    """``commslayer.exits.exit_now`` is ending the process (the connections are closed already)."""
-    rec.dump("exit" if status == 0 else f"exit {status}: {why}")
+    """``commslayer.exits.before_exit``: the process ends (the connections are closed already)."""
+    if status == 0:
+        reason = "exit"
+    elif status == _TERM_STATUS:
+        reason = why
+    else:
+        reason = f"exit {status}: {why}"
+    rec.dump(reason)
     rec.flush_sinks()
 
 
 _TERM_GRACE_S = 1.0  # after a SIGTERM dump, how long the main thread has to end the process
+_TERM_STATUS = 128 + signal.SIGTERM  # how a process ends that SIGTERM ended
 
 
 def install(trace_dir: Optional[str] = None, *, capacity: Optional[int] = None,
@@ -348,7 +349,6 @@ def install(trace_dir: Optional[str] = None, *, capacity: Optional[int] = None,
             OtelSink.attach(rec)
         if signals and threading.current_thread() is threading.main_thread():
             _install_signal_handlers(rec)
-        atexit.register(_dump_at_exit, rec)
         rec._handles.append(register_before_exit(lambda status, why: _dump_before_exit(rec, status, why)))
         _recorder = rec
         return rec
@@ -386,12 +386,13 @@ def _install_signal_handlers(rec: FlightRecorder) -> None:
         with rec._dump_lock, term_lock:
             if not term_dumped:
                 term_dumped.append(True)
-                if not callable(previous_term):
-                    # This process ends: hang up first, so that its peers take it as lost
-                    # now rather than wait on it while it writes its dump.
-                    close_all(goodbye=False)
-                rec.dump("SIGTERM")
-                rec.flush_sinks()
+                if callable(previous_term):  # the program handles SIGTERM: it may go on
+                    rec.dump("SIGTERM")
+                    rec.flush_sinks()
+                else:
+                    # This process ends: hang up first (before_exit), so that its peers take it
+                    # as lost now rather than wait on it while it writes its dump.
+                    before_exit(_TERM_STATUS, "SIGTERM")
 
     def die_of_term() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -425,7 +426,7 @@ def _install_signal_handlers(rec: FlightRecorder) -> None:
                         # Only the main thread may restore the default handler: it does (on_term)
                         # once it is back in Python; a main thread stuck in C is not waited for.
                         time.sleep(_TERM_GRACE_S)
-                        os._exit(128 + signal.SIGTERM)
+                        exit_now(_TERM_STATUS, "SIGTERM")  # the before-exit hooks ran already
                 elif signum == signal.SIGUSR1:
                     rec.dump("SIGUSR1")
 

@@ -81,7 +81,7 @@ def new_dump(*, job: str, rank: int, host: str, pid: int, wall_ns: int, mono_ns:
 def load_dump(path: str) -> Dict[str, Any]:
     """Read one dump, checking that it is ours and of a schema we understand."""
     with open(path, "rb") as f:
-        doc = json.load(f)
+        doc: Dict[str, Any] = json.load(f)
     if doc.get("kind") != DUMP_KIND:
         raise ValueError(f"{path} is not a commslayer trace dump")
     if doc.get("schema") != SCHEMA_VERSION:

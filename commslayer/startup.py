@@ -1,0 +1,38 @@
+"""Work that must wait until the ``commslayer`` package is completely imported.
+
+``import commslayer`` may be what first imports torch, and torch then runs
+the ``torch.backends`` entry points (``tracing.autoload``,
+``faults.autoload``) while this package is half built.  They register what
+they need with ``when_ready``, which runs it at once when the package is
+complete and otherwise once ``commslayer/__init__`` calls ``mark_ready`` at
+its end.  This module imports nothing, so it can be imported at any point.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List
+
+_ready = False
+_queued: List[Callable[[], None]] = []
+
+
+def when_ready(fn: Callable[[], None]) -> None:
+    """Run ``fn()`` once the package is complete: now if it is. Idempotent: a function
+    queued already is not queued twice."""
+    if _ready:
+        fn()
+    elif fn not in _queued:
+        _queued.append(fn)
+
+
+def is_ready() -> bool:
+    """Whether ``commslayer/__init__`` has finished."""
+    return _ready
+
+
+def mark_ready() -> None:
+    """The package is complete (``commslayer/__init__``'s last step): run what waited."""
+    global _ready
+    _ready = True
+    while _queued:
+        _queued.pop(0)()

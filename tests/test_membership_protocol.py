@@ -1,0 +1,113 @@
+"""The membership protocol (commslayer.membership) in process: threads as members over one
+c10d ``HashStore``, milliseconds a test, for its corner cases. The same protocol with
+real processes, sockets and kills is tested in test_recovery.py and test_resilience.py."""
+
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from commslayer.errors import CollectiveTimeout, CommAborted, CommError, PeerLost
+from commslayer.membership import Membership
+
+from harness import on_threads
+
+
+@pytest.fixture
+def m():
+    return Membership(dist.HashStore(), "proto")
+
+
+def _shrink(m, me, suspects=(), members=(0, 1, 2, 3), window_s=2.0, min_size=1):
+    return lambda: m.agree_after_loss(1, list(members), me, lambda: set(suspects), join_window_s=window_s,
+                                      timeout_s=5.0, min_size=min_size)
+
+
+# ------------------------------------------------------------------ shrinking
+def test_survivors_agree_without_waiting_out_the_window_once_every_unsuspected_member_joined(m):
+    start = time.monotonic()
+    got = on_threads(_shrink(m, 0, suspects={3}), _shrink(m, 1), _shrink(m, 2))
+    assert got == [[0, 1, 2]] * 3
+    assert time.monotonic() - start < 1.0  # the 2 s join window was not needed
+    assert m.decided(1) == [0, 1, 2] and m.current() == 1
+
+
+def test_a_survivor_slow_to_notice_the_loss_still_gets_in(m):
+    got = on_threads(_shrink(m, 0, suspects={3}), _shrink(m, 1, suspects={3}), _shrink(m, 2), stagger_s=0.05)
+    assert got == [[0, 1, 2]] * 3
+
+
+def test_a_member_that_never_joins_is_left_out_after_the_join_window(m):
+    start = time.monotonic()
+    got = on_threads(_shrink(m, 0, window_s=0.1), _shrink(m, 1, window_s=0.1))
+    assert got == [[0, 1]] * 2 and time.monotonic() - start >= 0.1
+
+
+def test_a_member_the_others_suspected_is_fenced_out_when_it_arrives(m):
+    assert on_threads(_shrink(m, 0, suspects={2}, members=(0, 1, 2)),
+                    _shrink(m, 1, suspects={2}, members=(0, 1, 2))) == [[0, 1]] * 2
+    late = on_threads(_shrink(m, 2, members=(0, 1, 2)))[0]
+    assert isinstance(late, CommAborted) and "fenced out of generation 1" in str(late), late
+    assert m.decided(1) == [0, 1]  # the late member's join did not change the decision
+
+
+def test_too_few_survivors_for_min_size_decide_nothing(m):
+    got = on_threads(_shrink(m, 0, suspects={1, 2, 3}, min_size=2))[0]
+    assert isinstance(got, CommError) and "only 1 member(s) [0] survived; min_size is 2" in str(got), got
+    assert m.decided(1) is None
+
+
+# ------------------------------------------------------------------ reconfigure and admission
+def test_concurrent_reconfigures_adopt_the_first_list(m):
+    got = on_threads(lambda: m.agree_on(1, [0, 1], 0, [0, 1]), lambda: m.agree_on(1, [1, 0], 1, [0, 1]))
+    assert got[0] == got[1] and got[0] in ([0, 1], [1, 0])
+
+
+def test_a_joiner_is_pending_until_admitted_and_then_not_again(m):
+    none = lambda: None  # noqa: E731
+    joined = {}
+    before = m.announce(2)
+    joiner = threading.Thread(target=lambda: joined.update(got=m.wait_for_admission(2, before, 5.0)))
+    joiner.start()
+    assert on_threads(lambda: m.pending(0, 1, [0, 1], True, none, 5.0),
+                    lambda: m.pending(0, 1, [0, 1], False, none, 5.0)) == [[2], [2]]
+    assert on_threads(lambda: m.agree_on(1, [0, 1, 2], 0, [0, 1]),
+                    lambda: m.agree_on(1, [0, 1, 2], 1, [0, 1])) == [[0, 1, 2]] * 2
+    joiner.join(5)
+    assert joined["got"] == (1, [0, 1, 2])
+    assert m.pending(1, 1, [0, 1, 2], True, none, 5.0) == []
+    m.announce(2)  # killed again after joining: it must announce again, and is pending again
+    assert m.pending(1, 2, [0, 1], True, none, 5.0) == [2]
+
+
+def test_a_joiner_skips_decisions_that_do_not_name_it(m):
+    before = m.announce(5)
+    m.agree_on(1, [0, 1], 0, [0, 1, 2])
+    m.agree_on(2, [0, 1, 5], 0, [0, 1])
+    assert m.wait_for_admission(5, before, 1.0) == (2, [0, 1, 5])
+
+
+# ------------------------------------------------------------------ votes
+def _vote(m, call, ok, interrupted=lambda: None, size=3, timeout_s=5.0):
+    return lambda: m.vote(0, call, size, ok, interrupted, timeout_s)
+
+
+def test_every_yes_commits_everywhere_and_one_no_aborts_everywhere(m):
+    assert on_threads(*(_vote(m, 1, True) for _ in range(3))) == [True] * 3
+    assert on_threads(_vote(m, 2, True), _vote(m, 2, False), _vote(m, 2, True)) == [False] * 3
+
+
+def test_a_member_lost_before_voting_aborts_the_step_for_those_waiting(m):
+    lost = PeerLost("peer lost", comm="proto", ranks=[2])
+    assert on_threads(_vote(m, 1, True, lambda: lost), _vote(m, 1, True, lambda: lost)) == [False] * 2
+
+
+def test_a_yes_that_arrives_after_the_commit_cannot_turn_it(m):
+    assert on_threads(*(_vote(m, 1, True, size=2) for _ in range(2))) == [True] * 2
+    assert _vote(m, 1, False, size=2)() is True  # a late "no" (say, a member fenced later) reads the outcome
+
+
+def test_a_vote_nobody_completes_times_out(m):
+    got = on_threads(_vote(m, 1, True, timeout_s=0.05))[0]
+    assert isinstance(got, CollectiveTimeout) and "should_commit" in str(got), got
