@@ -76,7 +76,7 @@ class _DdpChunks:
             size += nbytes
         if current:
             self.chunks.append(tuple(current))
-        self.group = module.process_group
+        self.group: dist.ProcessGroup = getattr(module, "process_group")  # a DistributedDataParallel's
         self.next = 0  # the first chunk not started this step
         self.done: Dict[int, torch.Tensor] = {}  # id(param) -> its in-group average, this step
         # DDP buckets whose in-group average is in flight: (their parameters, views of their gradients, the future)
@@ -122,6 +122,11 @@ class GradientAverage:
                     pass
         return hooked
 
+    @property
+    def _live(self) -> Replicas:
+        assert self.replicas is not None, "only while steps run"
+        return self.replicas
+
     def _on_fsdp_shard(self, reduce_output: torch.Tensor) -> None:
         if self.replicas is None:
             return
@@ -140,7 +145,7 @@ class GradientAverage:
         self._shards, self._shard_bytes = [], 0
         flat = torch.cat([t.reshape(-1) for t in shards]) if len(shards) > 1 else shards[0]
         layout = [list(range(len(shards)))]
-        self._early.append(_Early(flat, self.replicas.start(flat), lambda avg: unpack([avg], layout, shards),
+        self._early.append(_Early(flat, self._live.start(flat), lambda avg: unpack([avg], layout, shards),
                                   shards=shards))
 
     def _on_ddp_bucket(self, chunks: _DdpChunks,
@@ -167,7 +172,7 @@ class GradientAverage:
             params = chunks.chunks[chunks.next]
             chunks.next += 1
             flat = torch.cat([chunks.done[id(p)].reshape(-1) for p in params])
-            self._early.append(_Early(flat, self.replicas.start(flat), _writer(params), params=params))
+            self._early.append(_Early(flat, self._live.start(flat), _writer(params), params=params))
 
     # ------------------------------------------------------------------- step
     def average(self, params: Sequence[torch.Tensor], extra: Optional[torch.Tensor],
@@ -184,8 +189,8 @@ class GradientAverage:
         rest = [local(p.grad) for p in params if p.grad is not None and id(p) not in covered and
                 local(p.grad).untyped_storage().data_ptr() not in buffers]
         buckets, layout = pack(rest, extra, self.bucket_bytes)
-        started = [e.started for e in early] + [self.replicas.start(b) for b in buckets]
-        averaged = self.replicas.average([e.buffer for e in early] + buckets, step, started)
+        started = [e.started for e in early] + [self._live.start(b) for b in buckets]
+        averaged = self._live.average([e.buffer for e in early] + buckets, step, started)
         with torch.no_grad():
             for e, avg in zip(early, averaged):
                 e.write(avg)
@@ -206,7 +211,9 @@ def _writer(params: Tuple[torch.Tensor, ...]) -> Callable[[torch.Tensor], None]:
     def write(flat: torch.Tensor) -> None:
         offset = 0
         for p in params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+            grad = p.grad
+            assert grad is not None, "a chunk is started only once all its gradients are in"
+            grad.copy_(flat[offset:offset + p.numel()].view_as(grad))
             offset += p.numel()
     return write
 
@@ -218,7 +225,10 @@ def pack(tensors: Sequence[torch.Tensor], extra: Optional[torch.Tensor],
     the indices of the tensors in each bucket."""
     if not tensors and extra is None:
         return [], []
-    buckets, layout, current, size, dtype = [], [], [], 0, None
+    buckets: List[torch.Tensor] = []
+    layout: List[List[int]] = []
+    current: List[int] = []
+    size, dtype = 0, None
     for i, t in enumerate(tensors):
         nbytes = t.numel() * t.element_size()
         if current and (size + nbytes > bucket_bytes or t.dtype != dtype):
