@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Protocol, Tuple
 
 if TYPE_CHECKING:
     from .communicator import Communicator
@@ -95,3 +95,16 @@ def register_phase_hook(fn: Callable[..., Any]) -> HookHandle:
     Here rather than in ``resilience`` so that the fault harness can register while
     torch is still importing."""
     return phase_hooks.add(fn)
+
+
+recovery_hooks = Hooks("recovery")  # fn(kind, fields); a broken observer is logged and skipped
+
+
+def register_recovery_hook(fn: Callable[[str, Dict[str, Any]], None]) -> HookHandle:
+    """Run ``fn(kind, fields)`` at each milestone of a resilient job's recovery
+    (``commslayer.replicas``): ``recovered`` (the survivors went on without a
+    lost replica group), ``admitted`` (a restarted group was let back in) and
+    ``healed`` (a restarted rank received a live replica's state). ``fields``
+    are plain values (steps, member ids, bytes, seconds); tracing records them
+    as events."""
+    return recovery_hooks.add(fn)

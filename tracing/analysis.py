@@ -20,7 +20,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .records import COMPLETED, SCHEDULED, STARTED, STATES
-from .traceio import RankSource, TraceFileError, discover, rank_records, rank_rows
+from .messages import human_bytes, relative_site, short_error, short_reason
+from .story import recovery_story
+from .traceio import RankSource, TraceFileError, discover, life_communicators, life_uid, rank_records, rank_rows
 
 RS_OPS = frozenset(("reduce_scatter_single", "reduce_scatter"))
 AG_OPS = frozenset(("all_gather_single", "all_gather"))
@@ -249,6 +251,7 @@ class JobScan:
                                                          f"({len(self.problems)} problems, the first: "
                                                          f"{self.problems[0] if self.problems else '-'})")
         self.offsets: Dict[int, ClockOffset] = self._align()
+        self._note_lives()
 
     def _empty_state(self) -> None:
         self.communicators: Dict[str, Dict[str, Any]] = {}
@@ -378,7 +381,7 @@ class JobScan:
     def _note_communicators(self, src: RankSource) -> None:
         """What rank ``src.rank``'s files say about its communicators, merged over ranks."""
         rank = src.rank
-        for uid, info in src.communicators.items():
+        for uid, info in life_communicators(src):
             known = self.communicators.setdefault(uid, {"name": info.get("name"), "backend": info.get("backend"),
                                                         "size": info.get("size"), "global_ranks": None,
                                                         "states": {}, "comm_ranks": {}})
@@ -388,6 +391,45 @@ class JobScan:
                 known["size"] = info["size"]
             known["states"][rank] = info.get("state")
             known["comm_ranks"][rank] = info.get("rank")
+
+    def _note_lives(self) -> None:
+        """Recovery events and the spans of restarted ranks' lives, on the common axis."""
+        self.events: List[Dict[str, Any]] = []                       # with rank, life and t_ns (aligned)
+        self.lives: Dict[int, List[Tuple[int, int, int]]] = {}       # rank -> (life, first, last) of each life
+        for rank, src in self.sources.items():
+            off = self.offsets[rank].offset_ns
+            for life in [src, *src.lives]:
+                for ev in life.events:
+                    if "wall_ns" in ev:
+                        uid = ev.get("comm_id")
+                        if life.life and uid and not ev.get("generation"):
+                            uid = life_uid(uid, life.life)
+                        self.events.append(dict(ev, rank=rank, life=life.life, comm_id=uid, t_ns=ev["wall_ns"] - off))
+                if src.lives and life.span is not None:
+                    base = src.wall_minus_mono_ns - off
+                    self.lives.setdefault(rank, []).append((life.life, life.span[0] + base, life.span[1] + base))
+        self.events.sort(key=lambda e: e["t_ns"])
+
+    def site(self, site: Optional[str], rank: Optional[int] = None) -> Optional[str]:
+        """A call site as the viewer shows it: relative to the working directory of
+        rank ``rank``'s process (any rank's when None or unknown)."""
+        src = self.sources.get(rank) if rank is not None else None
+        cwd = src.last_life.cwd if src is not None else None
+        if cwd is None:
+            cwd = next((s.cwd for s in self.sources.values() if s.cwd), None)
+        return relative_site(site, cwd)
+
+    def life_end(self, rank: int, before_ns: int) -> Optional[int]:
+        """The end (aligned ns) of rank ``rank``'s last op up to ``before_ns`` when that op
+        ended a life of the rank (it was restarted after); else None."""
+        spans = [s for s in self.lives.get(rank, ()) if s[2] <= before_ns]
+        later = [s for s in self.lives.get(rank, ()) if s[1] > before_ns]
+        return spans[-1][2] if spans and later else None
+
+    def life_of(self, rank: int, t_ns: int) -> int:
+        """The restart number of the life rank ``rank`` was in at ``t_ns`` (aligned)."""
+        src = self.sources.get(rank)
+        return max((life for life, lo, _ in self.lives.get(rank, ()) if lo <= t_ns), default=src.life if src else 0)
 
     # ---------------------------------------------------------------- clocks
     def _align(self) -> Dict[int, ClockOffset]:
@@ -537,15 +579,7 @@ def _bucket_label(bits: int) -> str:
     if bits == 0:
         return "0 B"
     lo, hi = 1 << (bits - 1), 1 << bits
-    return f"{_human_bytes(lo)}-{_human_bytes(hi)}"
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:g} {unit}"
-        n /= 1024
-    return f"{n:g} GiB"
+    return f"{human_bytes(lo)}-{human_bytes(hi)}"
 
 
 def summary(scan: JobScan) -> Dict[str, Any]:
@@ -634,8 +668,10 @@ def _op_name(r: Dict[str, Any]) -> str:
     return f"{r['op']} #{r['seq']}"
 
 
-def _where(r: Dict[str, Any]) -> str:
-    return f"{_op_name(r)} of '{r['comm']}' ({r['state']}) at {r.get('call_site') or '?'}"
+def _where(r: Dict[str, Any], scan: Optional["JobScan"] = None, rank: Optional[int] = None) -> str:
+    site = r.get("call_site") if scan is None else scan.site(r.get("call_site"), rank)
+    gen = f" generation {r['generation']}" if r.get("generation") else ""
+    return f"{_op_name(r)} of '{r['comm']}'{gen} ({r['state']}) at {site or '?'}"
 
 
 def _ranks(rs: Iterable[int]) -> str:
@@ -661,11 +697,17 @@ def diagnose(scan: JobScan) -> Dict[str, Any]:
     for uid in scan.communicators:
         expected.update(scan.members(uid))
     missing = sorted(expected - present)
+    story = recovery_story(scan)
+    gone = {r for loss in story["losses"] if loss["recovered"] for r in loss["lost"]}
     for r in missing:
+        if r in gone:
+            findings.append(Finding("info", f"rank {r} left no trace file: it was lost and the job went on "
+                                            "without it", [r]))
+            continue
         findings.append(Finding("error", f"rank {r} left no trace file (no dump, no JSON lines): it was killed "
                                          "(SIGKILL) or is still hung (SIGSTOP), or its files were not copied", [r]))
     for r, src in sorted(scan.sources.items()):
-        if src.dump_path is None and src.jsonl_path is not None:
+        if src.last_life.dump_path is None and src.last_life.jsonl_path is not None:
             findings.append(Finding("warning", f"rank {r} left JSON lines but no dump: it never exited, failed "
                                                "or got SIGTERM/SIGUSR1 (killed, or stopped)", [r]))
     lost: Dict[int, List[int]] = {}
@@ -679,7 +721,7 @@ def diagnose(scan: JobScan) -> Dict[str, Any]:
     _call_site_splits(scan, findings)
     comms = []
     for uid in sorted({k[0] for k in scan.collectives} | set(scan.communicators)):
-        comms.append(_diagnose_comm(scan, uid, missing, mismatches, findings, culprits))
+        comms.append(_diagnose_comm(scan, uid, missing, mismatches, findings, culprits, uid in story["superseded"]))
     ranks = []
     for r in sorted(expected):
         src = scan.sources.get(r)
@@ -688,24 +730,33 @@ def diagnose(scan: JobScan) -> Dict[str, Any]:
             continue
         stuck = scan.unfinished.get(r) or []
         last = scan.last_record.get(r)
+        stuck = [x for x in stuck if x["comm_id"] not in story["superseded"]] or \
+            ([] if story["recovered"] else stuck)
         if stuck:
-            stands, site = f"in {_where(stuck[0])}", stuck[0].get("call_site")
+            stands, site = f"in {_where(stuck[0], scan, r)}", stuck[0].get("call_site")
         elif last is not None:
-            stands, site = f"last seen after {_where(last)}", last.get("call_site")
+            stands, site = f"last seen after {_where(last, scan, r)}", last.get("call_site")
         else:
             stands, site = "no records", None
-        ranks.append({"rank": r, "files": src.files, "host": src.host, "pid": src.pid, "reason": src.reason,
-                      "dump": src.dump_path is not None, "stands": stands, "call_site": site})
+        life = src.last_life
+        ranks.append({"rank": r, "files": src.files, "host": life.host, "pid": life.pid,
+                      "reason": short_reason(life.reason), "reason_full": life.reason,
+                      "lives": 1 + len(src.lives), "dump": life.dump_path is not None, "stands": stands,
+                      "call_site": scan.site(site, r), "call_site_full": site})
     errors = [f for f in findings if f.severity == "error"]
     if culprits:
         head = "Likely culprit: " + "; ".join(f"rank {r} ({why})" for r, why in sorted(culprits.items()))
     elif errors:
         head = f"Something went wrong ({len(errors)} problems below), no single rank to blame."
+    elif story["losses"]:
+        head = "; ".join(story["lines"])
     else:
         head = f"No problem found in {len(present)} ranks' traces."
+    if story["losses"] and (culprits or errors):
+        findings.insert(0, Finding("info", "; ".join(story["lines"]), []))
     return {"ok": not errors, "headline": head, "culprits": sorted(culprits), "missing_ranks": missing,
             "findings": [asdict(f) for f in findings], "communicators": comms, "ranks": ranks,
-            "problems": list(scan.problems)}
+            "recovery": story, "problems": list(scan.problems)}
 
 
 def _describe(fp: Tuple[Any, ...]) -> str:
@@ -733,7 +784,7 @@ def _call_site_splits(scan: JobScan, findings: List[Finding]) -> None:
         groups: Dict[int, List[int]] = {}
         for rank, sid in zip(a[0::_W], sids):
             groups.setdefault(sid, []).append(rank)
-        where = "; ".join(f"{_ranks(rs)} at {names[sid]}" for sid, rs in sorted(groups.items(), key=lambda kv: min(kv[1])))
+        where = "; ".join(f"{_ranks(rs)} at {scan.site(names[sid])}" for sid, rs in sorted(groups.items(), key=lambda kv: min(kv[1])))
         name = scan.communicators.get(key[0], {}).get("name") or key[0]
         findings.append(Finding("warning", f"'{name}' #{key[2]} ({scan.coll_ops[key]}) was called from different "
                                            f"lines: {where}", sorted(min(groups.values(), key=len))))
@@ -770,7 +821,11 @@ def _mismatches(scan: JobScan, findings: List[Finding], culprits: Dict[int, str]
 
 
 def _diagnose_comm(scan: JobScan, uid: str, missing: List[int], mismatches: Dict[Tuple[str, int, int], List[int]],
-                   findings: List[Finding], culprits: Dict[int, str]) -> Dict[str, Any]:
+                   findings: List[Finding], culprits: Dict[int, str], superseded: bool = False) -> Dict[str, Any]:
+    """One communicator's rows; what went wrong in it into ``findings`` and ``culprits``
+    (as history, ``info``, when the job recovered from it: ``superseded``)."""
+    if superseded:
+        culprits = {}
     info = scan.communicators.get(uid, {})
     name = info.get("name") or uid
     members = scan.members(uid)
@@ -781,7 +836,7 @@ def _diagnose_comm(scan: JobScan, uid: str, missing: List[int], mismatches: Dict
         rows.append({"rank": r, "present": r in scan.sources,
                      "last_entered": None if le is None else f"{_op_name(le)} ({le['state']})",
                      "last_completed": None if lc is None else _op_name(lc),
-                     "call_site": None if le is None else le.get("call_site")})
+                     "call_site": None if le is None else scan.site(le.get("call_site"), r)})
     # The first op some member did not complete: where the communicator went wrong.
     trouble: Optional[Dict[str, Any]] = None
     for r in present:
@@ -804,12 +859,12 @@ def _diagnose_comm(scan: JobScan, uid: str, missing: List[int], mismatches: Dict
         text = f"'{name}' ({uid}) went wrong at {trouble['op']} #{seq}: {states}"
         errs = {trouble.get("error")} - {None}
         if errs:
-            text += f" ({sorted(errs)[0]})"
+            text += f" ({short_error(sorted(errs)[0])})"
         absent = [r for r in members if r in missing]
         if never:
             for r in never:
                 le = scan.last_entered.get((r, uid))
-                seen = "no op of this communicator recorded" if le is None else f"last entered {_where(le)}"
+                seen = "no op of this communicator recorded" if le is None else f"last entered {_where(le, scan, r)}"
                 culprits.setdefault(r, f"never entered {trouble['op']} #{seq} of '{name}'; {seen}")
             text += f"; {_ranks(never)} never entered it"
         elif absent and key not in mismatches:
@@ -817,13 +872,17 @@ def _diagnose_comm(scan: JobScan, uid: str, missing: List[int], mismatches: Dict
                 culprits.setdefault(r, f"left no trace while its peers failed in {trouble['op']} #{seq} of '{name}'")
             text += f"; {_ranks(absent)} left no trace"
         in_flight_everywhere = not never and not absent and set(by_state) <= {STARTED, SCHEDULED}
-        findings.append(Finding("warning" if in_flight_everywhere else "error", text, never or absent))
+        if superseded:
+            findings.append(Finding("info", f"recovered from: {text}", never or absent))
+        else:
+            findings.append(Finding("warning" if in_flight_everywhere else "error", text, never or absent))
     else:
         fronts = {r: scan.last_entered[(r, uid)]["seq"] for r in present if (r, uid) in scan.last_entered}
         if fronts and len(set(fronts.values())) > 1:
             top = max(fronts.values())
             behind = [r for r, s in fronts.items() if s < top]
-            findings.append(Finding("warning", f"'{name}' ({uid}): {_ranks(behind)} stopped before #{top}, "
+            findings.append(Finding("info" if superseded else "warning",
+                                    f"'{name}' ({uid}): {_ranks(behind)} stopped before #{top}, "
                                                "which the others completed (dumps taken at different times?)",
                                     behind))
     return {"uid": uid, "name": name, "members": members, "rows": rows}

@@ -27,6 +27,7 @@ import json
 import re
 from typing import Any, Dict, List, Optional
 
+from .messages import human_bytes, short_error
 from .analysis import (JobScan, OverlapStats, Slice, diagnose, overlap_by_rank, rank_timeline, straggler_line,
                        summary)
 
@@ -39,7 +40,7 @@ def _e(v: Any) -> str:
     return html.escape("" if v is None else str(v), quote=True)
 
 
-def _detail(r: Dict[str, Any], rank: int, in_flight: bool) -> str:
+def _detail(r: Dict[str, Any], rank: int, in_flight: bool, site: Optional[str]) -> str:
     size = r.get("in_bytes") if r.get("in_bytes") is not None else r.get("out_bytes")
     lines = [f"rank {rank}: {r['op']} #{r['seq']} of '{r.get('comm')}' ({r['comm_id']})",
              f"state {r['state']}" + (" (no end recorded)" if in_flight else "")
@@ -49,9 +50,12 @@ def _detail(r: Dict[str, Any], rank: int, in_flight: bool) -> str:
              + ("" if r.get("root") is None else f", root {r['root']}")
              + ("" if r.get("peer") is None else f", peer {r['peer']}"),
              f"{'async' if r.get('async_op') else 'sync'}, timeout {r.get('timeout_s')} s, thread {r.get('thread')}",
-             f"at {r.get('call_site')}"]
+             f"at {site}" + ("" if site == r.get("call_site") else f" ({r.get('call_site')})")]
+    if r.get("life"):
+        lines.append(f"life {r['life'] + 1} of this rank (restart {r['life']})")
     if r.get("error"):
-        lines.append(f"error: {r['error']}")
+        lines.append(f"error: {short_error(r['error'])}")
+        lines.append(f"full error text: {r['error']}")
     return "\n".join(lines)
 
 
@@ -59,6 +63,7 @@ class _Timeline:
     """Collects the timeline's plain values rank by rank (times in us from the first op)."""
 
     def __init__(self, scan: JobScan, culprits: List[int], max_ops: int, bins: int) -> None:
+        self.scan = scan
         self.t0, t1 = scan.span()
         self.span_us = (t1 - self.t0) / 1e3
         self.culprits = set(culprits)
@@ -99,20 +104,76 @@ class _Timeline:
         for s in keep:
             self.ops.append([lane_ids[(s.comm, s.lane)], (s.start_ns - t0) / 1e3, (s.end_ns - s.start_ns) / 1e3,
                              _STATE_CODE.get(s.record["state"], 1), len(self.details), s.record["op"]])
-            self.details.append(_detail(s.record, rank, s.in_flight))
+            self.details.append(_detail(s.record, rank, s.in_flight, self.scan.site(s.record.get("call_site"), rank)))
 
-    def data(self) -> Dict[str, Any]:
-        """What the page's script reads."""
+    def data(self, story: Dict[str, Any]) -> Dict[str, Any]:
+        """What the page's script reads: the ops, and the recovery story's markers (across
+        every row), generation bands, and the gaps between a restarted rank's lives."""
+        us = lambda t: (t - self.t0) / 1e3  # noqa: E731
+        gaps = []
+        for rank, lives in self.scan.lives.items():
+            rows = [i for i, lane in enumerate(self.lanes) if lane["rank"] == rank]
+            for (_, _, end), (life, start, _) in zip(lives, lives[1:]):
+                if rows and start > end:
+                    gaps.append([rows[0], rows[-1], us(end), us(start), f"rank {rank} restarted: life {life + 1}"])
         return {"span_us": self.span_us, "lanes": self.lanes, "ops": self.ops, "details": self.details,
-                "bins": self.agg, "aggregated": self.aggregated}
+                "bins": self.agg, "aggregated": self.aggregated,
+                "markers": [[us(m["t_ns"]), m["kind"], m["label"]] for m in story["markers"]],
+                "bands": [[us(b["start_ns"]), us(b["end_ns"]), b["generation"]] for b in story["generations"]],
+                "gaps": gaps}
 
 
-def _table(head: List[str], rows: List[List[Any]]) -> str:
-    out = ["<table><tr>", *(f"<th>{_e(h)}</th>" for h in head), "</tr>"]
+def _cell(c: Any) -> str:
+    """A table cell; a (text, full) pair shows ``text`` with ``full`` on hover."""
+    if isinstance(c, tuple):
+        text, full = c
+        return f"<td title='{_e(full)}'>{_e(text)}</td>" if full and full != text else f"<td>{_e(text)}</td>"
+    return f"<td>{_e(c)}</td>"
+
+
+def _table(head: List[str], rows: List[List[Any]], ident: str = "") -> str:
+    out = [f"<table{f' id={ident!r}' if ident else ''}><tr>", *(f"<th>{_e(h)}</th>" for h in head), "</tr>"]
     for row in rows:
-        out.append("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>")
+        out.append("<tr>" + "".join(_cell(c) for c in row) + "</tr>")
     out.append("</table>")
     return "".join(out)
+
+
+def _recovery_rows(story: Dict[str, Any], t0: int) -> List[List[Any]]:
+    """The recovery table: loss, each survivor's detection, decision, resume; admissions and heals; fencing."""
+    at = lambda t: f"{(t - t0) / 1e9:.3f}"  # noqa: E731
+    rows: List[List[Any]] = []
+    for loss in story["losses"]:
+        step = "-" if loss["step"] is None else loss["step"]
+        rows.append(["loss", at(loss["t_ns"]), step, ", ".join(map(str, loss["lost"])),
+                     f"generation {loss['generation']} of '{loss['lineage']}'"])
+        for d in loss["detections"]:
+            rows.append(["detection", at(d["t_ns"]), step, d["rank"],
+                         (f"+{d['latency_s']:.3f} s after the {loss['detection_base']}: {d['how']}", d["error"])])
+        if loss["decision_s"] is not None:
+            rows.append(["decision", at(loss["t_ns"] + int(loss["decision_s"] * 1e9)), step,
+                         ", ".join(map(str, loss["members_after"] or [])),
+                         f"generation {loss['decision_generation']}: members {loss['members_before']} -> "
+                         f"{loss['members_after']}, {loss['decision_s']:.3f} s after the first detection"])
+        if loss["resume_s"] is not None:
+            took = "" if loss["recovery_s"] is None else f"; recovered in {loss['recovery_s']:.3f} s"
+            rows.append(["resume", at(loss["t_ns"] + int(loss["resume_s"] * 1e9)), step, "",
+                         f"first op of generation {loss['decision_generation']}, {loss['resume_s']:.3f} s after "
+                         f"the first detection{took}"])
+        else:
+            rows.append(["no resume", "-", step, "", "no later generation ran an op"])
+    for adm in story["admissions"]:
+        step = "-" if adm["step"] is None else adm["step"]
+        rows.append(["admission", at(adm["t_ns"]), step, ", ".join(map(str, adm["joined"])),
+                     f"generation {adm['generation']}: members {adm['members_before']} -> {adm['members_after']}"
+                     + ("" if adm["seconds"] is None else f", {adm['seconds']:.3f} s on the survivors")])
+        for h in adm["heals"]:
+            rows.append(["heal", at(h["t_ns"]), step, h["rank"],
+                         f"{'restarted; ' if h['restarted'] else ''}{human_bytes(h['bytes'] or 0)} from rank "
+                         f"{h['source']} in {h['seconds']:.3f} s"])
+    for f in story["fenced"]:
+        rows.append(["fenced", at(f["t_ns"]), "-", f["rank"], (short_error(f["why"]), f["why"])])
+    return rows
 
 
 def _f(v: Optional[float], fmt: str = ".3f") -> str:
@@ -129,15 +190,20 @@ def render(scan: JobScan, title: str, *, max_ops: int = MAX_OPS) -> str:
         slices = rank_timeline(scan, rank)
         ov.update(overlap_by_rank(dict(sl.record, rank=rank) for sl in slices))
         tl.add(rank, slices)
-    data = tl.data()
+    story = d["recovery"]
+    data = tl.data(story)
     payload = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c").replace(">", "\\u003e") \
         .replace("&", "\\u0026")
     status = "ok" if d["ok"] else "bad"
     findings = "".join(f"<li class='{_e(f['severity'])}'><b>{_e(f['severity'])}</b>: {_e(f['text'])}</li>"
                        for f in d["findings"])
-    stands = _table(["rank", "where it stands", "call site", "files", "dumped on"],
-                    [[r["rank"], r["stands"], r["call_site"] or "-", ", ".join(r["files"]) or "none",
-                      r.get("reason") or "-"] for r in d["ranks"]])
+    stands = _table(["rank", "where it stands", "call site", "lives", "files", "dumped on"],
+                    [[r["rank"], r["stands"], (r["call_site"] or "-", r.get("call_site_full")), r.get("lives", 0),
+                      ", ".join(r["files"]) or "none", (r.get("reason") or "-", r.get("reason_full"))]
+                     for r in d["ranks"]])
+    recovery = "" if not story["losses"] and not story["admissions"] else (
+        "<h3>recovery</h3>" + _table(["event", "at s", "step", "ranks", "what"],
+                                     _recovery_rows(story, tl.t0), "recovery"))
     comm_tables = "".join(
         f"<h3>communicator {_e(c['name'])} ({_e(c['uid'])})</h3>"
         + _table(["rank", "last entered", "last completed", "call site"],
@@ -164,6 +230,7 @@ def render(scan: JobScan, title: str, *, max_ops: int = MAX_OPS) -> str:
             f"{len(data['ops'])} ops.")
     return fill(_PAGE, {
         "TITLE": _e(title), "STATUS": status, "HEADLINE": _e(d["headline"]), "FINDINGS": findings,
+        "RECOVERY": recovery,
         "PROBLEMS": f"<h3>input problems</h3><ul>{problems}</ul>" if problems else "", "STANDS": stands,
         "COMMS": comm_tables, "NOTE": _e(note), "GROUPS": groups, "STRAG": strag,
         "STRAGGLER": _e(straggler_line(s["straggler"])), "CLOCK": clock, "OVERLAP": overlap, "SCRIPT": _SCRIPT,
@@ -208,7 +275,7 @@ th{background:#f3f3f3} #tl{border:1px solid #ccc;display:block;cursor:grab;width
 </style></head>
 <body>
 <h1>%TITLE%</h1>
-<div id="diagnosis" class="%STATUS%"><div id="headline">%HEADLINE%</div><ul>%FINDINGS%</ul>%PROBLEMS%
+<div id="diagnosis" class="%STATUS%"><div id="headline">%HEADLINE%</div>%RECOVERY%<ul>%FINDINGS%</ul>%PROBLEMS%
 <h3>where each rank stands</h3>%STANDS%</div>
 <h2>timeline</h2>
 <div id="controls"><button id="zin">zoom in</button><button id="zout">zoom out</button><button id="reset">reset</button>
@@ -216,7 +283,7 @@ th{background:#f3f3f3} #tl{border:1px solid #ccc;display:block;cursor:grab;width
  <span class="legend"><span style="background:#4a7fc1"></span>completed<span style="background:#e08a1e"></span>in
  flight<span style="background:#c62828"></span>timed out / failed<span style="background:#888"></span>aborted</span></div>
 <p>%NOTE%</p>
-<canvas id="tl"></canvas><div id="tip"></div>
+<canvas id="tl"></canvas><div id="tip"></div><ul id="markers"></ul>
 <h2>communicators</h2>%COMMS%
 <h2>summary</h2>%GROUPS%
 <h3>straggler time (waiting for the last arrival)</h3><p>straggler: %STRAGGLER%</p>%STRAG%
@@ -239,6 +306,7 @@ window.addEventListener("error", function (e) {
   const ctx = canvas.getContext("2d");
   const ROW = 18, LABEL = 190, AXIS = 22;
   const COLORS = ["#4a7fc1", "#e08a1e", "#c62828", "#888"];
+  const MARKS = {loss: "#d00", decision: "#a0a", resume: "#080", admit: "#06c", fenced: "#000"};
   const lanes = data.lanes, nl = lanes.length;
   const byLane = lanes.map(function () { return []; });
   data.ops.forEach(function (o) { byLane[o[0]].push(o); });
@@ -272,6 +340,13 @@ window.addEventListener("error", function (e) {
       ctx.beginPath(); ctx.moveTo(px, AXIS - 4); ctx.lineTo(px, canvas.height); ctx.stroke();
       ctx.fillText(fmt(s), px + 2, 8);
     }
+    (data.bands || []).forEach(function (b, i) {
+      const a = Math.max(LABEL, x(b[0])), e = Math.min(W, x(b[1]));
+      if (e <= a) return;
+      ctx.fillStyle = i % 2 ? "rgba(120,170,120,0.10)" : "rgba(120,120,200,0.08)";
+      ctx.fillRect(a, AXIS, e - a, canvas.height - AXIS);
+      ctx.fillStyle = "#474"; ctx.fillText("generation " + b[2], a + 3, AXIS - 6);
+    });
     for (let i = 0; i < nl; i++) {
       const y = AXIS + i * ROW;
       if (i > 0 && lanes[i].rank !== lanes[i - 1].rank) {
@@ -296,6 +371,20 @@ window.addEventListener("error", function (e) {
         if (b - a > 40) { ctx.fillStyle = "#fff"; ctx.fillText(o[5], a + 3, y + ROW / 2); }
       }
     }
+    (data.gaps || []).forEach(function (g) {
+      const a = Math.max(LABEL, x(g[2])), e = Math.min(W, x(g[3]));
+      if (e <= a) return;
+      const y0 = AXIS + g[0] * ROW, h = (g[1] - g[0] + 1) * ROW;
+      ctx.fillStyle = "rgba(0,0,0,0.12)"; ctx.fillRect(a, y0, e - a, h);
+      ctx.strokeStyle = "#777"; ctx.setLineDash([4, 3]); ctx.strokeRect(a, y0 + 1, e - a, h - 2); ctx.setLineDash([]);
+      ctx.fillStyle = "#444"; ctx.fillText("restart", a + 3, y0 + ROW / 2);
+    });
+    (data.markers || []).forEach(function (m) {
+      const px = x(m[0]);
+      if (px < LABEL || px > W) return;
+      ctx.strokeStyle = MARKS[m[1]] || "#000"; ctx.lineWidth = 2;
+      ctx.beginPath(); ctx.moveTo(px, AXIS - 10); ctx.lineTo(px, canvas.height); ctx.stroke(); ctx.lineWidth = 1;
+    });
     document.getElementById("range").textContent = "showing " + fmt(v0) + " to " + fmt(v1);
   }
   function zoom(f, at) {
@@ -340,6 +429,15 @@ window.addEventListener("error", function (e) {
   document.getElementById("reset").onclick = function () { v0 = 0; v1 = full; draw(); };
   window.addEventListener("resize", function () { W = size(); draw(); });
   draw();
+  const list = document.getElementById("markers");
+  (data.markers || []).forEach(function (m) {
+    const li = document.createElement("li");
+    li.className = "marker " + m[1];
+    li.style.color = MARKS[m[1]] || "#000";
+    li.textContent = fmt(m[0]) + ": " + m[2];
+    list.appendChild(li);
+  });
+  document.body.dataset.markers = String((data.markers || []).length);
   document.body.dataset.rendered = String(data.ops.length);
   console.log("commslayer-trace view rendered " + data.ops.length + " ops");
 })();
