@@ -77,6 +77,9 @@ class OpRecord(Protocol):
     def ended(self, work: "Work") -> None:
         """The op settled: ``work`` has its status, error and ``end_ns``."""
 
+    def waited(self, start_ns: int, end_ns: int) -> None:
+        """The caller of an async op blocked in ``Work.wait`` from ``start_ns`` to ``end_ns``."""
+
 
 class OpRecorder(Protocol):
     """What ``Communicator.recorder`` must be (tracing's ``FlightRecorder`` is one)."""

@@ -75,9 +75,10 @@ class OverlapStats:
     in flight; ``hidden_fraction = hidden_rs_s / rs_s`` (0 without RS).
     ``comm_s``: union of the intervals of all its ops (p2p included).
     ``exposed_comm_s``: union of the intervals during which the issuing thread
-    was blocked in a synchronous call ([enqueue, end] of ops with
-    ``async_op`` false).  The trace does not record when an async op is
-    waited on, so time blocked in ``Work.wait()`` is not in it: a lower bound.
+    was blocked on communication: [enqueue, end] of a synchronous op, and
+    [``wait_ns``, ``wait_end_ns``] of an async one (the caller's ``Work.wait``;
+    traces without these fields count async ops as never waited on).
+    ``step``: the resilient job's step, for ``overlap_by_step`` (else None).
     """
 
     rank: int
@@ -89,6 +90,7 @@ class OverlapStats:
     hidden_fraction: float
     comm_s: float
     exposed_comm_s: float
+    step: Optional[int] = None
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain values, for ``--json``."""
@@ -109,44 +111,63 @@ def overlap_by_rank(records: Iterable[Dict[str, Any]]) -> Dict[int, OverlapStats
     """Per rank, reduce-scatter/all-gather overlap and exposed communication.
 
     ``records``: record dicts carrying ``rank``, ``op``, ``backend_op``,
-    ``start_ns``, ``end_ns`` (and ``enqueue_ns``/``async_op`` for the exposed
-    time; without them an op counts as asynchronous).  Times may be raw or
-    aligned: only differences within one rank are used.  Ops without an end
-    (still in flight) are left out.
+    ``start_ns``, ``end_ns`` (and ``enqueue_ns``/``async_op``/``wait_ns``/
+    ``wait_end_ns`` for the exposed time; without them an op counts as
+    asynchronous and never waited on).  Times may be raw or aligned: only
+    differences within one rank are used.  Ops without an end (still in
+    flight) are left out.
     """
-    per: Dict[int, Dict[str, List[Interval]]] = {}
-    counts: Dict[int, List[int]] = {}
+    return {key[0]: stats for key, stats in _overlap(records, False).items()}
+
+
+def overlap_by_step(records: Iterable[Dict[str, Any]]) -> Dict[Tuple[int, int], OverlapStats]:
+    """``overlap_by_rank`` per (rank, step), for the records that carry a ``step``
+    (those of a resilient job, ``commslayer.resilience``)."""
+    return _overlap(records, True)
+
+
+def _overlap(records: Iterable[Dict[str, Any]], by_step: bool) -> Dict[Tuple[int, int], OverlapStats]:
+    per: Dict[Tuple[int, int], Dict[str, List[Interval]]] = {}
+    counts: Dict[Tuple[int, int], List[int]] = {}
     for r in records:
         start, end = r.get("start_ns"), r.get("end_ns")
         if end is None:
             continue
         if start is None:
             start = r.get("enqueue_ns", end)
-        rank = r["rank"]
-        lanes = per.get(rank)
+        step = r.get("step") if by_step else -1
+        if type(step) is not int:
+            continue
+        key = (r["rank"], step)
+        lanes = per.get(key)
         if lanes is None:
-            lanes = per[rank] = {"rs": [], "ag": [], "all": [], "blocked": []}
-            counts[rank] = [0, 0]
+            lanes = per[key] = {"rs": [], "ag": [], "all": [], "blocked": []}
+            counts[key] = [0, 0]
         lanes["all"].append((start, end))
         if r.get("async_op") is False:
             lanes["blocked"].append((r.get("enqueue_ns", start), end))
+        else:
+            w0, w1 = r.get("wait_ns"), r.get("wait_end_ns")
+            if type(w0) is int and type(w1) is int and w0 < w1:
+                lanes["blocked"].append((w0, w1))
         if is_rs(r):
             lanes["rs"].append((start, end))
-            counts[rank][0] += 1
+            counts[key][0] += 1
         elif is_ag(r):
             lanes["ag"].append((start, end))
-            counts[rank][1] += 1
-    out: Dict[int, OverlapStats] = {}
-    for rank in sorted(per):
-        lanes = per[rank]
+            counts[key][1] += 1
+    out: Dict[Tuple[int, int], OverlapStats] = {}
+    for key in sorted(per):
+        lanes = per[key]
         rs, ag = union(lanes["rs"]), union(lanes["ag"])
         rs_ns, hidden_ns = length(rs), length(intersect(rs, ag))
-        out[rank] = OverlapStats(
-            rank=rank, rs_count=counts[rank][0], ag_count=counts[rank][1],
+        out[key] = OverlapStats(
+            rank=key[0], rs_count=counts[key][0], ag_count=counts[key][1],
             rs_s=rs_ns / 1e9, ag_s=length(ag) / 1e9, hidden_rs_s=hidden_ns / 1e9,
             hidden_fraction=hidden_ns / rs_ns if rs_ns else 0.0,
             comm_s=length(union(lanes["all"])) / 1e9,
             exposed_comm_s=length(union(lanes["blocked"])) / 1e9,
+            step=key[1] if by_step else None,
         )
     return out
 
@@ -539,16 +560,23 @@ class Slice:
 
 
 def rank_timeline(scan: JobScan, rank: int) -> List[Slice]:
-    """Rank ``rank``'s ops (read again from its files) with lanes assigned first-fit."""
+    """Rank ``rank``'s ops (read again from its files) with lanes assigned first-fit.
+    An op without an end is drawn to the end of the trace, or of its life when the
+    rank was restarted after it (its process is gone)."""
     src = scan.sources[rank]
     off = src.wall_minus_mono_ns - scan.offsets[rank].offset_ns
     t_end = scan.span()[1]
+    lives = scan.lives.get(rank, [])
+    life_ends = {life: (hi if i + 1 < len(lives) else t_end) for i, (life, _, hi) in enumerate(lives)}
     by_comm: Dict[str, List[Tuple[int, int, Dict[str, Any], bool]]] = {}
     for r in rank_records(src, skip_bad=True):
         start = (r.get("start_ns") or r["enqueue_ns"]) + off
         end = r.get("end_ns")
-        by_comm.setdefault(r["comm_id"], []).append(
-            (start, max(start, t_end) if end is None else end + off, r, end is None))
+        if end is None:
+            end = max(start, life_ends.get(r.get("life", src.life), t_end))
+        else:
+            end += off
+        by_comm.setdefault(r["comm_id"], []).append((start, end, r, r.get("end_ns") is None))
     out: List[Slice] = []
     for comm in sorted(by_comm):
         lane_ends: List[int] = []
@@ -741,7 +769,7 @@ def diagnose(scan: JobScan) -> Dict[str, Any]:
         life = src.last_life
         ranks.append({"rank": r, "files": src.files, "host": life.host, "pid": life.pid,
                       "reason": short_reason(life.reason), "reason_full": life.reason,
-                      "lives": 1 + len(src.lives), "dump": life.dump_path is not None, "stands": stands,
+                      "lives": life.life + 1, "dump": life.dump_path is not None, "stands": stands,
                       "call_site": scan.site(site, r), "call_site_full": site})
     errors = [f for f in findings if f.severity == "error"]
     if culprits:

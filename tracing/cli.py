@@ -44,18 +44,21 @@ def _warn(problems: List[str]) -> None:
 def cmd_overlap(args: argparse.Namespace) -> int:
     """Print per-rank reduce-scatter/all-gather overlap."""
     problems: List[str] = []
-    stats = analysis.overlap_by_rank(iter_records(args.paths, skip_bad=args.skip_bad, problems=problems))
+    records = iter_records(args.paths, skip_bad=args.skip_bad, problems=problems)
+    stats = list((analysis.overlap_by_step(records) if args.by_step else analysis.overlap_by_rank(records)).values())
     _warn(problems)
     if args.json:
-        print(json.dumps({"ranks": [s.to_dict() for s in stats.values()], "problems": problems}, indent=1))
+        print(json.dumps({"ranks": [s.to_dict() for s in stats], "problems": problems}, indent=1))
         return 0
-    say(f"{'rank':>4} {'RS ops':>7} {'AG ops':>7} {'RS s':>10} {'AG s':>10} {'hidden RS s':>12} "
+    step = f"{'step':>6} " if args.by_step else ""
+    say(f"{'rank':>4} {step}{'RS ops':>7} {'AG ops':>7} {'RS s':>10} {'AG s':>10} {'hidden RS s':>12} "
         f"{'hidden %':>9} {'comm s':>10} {'exposed s':>10}")
-    for s in stats.values():
-        say(f"{s.rank:>4} {s.rs_count:>7} {s.ag_count:>7} {s.rs_s:>10.4f} {s.ag_s:>10.4f} "
+    for s in stats:
+        step = f"{s.step:>6} " if args.by_step else ""
+        say(f"{s.rank:>4} {step}{s.rs_count:>7} {s.ag_count:>7} {s.rs_s:>10.4f} {s.ag_s:>10.4f} "
             f"{s.hidden_rs_s:>12.4f} {100 * s.hidden_fraction:>8.1f}% {s.comm_s:>10.4f} {s.exposed_comm_s:>10.4f}")
     if not stats:
-        say("no records")
+        say("no records" + (" with a step (only a resilient job's records have one)" if args.by_step else ""))
     return 0
 
 
@@ -239,10 +242,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--title", help="page title (default: the input paths)")
     p.add_argument("--max-ops", type=int, default=MAX_OPS,
                    help=f"ops drawn one by one (default {MAX_OPS}); older ones are aggregated into time bins")
-    _command(sub, "overlap", cmd_overlap, "per rank: reduce-scatter time hidden under all-gather, exposed comm time",
-             "Per rank: union of reduce-scatter and all-gather busy time, the part of RS time during which an AG "
-             "was in flight, and the time the issuing thread was blocked in synchronous calls (see "
-             "docs/viewer.md).", json_out=True, parallel=False)
+    p = _command(sub, "overlap", cmd_overlap,
+                 "per rank (or step): reduce-scatter time hidden under all-gather, exposed comm time",
+                 "Per rank: union of reduce-scatter and all-gather busy time, the part of RS time during which an "
+                 "AG was in flight, and the time the issuing thread was blocked on communication: in synchronous "
+                 "calls and in Work.wait of async ones (see docs/viewer.md).", json_out=True, parallel=False)
+    p.add_argument("--by-step", action="store_true",
+                   help="one row per rank and step (a resilient job's records carry their step)")
     p = sub.add_parser("watch", help="follow a running job: each rank's current op, stragglers, generations, failures",
                        description="Follows the JSON lines (COMMSLAYER_TRACE_JSONL=1) and dumps of a running job "
                                    "and redraws every second: each rank's current op and its age, the slowest rank "

@@ -44,8 +44,8 @@ from commslayer.liveness import close_all
 
 from . import fr_format
 from .dumps import FILE_MODE, DumpWriter
-from .records import (ABORTED, COMPLETED, FAILED, RECORD_FIELDS, SCHEDULED, STARTED, TIMED_OUT, EVENT_CAPACITY,
-                      new_dump)
+from .records import (ABORTED, COMPLETED, EVENT_CAPACITY, FAILED, OPTIONAL_FIELDS, RECORD_FIELDS, SCHEDULED,
+                      STARTED, TIMED_OUT, new_dump)
 
 log = logging.getLogger("commslayer.tracing")
 
@@ -68,7 +68,7 @@ class Record:
     which runs at dump time or on a sink's thread.
     """
 
-    __slots__ = RECORD_FIELDS + ("sinks",)
+    __slots__ = RECORD_FIELDS + OPTIONAL_FIELDS + ("sinks",)
 
     def started(self, start_ns: int) -> None:
         """The op was handed to the backend."""
@@ -90,8 +90,18 @@ class Record:
         for sink in self.sinks:
             sink.enqueue(self)
 
+    def waited(self, start_ns: int, end_ns: int) -> None:
+        """The caller blocked in ``Work.wait`` (the first wait's start, the last one's end)."""
+        if self.wait_ns is None:
+            self.wait_ns = start_ns
+        self.wait_end_ns = end_ns
+
     def to_dict(self) -> Dict[str, Any]:
         d = {f: getattr(self, f) for f in RECORD_FIELDS}
+        for f in OPTIONAL_FIELDS:
+            v = getattr(self, f)
+            if v is not None:
+                d[f] = v
         dtype = self.dtype
         itemsize = 0 if dtype is None else dtype.itemsize
         d["dtype"] = None if dtype is None else str(dtype).replace("torch.", "")
@@ -181,7 +191,8 @@ class FlightRecorder:
         r.async_op = async_op
         r.timeout_s = timeout_s
         r.state = SCHEDULED
-        r.error = r.start_ns = r.end_ns = r.duration_ms = None
+        r.error = r.start_ns = r.end_ns = r.duration_ms = r.wait_ns = r.wait_end_ns = None
+        r.step = self._step
         r.sinks = self.sinks
         ident = threading.get_ident()
         if ident not in _thread_names:

@@ -73,6 +73,15 @@ EVENT_KINDS = (
 EVENT_CAPACITY = 4096  # events a recorder keeps (the oldest go first)
 
 
+# Fields a record has only when they apply (absent or null otherwise; not part of
+# RECORD_FIELDS, so traces without them read the same).
+OPTIONAL_FIELDS = (
+    "wait_ns",      # monotonic: the caller of an async op first called Work.wait
+    "wait_end_ns",  # monotonic: its last Work.wait returned
+    "step",         # the resilient job's step (commslayer.resilience) the op was issued in
+)
+
+
 def new_dump(*, job: str, rank: int, host: str, pid: int, wall_ns: int, mono_ns: int, reason: str,
              dropped: int, communicators: Dict[str, Dict[str, Any]], records: List[Dict[str, Any]],
              events: Optional[List[Dict[str, Any]]] = None, cwd: Optional[str] = None) -> Dict[str, Any]:

@@ -92,12 +92,16 @@ def recovery_story(scan: "JobScan") -> Dict[str, Any]:
         last_signs = [scan.life_end(r, first) for r in lost]
         base = max(last_signs) if last_signs and all(t is not None for t in last_signs) else None
         steps = [e["step"] for e in evs if e.get("step") is not None]
-        recovered = [e for e in by_kind.get("recovered", ()) if e.get("generation") == gen + 1]
+        later = [e for e in by_kind.get("recovered", ()) if (e.get("generation") or 0) > gen]
+        # the survivors' report of this loss (a reconfigure after the shrink may have made it gen + 2)
+        recovered = [e for e in later if e.get("generation") == min(x.get("generation") for x in later)]
         if recovered:
             steps = [e["step"] for e in recovered]
         decision = gens.get((lin, gen + 1), [])
         after = next((e["members"] for e in decision if e.get("members") is not None), None)
         before = next((e["before"] for e in decision if e.get("before") is not None), None)
+        if before is not None and after is not None:  # those that left with the lost (their replica group)
+            lost = sorted(set(lost) | (set(before) - set(after)))
         resume = first_ops.get((lin, gen + 1))
         rec_s = max((e["seconds"] for e in recovered if isinstance(e.get("seconds"), (int, float))), default=None)
         if rec_s is None and resume is not None:

@@ -628,6 +628,9 @@ def rank_rows(src: RankSource, *, skip_bad: bool = False, problems: Optional[Lis
                     if v[_END] is not None:
                         v[_END] += shift
                     r.update(enqueue_ns=v[_ENQUEUE], start_ns=v[_START], end_ns=v[_END])
+                    for k in ("wait_ns", "wait_end_ns"):
+                        if type(r.get(k)) is int:
+                            r[k] += shift
                 if ids:
                     v[0] += ids
                     if not v[3]:

@@ -28,11 +28,12 @@ import re
 from typing import Any, Dict, List, Optional
 
 from .messages import human_bytes, short_error
-from .analysis import (JobScan, OverlapStats, Slice, diagnose, overlap_by_rank, rank_timeline, straggler_line,
-                       summary)
+from .analysis import (JobScan, OverlapStats, Slice, diagnose, overlap_by_rank, overlap_by_step, rank_timeline,
+                       straggler_line, summary)
 
 MAX_OPS = 60_000
 BINS = 600
+STEP_ROWS = 200  # steps shown in the per-step overlap table (the latest)
 _STATE_CODE = {"completed": 0, "started": 1, "scheduled": 1, "timed_out": 2, "failed": 2, "aborted": 3}
 
 
@@ -186,9 +187,13 @@ def render(scan: JobScan, title: str, *, max_ops: int = MAX_OPS) -> str:
     s = summary(scan)
     ov: Dict[int, OverlapStats] = {}
     tl = _Timeline(scan, d["culprits"], max_ops, BINS)
+    by_step: Dict[int, List[OverlapStats]] = {}
     for rank in sorted(scan.sources):
         slices = rank_timeline(scan, rank)
-        ov.update(overlap_by_rank(dict(sl.record, rank=rank) for sl in slices))
+        records = [dict(sl.record, rank=rank) for sl in slices]
+        ov.update(overlap_by_rank(records))
+        for (_, step), st in overlap_by_step(records).items():
+            by_step.setdefault(step, []).append(st)
         tl.add(rank, slices)
     story = d["recovery"]
     data = tl.data(story)
@@ -224,6 +229,16 @@ def render(scan: JobScan, title: str, *, max_ops: int = MAX_OPS) -> str:
                      [[o.rank, o.rs_count, o.ag_count, _f(o.rs_s, ".4f"), _f(o.ag_s, ".4f"), _f(o.hidden_rs_s, ".4f"),
                        _f(100 * o.hidden_fraction, ".1f"), _f(o.comm_s, ".4f"), _f(o.exposed_comm_s, ".4f")]
                       for o in ov.values()])
+    shown = sorted(by_step)[-STEP_ROWS:]
+    steps = "" if not by_step else (
+        f"<h3>per step (the last {len(shown)} of {len(by_step)} steps; means over the ranks)</h3>" + _table(
+            ["step", "ranks", "comm s", "exposed s", "most exposed", "hidden RS %"],
+            [[step, len(sts), _f(sum(x.comm_s for x in sts) / len(sts), ".4f"),
+              _f(sum(x.exposed_comm_s for x in sts) / len(sts), ".4f"),
+              "rank %d: %.4f s" % max(((x.rank, x.exposed_comm_s) for x in sts), key=lambda t: t[1]),
+              _f(100 * sum(x.hidden_rs_s for x in sts) / max(1e-12, sum(x.rs_s for x in sts)), ".1f")
+              if any(x.rs_s for x in sts) else "-"]
+             for step, sts in ((k, by_step[k]) for k in shown)]))
     problems = "".join(f"<li>{_e(p)}</li>" for p in d["problems"])
     note = (f"{data['aggregated']} older ops are aggregated into shaded time bins (darker: busier); "
             f"{len(data['ops'])} ops are drawn one by one." if data["aggregated"] else
@@ -233,7 +248,7 @@ def render(scan: JobScan, title: str, *, max_ops: int = MAX_OPS) -> str:
         "RECOVERY": recovery,
         "PROBLEMS": f"<h3>input problems</h3><ul>{problems}</ul>" if problems else "", "STANDS": stands,
         "COMMS": comm_tables, "NOTE": _e(note), "GROUPS": groups, "STRAG": strag,
-        "STRAGGLER": _e(straggler_line(s["straggler"])), "CLOCK": clock, "OVERLAP": overlap, "SCRIPT": _SCRIPT,
+        "STRAGGLER": _e(straggler_line(s["straggler"])), "CLOCK": clock, "OVERLAP": overlap + steps, "SCRIPT": _SCRIPT,
         "DATA": payload})
 
 

@@ -29,6 +29,7 @@ from .traceio import MAX_DUMP_BYTES, MAX_LINE_BYTES, TraceFileError, find_files,
 
 READ_BYTES = 8 << 20  # per file and look: a job far ahead is caught up over several looks
 KEEP_COLLECTIVES = 4096  # the latest collectives whose arrivals are kept
+MAX_MEMBERS_SHOWN = 4096
 _FAILURES = ("collective_timeout", "peer_lost", "communicator_error")
 _CLEAR = "\x1b[H\x1b[2J"
 
@@ -118,7 +119,10 @@ class Watch:
         if kind == "collective":
             self._take_record(f, rank, ev)
         elif kind in ("communicator_created", "communicator_split") and "/" not in str(ev.get("comm_id")):
-            self._membership(ev.get("comm"), ev.get("generation"), ev.get("global_ranks"), f, ev)
+            members = ev.get("global_ranks")
+            if members is None and type(ev.get("size")) is int and ev.get("size") <= MAX_MEMBERS_SHOWN:
+                members = list(range(ev["size"]))  # a new communicator's members are 0..size-1
+            self._membership(ev.get("comm"), ev.get("generation"), members, f, ev)
         elif kind == "recovery":
             if ev.get("kind") == "generation":
                 self._membership(ev.get("comm"), ev.get("generation"), ev.get("members"), f, ev)
