@@ -252,7 +252,8 @@ class Replicas:
         comm.broadcast(data, root)
         if not survivor:
             state.unpack(ctypes.string_at(data.data_ptr(), data.numel()))
-            self._received = {"source": comm.global_ranks[root], "bytes": data.numel()}
+            source = comm.global_ranks[root]
+            self._received = {"source": source, "source_replica": source // self.shards, "bytes": data.numel()}
         return int(head[0])
 
     def wait_for(self, state: "Healable", step: int, gone: Callable[[int], bool],

@@ -195,7 +195,7 @@ def _line_of(marker):
 
 @pytest.mark.timeout(60)
 def test_viewer_imports_neither_torch_nor_commslayer():
-    code = ("import sys, tracing.cli; bad = {'torch', 'commslayer'} & set(sys.modules); "
+    code = ("import sys, tracing.cli, tracing.watch, tracing.story; bad = {'torch', 'commslayer'} & set(sys.modules); "
             "assert not bad, bad")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr

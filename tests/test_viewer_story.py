@@ -108,3 +108,37 @@ def test_lives_of_a_restarted_rank_are_one_row(tmp_path):
     d = json.loads(run_cli("diagnose", "--json", str(top))[1])
     assert d["ranks"][1]["lives"] == 2 and "no trace" not in json.dumps(d["ranks"])
     assert scan.last_record[1]["op_id"] == LIFE_OP_IDS + 2 and scan.last_record[1]["life"] == 1
+
+
+def test_fencing_is_told_and_marked(tmp_path):
+    traces = _recovered_job(str(tmp_path / "t"))
+    doc = json.loads((tmp_path / "t" / "rank1.json").read_text())
+    doc["events"].append(_event("fenced", MONO_NS + 4 * MS, comm="a", comm_id="a.0@g1", generation=1,
+                                why="fenced out of generation 2: the others went on with members [0]"))
+    write(os.path.join(traces, "rank1.json"), doc)
+    d = json.loads(run_cli("diagnose", "--json", traces)[1])
+    assert d["recovery"]["fenced"][0]["rank"] == 1
+    assert "rank 1 was fenced out of 'a': fenced out of generation 2: the others went on with members [0]" \
+        in d["recovery"]["lines"]
+    assert [m["kind"] for m in d["recovery"]["markers"]][-1] == "fenced"
+
+
+def test_watch_reads_whole_lines_as_they_are_appended(tmp_path):
+    """A line still being written waits for the next look; the first failure shows as it comes."""
+    from tests.viewer_traces import jsonl_lines
+    from tracing.watch import Watch
+
+    path = tmp_path / "rank0.jsonl"
+    lines = [json.dumps(x).encode() + b"\n" for x in jsonl_lines(0, [record(i) for i in (1, 2)])]
+    path.write_bytes(b"".join(lines) + lines[-1][:20])  # and half of a repeated line
+    w = Watch(str(tmp_path))
+    w.poll()
+    frame = "\n".join(w.frame(WALL_NS + 10_000 * MS))
+    assert "all_reduce #2 of 'a'" in frame and "first failure: none so far" in frame
+    failed = record(3, state="failed", error=GLOO)
+    with open(path, "ab") as f:
+        f.write(b"\n" + json.dumps({"event": "collective", "rank": 0, **failed}).encode() + b"\n")
+    w.poll()
+    frame = "\n".join(w.frame(WALL_NS + 10_000 * MS))
+    assert "all_reduce #3 of 'a'" in frame
+    assert "first failure:" in frame and "(backend: Connection closed by peer)" in frame and "GLHF" not in frame

@@ -246,6 +246,7 @@ class JobScan:
         than ``PARALLEL_BYTES`` of input, ranks are read by that many forked
         processes (contiguous rank ranges), whose results are merged here."""
         self.skip_bad = skip_bad
+        self.paths = list(paths)
         self.problems: List[str] = []
         self.sources: Dict[int, RankSource] = discover(paths, skip_bad=skip_bad, problems=self.problems)
         self._empty_state()
@@ -612,8 +613,9 @@ def _bucket_label(bits: int) -> str:
 
 def summary(scan: JobScan) -> Dict[str, Any]:
     """Latency and bandwidth per communicator x op x size bucket, straggler
-    time per rank and the straggler if one stands out, clock offsets: plain
-    values (times in ms, bandwidth in GB/s)."""
+    time per rank and the straggler if one stands out, clock offsets, the
+    recovery story (``tracing.story``): plain values (times in ms, bandwidth
+    in GB/s)."""
     groups = []
     for (comm, op, bits), (count, total_s, total_ns, durs) in sorted(scan.groups.items()):
         info = scan.communicators.get(comm, {})
@@ -632,7 +634,7 @@ def summary(scan: JobScan) -> Dict[str, Any]:
         })
     rows = stragglers(scan)
     return {
-        "ranks": sorted(scan.sources), "problems": list(scan.problems),
+        "ranks": sorted(scan.sources), "problems": list(scan.problems), "recovery": recovery_story(scan),
         "groups": groups, "stragglers": rows, "straggler": straggler(rows),
         "clock": [{"rank": c.rank, "reference": c.reference, "offset_us": c.offset_ns / 1e3,
                    "low_us": None if c.low_ns is None else c.low_ns / 1e3,
@@ -812,7 +814,8 @@ def _call_site_splits(scan: JobScan, findings: List[Finding]) -> None:
         groups: Dict[int, List[int]] = {}
         for rank, sid in zip(a[0::_W], sids):
             groups.setdefault(sid, []).append(rank)
-        where = "; ".join(f"{_ranks(rs)} at {scan.site(names[sid])}" for sid, rs in sorted(groups.items(), key=lambda kv: min(kv[1])))
+        where = "; ".join(f"{_ranks(rs)} at {scan.site(names[sid])}"
+                          for sid, rs in sorted(groups.items(), key=lambda kv: min(kv[1])))
         name = scan.communicators.get(key[0], {}).get("name") or key[0]
         findings.append(Finding("warning", f"'{name}' #{key[2]} ({scan.coll_ops[key]}) was called from different "
                                            f"lines: {where}", sorted(min(groups.values(), key=len))))
@@ -909,10 +912,10 @@ def _diagnose_comm(scan: JobScan, uid: str, missing: List[int], mismatches: Dict
         if fronts and len(set(fronts.values())) > 1:
             top = max(fronts.values())
             behind = [r for r, s in fronts.items() if s < top]
+            why = "its life ended (restarted after)" if superseded else "dumps taken at different times?"
             findings.append(Finding("info" if superseded else "warning",
                                     f"'{name}' ({uid}): {_ranks(behind)} stopped before #{top}, "
-                                               "which the others completed (dumps taken at different times?)",
-                                    behind))
+                                    f"which the others completed ({why})", behind))
     return {"uid": uid, "name": name, "members": members, "rows": rows}
 
 

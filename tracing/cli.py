@@ -89,6 +89,11 @@ def print_summary(s: Dict[str, Any]) -> None:
         note = "" if c["consistent"] else "  bounds cross: clocks drift?"
         say(f"{c['rank']:>4} {c['reference']:>4} {c['offset_us']:>11.1f} {_num(c['low_us'], '.1f'):>11} "
             f"{_num(c['high_us'], '.1f'):>11} {_num(c['uncertainty_us'], '.1f'):>10} {c['collectives']:>8}{note}")
+    if s["recovery"]["lines"]:
+        say()
+        for line in s["recovery"]["lines"]:
+            say(line)
+    print_recovery(s["recovery"])
 
 
 def _report(args: argparse.Namespace, compute: Callable[[analysis.JobScan], Dict[str, Any]],
@@ -164,7 +169,9 @@ def print_recovery(story: Dict[str, Any]) -> None:
             f"{adm['members_before']} -> {adm['members_after']}{took}")
         for h in adm["heals"]:
             life = " (restarted)" if h["restarted"] else ""
-            say(f"    rank {h['rank']}{life} healed from rank {h['source']}: {h['bytes']} B in {h['seconds']:.3f} s")
+            group = "" if h.get("source_replica") is None else f" (replica group {h['source_replica']})"
+            say(f"    rank {h['rank']}{life} healed from rank {h['source']}{group}: {h['bytes']} B in "
+                f"{h['seconds']:.3f} s")
     for f in story["fenced"]:
         say(f"  rank {f['rank']} fenced out of '{f['comm']}'")
 

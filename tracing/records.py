@@ -68,7 +68,7 @@ EVENT_KINDS = (
     "fenced",      # the others went on without this rank: why
     "recovered",   # commslayer.replicas: step, lost_replicas, generation, members, detected_s, resumed_s
     "admitted",    # commslayer.replicas: step, replicas, generation, members, seconds (reconfigure + transfer)
-    "healed",      # commslayer.replicas: step, generation, source (job rank), bytes, seconds
+    "healed",      # commslayer.replicas: step, generation, source (job rank), source_replica, bytes, seconds
 )
 EVENT_CAPACITY = 4096  # events a recorder keeps (the oldest go first)
 

@@ -28,6 +28,7 @@ MERGE_NS = 10 ** 9  # a loss seen on another communicator within this of a recov
 
 
 _GENERATION = re.compile(r"@g(\d+)")
+_LIFE = re.compile(r"@life(\d+)$")  # traceio.life_uid
 
 
 def lineage(uid: str) -> str:
@@ -120,7 +121,8 @@ def recovery_story(scan: "JobScan") -> Dict[str, Any]:
         })
     admissions = []
     heals = [{"rank": e["rank"], "t_ns": e["t_ns"], "step": e.get("step"), "generation": e.get("generation"),
-              "source": e.get("source"), "bytes": e.get("bytes"), "seconds": e.get("seconds"),
+              "source": e.get("source"), "source_replica": e.get("source_replica"), "bytes": e.get("bytes"),
+              "seconds": e.get("seconds"),
               "restarted": scan.life_of(e["rank"], e["t_ns"]) > 0}
              for e in sorted(by_kind.get("healed", ()), key=lambda e: e["t_ns"])]
     for (lin, gen), evs in sorted(gens.items()):
@@ -138,6 +140,14 @@ def recovery_story(scan: "JobScan") -> Dict[str, Any]:
     fenced = [{"rank": e["rank"], "t_ns": e["t_ns"], "comm": e.get("comm"), "why": e.get("why")}
               for e in by_kind.get("fenced", ())]
     superseded: Set[str] = set()
+    last_life = {r: src.last_life.life for r, src in scan.sources.items()}
+    for uid in scan.communicators:  # a communicator of a life that ended: every member was restarted after it
+        m = _LIFE.search(uid)
+        life = int(m.group(1)) if m else 0
+        members = scan.members(uid)
+        if members and all(last_life.get(r, -1) > life for r in members if r in scan.sources):
+            if any(r in scan.sources for r in members):
+                superseded.add(uid)
     if losses:
         for uid in set(scan.communicators) | {k[0] for k in scan.collectives}:
             lin = lineage(uid)
@@ -178,7 +188,8 @@ def _lines(losses: List[Dict[str, Any]], admissions: List[Dict[str, Any]], fence
             h = heals.get(r)
             how = " after a restart" if h and h["restarted"] else ""
             took = "" if not h or h["seconds"] is None else f" (heal {h['seconds']:.3f} s" + (
-                "" if h["bytes"] is None else f", {human_bytes(h['bytes'])} from rank {h['source']}") + ")"
+                "" if h["bytes"] is None else f", {human_bytes(h['bytes'])} from rank {h['source']}"
+                + ("" if h["source_replica"] is None else f" of replica group {h['source_replica']}")) + ")"
             out.append(f"rank {r} rejoined{at}{how}{took}, generation {adm['generation']}")
     for f in fenced:
         out.append(f"rank {f['rank']} was fenced out of '{f['comm']}': {short_error(f['why'])}")

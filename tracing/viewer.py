@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import html
 import json
+import os
 import re
 from typing import Any, Dict, List, Optional
 
@@ -140,6 +141,14 @@ def _table(head: List[str], rows: List[List[Any]], ident: str = "") -> str:
     return "".join(out)
 
 
+def _below(path: str, inputs: List[str]) -> str:
+    """``path`` relative to the input directory it was found in (as given when it is not below one)."""
+    for d in inputs:
+        if os.path.isdir(d) and os.path.abspath(path).startswith(os.path.abspath(d) + os.sep):
+            return os.path.relpath(path, d)
+    return path
+
+
 def _recovery_rows(story: Dict[str, Any], t0: int) -> List[List[Any]]:
     """The recovery table: loss, each survivor's detection, decision, resume; admissions and heals; fencing."""
     at = lambda t: f"{(t - t0) / 1e9:.3f}"  # noqa: E731
@@ -171,7 +180,9 @@ def _recovery_rows(story: Dict[str, Any], t0: int) -> List[List[Any]]:
         for h in adm["heals"]:
             rows.append(["heal", at(h["t_ns"]), step, h["rank"],
                          f"{'restarted; ' if h['restarted'] else ''}{human_bytes(h['bytes'] or 0)} from rank "
-                         f"{h['source']} in {h['seconds']:.3f} s"])
+                         f"{h['source']}"
+                         + ("" if h.get("source_replica") is None else f" of replica group {h['source_replica']}")
+                         + f" in {h['seconds']:.3f} s"])
     for f in story["fenced"]:
         rows.append(["fenced", at(f["t_ns"]), "-", f["rank"], (short_error(f["why"]), f["why"])])
     return rows
@@ -190,7 +201,9 @@ def render(scan: JobScan, title: str, *, max_ops: int = MAX_OPS) -> str:
     by_step: Dict[int, List[OverlapStats]] = {}
     for rank in sorted(scan.sources):
         slices = rank_timeline(scan, rank)
-        records = [dict(sl.record, rank=rank) for sl in slices]
+        records = [sl.record for sl in slices]
+        for r in records:  # read for this page only: no copy needed
+            r["rank"] = rank
         ov.update(overlap_by_rank(records))
         for (_, step), st in overlap_by_step(records).items():
             by_step.setdefault(step, []).append(st)
@@ -204,7 +217,8 @@ def render(scan: JobScan, title: str, *, max_ops: int = MAX_OPS) -> str:
                        for f in d["findings"])
     stands = _table(["rank", "where it stands", "call site", "lives", "files", "dumped on"],
                     [[r["rank"], r["stands"], (r["call_site"] or "-", r.get("call_site_full")), r.get("lives", 0),
-                      ", ".join(r["files"]) or "none", (r.get("reason") or "-", r.get("reason_full"))]
+                      (", ".join(_below(f, scan.paths) for f in r["files"]) or "none", ", ".join(r["files"])),
+                      (r.get("reason") or "-", r.get("reason_full"))]
                      for r in d["ranks"]])
     recovery = "" if not story["losses"] and not story["admissions"] else (
         "<h3>recovery</h3>" + _table(["event", "at s", "step", "ranks", "what"],

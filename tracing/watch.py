@@ -25,6 +25,7 @@ from datetime import datetime, timezone
 from typing import Any, Dict, List, Optional, TextIO, Tuple
 
 from .messages import loss_cause, short_error
+from .story import lineage
 from .traceio import MAX_DUMP_BYTES, MAX_LINE_BYTES, TraceFileError, find_files, life_of, loads, read_dump
 
 READ_BYTES = 8 << 20  # per file and look: a job far ahead is caught up over several looks
@@ -84,7 +85,7 @@ class Watch:
         self.latest: Dict[int, Tuple[int, Dict[str, Any]]] = {}  # rank -> (life, last finished record)
         self.in_flight: Dict[int, Tuple[float, List[Dict[str, Any]]]] = {}  # rank -> (dump mtime, open records)
         self.arrivals: "OrderedDict[Tuple[str, int, int], Dict[int, int]]" = OrderedDict()
-        self.generations: Dict[str, Tuple[int, List[int], int]] = {}  # comm name -> (generation, members, wall)
+        self.generations: Dict[str, Tuple[int, List[int], int]] = {}  # "'name' (lineage)" -> (generation, members, wall)
         self.first_failure: Optional[Tuple[int, str]] = None   # (wall ns, text): the earliest reported
         self.events: List[Tuple[int, str]] = []
         self.job: Optional[str] = None
@@ -96,7 +97,7 @@ class Watch:
             paths = find_files([self.directory])
         except TraceFileError:
             return  # nothing written yet
-        for path in paths:
+        for path in sorted(paths, key=lambda p: not p.endswith(".jsonl")):  # JSON lines first: they have it all
             if path.endswith(".jsonl"):
                 f = self.files.get(path) or self.files.setdefault(path, _Follower(path))
                 for ev in f.new_lines():
@@ -182,9 +183,10 @@ class Watch:
     def _membership(self, name: Any, generation: Any, members: Any, f: _Follower, ev: Dict[str, Any]) -> None:
         if type(generation) is not int or not isinstance(members, list):
             return
-        known = self.generations.get(str(name))
+        key = f"'{name}' ({lineage(str(ev.get('comm_id')))})"
+        known = self.generations.get(key)
         if known is None or generation >= known[0]:
-            self.generations[str(name)] = (generation, members, (ev.get("mono_ns") or 0) + f.offset_ns)
+            self.generations[key] = (generation, members, (ev.get("mono_ns") or 0) + f.offset_ns)
 
     def _event(self, f: _Follower, ev: Dict[str, Any], text: str) -> None:
         wall = (ev.get("mono_ns") or 0) + f.offset_ns
@@ -223,7 +225,7 @@ class Watch:
             lines.append("waiting for trace files (rank<R>.jsonl: set COMMSLAYER_TRACE_JSONL=1 in the job)")
             return lines
         for name, (gen, members, since) in sorted(self.generations.items()):
-            lines.append(f"'{name}': generation {gen}, members {', '.join(map(str, members))} "
+            lines.append(f"{name}: generation {gen}, members {', '.join(map(str, members))} "
                          f"(since {_clock(since)})")
         lines.append(f"first failure: {self.first_failure[1] if self.first_failure else 'none so far'}")
         lines.append("")
