@@ -142,3 +142,14 @@ def test_watch_reads_whole_lines_as_they_are_appended(tmp_path):
     frame = "\n".join(w.frame(WALL_NS + 10_000 * MS))
     assert "all_reduce #3 of 'a'" in frame
     assert "first failure:" in frame and "(backend: Connection closed by peer)" in frame and "GLHF" not in frame
+
+
+def test_a_bad_event_names_its_file_and_field(tmp_path):
+    traces = _recovered_job(str(tmp_path / "t"))
+    doc = json.loads((tmp_path / "t" / "rank0.json").read_text())
+    doc["events"][0]["lost"] = ["2"]
+    write(os.path.join(traces, "rank0.json"), doc)
+    rc, _, err = run_cli("diagnose", traces)
+    assert rc == 2 and "rank0.json:1: 'event lost[]' must be an integer" in err, err
+    rc, out, err = run_cli("diagnose", "--skip-bad", traces)
+    assert rc in (0, 1) and "skipped" in err and "Traceback" not in err

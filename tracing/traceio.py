@@ -575,13 +575,28 @@ def _other_line(src: RankSource, path: str, lineno: int, line: bytes) -> Optiona
     return None
 
 
+# The fields of recovery events (records.EVENT_KINDS) the viewer uses, and their types.
+_EVENT_INTS = ("step", "generation", "bytes", "source", "source_replica", "seq")
+_EVENT_TYPES: Dict[str, Tuple[type, ...]] = {
+    "comm": (str, _NONE), "comm_id": (str, _NONE), "error": (str, _NONE), "why": (str, _NONE), "op": (str, _NONE),
+    "seconds": (int, float, _NONE), "lost": (list, _NONE), "members": (list, _NONE), "before": (list, _NONE),
+    "replicas": (list, _NONE), "lost_replicas": (list, _NONE),
+}
+
+
 def _take_event(src: RankSource, ev: Any, path: str, line: int) -> None:
     """A recovery event, checked, into ``src.events`` (once: a dump and JSON lines both hold it)."""
-    why = None if isinstance(ev, dict) else f"an event must be an object, not {_shown(ev)}"
-    why = why or _type_problem("event kind", ev.get("kind"), (str,)) \
+    if not isinstance(ev, dict):
+        raise TraceFileError(path, line, f"an event must be an object, not {_shown(ev)}")
+    why = _type_problem("event kind", ev.get("kind"), (str,)) \
         or _int_problem("event mono_ns", ev.get("mono_ns"), 0, TIME_LIMIT) \
-        or _int_problem("event step", ev.get("step"), -1, 1 << 62, optional=True) \
-        or _int_problem("event generation", ev.get("generation"), 0, 1 << 62, optional=True)
+        or next(filter(None, (_int_problem(f"event {k}", ev.get(k), -1, 1 << 62, optional=True)
+                              for k in _EVENT_INTS)), None) \
+        or next(filter(None, (_type_problem(f"event {k}", ev.get(k), types)
+                              for k, types in _EVENT_TYPES.items())), None)
+    for k in ("lost", "members", "before", "replicas", "lost_replicas"):
+        if not why and isinstance(ev.get(k), list):
+            why = next(filter(None, (_int_problem(f"event {k}[]", m, 0, MAX_RANKS) for m in ev[k])), None)
     if why:
         raise TraceFileError(path, line, why)
     key = (ev["kind"], ev["mono_ns"])
