@@ -117,6 +117,22 @@ def test_perfetto_export_has_the_recovery_markers(recovered, tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_exposed_time_per_rank_and_step(recovered):
+    """The DDP example runs through c10d (async ops and their waits): exposed time is
+    there, and per step for every rank (the records carry their step)."""
+    whole = json.loads(run_cli("overlap", "--json", recovered["traces"])[1])["ranks"]
+    assert [r["rank"] for r in whole] == [0, 1, 2, 3] and all(r["exposed_comm_s"] > 0 for r in whole), whole
+    rows = json.loads(run_cli("overlap", "--by-step", "--json", recovered["traces"])[1])["ranks"]
+    steps = {r["rank"]: {row["step"] for row in rows if row["rank"] == r["rank"]} for r in whole}
+    assert FAULT_STEP in steps[0] and STEPS - 1 in steps[0] and STEPS - 1 in steps[2]
+    assert FAULT_STEP + 5 not in steps[2]  # rank 2 was dead then
+    for r in whole:
+        mine = [row for row in rows if row["rank"] == r["rank"]]
+        assert 0 < sum(row["exposed_comm_s"] for row in mine) and all(
+            row["exposed_comm_s"] <= row["comm_s"] + 0.01 for row in mine)
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.skipif(TMUX is None, reason="tmux is not installed")
 def test_watch_followed_the_running_job_and_quit_on_ctrl_c(recovered):
     panes = recovered["panes"]
@@ -142,6 +158,7 @@ def test_page_draws_the_recovery_table_and_markers(recovered, tmp_path):
     assert dom.returncode == 0, dom.stderr[-2000:]
     html = dom.stdout
     assert '<div id="errors"></div>' in html  # no script error
+    assert "<h3>per step (the last 200 of " in html
     table = html.split('<table id="recovery">')[1].split("</table>")[0]
     kinds = re.findall(r"<tr><td>(\w[\w ]*)</td>", table)
     assert kinds[0] == "loss" and {"detection", "decision", "resume", "admission", "heal"} <= set(kinds), kinds

@@ -205,7 +205,8 @@ def render(scan: JobScan, title: str, *, max_ops: int = MAX_OPS) -> str:
         for r in records:  # read for this page only: no copy needed
             r["rank"] = rank
         ov.update(overlap_by_rank(records))
-        for (_, step), st in overlap_by_step(records).items():
+        stepped = [r for r in records if r.get("step") is not None]  # only a resilient job's records have one
+        for (_, step), st in (overlap_by_step(stepped).items() if stepped else ()):
             by_step.setdefault(step, []).append(st)
         tl.add(rank, slices)
     story = d["recovery"]
