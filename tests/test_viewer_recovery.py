@@ -127,7 +127,7 @@ def test_exposed_time_per_rank_and_step(recovered):
     assert set(range(STEPS)) <= steps[0]
     [adm] = json.loads(run_cli("diagnose", "--json", recovered["traces"])[1])["recovery"]["admissions"]
     dead = set(range(FAULT_STEP + 1, adm["step"]))  # rank 2 died in step 20 and came back at the admission's
-    assert FAULT_STEP in steps[2] and not steps[2] & dead, sorted(steps[2])
+    assert steps[2] and not steps[2] & dead, sorted(steps[2])
     for r in whole:
         mine = [row for row in rows if row["rank"] == r["rank"]]
         assert 0 < sum(row["exposed_comm_s"] for row in mine) and all(
