@@ -23,6 +23,9 @@ MS = 1_000_000
 def test_short_error_keeps_the_cause_only():
     assert short_error(GLOO) == "peer lost: rank(s) 1 (backend: Connection closed by peer)"
     assert loss_cause(GLOO) == "Connection closed by peer"
+    assert short_error("peer lost: rank(s) 1 (backend: [/x/gloo/transport/tcp/pair.cc:589] Read error "
+                       "[127.0.0.1]:25480: Connection reset by peer)") == \
+        "peer lost: rank(s) 1 (backend: Read error: Connection reset by peer)"
     assert loss_cause("peer lost: rank 2 (member 2): rank 2: no heartbeat for 5.00s (stopped or hung)") == \
         "no heartbeat for 5.00s (stopped or hung)"
     reason = f"PeerLost: {GLOO}; communicator 'a' being shrunk after a loss; exit"

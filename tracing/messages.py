@@ -18,6 +18,7 @@ HEADLINE_CHARS = 200  # a cause longer than this is cut (the detail view has it 
 _BACKEND = re.compile(r"\(backend: (?:\[[^\]]*\] ?)?(.*?)(?: \[[0-9a-fA-F.:]*\]:\d+)?(?:\. [^()]*)?\)")
 _CXX_PATH = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|cxx|h|hpp|cu):\d+\] ?")
 _CONTEXT = re.compile(r" \[communicator [^\]]*\]$")  # commslayer's "[communicator ..; op ..; ..]" at the end
+_ADDRESS = re.compile(r" \[[0-9a-fA-F.:]+\]:\d+")  # a peer's "[127.0.0.1]:25480"
 
 
 def short_error(text: Optional[str]) -> str:
@@ -26,7 +27,7 @@ def short_error(text: Optional[str]) -> str:
     Connection closed by peer)``."""
     if not text:
         return ""
-    out = _CONTEXT.sub("", _CXX_PATH.sub("", _BACKEND.sub(r"(backend: \1)", text.strip())))
+    out = _ADDRESS.sub("", _CONTEXT.sub("", _CXX_PATH.sub("", _BACKEND.sub(r"(backend: \1)", text.strip()))))
     out = out.splitlines()[0] if out else out
     return out if len(out) <= HEADLINE_CHARS else out[:HEADLINE_CHARS - 3] + "..."
 
