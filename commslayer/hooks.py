@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, NamedTuple, Optional, Protocol, Set, Tuple
 
 if TYPE_CHECKING:
     import torch
@@ -89,6 +89,9 @@ class OpRecord(Protocol):
     def ended(self, work: "Work") -> None:
         """The op settled: ``work`` has its status, error and ``end_ns``."""
 
+    def waited(self, start_ns: int, end_ns: int) -> None:
+        """The caller of an async op blocked in ``Work.wait`` from ``start_ns`` to ``end_ns``."""
+
 
 class OpRecorder(Protocol):
     """What ``Communicator.recorder`` must be (tracing's ``FlightRecorder`` is one)."""
@@ -107,3 +110,16 @@ def register_phase_hook(fn: Callable[..., Any]) -> HookHandle:
     Here rather than in ``resilience`` so that the fault harness can register while
     torch is still importing."""
     return phase_hooks.add(fn)
+
+
+recovery_hooks = Hooks("recovery")  # fn(kind, fields); a broken observer is logged and skipped
+
+
+def register_recovery_hook(fn: Callable[[str, Dict[str, Any]], None]) -> HookHandle:
+    """Run ``fn(kind, fields)`` at each milestone of a resilient job's recovery
+    (``commslayer.replicas``): ``recovered`` (the survivors went on without a
+    lost replica group), ``admitted`` (a restarted group was let back in) and
+    ``healed`` (a restarted rank received a live replica's state). ``fields``
+    are plain values (steps, member ids, bytes, seconds); tracing records them
+    as events."""
+    return recovery_hooks.add(fn)

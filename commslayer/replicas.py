@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from .communicator import Communicator, join, new_comm
 from .errors import CommAborted, CommError, InvalidArgument, StoreUnreachable
+from .hooks import recovery_hooks
 from .reduce_op import ReduceOp
 from .work import Work
 
@@ -197,6 +198,9 @@ class Replicas:
         self.replicate = self._split()
         self.recoveries.append(Recovery(step, sorted(set(before) - set(self.live)), self.generation,
                                         detected, time.time()))
+        recovery_hooks("recovered", {"step": step, "lost_replicas": self.recoveries[-1].lost_replicas,
+                                     "generation": self.generation, "members": list(self.world.members),
+                                     "seconds": self.recoveries[-1].resumed_at - detected})
 
     def _leave_if_broken(self) -> None:
         lost = {self.world.members[r] for r in self.world.lost_ranks}
@@ -241,15 +245,20 @@ class Replicas:
             return []
         admitted = sorted(ready)
         self.admissions.append(Admission(step, admitted, self.generation, time.perf_counter() - start))
+        recovery_hooks("admitted", {"step": step, "replicas": admitted, "generation": self.generation,
+                                    "members": list(self.world.members), "seconds": self.admissions[-1].heal_s})
         return admitted
 
     def heal(self, state: "Healable") -> int:
         """A restarted rank, once admitted: overwrite ``state`` with a live replica's
         and return the step to continue from."""
+        start = time.perf_counter()
         step = self._transfer(state, -1, survivor=False)
         if not self._agreed(True):
             raise CommError("the state transfer failed on another rank", comm=self.world.get_name(), op="heal")
         self._healed = True
+        recovery_hooks("healed", {"step": step, "generation": self.generation, "seconds": time.perf_counter() - start,
+                                  **self._received})
         return step
 
     def _agreed(self, ok: bool) -> bool:
@@ -279,6 +288,8 @@ class Replicas:
         comm.broadcast(data, root)
         if not survivor:
             state.unpack(ctypes.string_at(data.data_ptr(), data.numel()))
+            source = comm.global_ranks[root]
+            self._received = {"source": source, "source_replica": source // self.shards, "bytes": data.numel()}
         return int(head[0])
 
     def wait_for(self, state: "Healable", step: int, gone: Callable[[int], bool],

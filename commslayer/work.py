@@ -108,11 +108,16 @@ class Work:
         """
         if timeout is not None:
             timeout_s = timeout_seconds(timeout, self.timeout_s, self.comm._checker(self.op))
-        if self._status not in _DONE:
-            remaining = (self.deadline_ns - time.monotonic_ns()) / 1e9
-            if timeout is not None:
-                remaining = min(remaining, timeout_s)
-            self._settle_from_backend(remaining)
+        began = time.monotonic_ns()
+        try:
+            if self._status not in _DONE:
+                remaining = (self.deadline_ns - began) / 1e9
+                if timeout is not None:
+                    remaining = min(remaining, timeout_s)
+                self._settle_from_backend(remaining)
+        finally:
+            if self.record is not None:  # the caller's exposed communication time
+                self.record.waited(began, time.monotonic_ns())
         if self._error is not None:
             raise self._error
         return True

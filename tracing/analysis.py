@@ -20,7 +20,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .records import COMPLETED, SCHEDULED, STARTED, STATES
-from .traceio import RankSource, TraceFileError, discover, rank_records, rank_rows
+from .messages import human_bytes, relative_site, short_error, short_reason
+from .story import recovery_story
+from .traceio import RankSource, TraceFileError, discover, life_communicators, life_uid, rank_records, rank_rows
 
 RS_OPS = frozenset(("reduce_scatter_single", "reduce_scatter"))
 AG_OPS = frozenset(("all_gather_single", "all_gather"))
@@ -73,9 +75,10 @@ class OverlapStats:
     in flight; ``hidden_fraction = hidden_rs_s / rs_s`` (0 without RS).
     ``comm_s``: union of the intervals of all its ops (p2p included).
     ``exposed_comm_s``: union of the intervals during which the issuing thread
-    was blocked in a synchronous call ([enqueue, end] of ops with
-    ``async_op`` false).  The trace does not record when an async op is
-    waited on, so time blocked in ``Work.wait()`` is not in it: a lower bound.
+    was blocked on communication: [enqueue, end] of a synchronous op, and
+    [``wait_ns``, ``wait_end_ns``] of an async one (the caller's ``Work.wait``;
+    traces without these fields count async ops as never waited on).
+    ``step``: the resilient job's step, for ``overlap_by_step`` (else None).
     """
 
     rank: int
@@ -87,6 +90,7 @@ class OverlapStats:
     hidden_fraction: float
     comm_s: float
     exposed_comm_s: float
+    step: Optional[int] = None
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain values, for ``--json``."""
@@ -107,44 +111,63 @@ def overlap_by_rank(records: Iterable[Dict[str, Any]]) -> Dict[int, OverlapStats
     """Per rank, reduce-scatter/all-gather overlap and exposed communication.
 
     ``records``: record dicts carrying ``rank``, ``op``, ``backend_op``,
-    ``start_ns``, ``end_ns`` (and ``enqueue_ns``/``async_op`` for the exposed
-    time; without them an op counts as asynchronous).  Times may be raw or
-    aligned: only differences within one rank are used.  Ops without an end
-    (still in flight) are left out.
+    ``start_ns``, ``end_ns`` (and ``enqueue_ns``/``async_op``/``wait_ns``/
+    ``wait_end_ns`` for the exposed time; without them an op counts as
+    asynchronous and never waited on).  Times may be raw or aligned: only
+    differences within one rank are used.  Ops without an end (still in
+    flight) are left out.
     """
-    per: Dict[int, Dict[str, List[Interval]]] = {}
-    counts: Dict[int, List[int]] = {}
+    return {key[0]: stats for key, stats in _overlap(records, False).items()}
+
+
+def overlap_by_step(records: Iterable[Dict[str, Any]]) -> Dict[Tuple[int, int], OverlapStats]:
+    """``overlap_by_rank`` per (rank, step), for the records that carry a ``step``
+    (those of a resilient job, ``commslayer.resilience``)."""
+    return _overlap(records, True)
+
+
+def _overlap(records: Iterable[Dict[str, Any]], by_step: bool) -> Dict[Tuple[int, int], OverlapStats]:
+    per: Dict[Tuple[int, int], Dict[str, List[Interval]]] = {}
+    counts: Dict[Tuple[int, int], List[int]] = {}
     for r in records:
         start, end = r.get("start_ns"), r.get("end_ns")
         if end is None:
             continue
         if start is None:
             start = r.get("enqueue_ns", end)
-        rank = r["rank"]
-        lanes = per.get(rank)
+        step = r.get("step") if by_step else -1
+        if type(step) is not int:
+            continue
+        key = (r["rank"], step)
+        lanes = per.get(key)
         if lanes is None:
-            lanes = per[rank] = {"rs": [], "ag": [], "all": [], "blocked": []}
-            counts[rank] = [0, 0]
+            lanes = per[key] = {"rs": [], "ag": [], "all": [], "blocked": []}
+            counts[key] = [0, 0]
         lanes["all"].append((start, end))
         if r.get("async_op") is False:
             lanes["blocked"].append((r.get("enqueue_ns", start), end))
+        else:
+            w0, w1 = r.get("wait_ns"), r.get("wait_end_ns")
+            if type(w0) is int and type(w1) is int and w0 < w1:
+                lanes["blocked"].append((w0, w1))
         if is_rs(r):
             lanes["rs"].append((start, end))
-            counts[rank][0] += 1
+            counts[key][0] += 1
         elif is_ag(r):
             lanes["ag"].append((start, end))
-            counts[rank][1] += 1
-    out: Dict[int, OverlapStats] = {}
-    for rank in sorted(per):
-        lanes = per[rank]
+            counts[key][1] += 1
+    out: Dict[Tuple[int, int], OverlapStats] = {}
+    for key in sorted(per):
+        lanes = per[key]
         rs, ag = union(lanes["rs"]), union(lanes["ag"])
         rs_ns, hidden_ns = length(rs), length(intersect(rs, ag))
-        out[rank] = OverlapStats(
-            rank=rank, rs_count=counts[rank][0], ag_count=counts[rank][1],
+        out[key] = OverlapStats(
+            rank=key[0], rs_count=counts[key][0], ag_count=counts[key][1],
             rs_s=rs_ns / 1e9, ag_s=length(ag) / 1e9, hidden_rs_s=hidden_ns / 1e9,
             hidden_fraction=hidden_ns / rs_ns if rs_ns else 0.0,
             comm_s=length(union(lanes["all"])) / 1e9,
             exposed_comm_s=length(union(lanes["blocked"])) / 1e9,
+            step=key[1] if by_step else None,
         )
     return out
 
@@ -226,6 +249,7 @@ class JobScan:
         than ``PARALLEL_BYTES`` of input, ranks are read by that many forked
         processes (contiguous rank ranges), whose results are merged here."""
         self.skip_bad = skip_bad
+        self.paths = list(paths)
         self.problems: List[str] = []
         self.sources: Dict[int, RankSource] = discover(paths, skip_bad=skip_bad, problems=self.problems)
         self._empty_state()
@@ -252,6 +276,7 @@ class JobScan:
                                                          f"({len(self.problems)} problems, the first: "
                                                          f"{self.problems[0] if self.problems else '-'})")
         self.offsets: Dict[int, ClockOffset] = self._align()
+        self._note_lives()
 
     def _empty_state(self) -> None:
         self.communicators: Dict[str, Dict[str, Any]] = {}
@@ -381,7 +406,7 @@ class JobScan:
     def _note_communicators(self, src: RankSource) -> None:
         """What rank ``src.rank``'s files say about its communicators, merged over ranks."""
         rank = src.rank
-        for uid, info in src.communicators.items():
+        for uid, info in life_communicators(src):
             known = self.communicators.setdefault(uid, {"name": info.get("name"), "backend": info.get("backend"),
                                                         "size": info.get("size"), "global_ranks": None,
                                                         "states": {}, "comm_ranks": {}})
@@ -391,6 +416,45 @@ class JobScan:
                 known["size"] = info["size"]
             known["states"][rank] = info.get("state")
             known["comm_ranks"][rank] = info.get("rank")
+
+    def _note_lives(self) -> None:
+        """Recovery events and the spans of restarted ranks' lives, on the common axis."""
+        self.events: List[Dict[str, Any]] = []                       # with rank, life and t_ns (aligned)
+        self.lives: Dict[int, List[Tuple[int, int, int]]] = {}       # rank -> (life, first, last) of each life
+        for rank, src in self.sources.items():
+            off = self.offsets[rank].offset_ns
+            for life in [src, *src.lives]:
+                for ev in life.events:
+                    if "wall_ns" in ev:
+                        uid = ev.get("comm_id")
+                        if life.life and uid and not ev.get("generation"):
+                            uid = life_uid(uid, life.life)
+                        self.events.append(dict(ev, rank=rank, life=life.life, comm_id=uid, t_ns=ev["wall_ns"] - off))
+                if src.lives and life.span is not None:
+                    base = src.wall_minus_mono_ns - off
+                    self.lives.setdefault(rank, []).append((life.life, life.span[0] + base, life.span[1] + base))
+        self.events.sort(key=lambda e: e["t_ns"])
+
+    def site(self, site: Optional[str], rank: Optional[int] = None) -> Optional[str]:
+        """A call site as the viewer shows it: relative to the working directory of
+        rank ``rank``'s process (any rank's when None or unknown)."""
+        src = self.sources.get(rank) if rank is not None else None
+        cwd = src.last_life.cwd if src is not None else None
+        if cwd is None:
+            cwd = next((s.cwd for s in self.sources.values() if s.cwd), None)
+        return relative_site(site, cwd)
+
+    def life_end(self, rank: int, before_ns: int) -> Optional[int]:
+        """The end (aligned ns) of rank ``rank``'s last op up to ``before_ns`` when that op
+        ended a life of the rank (it was restarted after); else None."""
+        spans = [s for s in self.lives.get(rank, ()) if s[2] <= before_ns]
+        later = [s for s in self.lives.get(rank, ()) if s[1] > before_ns]
+        return spans[-1][2] if spans and later else None
+
+    def life_of(self, rank: int, t_ns: int) -> int:
+        """The restart number of the life rank ``rank`` was in at ``t_ns`` (aligned)."""
+        src = self.sources.get(rank)
+        return max((life for life, lo, _ in self.lives.get(rank, ()) if lo <= t_ns), default=src.life if src else 0)
 
     # ---------------------------------------------------------------- clocks
     def _align(self) -> Dict[int, ClockOffset]:
@@ -500,16 +564,23 @@ class Slice:
 
 
 def rank_timeline(scan: JobScan, rank: int) -> List[Slice]:
-    """Rank ``rank``'s ops (read again from its files) with lanes assigned first-fit."""
+    """Rank ``rank``'s ops (read again from its files) with lanes assigned first-fit.
+    An op without an end is drawn to the end of the trace, or of its life when the
+    rank was restarted after it (its process is gone)."""
     src = scan.sources[rank]
     off = src.wall_minus_mono_ns - scan.offsets[rank].offset_ns
     t_end = scan.span()[1]
+    lives = scan.lives.get(rank, [])
+    life_ends = {life: (hi if i + 1 < len(lives) else t_end) for i, (life, _, hi) in enumerate(lives)}
     by_comm: Dict[str, List[Tuple[int, int, Dict[str, Any], bool]]] = {}
     for r in rank_records(src, skip_bad=True):
         start = (r.get("start_ns") or r["enqueue_ns"]) + off
         end = r.get("end_ns")
-        by_comm.setdefault(r["comm_id"], []).append(
-            (start, max(start, t_end) if end is None else end + off, r, end is None))
+        if end is None:
+            end = max(start, life_ends.get(r.get("life", src.life), t_end))
+        else:
+            end += off
+        by_comm.setdefault(r["comm_id"], []).append((start, end, r, r.get("end_ns") is None))
     out: List[Slice] = []
     for comm in sorted(by_comm):
         lane_ends: List[int] = []
@@ -540,21 +611,14 @@ def _bucket_label(bits: int) -> str:
     if bits == 0:
         return "0 B"
     lo, hi = 1 << (bits - 1), 1 << bits
-    return f"{_human_bytes(lo)}-{_human_bytes(hi)}"
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:g} {unit}"
-        n /= 1024
-    return f"{n:g} GiB"
+    return f"{human_bytes(lo)}-{human_bytes(hi)}"
 
 
 def summary(scan: JobScan) -> Dict[str, Any]:
     """Latency and bandwidth per communicator x op x size bucket, straggler
-    time per rank and the straggler if one stands out, clock offsets: plain
-    values (times in ms, bandwidth in GB/s)."""
+    time per rank and the straggler if one stands out, clock offsets, the
+    recovery story (``tracing.story``): plain values (times in ms, bandwidth
+    in GB/s)."""
     groups = []
     for (comm, op, bits), (count, total_s, total_ns, durs) in sorted(scan.groups.items()):
         info = scan.communicators.get(comm, {})
@@ -573,7 +637,7 @@ def summary(scan: JobScan) -> Dict[str, Any]:
         })
     rows = stragglers(scan)
     return {
-        "ranks": sorted(scan.sources), "problems": list(scan.problems),
+        "ranks": sorted(scan.sources), "problems": list(scan.problems), "recovery": recovery_story(scan),
         "groups": groups, "stragglers": rows, "straggler": straggler(rows),
         "clock": [{"rank": c.rank, "reference": c.reference, "offset_us": c.offset_ns / 1e3,
                    "low_us": None if c.low_ns is None else c.low_ns / 1e3,
@@ -637,8 +701,10 @@ def _op_name(r: Dict[str, Any]) -> str:
     return f"{r['op']} #{r['seq']}"
 
 
-def _where(r: Dict[str, Any]) -> str:
-    return f"{_op_name(r)} of '{r['comm']}' ({r['state']}) at {r.get('call_site') or '?'}"
+def _where(r: Dict[str, Any], scan: Optional["JobScan"] = None, rank: Optional[int] = None) -> str:
+    site = r.get("call_site") if scan is None else scan.site(r.get("call_site"), rank)
+    gen = f" generation {r['generation']}" if r.get("generation") else ""
+    return f"{_op_name(r)} of '{r['comm']}'{gen} ({r['state']}) at {site or '?'}"
 
 
 def _ranks(rs: Iterable[int]) -> str:
@@ -664,11 +730,17 @@ def diagnose(scan: JobScan) -> Dict[str, Any]:
     for uid in scan.communicators:
         expected.update(scan.members(uid))
     missing = sorted(expected - present)
+    story = recovery_story(scan)
+    gone = {r for loss in story["losses"] if loss["recovered"] for r in loss["lost"]}
     for r in missing:
+        if r in gone:
+            findings.append(Finding("info", f"rank {r} left no trace file: it was lost and the job went on "
+                                            "without it", [r]))
+            continue
         findings.append(Finding("error", f"rank {r} left no trace file (no dump, no JSON lines): it was killed "
                                          "(SIGKILL) or is still hung (SIGSTOP), or its files were not copied", [r]))
     for r, src in sorted(scan.sources.items()):
-        if src.dump_path is None and src.jsonl_path is not None:
+        if src.last_life.dump_path is None and src.last_life.jsonl_path is not None:
             findings.append(Finding("warning", f"rank {r} left JSON lines but no dump: it never exited, failed "
                                                "or got SIGTERM/SIGUSR1 (killed, or stopped)", [r]))
     lost: Dict[int, List[int]] = {}
@@ -682,7 +754,7 @@ def diagnose(scan: JobScan) -> Dict[str, Any]:
     _call_site_splits(scan, findings)
     comms = []
     for uid in sorted({k[0] for k in scan.collectives} | set(scan.communicators)):
-        comms.append(_diagnose_comm(scan, uid, missing, mismatches, findings, culprits))
+        comms.append(_diagnose_comm(scan, uid, missing, mismatches, findings, culprits, uid in story["superseded"]))
     ranks = []
     for r in sorted(expected):
         src = scan.sources.get(r)
@@ -691,24 +763,33 @@ def diagnose(scan: JobScan) -> Dict[str, Any]:
             continue
         stuck = scan.unfinished.get(r) or []
         last = scan.last_record.get(r)
+        stuck = [x for x in stuck if x["comm_id"] not in story["superseded"]] or \
+            ([] if story["recovered"] else stuck)
         if stuck:
-            stands, site = f"in {_where(stuck[0])}", stuck[0].get("call_site")
+            stands, site = f"in {_where(stuck[0], scan, r)}", stuck[0].get("call_site")
         elif last is not None:
-            stands, site = f"last seen after {_where(last)}", last.get("call_site")
+            stands, site = f"last seen after {_where(last, scan, r)}", last.get("call_site")
         else:
             stands, site = "no records", None
-        ranks.append({"rank": r, "files": src.files, "host": src.host, "pid": src.pid, "reason": src.reason,
-                      "dump": src.dump_path is not None, "stands": stands, "call_site": site})
+        life = src.last_life
+        ranks.append({"rank": r, "files": src.files, "host": life.host, "pid": life.pid,
+                      "reason": short_reason(life.reason), "reason_full": life.reason,
+                      "lives": life.life + 1, "dump": life.dump_path is not None, "stands": stands,
+                      "call_site": scan.site(site, r), "call_site_full": site})
     errors = [f for f in findings if f.severity == "error"]
     if culprits:
         head = "Likely culprit: " + "; ".join(f"rank {r} ({why})" for r, why in sorted(culprits.items()))
     elif errors:
         head = f"Something went wrong ({len(errors)} problems below), no single rank to blame."
+    elif story["losses"]:
+        head = "; ".join(story["lines"])
     else:
         head = f"No problem found in {len(present)} ranks' traces."
+    if story["losses"] and (culprits or errors):
+        findings.insert(0, Finding("info", "; ".join(story["lines"]), []))
     return {"ok": not errors, "headline": head, "culprits": sorted(culprits), "missing_ranks": missing,
             "findings": [asdict(f) for f in findings], "communicators": comms, "ranks": ranks,
-            "problems": list(scan.problems)}
+            "recovery": story, "problems": list(scan.problems)}
 
 
 def _describe(fp: Tuple[Any, ...]) -> str:
@@ -736,7 +817,8 @@ def _call_site_splits(scan: JobScan, findings: List[Finding]) -> None:
         groups: Dict[int, List[int]] = {}
         for rank, sid in zip(a[_RANK::_W], sids):
             groups.setdefault(sid, []).append(rank)
-        where = "; ".join(f"{_ranks(rs)} at {names[sid]}" for sid, rs in sorted(groups.items(), key=lambda kv: min(kv[1])))
+        where = "; ".join(f"{_ranks(rs)} at {scan.site(names[sid])}"
+                          for sid, rs in sorted(groups.items(), key=lambda kv: min(kv[1])))
         name = scan.communicators.get(key[0], {}).get("name") or key[0]
         findings.append(Finding("warning", f"'{name}' #{key[2]} ({scan.coll_ops[key]}) was called from different "
                                            f"lines: {where}", sorted(min(groups.values(), key=len))))
@@ -773,7 +855,11 @@ def _mismatches(scan: JobScan, findings: List[Finding], culprits: Dict[int, str]
 
 
 def _diagnose_comm(scan: JobScan, uid: str, missing: List[int], mismatches: Dict[Tuple[str, int, int], List[int]],
-                   findings: List[Finding], culprits: Dict[int, str]) -> Dict[str, Any]:
+                   findings: List[Finding], culprits: Dict[int, str], superseded: bool = False) -> Dict[str, Any]:
+    """One communicator's rows; what went wrong in it into ``findings`` and ``culprits``
+    (as history, ``info``, when the job recovered from it: ``superseded``)."""
+    if superseded:
+        culprits = {}
     info = scan.communicators.get(uid, {})
     name = info.get("name") or uid
     members = scan.members(uid)
@@ -784,7 +870,7 @@ def _diagnose_comm(scan: JobScan, uid: str, missing: List[int], mismatches: Dict
         rows.append({"rank": r, "present": r in scan.sources,
                      "last_entered": None if le is None else f"{_op_name(le)} ({le['state']})",
                      "last_completed": None if lc is None else _op_name(lc),
-                     "call_site": None if le is None else le.get("call_site")})
+                     "call_site": None if le is None else scan.site(le.get("call_site"), r)})
     # The first op some member did not complete: where the communicator went wrong.
     trouble: Optional[Dict[str, Any]] = None
     for r in present:
@@ -807,12 +893,12 @@ def _diagnose_comm(scan: JobScan, uid: str, missing: List[int], mismatches: Dict
         text = f"'{name}' ({uid}) went wrong at {trouble['op']} #{seq}: {states}"
         errs = {trouble.get("error")} - {None}
         if errs:
-            text += f" ({sorted(errs)[0]})"
+            text += f" ({short_error(sorted(errs)[0])})"
         absent = [r for r in members if r in missing]
         if never:
             for r in never:
                 le = scan.last_entered.get((r, uid))
-                seen = "no op of this communicator recorded" if le is None else f"last entered {_where(le)}"
+                seen = "no op of this communicator recorded" if le is None else f"last entered {_where(le, scan, r)}"
                 culprits.setdefault(r, f"never entered {trouble['op']} #{seq} of '{name}'; {seen}")
             text += f"; {_ranks(never)} never entered it"
         elif absent and key not in mismatches:
@@ -820,15 +906,19 @@ def _diagnose_comm(scan: JobScan, uid: str, missing: List[int], mismatches: Dict
                 culprits.setdefault(r, f"left no trace while its peers failed in {trouble['op']} #{seq} of '{name}'")
             text += f"; {_ranks(absent)} left no trace"
         in_flight_everywhere = not never and not absent and set(by_state) <= {STARTED, SCHEDULED}
-        findings.append(Finding("warning" if in_flight_everywhere else "error", text, never or absent))
+        if superseded:
+            findings.append(Finding("info", f"recovered from: {text}", never or absent))
+        else:
+            findings.append(Finding("warning" if in_flight_everywhere else "error", text, never or absent))
     else:
         fronts = {r: scan.last_entered[(r, uid)]["seq"] for r in present if (r, uid) in scan.last_entered}
         if fronts and len(set(fronts.values())) > 1:
             top = max(fronts.values())
             behind = [r for r, s in fronts.items() if s < top]
-            findings.append(Finding("warning", f"'{name}' ({uid}): {_ranks(behind)} stopped before #{top}, "
-                                               "which the others completed (dumps taken at different times?)",
-                                    behind))
+            why = "its life ended (restarted after)" if superseded else "dumps taken at different times?"
+            findings.append(Finding("info" if superseded else "warning",
+                                    f"'{name}' ({uid}): {_ranks(behind)} stopped before #{top}, "
+                                    f"which the others completed ({why})", behind))
     return {"uid": uid, "name": name, "members": members, "rows": rows}
 
 

@@ -44,18 +44,21 @@ def _warn(problems: List[str]) -> None:
 def cmd_overlap(args: argparse.Namespace) -> int:
     """Print per-rank reduce-scatter/all-gather overlap."""
     problems: List[str] = []
-    stats = analysis.overlap_by_rank(iter_records(args.paths, skip_bad=args.skip_bad, problems=problems))
+    records = iter_records(args.paths, skip_bad=args.skip_bad, problems=problems)
+    stats = list((analysis.overlap_by_step(records) if args.by_step else analysis.overlap_by_rank(records)).values())
     _warn(problems)
     if args.json:
-        print(json.dumps({"ranks": [s.to_dict() for s in stats.values()], "problems": problems}, indent=1))
+        print(json.dumps({"ranks": [s.to_dict() for s in stats], "problems": problems}, indent=1))
         return 0
-    say(f"{'rank':>4} {'RS ops':>7} {'AG ops':>7} {'RS s':>10} {'AG s':>10} {'hidden RS s':>12} "
+    step = f"{'step':>6} " if args.by_step else ""
+    say(f"{'rank':>4} {step}{'RS ops':>7} {'AG ops':>7} {'RS s':>10} {'AG s':>10} {'hidden RS s':>12} "
         f"{'hidden %':>9} {'comm s':>10} {'exposed s':>10}")
-    for s in stats.values():
-        say(f"{s.rank:>4} {s.rs_count:>7} {s.ag_count:>7} {s.rs_s:>10.4f} {s.ag_s:>10.4f} "
+    for s in stats:
+        step = f"{s.step:>6} " if args.by_step else ""
+        say(f"{s.rank:>4} {step}{s.rs_count:>7} {s.ag_count:>7} {s.rs_s:>10.4f} {s.ag_s:>10.4f} "
             f"{s.hidden_rs_s:>12.4f} {100 * s.hidden_fraction:>8.1f}% {s.comm_s:>10.4f} {s.exposed_comm_s:>10.4f}")
     if not stats:
-        say("no records")
+        say("no records" + (" with a step (only a resilient job's records have one)" if args.by_step else ""))
     return 0
 
 
@@ -86,6 +89,11 @@ def print_summary(s: Dict[str, Any]) -> None:
         note = "" if c["consistent"] else "  bounds cross: clocks drift?"
         say(f"{c['rank']:>4} {c['reference']:>4} {c['offset_us']:>11.1f} {_num(c['low_us'], '.1f'):>11} "
             f"{_num(c['high_us'], '.1f'):>11} {_num(c['uncertainty_us'], '.1f'):>10} {c['collectives']:>8}{note}")
+    if s["recovery"]["lines"]:
+        say()
+        for line in s["recovery"]["lines"]:
+            say(line)
+    print_recovery(s["recovery"])
 
 
 def _report(args: argparse.Namespace, compute: Callable[[analysis.JobScan], Dict[str, Any]],
@@ -112,12 +120,14 @@ def print_diagnosis(d: Dict[str, Any]) -> None:
     say(d["headline"])
     for f in d["findings"]:
         say(f"  {f['severity']}: {f['text']}")
+    print_recovery(d.get("recovery") or {})
     say()
     say("where each rank stands:")
     for r in d["ranks"]:
         files = "no files" if not r["files"] else ("dump" if r.get("dump") else "JSON lines only, no dump")
+        lives = f", {r['lives']} lives" if r.get("lives", 1) > 1 else ""
         why = f", dumped on: {r['reason']}" if r.get("reason") else ""
-        say(f"  rank {r['rank']}: {r['stands']} [{files}{why}]")
+        say(f"  rank {r['rank']}: {r['stands']} [{files}{lives}{why}]")
     for c in d["communicators"]:
         say()
         say(f"communicator '{c['name']}' ({c['uid']}), ranks {', '.join(map(str, c['members']))}:")
@@ -127,6 +137,43 @@ def print_diagnosis(d: Dict[str, Any]) -> None:
             else:
                 say(f"  rank {row['rank']}: last entered {row['last_entered'] or '-'}, "
                     f"last completed {row['last_completed'] or '-'}, at {row['call_site'] or '?'}")
+
+
+def print_recovery(story: Dict[str, Any]) -> None:
+    """The recovery table: per loss, each survivor's detection, the decision, the
+    resume; per admission, each heal."""
+    if not story.get("losses") and not story.get("admissions"):
+        return
+    say()
+    say("recovery:")
+    for loss in story["losses"]:
+        step = "" if loss["step"] is None else f" at step {loss['step']}"
+        say(f"  lost {', '.join(map(str, loss['lost']))}{step} (generation {loss['generation']} of "
+            f"'{loss['lineage']}')")
+        for det in loss["detections"]:
+            say(f"    rank {det['rank']} saw it +{det['latency_s']:.3f} s after the {loss['detection_base']}"
+                f" on '{det['comm']}': {det['how']}")
+        if loss["decision_s"] is not None:
+            say(f"    decision: generation {loss['decision_generation']}, members {loss['members_before']} -> "
+                f"{loss['members_after']}, {loss['decision_s']:.3f} s after the first detection")
+        if loss["resume_s"] is not None:
+            took = "" if loss["recovery_s"] is None else f"; recovered in {loss['recovery_s']:.3f} s"
+            say(f"    resume: first op of generation {loss['decision_generation']} "
+                f"{loss['resume_s']:.3f} s after the first detection{took}")
+        else:
+            say("    no new generation ran an op: the job did not recover from it")
+    for adm in story["admissions"]:
+        step = "" if adm["step"] is None else f" at step {adm['step']}"
+        took = "" if adm["seconds"] is None else f" ({adm['seconds']:.3f} s on the survivors)"
+        say(f"  admitted {', '.join(map(str, adm['joined']))}{step}: generation {adm['generation']}, members "
+            f"{adm['members_before']} -> {adm['members_after']}{took}")
+        for h in adm["heals"]:
+            life = " (restarted)" if h["restarted"] else ""
+            group = "" if h.get("source_replica") is None else f" (replica group {h['source_replica']})"
+            say(f"    rank {h['rank']}{life} healed from rank {h['source']}{group}: {h['bytes']} B in "
+                f"{h['seconds']:.3f} s")
+    for f in story["fenced"]:
+        say(f"  rank {f['rank']} fenced out of '{f['comm']}'")
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
@@ -139,7 +186,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     scan = analysis.JobScan(args.paths, skip_bad=args.skip_bad, jobs=args.jobs)
     counts = export_perfetto(scan, args.perfetto)
     _warn(scan.problems)
-    say(f"wrote {args.perfetto}: {counts['ranks']} ranks, {counts['slices']} ops, {counts['flows']} flows "
+    say(f"wrote {args.perfetto}: {counts['ranks']} ranks, {counts['slices']} ops, {counts['flows']} flows, "
+        f"{counts['markers']} recovery markers "
         "(open it in https://ui.perfetto.dev or chrome://tracing)")
     return 0
 
@@ -151,6 +199,13 @@ def cmd_view(args: argparse.Namespace) -> int:
     _warn(scan.problems)
     say(f"wrote {args.output}")
     return 0
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    """Follow a running job's trace directory in the terminal until Ctrl-C."""
+    from .watch import run
+
+    return run(args.dir, interval_s=args.interval, last=args.last, once=args.once, say=say)
 
 
 def _command(sub: Any, name: str, fn: Callable[[argparse.Namespace], int], brief: str, description: str,
@@ -194,10 +249,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--title", help="page title (default: the input paths)")
     p.add_argument("--max-ops", type=int, default=MAX_OPS,
                    help=f"ops drawn one by one (default {MAX_OPS}); older ones are aggregated into time bins")
-    _command(sub, "overlap", cmd_overlap, "per rank: reduce-scatter time hidden under all-gather, exposed comm time",
-             "Per rank: union of reduce-scatter and all-gather busy time, the part of RS time during which an AG "
-             "was in flight, and the time the issuing thread was blocked in synchronous calls (see "
-             "docs/viewer.md).", json_out=True, parallel=False)
+    p = _command(sub, "overlap", cmd_overlap,
+                 "per rank (or step): reduce-scatter time hidden under all-gather, exposed comm time",
+                 "Per rank: union of reduce-scatter and all-gather busy time, the part of RS time during which an "
+                 "AG was in flight, and the time the issuing thread was blocked on communication: in synchronous "
+                 "calls and in Work.wait of async ones (see docs/viewer.md).", json_out=True, parallel=False)
+    p.add_argument("--by-step", action="store_true",
+                   help="one row per rank and step (a resilient job's records carry their step)")
+    p = sub.add_parser("watch", help="follow a running job: each rank's current op, stragglers, generations, failures",
+                       description="Follows the JSON lines (COMMSLAYER_TRACE_JSONL=1) and dumps of a running job "
+                                   "and redraws every second: each rank's current op and its age, the slowest rank "
+                                   "of the last collectives, each resizable communicator's generation and members, "
+                                   "the first failure and the latest recovery events. Ctrl-C quits.")
+    p.add_argument("dir", metavar="DIR", help="the job's trace directory (COMMSLAYER_TRACE_DIR)")
+    p.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between redraws (default 1)")
+    p.add_argument("--last", type=int, default=20, metavar="N",
+                   help="collectives the slowest rank is found over (default 20)")
+    p.add_argument("--once", action="store_true", help="draw once and exit (no screen clearing)")
+    p.set_defaults(fn=cmd_watch, skip_bad=True)
     return top
 
 

@@ -18,7 +18,9 @@ Besides the ops, the file gets lifecycle events: ``trace_started`` (with the
 clock anchor that turns the records' monotonic times into wall time),
 ``communicator_created`` / ``communicator_split`` (a split's uid contains
 ``/``), ``communicator_aborted``, ``collective_timeout``, ``peer_lost`` and
-``communicator_error``, and ``sink_dropped`` when the queue overflowed.
+``communicator_error``, ``recovery`` (the recorder's recovery events: a peer
+lost, a new generation, fencing, a replica group recovered from, admitted,
+healed) and ``sink_dropped`` when the queue overflowed.
 
 A failing write (full disk, vanished directory) never raises into the job:
 the torn tail is cut off, the loss is counted and the first failure is
@@ -91,7 +93,7 @@ class JsonlSink(QueuedSink):
         if sink is not None:
             return sink
         sink = cls(rec, path=path)
-        sink._event("trace_started", {"schema": SCHEMA_VERSION, "clock": dict(rec.clock)})
+        sink._event("trace_started", {"schema": SCHEMA_VERSION, "clock": dict(rec.clock), "cwd": rec.cwd})
         sink._start()
         return sink
 

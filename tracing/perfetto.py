@@ -7,7 +7,10 @@ time, async ones, go to separate lanes so that slices on a thread never
 overlap), one complete event (``ph: X``) per op with its record as ``args``,
 and one flow per collective (``s`` on the rank whose op is earliest, ``t``
 on the middle ones, ``f`` with ``bp: e`` on the last) linking the same
-collective across ranks.  Times are on the job's common axis
+collective across ranks; the recovery story (``tracing.story``) as global
+instant events (a loss, the decision, the first op of the new generation,
+admissions, fencing) and each rank's recovery events as instants on its
+process.  Times are on the job's common axis
 (``analysis.JobScan`` aligns the clocks), in microseconds from the first op.
 
 The file is written as it is produced, one rank at a time.
@@ -19,6 +22,7 @@ import json
 from typing import Any, Dict, Tuple
 
 from .analysis import P2P_OPS, JobScan, flow_order, rank_timeline
+from .story import recovery_story
 from .traceio import shapes_ok
 
 _ARGS = ("seq", "comm_id", "generation", "state", "dtype", "reduce_op", "in_sizes", "out_sizes", "in_bytes",
@@ -29,7 +33,7 @@ def export_perfetto(scan: JobScan, path: str) -> Dict[str, int]:
     """Write ``path``; returns counts of what was written (ranks, slices, flows)."""
     t0 = scan.span()[0]
     flow_ids: Dict[Tuple[str, int, int], int] = {}
-    counts = {"ranks": 0, "slices": 0, "flows": 0}
+    counts = {"ranks": 0, "slices": 0, "flows": 0, "markers": 0}
     odd_shapes = 0
     tids: Dict[Tuple[int, str, int], int] = {}
     comm_order = {uid: i for i, uid in enumerate(sorted({k[0] for k in scan.collectives} | set(scan.communicators)))}
@@ -90,6 +94,15 @@ def export_perfetto(scan: JobScan, path: str) -> Dict[str, int]:
                     ev["bp"] = "e"
                 emit(ev)
                 counts["flows"] += pos == 0
+        for m in recovery_story(scan)["markers"]:
+            emit({"ph": "i", "s": "g", "pid": 0, "tid": 0, "name": m["label"], "cat": f"recovery.{m['kind']}",
+                  "ts": (m["t_ns"] - t0) / 1e3})
+            counts["markers"] += 1
+        for ev in scan.events:
+            if ev["rank"] in scan.sources:
+                emit({"ph": "i", "s": "p", "pid": ev["rank"], "tid": 0, "name": ev["kind"], "cat": "recovery",
+                      "ts": (ev["t_ns"] - t0) / 1e3,
+                      "args": {k: v for k, v in ev.items() if k not in ("t_ns", "wall_ns", "mono_ns")}})
         f.write("\n]}\n")
     if odd_shapes:
         scan.problems.append(f"{odd_shapes} ops' in_sizes/out_sizes were not lists of shapes: exported as null")

@@ -27,7 +27,8 @@ import threading
 import time
 import traceback
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from collections import deque
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import orjson
 import torch.distributed as dist
@@ -37,11 +38,12 @@ from commslayer import config
 from commslayer.communicator import BACKEND_OPS
 from commslayer.work import WorkStatus
 from commslayer.exits import before_exit, exit_now, register_before_exit
-from commslayer.hooks import OpIO
+from commslayer.hooks import OpIO, register_phase_hook, register_recovery_hook
 
 from . import fr_format
 from .dumps import FILE_MODE, DumpWriter
-from .records import ABORTED, COMPLETED, FAILED, RECORD_FIELDS, SCHEDULED, STARTED, TIMED_OUT, new_dump
+from .records import (ABORTED, COMPLETED, EVENT_CAPACITY, FAILED, OPTIONAL_FIELDS, RECORD_FIELDS, SCHEDULED,
+                      STARTED, TIMED_OUT, new_dump)
 
 log = logging.getLogger("commslayer.tracing")
 
@@ -64,7 +66,7 @@ class Record:
     which runs at dump time or on a sink's thread.
     """
 
-    __slots__ = RECORD_FIELDS + ("sinks",)
+    __slots__ = RECORD_FIELDS + OPTIONAL_FIELDS + ("sinks",)
 
     def started(self, start_ns: int) -> None:
         """The op was handed to the backend."""
@@ -86,8 +88,18 @@ class Record:
         for sink in self.sinks:
             sink.enqueue(self)
 
+    def waited(self, start_ns: int, end_ns: int) -> None:
+        """The caller blocked in ``Work.wait`` (the first wait's start, the last one's end)."""
+        if self.wait_ns is None:
+            self.wait_ns = start_ns
+        self.wait_end_ns = end_ns
+
     def to_dict(self) -> Dict[str, Any]:
         d = {f: getattr(self, f) for f in RECORD_FIELDS}
+        for f in OPTIONAL_FIELDS:
+            v = getattr(self, f)
+            if v is not None:
+                d[f] = v
         dtype = self.dtype
         itemsize = 0 if dtype is None else dtype.itemsize
         d["dtype"] = None if dtype is None else str(dtype).replace("torch.", "")
@@ -119,6 +131,7 @@ class FlightRecorder:
         self.writer = DumpWriter(trace_dir, mode) if trace_dir else None
         self.host = socket.gethostname()
         self.clock = {"wall_ns": time.time_ns(), "mono_ns": time.monotonic_ns()}
+        self.cwd = os.getcwd()  # the viewer shows call sites relative to it
         self.sinks: List[Any] = []  # objects with enqueue(record) (called as each op ends) and flush()
         self._ring: List[Optional[Record]] = [None] * capacity
         self._count = 0
@@ -129,6 +142,8 @@ class FlightRecorder:
         self._dump_event = threading.Event()
         self._dump_lock = threading.RLock()  # a SIGTERM handler may dump inside a dump
         self._dumper: Optional[threading.Thread] = None
+        self.events: Deque[Dict[str, Any]] = deque(maxlen=EVENT_CAPACITY)  # recovery events (records.EVENT_KINDS)
+        self._step: Optional[int] = None
 
     # ------------------------------------------------------------ attaching
     def attach(self, comm: "commslayer.Communicator") -> None:
@@ -138,6 +153,8 @@ class FlightRecorder:
         self._comms[comm.uid] = (ref, info)
         self._refresh(comm, info)
         uid = comm.uid
+        if comm.generation and "/" not in uid:  # a new generation of a resizable communicator
+            self._generation_event(uid, info)
         comm.recorder = self
         self._handles += [
             comm.register_error_hook(lambda err: self._failed(uid, err)),
@@ -173,7 +190,8 @@ class FlightRecorder:
         r.async_op = async_op
         r.timeout_s = timeout_s
         r.state = SCHEDULED
-        r.error = r.start_ns = r.end_ns = r.duration_ms = None
+        r.error = r.start_ns = r.end_ns = r.duration_ms = r.wait_ns = r.wait_end_ns = None
+        r.step = self._step
         r.sinks = self.sinks
         ident = threading.get_ident()
         if ident not in _thread_names:
@@ -187,12 +205,44 @@ class FlightRecorder:
         self._count += 1
         return r
 
+    # ---------------------------------------------------------------- events
+    def event(self, kind: str, info: Optional[Dict[str, Any]] = None, **fields: Any) -> None:
+        """Record a recovery event (``records.EVENT_KINDS``) of communicator ``info`` (if any),
+        now; lifecycle sinks (JSON lines) get it too."""
+        ev: Dict[str, Any] = {"kind": kind, "mono_ns": time.monotonic_ns(), "step": self._step}
+        if info is not None:
+            ev.update(comm=info["name"], comm_id=info.get("uid"), generation=info["generation"])
+        ev.update(fields)
+        self.events.append(ev)
+        for sink in self.sinks:
+            if getattr(sink, "lifecycle", False):
+                sink.recovery_event(ev)
+
+    def _generation_event(self, uid: str, info: Dict[str, Any]) -> None:
+        """A communicator of generation > 0 was built: the members before (this rank's
+        previous generation of the same name, if it had one) and after."""
+        gen = info["generation"]
+        before = next((i["members"] for _, i in self._comms.values()
+                       if i["name"] == info["name"] and i["generation"] == gen - 1 and "members" in i), None)
+        self.event("generation", dict(info, uid=uid),
+                   members=list(info["members"]), before=None if before is None else list(before))
+
+    def _phase(self, job: Any, step: int, phase: str) -> None:
+        """A resilient job's phase hook: events carry the step they happened in."""
+        self._step = step
+
     def _failed(self, uid: str, err: Exception) -> None:
-        self.communicator_info(uid)  # keeps its state ("broken: ...") should it be collected before the dump
+        info = self.communicator_info(uid)  # keeps its state ("broken: ...") should it be collected before the dump
+        if isinstance(err, commslayer.PeerLost) and info is not None:
+            to_job = info.get("global_ranks") or info.get("members") or []
+            lost = sorted(to_job[r] if r < len(to_job) else r for r in err.ranks)
+            self.event("peer_lost", dict(info, uid=uid), lost=lost, op=err.op, seq=err.seq, error=err.what)
         self.request_dump(f"{type(err).__name__}: {err}")
 
     def _aborted(self, uid: str) -> None:
         info = self.communicator_info(uid)  # its state says why it closed
+        if info["state"].startswith("fenced"):
+            self.event("fenced", dict(info, uid=uid), why=info["state"])
         now = time.monotonic_ns()
         for r in list(self._ring):
             if r is not None and r.comm_id == uid and r.end_ns is None:
@@ -216,7 +266,8 @@ class FlightRecorder:
         return new_dump(job=self.job, rank=_global_rank(), host=self.host, pid=os.getpid(),
                         wall_ns=self.clock["wall_ns"], mono_ns=self.clock["mono_ns"], reason=reason,
                         dropped=lost + (self.writer.dropped_records if self.writer else 0),
-                        communicators=self._communicators(), records=records)
+                        communicators=self._communicators(), records=records, events=list(self.events),
+                        cwd=self.cwd)
 
     def communicator_info(self, uid: str) -> Optional[Dict[str, Any]]:
         """What the recorder knows of communicator ``uid`` (name, backend, rank, size,
@@ -338,7 +389,8 @@ def install(trace_dir: Optional[str] = None, *, capacity: Optional[int] = None,
                              mode=config.trace_mode())
         for comm in commslayer.live_communicators():
             rec.attach(comm)
-        rec._handles.append(commslayer.register_communicator_hook(rec.attach))
+        rec._handles += [commslayer.register_communicator_hook(rec.attach), register_phase_hook(rec._phase),
+                         register_recovery_hook(lambda kind, fields: rec.event(kind, **fields))]
         if rec.writer is not None and config.trace_jsonl():
             from .jsonl import JsonlSink
 

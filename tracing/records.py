@@ -13,7 +13,7 @@ analysis can put ranks on one time axis and then refine the offsets.
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 SCHEMA_VERSION = 1
 DUMP_KIND = "commslayer-trace"
@@ -59,9 +59,32 @@ RECORD_FIELDS = (
 )
 
 
+# Recovery events: a dump's ``events`` list (and ``recovery`` lines of the JSON lines).
+# Every event has ``kind``, ``mono_ns`` and ``step`` (the resilient job's step, or None);
+# those of a communicator also ``comm``, ``comm_id`` and ``generation``.
+EVENT_KINDS = (
+    "peer_lost",   # this rank found peers lost: lost (job ranks), op, seq, error (the cause, full text)
+    "generation",  # a new generation was built: members (after), before (None: this rank was not in it)
+    "fenced",      # the others went on without this rank: why
+    "recovered",   # commslayer.replicas: step, lost_replicas, generation, members, detected_s, resumed_s
+    "admitted",    # commslayer.replicas: step, replicas, generation, members, seconds (reconfigure + transfer)
+    "healed",      # commslayer.replicas: step, generation, source (job rank), source_replica, bytes, seconds
+)
+EVENT_CAPACITY = 4096  # events a recorder keeps (the oldest go first)
+
+
+# Fields a record has only when they apply (absent or null otherwise; not part of
+# RECORD_FIELDS, so traces without them read the same).
+OPTIONAL_FIELDS = (
+    "wait_ns",      # monotonic: the caller of an async op first called Work.wait
+    "wait_end_ns",  # monotonic: its last Work.wait returned
+    "step",         # the resilient job's step (commslayer.resilience) the op was issued in
+)
+
+
 def new_dump(*, job: str, rank: int, host: str, pid: int, wall_ns: int, mono_ns: int, reason: str,
-             dropped: int, communicators: Dict[str, Dict[str, Any]], records: List[Dict[str, Any]]
-             ) -> Dict[str, Any]:
+             dropped: int, communicators: Dict[str, Dict[str, Any]], records: List[Dict[str, Any]],
+             events: Optional[List[Dict[str, Any]]] = None, cwd: Optional[str] = None) -> Dict[str, Any]:
     """A whole dump document."""
     return {
         "kind": DUMP_KIND,
@@ -75,6 +98,8 @@ def new_dump(*, job: str, rank: int, host: str, pid: int, wall_ns: int, mono_ns:
         "dropped_records": dropped,
         "communicators": communicators,
         "records": records,
+        "events": events or [],
+        "cwd": cwd,
     }
 
 

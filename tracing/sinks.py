@@ -113,6 +113,10 @@ class QueuedSink:
         self._queue.append({"event": event, **info, **fields, "mono_ns": time.monotonic_ns(),
                             "_wall_ns": time.time_ns()})
 
+    def recovery_event(self, ev: Dict[str, Any]) -> None:
+        """Queue a recovery event of the recorder (``records.EVENT_KINDS``) as a ``recovery`` line."""
+        self._queue.append({"event": "recovery", **ev, "_wall_ns": time.time_ns()})
+
     # ------------------------------------------------------------- hot path
     def enqueue(self, record: Record) -> None:
         """The sink callable: queue a finished record; drop and count it when full."""

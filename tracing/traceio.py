@@ -11,7 +11,14 @@ that the analysis never holds more than one rank's parsed file at a time:
   the JSONL lacks (ops still in flight when the dump was written), matched
   by ``op_id``;
 - a rank with only a JSONL file (a SIGSTOPped or SIGKILLed rank never dumps,
-  but its sink had flushed) still counts, and is reported as having no dump.
+  but its sink had flushed) still counts, and is reported as having no dump;
+- a rank that was restarted has one set of files per life: the launcher
+  writes a restarted replica group's into ``replica<R>-restart<N>/`` below
+  the trace directory (found there too).  The lives of one rank are one
+  stream, in restart order, each later life's times moved onto the first
+  life's monotonic clock (through the clock anchors), its records marked
+  with ``life`` (the restart number) and its op ids moved past the earlier
+  lives' (``op_id + life * LIFE_OP_IDS``).
 
 Bad input (truncated or corrupt JSON, a record without its fields or with a
 field of the wrong type or out of range, another schema version, a file that
@@ -57,6 +64,8 @@ _BAD_JSON = (ValueError, RecursionError)
 _NOT_FAST = (ValueError, RecursionError, KeyError, TypeError)
 
 _RANK_FILE = re.compile(r"rank(\d+)\.(json|jsonl)$")
+_LIFE_DIR = re.compile(r"^replica\d+-restart(\d+)$")  # commslayer.config.trace_dir of a restarted group
+LIFE_OP_IDS = 1 << 40  # op ids of life N are moved up by N * this
 # A record needs these to be placed and matched; the rest may be null.
 REQUIRED = ("op_id", "comm_id", "seq", "op", "state", "enqueue_ns")
 
@@ -116,17 +125,29 @@ class RankSource:
     jsonl_dropped: int = 0                    # records the JSON-lines sink dropped (its sink_dropped events)
     wall_minus_mono_ns: Optional[int] = None  # from the clock anchor
     communicators: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    cwd: Optional[str] = None                 # the process's working directory (call sites are shown from it)
+    events: List[Dict[str, Any]] = field(default_factory=list)  # recovery events, with wall_ns added
+    event_keys: set = field(default_factory=set, repr=False)
+    life: int = 0                             # the restart number of this life (0: the first process)
+    span: Optional[Tuple[int, int]] = None    # of a restarted rank's life: first enqueue, last end (first life's clock)
+    lives: List["RankSource"] = field(default_factory=list)     # the later lives of this rank, in order
 
     @property
     def lost_records(self) -> int:
         """Records of this rank that no file holds: with JSON lines, those its sink
         dropped (the ring's losses are in the JSON lines); else those the ring lost."""
-        return self.jsonl_dropped if self.jsonl_path else self.ring_dropped
+        own = self.jsonl_dropped if self.jsonl_path else self.ring_dropped
+        return own + sum(life.lost_records for life in self.lives)
 
     @property
     def files(self) -> List[str]:
-        """The files read for this rank."""
-        return [p for p in (self.jsonl_path, self.dump_path) if p]
+        """The files read for this rank, every life's."""
+        return [p for p in (self.jsonl_path, self.dump_path) if p] + [p for life in self.lives for p in life.files]
+
+    @property
+    def last_life(self) -> "RankSource":
+        """The source of this rank's last life (itself when it was never restarted)."""
+        return self.lives[-1] if self.lives else self
 
 
 # ---------------------------------------------------------------- checking values
@@ -255,13 +276,18 @@ def open_regular(path: str, max_bytes: Optional[int] = None) -> BinaryIO:
 
 def find_files(paths: Sequence[str]) -> List[str]:
     """The trace files named by ``paths``: directories give their ``rank<R>.json``
-    and ``rank<R>.jsonl`` files; files are taken as they are.  A path that does
+    and ``rank<R>.jsonl`` files, and those of their restarted lives
+    (``replica<R>-restart<N>/``); files are taken as they are.  A path that does
     not exist, or a directory without trace files, is an error."""
     out: List[str] = []
     for p in paths:
         if os.path.isdir(p):
-            found = sorted((os.path.join(p, n) for n in os.listdir(p) if _RANK_FILE.match(n)),
-                           key=lambda q: (int(_RANK_FILE.search(q).group(1)), q))
+            dirs = [p] + sorted((os.path.join(p, n) for n in os.listdir(p) if _LIFE_DIR.match(n)
+                                 and os.path.isdir(os.path.join(p, n))), key=life_of)
+            found = [os.path.join(d, n) for d in dirs
+                     for n in sorted(os.listdir(d), key=lambda n: (int(_RANK_FILE.match(n).group(1)), n)
+                                     if _RANK_FILE.match(n) else (-1, n))
+                     if _RANK_FILE.match(n)]
             if not found:
                 raise TraceFileError(p, None, "no trace files here (rank<R>.json or rank<R>.jsonl)")
             out += found
@@ -270,6 +296,14 @@ def find_files(paths: Sequence[str]) -> List[str]:
         else:
             raise TraceFileError(p, None, "no such file or directory")
     return out
+
+
+def life_of(path: str) -> int:
+    """The restart number of the life that wrote the trace file (or directory) ``path``:
+    N for files under ``replica<R>-restart<N>/``, else 0."""
+    d = path if os.path.isdir(path) else os.path.dirname(path)
+    m = _LIFE_DIR.match(os.path.basename(os.path.normpath(d)) if d else "")
+    return int(m.group(1)) if m else 0
 
 
 def _clock_offset(clock: Any, path: str, line: int) -> int:
@@ -290,6 +324,9 @@ def _take_facts(src: RankSource, doc: Dict[str, Any], path: str, line: int) -> N
         if why:
             raise TraceFileError(path, line, why)
     src.host, src.pid, src.job = doc.get("host"), doc.get("pid"), doc.get("job")
+    cwd = doc.get("cwd")
+    if isinstance(cwd, str):
+        src.cwd = cwd
 
 
 def _count(doc: Dict[str, Any], key: str, path: str, line: int) -> int:
@@ -374,13 +411,14 @@ def discover(paths: Sequence[str], *, skip_bad: bool = False,
              problems: Optional[List[str]] = None) -> Dict[int, RankSource]:
     """Group the files under ``paths`` by rank (headers only; records are read
     later).  No usable file at all is an error, also with ``skip_bad``."""
-    sources: Dict[int, RankSource] = {}
+    sources: Dict[Tuple[int, int], RankSource] = {}  # (rank, life) -> source
     skipped: List[str] = []
     for path in find_files(paths):
+        life = life_of(path)
         try:
             if path.endswith(".jsonl"):
                 head = _jsonl_header(path)
-                src = sources.get(head["rank"]) or RankSource(head["rank"])
+                src = sources.get((head["rank"], life)) or RankSource(head["rank"], life=life)
                 if src.jsonl_path:
                     raise TraceFileError(path, None, f"a second JSON-lines file for rank {src.rank} "
                                                      f"(first: {src.jsonl_path})")
@@ -399,11 +437,11 @@ def discover(paths: Sequence[str], *, skip_bad: bool = False,
                 why = _int_problem("rank", rank, 0, MAX_RANKS)
                 if why:
                     raise TraceFileError(path, None, f"file name: {why}")
-                src = sources.get(rank) or RankSource(rank)
+                src = sources.get((rank, life)) or RankSource(rank, life=life)
                 if src.dump_path:
                     raise TraceFileError(path, None, f"a second dump for rank {rank} (first: {src.dump_path})")
                 src.dump_path = path
-            sources[src.rank] = src
+            sources[(src.rank, life)] = src
         except TraceFileError as exc:
             if not skip_bad:
                 raise
@@ -413,7 +451,13 @@ def discover(paths: Sequence[str], *, skip_bad: bool = False,
     if not sources:
         raise TraceFileError(", ".join(paths), None, f"no usable trace file ({skipped[0]}"
                                                      f"{f' and {len(skipped) - 1} more' if len(skipped) > 1 else ''})")
-    return sources
+    ranks: Dict[int, RankSource] = {}
+    for (rank, _), src in sorted(sources.items()):
+        if rank in ranks:
+            ranks[rank].lives.append(src)
+        else:
+            ranks[rank] = src
+    return ranks
 
 
 def _note_skipped(problems: List[str], exc: TraceFileError, bad: int) -> None:
@@ -445,6 +489,11 @@ def _load_dump_into(src: RankSource, skip_bad: bool, problems: List[str]) -> Dic
     _take_facts(src, doc, path, 1)
     src.wall_minus_mono_ns, src.reason, src.ring_dropped = offset, doc.get("reason"), dropped
     src.communicators.update(infos)
+    events = doc.get("events") or []
+    if not isinstance(events, list):
+        raise TraceFileError(path, 1, f"'events' must be a list, not {_shown(events)}")
+    for ev in events:
+        _take_event(src, ev, path, 1)
     out: Dict[int, Row] = {}
     bad = 0
     for i, r in enumerate(doc["records"]):
@@ -515,6 +564,8 @@ def _other_line(src: RankSource, path: str, lineno: int, line: bytes) -> Optiona
                               "size": ev.get("size"), "global_ranks": ev.get("global_ranks"),
                               "generation": ev.get("generation"), "state": "ok"}, path, lineno, kind)
         src.communicators.setdefault(uid, info)
+    elif kind == "recovery":
+        _take_event(src, ev, path, lineno)
     elif kind == "sink_dropped":
         src.jsonl_dropped += _count(ev, "dropped", path, lineno)
     elif kind == "trace_started" and ev.get("schema") != SCHEMA_VERSION:
@@ -522,6 +573,36 @@ def _other_line(src: RankSource, path: str, lineno: int, line: bytes) -> Optiona
     elif kind is None:
         raise TraceFileError(path, lineno, "not a trace event (no 'event' field)")
     return None
+
+
+# The fields of recovery events (records.EVENT_KINDS) the viewer uses, and their types.
+_EVENT_INTS = ("step", "generation", "bytes", "source", "source_replica", "seq")
+_EVENT_TYPES: Dict[str, Tuple[type, ...]] = {
+    "comm": (str, _NONE), "comm_id": (str, _NONE), "error": (str, _NONE), "why": (str, _NONE), "op": (str, _NONE),
+    "seconds": (int, float, _NONE), "lost": (list, _NONE), "members": (list, _NONE), "before": (list, _NONE),
+    "replicas": (list, _NONE), "lost_replicas": (list, _NONE),
+}
+
+
+def _take_event(src: RankSource, ev: Any, path: str, line: int) -> None:
+    """A recovery event, checked, into ``src.events`` (once: a dump and JSON lines both hold it)."""
+    if not isinstance(ev, dict):
+        raise TraceFileError(path, line, f"an event must be an object, not {_shown(ev)}")
+    why = _type_problem("event kind", ev.get("kind"), (str,)) \
+        or _int_problem("event mono_ns", ev.get("mono_ns"), 0, TIME_LIMIT) \
+        or next(filter(None, (_int_problem(f"event {k}", ev.get(k), -1, 1 << 62, optional=True)
+                              for k in _EVENT_INTS)), None) \
+        or next(filter(None, (_type_problem(f"event {k}", ev.get(k), types)
+                              for k, types in _EVENT_TYPES.items())), None)
+    for k in ("lost", "members", "before", "replicas", "lost_replicas"):
+        if not why and isinstance(ev.get(k), list):
+            why = next(filter(None, (_int_problem(f"event {k}[]", m, 0, MAX_RANKS) for m in ev[k])), None)
+    if why:
+        raise TraceFileError(path, line, why)
+    key = (ev["kind"], ev["mono_ns"])
+    if key not in src.event_keys:
+        src.event_keys.add(key)
+        src.events.append({k: v for k, v in ev.items() if k not in ("event", "level", "ts", "job", "host", "pid")})
 
 
 def rank_records(src: RankSource, *, skip_bad: bool = False,
@@ -538,8 +619,59 @@ def rank_records(src: RankSource, *, skip_bad: bool = False,
 
 def rank_rows(src: RankSource, *, skip_bad: bool = False, problems: Optional[List[str]] = None) -> Iterator[Row]:
     """``rank_records`` with each record's field values in RECORD_FIELDS order
-    (what checking it fetched anyway: the analysis' hot loop unpacks them)."""
+    (what checking it fetched anyway: the analysis' hot loop unpacks them).
+    The later lives follow the first, moved onto its clock (see the module doc)."""
     problems = [] if problems is None else problems
+    if not src.lives and not src.life:
+        yield from _life_rows(src, skip_bad, problems)
+        return
+    for life in [src, *src.lives]:
+        rows = _life_rows(life, skip_bad, problems)
+        first = next(rows, None)
+        if src.wall_minus_mono_ns is None:  # the first life left nothing usable: this one sets the axis
+            src.wall_minus_mono_ns = life.wall_minus_mono_ns
+        shift = (life.wall_minus_mono_ns or 0) - src.wall_minus_mono_ns
+        ids = life.life * LIFE_OP_IDS
+        lo, hi = TIME_LIMIT, -1
+        if first is not None:
+            for values, r in chain((first,), rows):
+                v = list(values)
+                if shift:
+                    v[_ENQUEUE] += shift
+                    if v[_START] is not None:
+                        v[_START] += shift
+                    if v[_END] is not None:
+                        v[_END] += shift
+                    r.update(enqueue_ns=v[_ENQUEUE], start_ns=v[_START], end_ns=v[_END])
+                    for k in ("wait_ns", "wait_end_ns"):
+                        if type(r.get(k)) is int:
+                            r[k] += shift
+                if ids:
+                    v[0] += ids
+                    if not v[3]:
+                        v[2] = life_uid(v[2], life.life)
+                    r.update(op_id=v[0], comm_id=v[2], life=life.life)
+                lo, hi = min(lo, v[_ENQUEUE]), max(hi, v[_END] or v[_ENQUEUE])
+                yield tuple(v), r
+        life.span = (lo, hi) if hi >= 0 else None
+
+
+def life_uid(uid: str, life: int) -> str:
+    """The id under which a restarted life's generation-0 communicator ``uid`` is shown:
+    the new processes built it anew (its sequence numbers start again), so it is
+    another communicator than the one of the same id in the life before."""
+    return f"{uid}@life{life}" if life else uid
+
+
+def life_communicators(src: RankSource) -> Iterator[Tuple[str, Dict[str, Any]]]:
+    """Every communicator of every life of rank ``src``, under the ids its records carry."""
+    for life in [src, *src.lives]:
+        for uid, info in life.communicators.items():
+            yield (uid if info.get("generation") else life_uid(uid, life.life)), info
+
+
+def _life_rows(src: RankSource, skip_bad: bool, problems: List[str]) -> Iterator[Row]:
+    """The rows of one life of a rank (its dump and JSON lines)."""
     from_dump: Dict[int, Row] = {}
     if src.dump_path:
         try:
@@ -559,6 +691,9 @@ def rank_rows(src: RankSource, *, skip_bad: bool = False, problems: Optional[Lis
             yield row
     for op_id in sorted(from_dump):
         yield from_dump[op_id]
+    if src.wall_minus_mono_ns is not None:
+        for ev in src.events:
+            ev["wall_ns"] = ev["mono_ns"] + src.wall_minus_mono_ns
 
 
 def iter_records(paths: Sequence[str], *, skip_bad: bool = False,

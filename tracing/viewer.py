@@ -24,14 +24,17 @@ from __future__ import annotations
 
 import html
 import json
+import os
 import re
 from typing import Any, Dict, List, Optional
 
-from .analysis import (JobScan, OverlapStats, Slice, diagnose, overlap_by_rank, rank_timeline, straggler_line,
-                       summary)
+from .messages import human_bytes, short_error
+from .analysis import (JobScan, OverlapStats, Slice, diagnose, overlap_by_rank, overlap_by_step, rank_timeline,
+                       straggler_line, summary)
 
 MAX_OPS = 60_000
 BINS = 600
+STEP_ROWS = 200  # steps shown in the per-step overlap table (the latest)
 _STATE_CODE = {"completed": 0, "started": 1, "scheduled": 1, "timed_out": 2, "failed": 2, "aborted": 3}
 
 
@@ -39,7 +42,7 @@ def _e(v: Any) -> str:
     return html.escape("" if v is None else str(v), quote=True)
 
 
-def _detail(r: Dict[str, Any], rank: int, in_flight: bool) -> str:
+def _detail(r: Dict[str, Any], rank: int, in_flight: bool, site: Optional[str]) -> str:
     size = r.get("in_bytes") if r.get("in_bytes") is not None else r.get("out_bytes")
     lines = [f"rank {rank}: {r['op']} #{r['seq']} of '{r.get('comm')}' ({r['comm_id']})",
              f"state {r['state']}" + (" (no end recorded)" if in_flight else "")
@@ -49,9 +52,12 @@ def _detail(r: Dict[str, Any], rank: int, in_flight: bool) -> str:
              + ("" if r.get("root") is None else f", root {r['root']}")
              + ("" if r.get("peer") is None else f", peer {r['peer']}"),
              f"{'async' if r.get('async_op') else 'sync'}, timeout {r.get('timeout_s')} s, thread {r.get('thread')}",
-             f"at {r.get('call_site')}"]
+             f"at {site}" + ("" if site == r.get("call_site") else f" ({r.get('call_site')})")]
+    if r.get("life"):
+        lines.append(f"life {r['life'] + 1} of this rank (restart {r['life']})")
     if r.get("error"):
-        lines.append(f"error: {r['error']}")
+        lines.append(f"error: {short_error(r['error'])}")
+        lines.append(f"full error text: {r['error']}")
     return "\n".join(lines)
 
 
@@ -59,6 +65,7 @@ class _Timeline:
     """Collects the timeline's plain values rank by rank (times in us from the first op)."""
 
     def __init__(self, scan: JobScan, culprits: List[int], max_ops: int, bins: int) -> None:
+        self.scan = scan
         self.t0, t1 = scan.span()
         self.span_us = (t1 - self.t0) / 1e3
         self.culprits = set(culprits)
@@ -99,20 +106,86 @@ class _Timeline:
         for s in keep:
             self.ops.append([lane_ids[(s.comm, s.lane)], (s.start_ns - t0) / 1e3, (s.end_ns - s.start_ns) / 1e3,
                              _STATE_CODE.get(s.record["state"], 1), len(self.details), s.record["op"]])
-            self.details.append(_detail(s.record, rank, s.in_flight))
+            self.details.append(_detail(s.record, rank, s.in_flight, self.scan.site(s.record.get("call_site"), rank)))
 
-    def data(self) -> Dict[str, Any]:
-        """What the page's script reads."""
+    def data(self, story: Dict[str, Any]) -> Dict[str, Any]:
+        """What the page's script reads: the ops, and the recovery story's markers (across
+        every row), generation bands, and the gaps between a restarted rank's lives."""
+        us = lambda t: (t - self.t0) / 1e3  # noqa: E731
+        gaps = []
+        for rank, lives in self.scan.lives.items():
+            rows = [i for i, lane in enumerate(self.lanes) if lane["rank"] == rank]
+            for (_, _, end), (life, start, _) in zip(lives, lives[1:]):
+                if rows and start > end:
+                    gaps.append([rows[0], rows[-1], us(end), us(start), f"rank {rank} restarted: life {life + 1}"])
         return {"span_us": self.span_us, "lanes": self.lanes, "ops": self.ops, "details": self.details,
-                "bins": self.agg, "aggregated": self.aggregated}
+                "bins": self.agg, "aggregated": self.aggregated,
+                "markers": [[us(m["t_ns"]), m["kind"], m["label"]] for m in story["markers"]],
+                "bands": [[us(b["start_ns"]), us(b["end_ns"]), b["generation"]] for b in story["generations"]],
+                "gaps": gaps}
 
 
-def _table(head: List[str], rows: List[List[Any]]) -> str:
-    out = ["<table><tr>", *(f"<th>{_e(h)}</th>" for h in head), "</tr>"]
+def _cell(c: Any) -> str:
+    """A table cell; a (text, full) pair shows ``text`` with ``full`` on hover."""
+    if isinstance(c, tuple):
+        text, full = c
+        return f"<td title='{_e(full)}'>{_e(text)}</td>" if full and full != text else f"<td>{_e(text)}</td>"
+    return f"<td>{_e(c)}</td>"
+
+
+def _table(head: List[str], rows: List[List[Any]], ident: str = "") -> str:
+    out = [f"<table{f' id={ident!r}' if ident else ''}><tr>", *(f"<th>{_e(h)}</th>" for h in head), "</tr>"]
     for row in rows:
-        out.append("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>")
+        out.append("<tr>" + "".join(_cell(c) for c in row) + "</tr>")
     out.append("</table>")
     return "".join(out)
+
+
+def _below(path: str, inputs: List[str]) -> str:
+    """``path`` relative to the input directory it was found in (as given when it is not below one)."""
+    for d in inputs:
+        if os.path.isdir(d) and os.path.abspath(path).startswith(os.path.abspath(d) + os.sep):
+            return os.path.relpath(path, d)
+    return path
+
+
+def _recovery_rows(story: Dict[str, Any], t0: int) -> List[List[Any]]:
+    """The recovery table: loss, each survivor's detection, decision, resume; admissions and heals; fencing."""
+    at = lambda t: f"{(t - t0) / 1e9:.3f}"  # noqa: E731
+    rows: List[List[Any]] = []
+    for loss in story["losses"]:
+        step = "-" if loss["step"] is None else loss["step"]
+        rows.append(["loss", at(loss["t_ns"]), step, ", ".join(map(str, loss["lost"])),
+                     f"generation {loss['generation']} of '{loss['lineage']}'"])
+        for d in loss["detections"]:
+            rows.append(["detection", at(d["t_ns"]), step, d["rank"],
+                         (f"+{d['latency_s']:.3f} s after the {loss['detection_base']}: {d['how']}", d["error"])])
+        if loss["decision_s"] is not None:
+            rows.append(["decision", at(loss["t_ns"] + int(loss["decision_s"] * 1e9)), step,
+                         ", ".join(map(str, loss["members_after"] or [])),
+                         f"generation {loss['decision_generation']}: members {loss['members_before']} -> "
+                         f"{loss['members_after']}, {loss['decision_s']:.3f} s after the first detection"])
+        if loss["resume_s"] is not None:
+            took = "" if loss["recovery_s"] is None else f"; recovered in {loss['recovery_s']:.3f} s"
+            rows.append(["resume", at(loss["t_ns"] + int(loss["resume_s"] * 1e9)), step, "",
+                         f"first op of generation {loss['decision_generation']}, {loss['resume_s']:.3f} s after "
+                         f"the first detection{took}"])
+        else:
+            rows.append(["no resume", "-", step, "", "no later generation ran an op"])
+    for adm in story["admissions"]:
+        step = "-" if adm["step"] is None else adm["step"]
+        rows.append(["admission", at(adm["t_ns"]), step, ", ".join(map(str, adm["joined"])),
+                     f"generation {adm['generation']}: members {adm['members_before']} -> {adm['members_after']}"
+                     + ("" if adm["seconds"] is None else f", {adm['seconds']:.3f} s on the survivors")])
+        for h in adm["heals"]:
+            rows.append(["heal", at(h["t_ns"]), step, h["rank"],
+                         f"{'restarted; ' if h['restarted'] else ''}{human_bytes(h['bytes'] or 0)} from rank "
+                         f"{h['source']}"
+                         + ("" if h.get("source_replica") is None else f" of replica group {h['source_replica']}")
+                         + f" in {h['seconds']:.3f} s"])
+    for f in story["fenced"]:
+        rows.append(["fenced", at(f["t_ns"]), "-", f["rank"], (short_error(f["why"]), f["why"])])
+    return rows
 
 
 def _f(v: Optional[float], fmt: str = ".3f") -> str:
@@ -125,19 +198,32 @@ def render(scan: JobScan, title: str, *, max_ops: int = MAX_OPS) -> str:
     s = summary(scan)
     ov: Dict[int, OverlapStats] = {}
     tl = _Timeline(scan, d["culprits"], max_ops, BINS)
+    by_step: Dict[int, List[OverlapStats]] = {}
     for rank in sorted(scan.sources):
         slices = rank_timeline(scan, rank)
-        ov.update(overlap_by_rank(dict(sl.record, rank=rank) for sl in slices))
+        records = [sl.record for sl in slices]
+        for r in records:  # read for this page only: no copy needed
+            r["rank"] = rank
+        ov.update(overlap_by_rank(records))
+        stepped = [r for r in records if r.get("step") is not None]  # only a resilient job's records have one
+        for (_, step), st in (overlap_by_step(stepped).items() if stepped else ()):
+            by_step.setdefault(step, []).append(st)
         tl.add(rank, slices)
-    data = tl.data()
+    story = d["recovery"]
+    data = tl.data(story)
     payload = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c").replace(">", "\\u003e") \
         .replace("&", "\\u0026")
     status = "ok" if d["ok"] else "bad"
     findings = "".join(f"<li class='{_e(f['severity'])}'><b>{_e(f['severity'])}</b>: {_e(f['text'])}</li>"
                        for f in d["findings"])
-    stands = _table(["rank", "where it stands", "call site", "files", "dumped on"],
-                    [[r["rank"], r["stands"], r["call_site"] or "-", ", ".join(r["files"]) or "none",
-                      r.get("reason") or "-"] for r in d["ranks"]])
+    stands = _table(["rank", "where it stands", "call site", "lives", "files", "dumped on"],
+                    [[r["rank"], r["stands"], (r["call_site"] or "-", r.get("call_site_full")), r.get("lives", 0),
+                      (", ".join(_below(f, scan.paths) for f in r["files"]) or "none", ", ".join(r["files"])),
+                      (r.get("reason") or "-", r.get("reason_full"))]
+                     for r in d["ranks"]])
+    recovery = "" if not story["losses"] and not story["admissions"] else (
+        "<h3>recovery</h3>" + _table(["event", "at s", "step", "ranks", "what"],
+                                     _recovery_rows(story, tl.t0), "recovery"))
     comm_tables = "".join(
         f"<h3>communicator {_e(c['name'])} ({_e(c['uid'])})</h3>"
         + _table(["rank", "last entered", "last completed", "call site"],
@@ -158,15 +244,26 @@ def render(scan: JobScan, title: str, *, max_ops: int = MAX_OPS) -> str:
                      [[o.rank, o.rs_count, o.ag_count, _f(o.rs_s, ".4f"), _f(o.ag_s, ".4f"), _f(o.hidden_rs_s, ".4f"),
                        _f(100 * o.hidden_fraction, ".1f"), _f(o.comm_s, ".4f"), _f(o.exposed_comm_s, ".4f")]
                       for o in ov.values()])
+    shown = sorted(by_step)[-STEP_ROWS:]
+    steps = "" if not by_step else (
+        f"<h3>per step (the last {len(shown)} of {len(by_step)} steps; means over the ranks)</h3>" + _table(
+            ["step", "ranks", "comm s", "exposed s", "most exposed", "hidden RS %"],
+            [[step, len(sts), _f(sum(x.comm_s for x in sts) / len(sts), ".4f"),
+              _f(sum(x.exposed_comm_s for x in sts) / len(sts), ".4f"),
+              "rank %d: %.4f s" % max(((x.rank, x.exposed_comm_s) for x in sts), key=lambda t: t[1]),
+              _f(100 * sum(x.hidden_rs_s for x in sts) / max(1e-12, sum(x.rs_s for x in sts)), ".1f")
+              if any(x.rs_s for x in sts) else "-"]
+             for step, sts in ((k, by_step[k]) for k in shown)]))
     problems = "".join(f"<li>{_e(p)}</li>" for p in d["problems"])
     note = (f"{data['aggregated']} older ops are aggregated into shaded time bins (darker: busier); "
             f"{len(data['ops'])} ops are drawn one by one." if data["aggregated"] else
             f"{len(data['ops'])} ops.")
     return fill(_PAGE, {
         "TITLE": _e(title), "STATUS": status, "HEADLINE": _e(d["headline"]), "FINDINGS": findings,
+        "RECOVERY": recovery,
         "PROBLEMS": f"<h3>input problems</h3><ul>{problems}</ul>" if problems else "", "STANDS": stands,
         "COMMS": comm_tables, "NOTE": _e(note), "GROUPS": groups, "STRAG": strag,
-        "STRAGGLER": _e(straggler_line(s["straggler"])), "CLOCK": clock, "OVERLAP": overlap, "SCRIPT": _SCRIPT,
+        "STRAGGLER": _e(straggler_line(s["straggler"])), "CLOCK": clock, "OVERLAP": overlap + steps, "SCRIPT": _SCRIPT,
         "DATA": payload})
 
 
@@ -208,7 +305,7 @@ th{background:#f3f3f3} #tl{border:1px solid #ccc;display:block;cursor:grab;width
 </style></head>
 <body>
 <h1>%TITLE%</h1>
-<div id="diagnosis" class="%STATUS%"><div id="headline">%HEADLINE%</div><ul>%FINDINGS%</ul>%PROBLEMS%
+<div id="diagnosis" class="%STATUS%"><div id="headline">%HEADLINE%</div>%RECOVERY%<ul>%FINDINGS%</ul>%PROBLEMS%
 <h3>where each rank stands</h3>%STANDS%</div>
 <h2>timeline</h2>
 <div id="controls"><button id="zin">zoom in</button><button id="zout">zoom out</button><button id="reset">reset</button>
@@ -216,7 +313,7 @@ th{background:#f3f3f3} #tl{border:1px solid #ccc;display:block;cursor:grab;width
  <span class="legend"><span style="background:#4a7fc1"></span>completed<span style="background:#e08a1e"></span>in
  flight<span style="background:#c62828"></span>timed out / failed<span style="background:#888"></span>aborted</span></div>
 <p>%NOTE%</p>
-<canvas id="tl"></canvas><div id="tip"></div>
+<canvas id="tl"></canvas><div id="tip"></div><ul id="markers"></ul>
 <h2>communicators</h2>%COMMS%
 <h2>summary</h2>%GROUPS%
 <h3>straggler time (waiting for the last arrival)</h3><p>straggler: %STRAGGLER%</p>%STRAG%
@@ -239,6 +336,7 @@ window.addEventListener("error", function (e) {
   const ctx = canvas.getContext("2d");
   const ROW = 18, LABEL = 190, AXIS = 22;
   const COLORS = ["#4a7fc1", "#e08a1e", "#c62828", "#888"];
+  const MARKS = {loss: "#d00", decision: "#a0a", resume: "#080", admit: "#06c", fenced: "#000"};
   const lanes = data.lanes, nl = lanes.length;
   const byLane = lanes.map(function () { return []; });
   data.ops.forEach(function (o) { byLane[o[0]].push(o); });
@@ -272,6 +370,13 @@ window.addEventListener("error", function (e) {
       ctx.beginPath(); ctx.moveTo(px, AXIS - 4); ctx.lineTo(px, canvas.height); ctx.stroke();
       ctx.fillText(fmt(s), px + 2, 8);
     }
+    (data.bands || []).forEach(function (b, i) {
+      const a = Math.max(LABEL, x(b[0])), e = Math.min(W, x(b[1]));
+      if (e <= a) return;
+      ctx.fillStyle = i % 2 ? "rgba(120,170,120,0.10)" : "rgba(120,120,200,0.08)";
+      ctx.fillRect(a, AXIS, e - a, canvas.height - AXIS);
+      ctx.fillStyle = "#474"; ctx.fillText("generation " + b[2], a + 3, AXIS - 6);
+    });
     for (let i = 0; i < nl; i++) {
       const y = AXIS + i * ROW;
       if (i > 0 && lanes[i].rank !== lanes[i - 1].rank) {
@@ -296,6 +401,20 @@ window.addEventListener("error", function (e) {
         if (b - a > 40) { ctx.fillStyle = "#fff"; ctx.fillText(o[5], a + 3, y + ROW / 2); }
       }
     }
+    (data.gaps || []).forEach(function (g) {
+      const a = Math.max(LABEL, x(g[2])), e = Math.min(W, x(g[3]));
+      if (e <= a) return;
+      const y0 = AXIS + g[0] * ROW, h = (g[1] - g[0] + 1) * ROW;
+      ctx.fillStyle = "rgba(0,0,0,0.12)"; ctx.fillRect(a, y0, e - a, h);
+      ctx.strokeStyle = "#777"; ctx.setLineDash([4, 3]); ctx.strokeRect(a, y0 + 1, e - a, h - 2); ctx.setLineDash([]);
+      ctx.fillStyle = "#444"; ctx.fillText("restart", a + 3, y0 + ROW / 2);
+    });
+    (data.markers || []).forEach(function (m) {
+      const px = x(m[0]);
+      if (px < LABEL || px > W) return;
+      ctx.strokeStyle = MARKS[m[1]] || "#000"; ctx.lineWidth = 2;
+      ctx.beginPath(); ctx.moveTo(px, AXIS - 10); ctx.lineTo(px, canvas.height); ctx.stroke(); ctx.lineWidth = 1;
+    });
     document.getElementById("range").textContent = "showing " + fmt(v0) + " to " + fmt(v1);
   }
   function zoom(f, at) {
@@ -340,6 +459,15 @@ window.addEventListener("error", function (e) {
   document.getElementById("reset").onclick = function () { v0 = 0; v1 = full; draw(); };
   window.addEventListener("resize", function () { W = size(); draw(); });
   draw();
+  const list = document.getElementById("markers");
+  (data.markers || []).forEach(function (m) {
+    const li = document.createElement("li");
+    li.className = "marker " + m[1];
+    li.style.color = MARKS[m[1]] || "#000";
+    li.textContent = fmt(m[0]) + ": " + m[2];
+    list.appendChild(li);
+  });
+  document.body.dataset.markers = String((data.markers || []).length);
   document.body.dataset.rendered = String(data.ops.length);
   console.log("commslayer-trace view rendered " + data.ops.length + " ops");
 })();

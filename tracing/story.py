@@ -1,0 +1,216 @@
+"""The recovery story of a job, from the recorders' recovery events.
+
+Per loss (the ``peer_lost`` events of one generation of one communicator
+lineage): who was lost, at which step, which survivor saw it when and how
+(detection latency: after the lost rank's last traced op when it has one,
+else after the first survivor's detection), the decision (the next
+generation's members before and after, time from the first detection), the
+first op of the new generation and the recovery time; then every
+admission (a generation that grew), the heals of the ranks that rejoined,
+and fencing.  ``superseded`` names the communicators of generations the
+job recovered from: what failed in them is history, not the job's failure.
+
+Imports neither torch nor commslayer.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Set, Tuple
+
+from .messages import human_bytes, loss_cause, short_error
+
+if TYPE_CHECKING:
+    from .analysis import JobScan
+
+
+MERGE_NS = 10 ** 9  # a loss seen on another communicator within this of a recoverable one's is the same loss
+
+
+_GENERATION = re.compile(r"@g(\d+)")
+_LIFE = re.compile(r"@life(\d+)$")  # traceio.life_uid
+
+
+def lineage(uid: str) -> str:
+    """The communicator lineage of uid ``replicas.0@g2/replicate0``: ``replicas.0``."""
+    return uid.split("/", 1)[0].split("@g", 1)[0]
+
+
+def _ranks(rs: Iterable[int]) -> str:
+    rs = sorted(rs)
+    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
+
+
+def _first_ops(scan: "JobScan") -> Dict[Tuple[str, int], int]:
+    """(lineage, generation > 0) -> the earliest aligned enqueue of an op in it."""
+    first_seq: Dict[str, Tuple[int, int]] = {}
+    for comm, gen, seq in scan.collectives:
+        if gen and (comm not in first_seq or seq < first_seq[comm][1]):
+            first_seq[comm] = (gen, seq)
+    out: Dict[Tuple[str, int], int] = {}
+    off = {r: c.offset_ns for r, c in scan.offsets.items()}
+    for comm, (gen, seq) in first_seq.items():
+        a = scan.collectives[(comm, gen, seq)]
+        t = min(a[i + 1] - off.get(a[i], 0) for i in range(0, len(a), 7))
+        key = (lineage(comm), gen)
+        out[key] = min(t, out.get(key, t))
+    return out
+
+
+def recovery_story(scan: "JobScan") -> Dict[str, Any]:
+    """The story as plain values: ``losses``, ``admissions``, ``heals``, ``fenced``,
+    ``generations`` (bands: each generation of the main lineage from its first op),
+    ``markers`` (for timelines), ``lines`` (sentences), ``recovered`` (every loss
+    was followed by a new generation that ran ops) and ``superseded`` (uids)."""
+    events = scan.events
+    by_kind: Dict[str, List[Dict[str, Any]]] = {}
+    for ev in events:
+        by_kind.setdefault(ev["kind"], []).append(ev)
+    gens = {}  # (lineage, generation) -> generation events
+    for ev in by_kind.get("generation", ()):
+        gens.setdefault((lineage(ev.get("comm_id") or ""), ev.get("generation") or 0), []).append(ev)
+    first_ops = _first_ops(scan) if events else {}
+    losses: List[Dict[str, Any]] = []
+    groups: Dict[Tuple[str, int], List[Dict[str, Any]]] = {}
+    resizable = {lin for lin, _ in gens}
+    others = []
+    for ev in by_kind.get("peer_lost", ()):
+        lin = lineage(ev.get("comm_id") or "")
+        if lin in resizable:
+            groups.setdefault((lin, ev.get("generation") or 0), []).append(ev)
+        else:
+            others.append(ev)
+    for ev in others:  # a group that does not recover by itself: part of the loss around it, if any
+        around = [k for k, evs in groups.items() if k[0] in resizable and abs(min(e["t_ns"] for e in evs) - ev["t_ns"]) < MERGE_NS]
+        groups.setdefault(around[0] if around else (lineage(ev.get("comm_id") or ""), ev.get("generation") or 0),
+                          []).append(ev)
+    for (lin, gen), evs in sorted(groups.items(), key=lambda kv: min(e["t_ns"] for e in kv[1])):
+        lost = sorted({r for e in evs for r in e.get("lost") or ()})
+        seen: Dict[int, Dict[str, Any]] = {}
+        for e in sorted(evs, key=lambda e: e["t_ns"]):
+            seen.setdefault(e["rank"], e)
+        first = min(e["t_ns"] for e in evs)
+        last_signs = [scan.life_end(r, first) for r in lost]
+        base = max(last_signs) if last_signs and all(t is not None for t in last_signs) else None
+        steps = [e["step"] for e in evs if e.get("step") is not None]
+        later = [e for e in by_kind.get("recovered", ()) if (e.get("generation") or 0) > gen]
+        # the survivors' report of this loss (a reconfigure after the shrink may have made it gen + 2)
+        recovered = [e for e in later if e.get("generation") == min(x.get("generation") for x in later)]
+        if recovered:
+            steps = [e["step"] for e in recovered]
+        decision = gens.get((lin, gen + 1), [])
+        after = next((e["members"] for e in decision if e.get("members") is not None), None)
+        before = next((e["before"] for e in decision if e.get("before") is not None), None)
+        if before is not None and after is not None:  # those that left with the lost (their replica group)
+            lost = sorted(set(lost) | (set(before) - set(after)))
+        resume = first_ops.get((lin, gen + 1))
+        rec_s = max((e["seconds"] for e in recovered if isinstance(e.get("seconds"), (int, float))), default=None)
+        if rec_s is None and resume is not None:
+            rec_s = (resume - first) / 1e9
+        losses.append({
+            "lineage": lin, "generation": gen, "lost": lost, "step": min(steps) if steps else None,
+            "lost_replicas": recovered[0].get("lost_replicas") if recovered else None,
+            "t_ns": first, "detection_base": "last traced op" if base is not None else "first detection",
+            "detections": [{"rank": r, "t_ns": e["t_ns"], "latency_s": (e["t_ns"] - (base or first)) / 1e9,
+                            "how": loss_cause(e.get("error")), "error": e.get("error"), "comm": e.get("comm")}
+                           for r, e in sorted(seen.items())],
+            "decision_generation": gen + 1 if decision else None, "members_before": before, "members_after": after,
+            "decision_s": None if not decision else (min(e["t_ns"] for e in decision) - first) / 1e9,
+            "resume_s": None if resume is None else (resume - first) / 1e9,
+            "recovery_s": rec_s, "recovered": resume is not None,
+        })
+    admissions = []
+    heals = [{"rank": e["rank"], "t_ns": e["t_ns"], "step": e.get("step"), "generation": e.get("generation"),
+              "source": e.get("source"), "source_replica": e.get("source_replica"), "bytes": e.get("bytes"),
+              "seconds": e.get("seconds"),
+              "restarted": scan.life_of(e["rank"], e["t_ns"]) > 0}
+             for e in sorted(by_kind.get("healed", ()), key=lambda e: e["t_ns"])]
+    for (lin, gen), evs in sorted(gens.items()):
+        before = next((e["before"] for e in evs if e.get("before") is not None), None)
+        after = next((e["members"] for e in evs if e.get("members") is not None), None)
+        if before is None or after is None or not set(after) - set(before):
+            continue
+        joined = sorted(set(after) - set(before))
+        adm = [e for e in by_kind.get("admitted", ()) if e.get("generation") == gen]
+        admissions.append({"lineage": lin, "generation": gen, "joined": joined, "members_before": before,
+                           "members_after": after, "t_ns": min(e["t_ns"] for e in evs),
+                           "step": adm[0].get("step") if adm else None,
+                           "seconds": max((e.get("seconds") or 0 for e in adm), default=None) if adm else None,
+                           "heals": [h for h in heals if h["generation"] == gen]})
+    fenced = [{"rank": e["rank"], "t_ns": e["t_ns"], "comm": e.get("comm"), "why": e.get("why")}
+              for e in by_kind.get("fenced", ())]
+    superseded: Set[str] = set()
+    last_life = {r: src.last_life.life for r, src in scan.sources.items()}
+    for uid in scan.communicators:  # a communicator of a life that ended: every member was restarted after it
+        m = _LIFE.search(uid)
+        life = int(m.group(1)) if m else 0
+        members = scan.members(uid)
+        if members and all(last_life.get(r, -1) > life for r in members if r in scan.sources):
+            if any(r in scan.sources for r in members):
+                superseded.add(uid)
+    if losses:
+        for uid in set(scan.communicators) | {k[0] for k in scan.collectives}:
+            lin = lineage(uid)
+            m = _GENERATION.search(uid)
+            gen = int(m.group(1)) if m else 0
+            if any(loss["lineage"] == lin and loss["recovered"] and loss["generation"] >= gen for loss in losses):
+                superseded.add(uid)
+    main = losses[0]["lineage"] if losses else next((lin for lin, _ in sorted(gens)), None)
+    t0, t1 = scan.span()
+    starts = [(0, t0)] + sorted((g, t) for (lin, g), t in first_ops.items() if lin == main)
+    bands = [{"generation": g, "start_ns": t, "end_ns": starts[i + 1][1] if i + 1 < len(starts) else t1}
+             for i, (g, t) in enumerate(starts)] if len(starts) > 1 else []
+    return {"losses": losses, "admissions": admissions, "heals": heals, "fenced": fenced, "generations": bands,
+            "recovered": bool(losses) and all(loss["recovered"] for loss in losses),
+            "superseded": sorted(superseded), "lines": _lines(losses, admissions, fenced),
+            "markers": _markers(losses, admissions, fenced)}
+
+
+def _lines(losses: List[Dict[str, Any]], admissions: List[Dict[str, Any]], fenced: List[Dict[str, Any]]) -> List[str]:
+    out = []
+    for loss in losses:
+        at = "" if loss["step"] is None else f" at step {loss['step']}"
+        group = "" if not loss["lost_replicas"] else \
+            f" (replica group{'s' if len(loss['lost_replicas']) > 1 else ''} " \
+            f"{', '.join(map(str, loss['lost_replicas']))})"
+        if loss["recovered"]:
+            took = "" if loss["recovery_s"] is None else f" in {loss['recovery_s']:.3f} s"
+            members = "" if loss["members_after"] is None else f": {_ranks(loss['members_after'])}"
+            text = (f"The job lost {_ranks(loss['lost'])}{group}{at} and recovered{took} "
+                    f"(generation {loss['decision_generation']}{members})")
+        else:
+            text = f"The job lost {_ranks(loss['lost'])}{group}{at} and did not resume in a new generation"
+        out.append(text)
+    for adm in admissions:
+        at = "" if adm["step"] is None else f" at step {adm['step']}"
+        heals = {h["rank"]: h for h in adm["heals"]}
+        for r in adm["joined"]:
+            h = heals.get(r)
+            how = " after a restart" if h and h["restarted"] else ""
+            took = "" if not h or h["seconds"] is None else f" (heal {h['seconds']:.3f} s" + (
+                "" if h["bytes"] is None else f", {human_bytes(h['bytes'])} from rank {h['source']}"
+                + ("" if h["source_replica"] is None else f" of replica group {h['source_replica']}")) + ")"
+            out.append(f"rank {r} rejoined{at}{how}{took}, generation {adm['generation']}")
+    for f in fenced:
+        out.append(f"rank {f['rank']} was fenced out of '{f['comm']}': {short_error(f['why'])}")
+    return out
+
+
+def _markers(losses: List[Dict[str, Any]], admissions: List[Dict[str, Any]],
+             fenced: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Instants to draw across every rank row: kind, aligned time (ns), label."""
+    out = []
+    for loss in losses:
+        out.append({"kind": "loss", "t_ns": loss["t_ns"], "label": f"{_ranks(loss['lost'])} lost"})
+        if loss["decision_s"] is not None:
+            out.append({"kind": "decision", "t_ns": loss["t_ns"] + int(loss["decision_s"] * 1e9),
+                        "label": f"generation {loss['decision_generation']} decided"})
+        if loss["resume_s"] is not None:
+            out.append({"kind": "resume", "t_ns": loss["t_ns"] + int(loss["resume_s"] * 1e9),
+                        "label": f"generation {loss['decision_generation']}: first op"})
+    for adm in admissions:
+        out.append({"kind": "admit", "t_ns": adm["t_ns"],
+                    "label": f"{_ranks(adm['joined'])} admitted (generation {adm['generation']})"})
+    for f in fenced:
+        out.append({"kind": "fenced", "t_ns": f["t_ns"], "label": f"rank {f['rank']} fenced"})
+    return sorted(out, key=lambda m: m["t_ns"])
