@@ -96,13 +96,13 @@ def export_perfetto(scan: JobScan, path: str) -> Dict[str, int]:
                 counts["flows"] += pos == 0
         for m in recovery_story(scan)["markers"]:
             emit({"ph": "i", "s": "g", "pid": 0, "tid": 0, "name": m["label"], "cat": f"recovery.{m['kind']}",
-                  "ts": (m["t_ns"] - t0) / 1e3})
+                  "ts": (int(m["t_ns"]) - t0) / 1e3})
             counts["markers"] += 1
-        for ev in scan.events:
-            if ev["rank"] in scan.sources:
-                emit({"ph": "i", "s": "p", "pid": ev["rank"], "tid": 0, "name": ev["kind"], "cat": "recovery",
-                      "ts": (ev["t_ns"] - t0) / 1e3,
-                      "args": {k: v for k, v in ev.items() if k not in ("t_ns", "wall_ns", "mono_ns")}})
+        for event in scan.events:
+            if event["rank"] in scan.sources:
+                emit({"ph": "i", "s": "p", "pid": event["rank"], "tid": 0, "name": event["kind"], "cat": "recovery",
+                      "ts": (event["t_ns"] - t0) / 1e3,
+                      "args": {k: v for k, v in event.items() if k not in ("t_ns", "wall_ns", "mono_ns")}})
         f.write("\n]}\n")
     if odd_shapes:
         scan.problems.append(f"{odd_shapes} ops' in_sizes/out_sizes were not lists of shapes: exported as null")

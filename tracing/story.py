@@ -66,7 +66,7 @@ def recovery_story(scan: "JobScan") -> Dict[str, Any]:
     by_kind: Dict[str, List[Dict[str, Any]]] = {}
     for ev in events:
         by_kind.setdefault(ev["kind"], []).append(ev)
-    gens = {}  # (lineage, generation) -> generation events
+    gens: Dict[Tuple[str, int], List[Dict[str, Any]]] = {}  # (lineage, generation) -> generation events
     for ev in by_kind.get("generation", ()):
         gens.setdefault((lineage(ev.get("comm_id") or ""), ev.get("generation") or 0), []).append(ev)
     first_ops = _first_ops(scan) if events else {}
@@ -91,11 +91,12 @@ def recovery_story(scan: "JobScan") -> Dict[str, Any]:
             seen.setdefault(e["rank"], e)
         first = min(e["t_ns"] for e in evs)
         last_signs = [scan.life_end(r, first) for r in lost]
-        base = max(last_signs) if last_signs and all(t is not None for t in last_signs) else None
+        known = [t for t in last_signs if t is not None]
+        base = max(known) if last_signs and len(known) == len(last_signs) else None
         steps = [e["step"] for e in evs if e.get("step") is not None]
         later = [e for e in by_kind.get("recovered", ()) if (e.get("generation") or 0) > gen]
         # the survivors' report of this loss (a reconfigure after the shrink may have made it gen + 2)
-        recovered = [e for e in later if e.get("generation") == min(x.get("generation") for x in later)]
+        recovered = [e for e in later if e.get("generation") == min(x.get("generation") or 0 for x in later)]
         if recovered:
             steps = [e["step"] for e in recovered]
         decision = gens.get((lin, gen + 1), [])

@@ -84,7 +84,7 @@ class Watch:
         self.dumps: Dict[str, float] = {}                      # path -> mtime read
         self.latest: Dict[int, Tuple[int, Dict[str, Any]]] = {}  # rank -> (life, last finished record)
         self.in_flight: Dict[int, Tuple[float, List[Dict[str, Any]]]] = {}  # rank -> (dump mtime, open records)
-        self.arrivals: "OrderedDict[Tuple[str, int, int], Dict[int, int]]" = OrderedDict()
+        self.arrivals: "OrderedDict[Tuple[str, Any, Any], Dict[int, int]]" = OrderedDict()  # by (comm, gen, seq)
         self.generations: Dict[str, Tuple[int, List[int], int]] = {}  # "'name' (lineage)" -> (generation, members, wall)
         self.first_failure: Optional[Tuple[int, str]] = None   # (wall ns, text): the earliest reported
         self.events: List[Tuple[int, str]] = []
@@ -120,9 +120,9 @@ class Watch:
         if kind == "collective":
             self._take_record(f, rank, ev)
         elif kind in ("communicator_created", "communicator_split") and "/" not in str(ev.get("comm_id")):
-            members = ev.get("global_ranks")
-            if members is None and type(ev.get("size")) is int and ev.get("size") <= MAX_MEMBERS_SHOWN:
-                members = list(range(ev["size"]))  # a new communicator's members are 0..size-1
+            members, size = ev.get("global_ranks"), ev.get("size")
+            if members is None and type(size) is int and size <= MAX_MEMBERS_SHOWN:
+                members = list(range(size))  # a new communicator's members are 0..size-1
             self._membership(ev.get("comm"), ev.get("generation"), members, f, ev)
         elif kind == "recovery":
             if ev.get("kind") == "generation":
@@ -210,7 +210,7 @@ class Watch:
         waited: Dict[int, int] = {}
         for k in keys:
             a = self.arrivals[k]
-            late = max(a, key=a.get)
+            late = max(a, key=lambda rank: a[rank])
             count[late] = count.get(late, 0) + 1
             waited[late] = waited.get(late, 0) + sum(a[late] - t for t in a.values())
         top = max(count, key=lambda r: (count[r], waited[r]))
