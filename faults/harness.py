@@ -544,13 +544,15 @@ def _fenced(events: List[dict], recoveries: List[Recovery], results: List[RankRe
 
 
 def _diagnose(trace_dir: str, layout: Layout, scenario: Scenario) -> Dict[str, Any]:
-    """The viewer's verdict on the first life's traces (restarted groups' lives are in subdirectories)."""
+    """The viewer's verdict on the job's traces: its culprits, or the ranks its recovery story lost."""
     try:
         scan = analysis.JobScan([trace_dir], skip_bad=True)
         d = analysis.diagnose(scan)
     except (TraceFileError, OSError, ValueError) as exc:
         return {"headline": f"no diagnosis: {exc}", "culprits": []}
-    out = {"headline": d["headline"], "culprits": d["culprits"], "ok": d["ok"]}
+    # a job that recovered has no culprit: the viewer names the rank as lost in its recovery story
+    lost = [r for loss in d["recovery"]["losses"] for r in loss["lost"]]
+    out = {"headline": d["headline"], "culprits": d["culprits"] + lost, "ok": d["ok"]}
     if scenario.straggler:
         top = analysis.summary(scan)["straggler"]
         out["straggler"] = None if top is None else top["rank"]
