@@ -48,19 +48,24 @@ def _child(fn, rank, size, port, args, conn, env) -> None:
                        "MASTER_PORT": str(port), "LOCAL_RANK": str(rank)})
     try:
         store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timedelta(seconds=30))
-        conn.send(("ok", fn(rank, size, store, *args)))
+        outcome = ("ok", fn(rank, size, store, *args))
     except BaseException as exc:  # report everything, including SystemExit
-        try:
-            conn.send(("error", (exc, traceback.format_exc())))
-        except Exception:
-            conn.send(("error", (RuntimeError(repr(exc)), traceback.format_exc())))
-    finally:
-        conn.close()
-        if "commslayer.liveness" in sys.modules:  # what atexit would do: goodbye, before-exit hooks
-            from commslayer.exits import before_exit
+        outcome = ("error", (exc, traceback.format_exc()))
+    # What atexit would do (goodbye, before-exit hooks: a trace dump), before the parent, once told the
+    # outcome, may SIGKILL this process: killed in the middle of a dump, it left a half-written file.
+    if "commslayer.liveness" in sys.modules:
+        from commslayer.exits import before_exit
 
+        try:
             before_exit(0, "")
-        os._exit(0)  # skip atexit: a broken Gloo group must not hang teardown
+        except Exception:
+            traceback.print_exc()
+    try:
+        conn.send(outcome)
+    except Exception:  # it does not pickle
+        conn.send(("error", (RuntimeError(repr(outcome[1])[:2000]), traceback.format_exc())))
+    conn.close()
+    os._exit(0)  # skip atexit: a broken Gloo group must not hang teardown
 
 
 def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 60.0,
