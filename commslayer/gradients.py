@@ -34,6 +34,7 @@ nothing to begin early and no hook is installed.
 """
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -64,18 +65,7 @@ class _DdpChunks:
 
     def __init__(self, module: nn.Module, bucket_bytes: int) -> None:
         params = [p for p in module.parameters() if p.requires_grad][::-1]
-        self.chunks: List[Tuple[torch.Tensor, ...]] = []
-        current: List[torch.Tensor] = []
-        size = 0
-        for p in params:
-            nbytes = p.numel() * p.element_size()
-            if current and (size + nbytes > bucket_bytes or p.dtype != current[0].dtype):
-                self.chunks.append(tuple(current))
-                current, size = [], 0
-            current.append(p)
-            size += nbytes
-        if current:
-            self.chunks.append(tuple(current))
+        self.chunks = [tuple(params[i] for i in idx) for idx in bucket_layout(params, bucket_bytes)]
         self.group: dist.ProcessGroup = getattr(module, "process_group")  # a DistributedDataParallel's
         self.next = 0  # the first chunk not started this step
         self.done: Dict[int, torch.Tensor] = {}  # id(param) -> its in-group average, this step
@@ -130,9 +120,11 @@ class GradientAverage:
     def _on_fsdp_shard(self, reduce_output: torch.Tensor) -> None:
         if self.replicas is None:
             return
+        if self._shards and reduce_output.dtype != self._shards[0].dtype:
+            self._start_shards()  # a bucket holds one dtype
         self._shards.append(reduce_output)
         self._shard_bytes += reduce_output.numel() * reduce_output.element_size()
-        if self._shard_bytes >= self.bucket_bytes or reduce_output.dtype != self._shards[0].dtype:
+        if self._shard_bytes >= self.bucket_bytes:
             self._start_shards()
 
     def _start_shards(self) -> None:
@@ -172,7 +164,8 @@ class GradientAverage:
             params = chunks.chunks[chunks.next]
             chunks.next += 1
             flat = torch.cat([chunks.done[id(p)].reshape(-1) for p in params])
-            self._early.append(_Early(flat, self._live.start(flat), _writer(params), params=params))
+            self._early.append(_Early(flat, self._live.start(flat), partial(_write_chunk, params=params),
+                                      params=params))
 
     # ------------------------------------------------------------------- step
     def average(self, params: Sequence[torch.Tensor], extra: Optional[torch.Tensor],
@@ -206,26 +199,18 @@ class GradientAverage:
             chunks.reset()
 
 
-def _writer(params: Tuple[torch.Tensor, ...]) -> Callable[[torch.Tensor], None]:
-    """Copies a flat chunk into its parameters' gradients, in the order of ``params``."""
-    def write(flat: torch.Tensor) -> None:
-        offset = 0
-        for p in params:
-            grad = p.grad
-            assert grad is not None, "a chunk is started only once all its gradients are in"
-            grad.copy_(flat[offset:offset + p.numel()].view_as(grad))
-            offset += p.numel()
-    return write
+def _write_chunk(flat: torch.Tensor, params: Tuple[torch.Tensor, ...]) -> None:
+    """Copy a DDP chunk's average into its parameters' gradients."""
+    grads = []
+    for p in params:
+        assert p.grad is not None, "a chunk is started only once all its gradients are in"
+        grads.append(p.grad)
+    unpack([flat], [list(range(len(grads)))], grads)
 
 
-def pack(tensors: Sequence[torch.Tensor], extra: Optional[torch.Tensor],
-         bucket_bytes: int) -> Tuple[List[torch.Tensor], List[List[int]]]:
-    """``tensors`` (and ``extra`` at the very end) packed into flat buckets of one dtype
-    and at most ``bucket_bytes`` each (a larger tensor gets a bucket of its own); with
-    the indices of the tensors in each bucket."""
-    if not tensors and extra is None:
-        return [], []
-    buckets: List[torch.Tensor] = []
+def bucket_layout(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> List[List[int]]:
+    """The indices of ``tensors`` grouped, in order, into buckets of one dtype and at most
+    ``bucket_bytes`` each (a larger tensor gets a bucket of its own)."""
     layout: List[List[int]] = []
     current: List[int] = []
     size, dtype = 0, None
@@ -236,7 +221,20 @@ def pack(tensors: Sequence[torch.Tensor], extra: Optional[torch.Tensor],
             current, size = [], 0
         current.append(i)
         size, dtype = size + nbytes, t.dtype
-    layout.append(current)
+    if current:
+        layout.append(current)
+    return layout
+
+
+def pack(tensors: Sequence[torch.Tensor], extra: Optional[torch.Tensor],
+         bucket_bytes: int) -> Tuple[List[torch.Tensor], List[List[int]]]:
+    """``tensors`` (and ``extra`` at the very end) packed into flat buckets of one dtype
+    and at most ``bucket_bytes`` each (a larger tensor gets a bucket of its own); with
+    the indices of the tensors in each bucket."""
+    if not tensors and extra is None:
+        return [], []
+    layout = bucket_layout(tensors, bucket_bytes) or [[]]  # ``extra`` alone: one bucket of it
+    buckets: List[torch.Tensor] = []
     for k, idx in enumerate(layout):
         parts = [tensors[i].reshape(-1) for i in idx]
         if extra is not None and k == len(layout) - 1:
