@@ -17,9 +17,10 @@ rewrites the backend of every group c10d creates to commslayer while
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from datetime import timedelta
-from typing import List, Optional
+from typing import Callable, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,7 @@ from torch._C import _distributed_c10d as c10d
 from . import backends, config
 from .communicator import Communicator
 from .lifecycle import watched_lineage
-from .errors import InvalidArgument
+from .errors import CommError, InvalidArgument
 from .store import bounded
 from .work import Work
 
@@ -46,16 +47,23 @@ def _timeout(opts) -> Optional[timedelta]:
 class C10dWork(dist.Work):
     """c10d's view of one or more commslayer ``Work`` objects."""
 
-    def __init__(self, works: List[Work], result: List[torch.Tensor]) -> None:
+    def __init__(self, works: List[Work], result: List[torch.Tensor],
+                 held: Optional[Callable[[CommError], None]] = None) -> None:
         super().__init__()
         self._works = works
         self._result = result
+        self._held = held
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         if isinstance(timeout, timedelta) and timeout.total_seconds() <= 0:
             timeout = None
-        for w in self._works:
-            w.wait(timeout)
+        try:
+            for w in self._works:
+                w.wait(timeout)
+        except CommError as exc:
+            if self._held is None:
+                raise
+            self._held(exc)
         return True
 
     def is_completed(self) -> bool:
@@ -72,8 +80,13 @@ class C10dWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future:
         def settle(fut):
-            for each in fut.value():
-                each.value()  # re-raises a member's CommError
+            try:
+                for each in fut.value():
+                    each.value()  # re-raises a member's CommError
+            except CommError as exc:
+                if self._held is None:
+                    raise
+                self._held(exc)
             return self._result
 
         return torch.futures.collect_all([w.get_future() for w in self._works]).then(settle)
@@ -85,6 +98,7 @@ class CommslayerProcessGroup(dist.ProcessGroup):
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, group_name: str,
                  global_ranks: List[int]) -> None:
         super().__init__(rank, size)
+        self._held: Optional[Callable[[CommError], None]] = None
         config.validate()  # start-up of a c10d job: a bad COMMSLAYER_* variable fails init_process_group
         timeout_s = (config.default_timeout() if config.timeout_is_set() else timeout).total_seconds()
         self._comms = {}
@@ -110,6 +124,7 @@ class CommslayerProcessGroup(dist.ProcessGroup):
         pg = cls.__new__(cls)
         dist.ProcessGroup.__init__(pg, comm.get_rank(), comm.get_size())
         pg._comms = {}
+        pg._held = None
         pg._attach(comm)
         return pg
 
@@ -145,7 +160,7 @@ class CommslayerProcessGroup(dist.ProcessGroup):
             op, opts = opts, c10d.AllreduceOptions()
             if op is not None:
                 opts.reduceOp = op
-        return self._many(tensors, [self._comm(t).all_reduce(t, opts.reduceOp, async_op=True,
+        return self._many(tensors, lambda: [self._comm(t).all_reduce(t, opts.reduceOp, async_op=True,
                                                              timeout=_timeout(opts)) for t in tensors])
 
     allreduce_coalesced = allreduce  # one op per tensor: each gets its own deadline and record
@@ -156,15 +171,15 @@ class CommslayerProcessGroup(dist.ProcessGroup):
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        return self._many(outputs, [self._comm(i).all_gather_single(o, i, async_op=True, timeout=_timeout(opts))
+        return self._many(outputs, lambda: [self._comm(i).all_gather_single(o, i, async_op=True, timeout=_timeout(opts))
                                     for o, i in zip(outputs, inputs)])
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def allgather(self, output_lists, inputs, opts=None):
-        works = [self._comm(i).all_gather(outs, i, async_op=True, timeout=_timeout(opts))
-                 for outs, i in zip(output_lists, inputs)]
-        return self._many([t for outs in output_lists for t in outs], works)
+        return self._many([t for outs in output_lists for t in outs],
+                          lambda: [self._comm(i).all_gather(outs, i, async_op=True, timeout=_timeout(opts))
+                                   for outs, i in zip(output_lists, inputs)])
 
     def reduce_scatter_single(self, output, input, opts=None):
         return self.reduce_scatter_single_coalesced([output], [input], opts)
@@ -173,7 +188,7 @@ class CommslayerProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts or c10d.ReduceScatterOptions()
-        return self._many(outputs, [self._comm(i).reduce_scatter_single(o, i, opts.reduceOp, async_op=True,
+        return self._many(outputs, lambda: [self._comm(i).reduce_scatter_single(o, i, opts.reduceOp, async_op=True,
                                                                         timeout=_timeout(opts))
                                     for o, i in zip(outputs, inputs)])
 
@@ -181,12 +196,12 @@ class CommslayerProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         opts = opts or c10d.ReduceScatterOptions()
-        return self._many(outputs, [self._comm(o).reduce_scatter(o, ins, opts.reduceOp, async_op=True,
+        return self._many(outputs, lambda: [self._comm(o).reduce_scatter(o, ins, opts.reduceOp, async_op=True,
                                                                  timeout=_timeout(opts))
                                     for o, ins in zip(outputs, input_lists)])
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        return self._many([output], [self._comm(input).all_to_all_single(
+        return self._many([output], lambda: [self._comm(input).all_to_all_single(
             output, input, list(output_split_sizes) or None, list(input_split_sizes) or None,
             async_op=True, timeout=_timeout(opts))])
 
@@ -194,42 +209,71 @@ class CommslayerProcessGroup(dist.ProcessGroup):
 
     def broadcast(self, tensors, opts=None):
         opts = opts or c10d.BroadcastOptions()
-        return self._many(tensors, [self._comm(t).broadcast(t, opts.rootRank, async_op=True, timeout=_timeout(opts))
+        return self._many(tensors, lambda: [self._comm(t).broadcast(t, opts.rootRank, async_op=True, timeout=_timeout(opts))
                                     for t in tensors])
 
     def reduce(self, tensors, opts=None):
         opts = opts or c10d.ReduceOptions()
-        return self._many(tensors, [self._comm(t).reduce(t, opts.rootRank, opts.reduceOp, async_op=True,
+        return self._many(tensors, lambda: [self._comm(t).reduce(t, opts.rootRank, opts.reduceOp, async_op=True,
                                                          timeout=_timeout(opts)) for t in tensors])
 
     def gather(self, output_lists, inputs, opts=None):
         opts = opts or c10d.GatherOptions()
         outs = output_lists[0] if output_lists else []
-        return self._many(list(outs), [self._comm(inputs[0]).gather(outs, inputs[0], opts.rootRank, async_op=True,
+        return self._many(list(outs), lambda: [self._comm(inputs[0]).gather(outs, inputs[0], opts.rootRank, async_op=True,
                                                                     timeout=_timeout(opts))])
 
     def scatter(self, outputs, input_lists, opts=None):
         opts = opts or c10d.ScatterOptions()
         ins = input_lists[0] if input_lists else []
-        return self._many(outputs, [self._comm(outputs[0]).scatter(outputs[0], ins, opts.rootRank, async_op=True,
+        return self._many(outputs, lambda: [self._comm(outputs[0]).scatter(outputs[0], ins, opts.rootRank, async_op=True,
                                                                    timeout=_timeout(opts))])
 
     def barrier(self, opts=None):
-        return self._many([], [self.communicator("cpu").barrier(async_op=True, timeout=_timeout(opts))])
+        return self._many([], lambda: [self.communicator("cpu").barrier(async_op=True, timeout=_timeout(opts))])
 
     def send(self, tensors, dst, tag=0):
-        return self._many(tensors, [self._comm(t)._p2p("send", t, dst, True, None, tag) for t in tensors])
+        return self._many(tensors, lambda: [self._comm(t)._p2p("send", t, dst, True, None, tag) for t in tensors])
 
     def recv(self, tensors, src, tag=0):
-        return self._many(tensors, [self._comm(t)._p2p("recv", t, src, True, None, tag) for t in tensors])
+        return self._many(tensors, lambda: [self._comm(t)._p2p("recv", t, src, True, None, tag) for t in tensors])
 
     def recv_anysource(self, tensors, tag=0):
         raise InvalidArgument("recv from any source is not supported: name the source rank",
                               comm=self.communicator("cpu").get_name(), op="recv")
 
-    @staticmethod
-    def _many(result, works: List[Work]) -> C10dWork:
-        return C10dWork(works, list(result))
+    def _many(self, result, issue: Callable[[], List[Work]]) -> C10dWork:
+        """The ops ``issue()`` starts, as one c10d work; while held, one that fails is
+        reported to the hold's callback and its outputs are left as they are."""
+        try:
+            works = issue()
+        except CommError as exc:
+            if self._held is None:
+                raise
+            self._held(exc)
+            works = []
+        return C10dWork(works, list(result), self._held)
+
+    # resilience: the group object outlives its communicators
+    def hold(self, on_failure: Callable[[CommError], None]) -> None:
+        """From now on an op that fails (when issued or waited for) does not raise:
+        ``on_failure(err)`` is called and the op counts as done, its outputs
+        unspecified. For a caller that holds a broken step and redoes it
+        (``commslayer.resilience``): FSDP2 and DeviceMesh run on to the step's
+        end, where the step is voted down and redone."""
+        self._held = on_failure
+
+    def replace(self, comm: Communicator) -> None:
+        """Carry on over ``comm``, a later generation of this group's communicator with
+        the same rank and size (a replacement rank joined). The group object that
+        FSDP2 and DeviceMesh hold stays the same; c10d's registered backend (used
+        only by dispatcher callers, see the module doc) stays the first one's."""
+        old = self.communicator(comm.get_device().type)
+        if (comm.get_rank(), comm.get_size()) != (old.get_rank(), old.get_size()):
+            raise InvalidArgument(f"replace: generation {comm.generation} has rank {comm.get_rank()} of "
+                                  f"{comm.get_size()}, the group rank {old.get_rank()} of {old.get_size()}",
+                                  comm=comm.get_name(), op="replace")
+        self._comms[comm.get_device().type] = comm
 
     # lifecycle
     def abort(self) -> None:
@@ -250,7 +294,28 @@ def job_rank_shift(my_rank: int) -> int:
     return 0 if job is None else job - my_rank
 
 
+_adopted: List[Communicator] = []  # the communicator the next default group is made over (``adopting``)
+
+
+@contextlib.contextmanager
+def adopting(comm: Communicator) -> Iterator[None]:
+    """Inside: ``init_process_group("commslayer", ...)`` makes the default group over
+    ``comm`` (already built, e.g. by ``commslayer.join``) instead of building one."""
+    _adopted.append(comm)
+    try:
+        yield
+    finally:
+        _adopted.remove(comm)
+
+
 def _create(dist_opts, backend_options) -> CommslayerProcessGroup:
+    if _adopted:
+        comm = _adopted[-1]
+        if (dist_opts.group_rank, dist_opts.group_size) != (comm.get_rank(), comm.get_size()):
+            raise InvalidArgument(f"init_process_group(rank={dist_opts.group_rank}, world_size="
+                                  f"{dist_opts.group_size}) over {comm.get_name()!r}, rank {comm.get_rank()} of "
+                                  f"{comm.get_size()}", comm=comm.get_name(), op="init_process_group")
+        return CommslayerProcessGroup.wrapping(comm)
     return CommslayerProcessGroup(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
                                   dist_opts.timeout, str(dist_opts.group_id),
                                   list(dist_opts.global_ranks_in_group))

@@ -264,6 +264,41 @@ def average_after_backward() -> bool:
     return _flag("COMMSLAYER_AVERAGE_AFTER_BACKWARD")
 
 
+def restart_unit() -> str:
+    """``COMMSLAYER_RESTART_UNIT``: ``rank`` when ``commslayer-run`` supervises every rank on
+    its own (no ``--replicas``: one rank's death ends no other, and a replacement takes
+    its place); empty otherwise (replica groups, or plain torchrun)."""
+    raw = os.environ.get("COMMSLAYER_RESTART_UNIT", "")
+    if raw.strip() not in ("", "rank"):
+        raise _bad("COMMSLAYER_RESTART_UNIT", raw, "rank, or empty")
+    return raw.strip()
+
+
+def node() -> int:
+    """``COMMSLAYER_NODE``: the host (node rank) of this rank, set by ``commslayer-run``;
+    the copies of a rank's state go to ranks on other hosts. Default 0."""
+    value = _integer("COMMSLAYER_NODE", 0, 0)
+    assert value is not None
+    return value
+
+
+def redundancy() -> int:
+    """``COMMSLAYER_REDUNDANCY``: how many other ranks keep a copy of each rank's state in
+    a job whose restart unit is a rank (default 1: any single loss, and any losses
+    that take no rank together with every holder of its state, are survived)."""
+    value = _integer("COMMSLAYER_REDUNDANCY", 1, 1)
+    assert value is not None
+    return value
+
+
+def refresh_every() -> int:
+    """``COMMSLAYER_REFRESH_EVERY``: refresh the copies every K steps (default 1: a loss
+    costs no step; K > 1: less traffic, and a loss redoes up to K steps)."""
+    value = _integer("COMMSLAYER_REFRESH_EVERY", 1, 1)
+    assert value is not None
+    return value
+
+
 def faults() -> str:
     """``COMMSLAYER_FAULTS``: the fault harness's faults, as JSON (faults.inject
     parses and checks them when it loads)."""
@@ -280,7 +315,8 @@ def faults_log() -> str:
 _CHECKED: Tuple[Callable[[], object], ...] = (
     default_timeout, check_mode, route_c10d, trace_dir, job_rank, trace_buffer, trace_stack, trace_jsonl,
     trace_otel, trace_sink_queue, heartbeat_s, peer_timeout_s, liveness_timing, liveness_host, isolate_writes,
-    faults_log, trace_mode, replica_id, run_dir, store_timeout_s, average_after_backward,
+    faults_log, trace_mode, replica_id, run_dir, store_timeout_s, average_after_backward, restart_unit, node,
+    redundancy, refresh_every,
 )
 _valid: Set[Tuple[Tuple[str, str], ...]] = set()  # environments found valid (resolving a host costs)
 

@@ -236,13 +236,11 @@ class Job:
         self._average = GradientAverage(bucket_bytes)
         self._overlap = overlap
         self._heal_timeout_s = heal_timeout_s
-        dist.init_process_group("commslayer", store=self._group_store(timeout), rank=self.rank,
-                                world_size=self.world_size, timeout=timeout)
+        self.store, self.replica, self.replicas = self._connect(timeout)
         self.process_group = dist.group.WORLD
         from torch.distributed.device_mesh import init_device_mesh
 
         self.mesh = init_device_mesh("cpu", (self.world_size,))
-        self.store, self.replica, self.replicas = self._job_store(timeout)
         self.member = self.replica * self.world_size + self.rank
         if self.restart and self.store.check(["job/finished"]):
             print(f"[replica {self.replica} rank {self.rank}] the job finished while this group restarted",
@@ -265,6 +263,12 @@ class Job:
         self._begin = 0.0
 
     # --------------------------------------------------------------- stores
+    def _connect(self, timeout: timedelta) -> Tuple[dist.Store, int, int]:
+        """Make the default process group; the job's store, this replica's id and the count."""
+        dist.init_process_group("commslayer", store=self._group_store(timeout), rank=self.rank,
+                                world_size=self.world_size, timeout=timeout)
+        return self._job_store(timeout)
+
     def _group_store(self, timeout: timedelta) -> dist.Store:
         """This replica group's store (torchrun's), under a per-restart prefix: a restarted
         group must not read the addresses its previous life left there."""
@@ -342,10 +346,7 @@ class Job:
     def steps(self, total: int) -> Iterator[int]:
         """The steps this life runs: ``start_step`` (0, or where a restarted group healed
         to) up to ``total``. At each boundary, restarted replica groups are admitted."""
-        if not (self._state.modules or self._state.optimizers or self._state.objects):
-            raise InvalidArgument("steps() before register(): register the model and optimizer first",
-                                  op="steps")
-        self._total = total
+        self._begin_loop(total)
         rejoin = self.restart > 0 and "COMMSLAYER_JOB_STORE" in os.environ  # under plain torchrun a restart
         # is the whole job's: there is no live replica to heal from, it starts again at step 0
         self._replicas = Replicas(replica=self.replica, replicas=self.replicas, shard=self.rank,
@@ -372,22 +373,19 @@ class Job:
                                       "backward", op="steps")
         self.step_index = -1
 
+    def _begin_loop(self, total: int) -> None:
+        if not (self._state.modules or self._state.optimizers or self._state.objects):
+            raise InvalidArgument("steps() before register(): register the model and optimizer first",
+                                  op="steps")
+        self._total = total
+
     def step(self, loss: Optional[torch.Tensor] = None) -> None:
         """After ``loss.backward()``: average the gradients across the live replica groups,
         commit, apply every registered optimizer and zero the gradients. When this
         returns the step is committed on every live replica (a loss during it was
         recovered by redoing the average on the survivors). ``loss``, if given, is
         averaged over the job and recorded in ``losses`` (and the run's results)."""
-        step = self.step_index
-        if step < 0:
-            raise InvalidArgument("step() outside steps(): loop with `for step in job.steps(n)`", op="step")
-        if self._stepped:
-            raise InvalidArgument(f"step() called twice in step {step}", op="step")
-        params = self._state.params()
-        grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
-            raise InvalidArgument(f"step() at step {step} found no gradients on the registered modules: call "
-                                  "loss.backward() first (and register the model)", op="step")
+        step, params, grads = self._begin_step()
         if not self._checked:
             self._check_same_state()
         extra = None
@@ -398,12 +396,30 @@ class Job:
         averaged_loss = self._average.average(params, extra, step)
         if averaged_loss is not None:
             self.losses[step] = averaged_loss.item()
+        self._apply()
+        self.step_s.append(time.perf_counter() - self._t0)
+        self._report_recovery(step)
+
+    def _begin_step(self) -> Tuple[int, List[torch.Tensor], List[torch.Tensor]]:
+        """``step``'s checks: the step, the registered parameters and their gradients."""
+        step = self.step_index
+        if step < 0:
+            raise InvalidArgument("step() outside steps(): loop with `for step in job.steps(n)`", op="step")
+        if self._stepped:
+            raise InvalidArgument(f"step() called twice in step {step}", op="step")
+        params = self._state.params()
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            raise InvalidArgument(f"step() at step {step} found no gradients on the registered modules: call "
+                                  "loss.backward() first (and register the model)", op="step")
+        return step, params, grads
+
+    def _apply(self) -> None:
+        """The committed step: every registered optimizer steps, the gradients are zeroed."""
         for opt in self._state.optimizers.values():
             opt.step()
             opt.zero_grad()
         self._stepped = True
-        self.step_s.append(time.perf_counter() - self._t0)
-        self._report_recovery(step)
 
     # ------------------------------------------------------- state checks
     def _check_same_state(self) -> None:
@@ -527,7 +543,8 @@ def _leave(exc_type: type, exc: BaseException, tb: Any, previous: Callable[..., 
 
 
 def init(*, timeout: timedelta = timedelta(seconds=60), bucket_mb: float = BUCKET_BYTES / 2 ** 20,
-         overlap: Optional[bool] = None, run_dir: Optional[str] = None, heal_timeout_s: float = 120.0) -> Job:
+         overlap: Optional[bool] = None, run_dir: Optional[str] = None, heal_timeout_s: float = 120.0,
+         redundancy: Optional[int] = None, refresh_every: Optional[int] = None) -> Job:
     """Start this rank's part of a resilient job, from the environment ``commslayer-run``
     (or plain ``torchrun``) sets: the replica group's process group on the
     ``"commslayer"`` backend, ``job.mesh`` (1-D over the group, for ``fully_shard``), and
@@ -536,13 +553,33 @@ def init(*, timeout: timedelta = timedelta(seconds=60), bucket_mb: float = BUCKE
     FSDP2 and DDP modules during backward (``commslayer.gradients``); ``False``
     averages everything after backward (default: ``True`` unless
     ``COMMSLAYER_AVERAGE_AFTER_BACKWARD`` is set). ``run_dir`` (default ``COMMSLAYER_RUN_DIR``):
-    where ``finish`` writes this rank's result."""
+    where ``finish`` writes this rank's result. Under ``commslayer-run`` without
+    ``--replicas`` (``COMMSLAYER_RESTART_UNIT=rank``) the job is a ``PeerJob``
+    (commslayer.peerjob): ``redundancy`` ranks keep a copy of each rank's state
+    (default ``COMMSLAYER_REDUNDANCY``, 1), refreshed every ``refresh_every`` steps
+    (default ``COMMSLAYER_REFRESH_EVERY``, 1), and survivors wait up to
+    ``heal_timeout_s`` for a lost rank's replacement."""
     if bucket_mb <= 0:
         raise InvalidArgument(f"bucket_mb={bucket_mb!r} must be positive", op="init")
     if overlap is None:
         overlap = not config.average_after_backward()
-    job = Job(timeout=timeout, bucket_bytes=int(bucket_mb * 2 ** 20), overlap=overlap, run_dir=run_dir,
-              heal_timeout_s=heal_timeout_s)
+    if redundancy is None:
+        redundancy = config.redundancy()
+    if refresh_every is None:
+        refresh_every = config.refresh_every()
+    if not isinstance(redundancy, int) or redundancy < 1:
+        raise InvalidArgument(f"redundancy={redundancy!r} must be an int >= 1", op="init")
+    if not isinstance(refresh_every, int) or refresh_every < 1:
+        raise InvalidArgument(f"refresh_every={refresh_every!r} must be an int >= 1", op="init")
+    common: Dict[str, Any] = dict(timeout=timeout, bucket_bytes=int(bucket_mb * 2 ** 20), overlap=overlap,
+                                  run_dir=run_dir, heal_timeout_s=heal_timeout_s)
+    if config.restart_unit() == "rank":
+        from .peerjob import PeerJob
+
+        job: Job = PeerJob(redundancy=redundancy, refresh_every=refresh_every, replace_timeout_s=heal_timeout_s,
+                           **common)
+    else:
+        job = Job(**common)
     previous = sys.excepthook  # after init_process_group: its hook captures stderr while it calls the one before
     sys.excepthook = lambda t, e, tb: _leave(t, e, tb, previous)
     return job

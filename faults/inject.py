@@ -38,7 +38,7 @@ from commslayer.runs import read_log
 from tracing.dumps import open_append
 
 ACTIONS = ("sigkill", "exit", "raise", "sigstop", "hang", "delay", "mismatch")
-PHASES = ("forward", "backward", "allreduce", "optimizer")
+PHASES = ("forward", "backward", "allreduce", "optimizer", "refresh")
 MISMATCHES = ("shape", "dtype", "op")
 
 

@@ -1,0 +1,334 @@
+"""A resilient job without replica groups: a lost rank is replaced, the others hold.
+
+``commslayer-run`` without ``--replicas`` supervises every rank on its own
+(``COMMSLAYER_RESTART_UNIT=rank``): one rank's death ends no other, and the
+launcher starts a replacement for the same rank.  ``resilience.init`` then
+returns a ``PeerJob``: the same API as a replica-group job (``register``,
+``steps``, ``step``, ``finish``), for a model sharded over every rank.
+
+How a step survives a lost rank:
+
+- The default process group (what ``job.mesh`` and FSDP2 use) runs on the
+  shard communicator, a commslayer communicator with generations.  The
+  group is *held* (``CommslayerProcessGroup.hold``): an op that fails does
+  not raise into FSDP2's hooks, the step runs on to ``job.step`` on
+  unspecified data, and there the commit vote fails on every survivor.
+- The survivors shrink the shard communicator, mark the lost rank in the
+  job's store (``rank/<r>/lost/<life>``: the launcher starts its
+  replacement even if the lost process is only stopped), and wait for the
+  replacement to announce itself.  It joins the next generation as the same
+  rank; the group object that FSDP2 holds carries on over it
+  (``CommslayerProcessGroup.replace``): FSDP2 and DeviceMesh notice nothing.
+- Every rank's state is also held by its buddies (``commslayer.redundancy``):
+  the replacement receives its state from one, the survivors go back to the
+  same boundary from their own snapshot, and the interrupted step (with the
+  one before it, if the loss cut that step's copy) is redone.  The optimizer
+  only runs on a committed step, so the state after the redo is the state a
+  fault-free run has.
+- A rank whose state has no surviving copy (it and its holders lost
+  together), or a rank that gets no replacement (the launcher's restarts ran
+  out), ends the job with ``StateLost`` or ``ReplacementMissing`` on every
+  survivor, naming the ranks and the last committed step; each survivor
+  dumps its trace on the way out.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import config, runs
+from .c10d import CommslayerProcessGroup, adopting
+from .communicator import Communicator, join, new_comm
+from .errors import CommAborted, CommError, InvalidArgument, first_line
+from .exits import exit_now
+from .gradients import local
+from .hooks import recovery_hooks
+from .redundancy import PeerCopies, StateLost, holders
+from .reduce_op import ReduceOp
+from .replicas import Admission, Recovery
+from .resilience import Job
+from .store import bounded
+
+COMM_NAME = "shards"
+POLL_S = 0.05  # how often survivors look for the replacement
+
+
+class ReplacementMissing(CommError):
+    """A lost rank got no replacement (its launcher's restarts ran out, or none came
+    within the wait): the job cannot go on at its size."""
+
+
+class PeerJob(Job):
+    """This process's place in a job whose restart unit is one rank (see the module doc)."""
+
+    def __init__(self, *, redundancy: int, refresh_every: int, replace_timeout_s: float, **kwargs) -> None:
+        self._degree = redundancy
+        self._refresh_every = refresh_every
+        self._replace_timeout_s = replace_timeout_s
+        self._broken: Optional[CommError] = None
+        self._recoveries: List[Recovery] = []
+        self._admissions: List[Admission] = []
+        self._redo: Optional[Tuple[int, bytes]] = None  # the boundary to go back to, and this rank's state there
+        self._committed = -1  # the last step committed here
+        super().__init__(**kwargs)
+
+    # ------------------------------------------------------------ start-up
+    def _connect(self, timeout: timedelta) -> Tuple[dist.Store, int, int]:
+        host, port = os.environ["COMMSLAYER_JOB_STORE"].rsplit(":", 1)
+        raw = dist.TCPStore(host, int(port), is_master=False, timeout=timeout, use_libuv=True)
+        store = bounded(raw)
+        if self.restart == 0:
+            self._shards = new_comm("gloo", name=COMM_NAME, store=store, rank=self.rank, size=self.world_size,
+                                    timeout=timeout, isolate_writes=True)
+            store.set(f"rank/{self.rank}/node", str(config.node()))
+        else:  # a replacement: admitted once the survivors see it
+            self._shards = join("gloo", name=COMM_NAME, member=self.rank, store=store, timeout=timeout,
+                                isolate_writes=True)
+        with adopting(self._shards):
+            dist.init_process_group("commslayer", store=dist.PrefixStore(f"c10d/{self.rank}.{self.restart}/", raw),
+                                    rank=self.rank, world_size=self.world_size, timeout=timeout)
+        self._group().hold(self._on_failure)
+        return store, 0, 1
+
+    def _group(self) -> CommslayerProcessGroup:
+        pg = dist.group.WORLD
+        assert isinstance(pg, CommslayerProcessGroup)
+        return pg
+
+    def _on_failure(self, err: CommError) -> None:
+        if self._broken is None:
+            self._broken = err
+
+    # ------------------------------------------------------------- progress
+    @property
+    def live_replicas(self) -> List[int]:
+        return [0]
+
+    @property
+    def generation(self) -> int:
+        return self._shards.generation
+
+    @property
+    def admissions(self) -> list:
+        return self._admissions
+
+    @property
+    def recoveries(self) -> list:
+        return self._recoveries
+
+    @property
+    def reports(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def copies(self) -> PeerCopies:
+        """This rank's part of the redundancy (what it holds, bytes sent)."""
+        return self._copies
+
+    # ---------------------------------------------------------------- steps
+    def steps(self, total: int) -> Iterator[int]:
+        """The steps this life runs: from 0, or (a replacement) from the boundary the
+        survivors went back to. A step voted down is yielded again."""
+        self._begin_loop(total)
+        nodes = [int(self.store.get(f"rank/{r}/node")) for r in range(self.world_size)]
+        self._copies = PeerCopies(self._split(), holders(nodes, self._degree), self._on_sending)
+        if self.restart:
+            step, own = self._restore(joined=True)
+            self._state.unpack(own)
+            self.healed_at = step
+            print(f"[rank {self.rank}] replacement (life {self.restart}): state received from a holder "
+                  f"{self._copies.plan[self.rank]}, continuing at step {step} in generation {self.generation}",
+                  flush=True)
+        else:
+            step = 0
+            if not self._commit(self._copies.exchange(0, self._state.pack())):
+                raise CommError("the first copies of the state failed", comm=self._shards.get_name(), op="steps")
+            self._copies.confirm()
+        self._checked = True
+        self.start_step = step
+        self._begin = time.perf_counter()
+        while step < total:
+            self._t0 = time.perf_counter()
+            self.step_index, self._stepped = step, False
+            if step % self._refresh_every == 0 and (self._copies.confirmed is None
+                                                    or self._copies.confirmed.step != step):
+                self._copies.refresh(step, self._state.pack())
+            yield step
+            if not self._stepped:
+                raise InvalidArgument(f"step {step} ended without job.step(): call it once per step, after "
+                                      "backward", op="steps")
+            if self._redo is not None:
+                step, own = self._redo
+                self._redo = None
+                self._state.unpack(own)
+                continue
+            step += 1
+        self.step_index = -1
+
+    def _split(self) -> Communicator:
+        comm = self._shards.split(list(range(self.world_size)), name="copies")
+        assert comm is not None
+        return comm
+
+    def _on_sending(self, step: int) -> None:
+        self._phase("refresh")
+
+    def step(self, loss: Optional[torch.Tensor] = None) -> None:
+        """After ``loss.backward()``: wait for the copies of the step's boundary, vote, and
+        apply the optimizers only if every rank's step succeeded. A step voted down is
+        recovered from (the lost rank replaced, every rank back at a boundary whose
+        state every rank has) and ``steps`` yields that boundary's step next; its loss
+        reads NaN until it is redone."""
+        step, _, grads = self._begin_step()
+        average = None
+        if loss is not None:
+            average = loss.detach().reshape(1).to(local(grads[0]).dtype) / self.world_size
+            dist.all_reduce(average)
+        self._phase("allreduce")
+        copied = self._copies.wait()
+        if self._commit(copied and self._broken is None):
+            self._copies.confirm()
+            self._apply()
+            self._committed = step
+            if average is not None:
+                self.losses[step] = average.item()
+            self.step_s.append(time.perf_counter() - self._t0)
+            self._report_recovery(step)
+            return
+        for opt in self._state.optimizers.values():
+            opt.zero_grad()
+        self.losses[step] = float("nan")
+        self._stepped = True
+        self._recover(step)
+
+    def _commit(self, ok: bool) -> bool:
+        try:
+            return self._shards.should_commit(ok)
+        except CommAborted:
+            raise  # fenced: the others went on without this process
+        except CommError as exc:
+            self._on_failure(exc)
+            return False
+
+    # ------------------------------------------------------------- recovery
+    def _recover(self, step: int) -> None:
+        """Replace the lost ranks and go back to a boundary every rank can reach."""
+        detected = time.time()
+        self._copies.wait()
+        old = self._shards
+        survivors = old.shrink()
+        lost = sorted(set(old.members) - set(survivors.members))
+        hopeless = self._copies.unrecoverable(set(lost))
+        if hopeless:
+            self._fail(StateLost(
+                f"rank(s) {hopeless} and every holder of their state ({[self._copies.plan[r] for r in hopeless]}, "
+                f"redundancy {self._degree}) were lost together at step {step}: their shard of the parameters, "
+                f"optimizer state and registered objects is gone. The job last committed step {self._committed}: "
+                f"resume from a checkpoint taken at or before it", comm=survivors.get_name(), op="recover",
+                ranks=hopeless))
+        if survivors.get_rank() == 0:
+            for r in lost:
+                self.store.set(f"rank/{r}/lost/{self.store.get(f'rank/{r}/life').decode()}", str(survivors.generation))
+        full = self._admit(survivors, lost, step)
+        self._shards = full
+        self._group().replace(full)
+        self._copies.use(self._split())
+        self._broken = None
+        resumed = time.time()
+        to_step, own = self._restore(joined=False)
+        self._redo = (to_step, own)
+        self._recoveries.append(Recovery(step, lost, self.generation, detected, resumed))
+        recovery_hooks("recovered", {"step": step, "lost_replicas": lost, "generation": self.generation,
+                                     "members": list(full.members), "seconds": resumed - detected})
+
+    def _admit(self, survivors: Communicator, lost: List[int], step: int) -> Communicator:
+        """Wait until every lost rank's replacement announced itself, then the next
+        generation with all of them (member ids are ranks: the same rank order)."""
+        deadline = time.monotonic() + self._replace_timeout_s
+        while True:
+            pending = survivors.pending_members()
+            if set(lost) <= set(pending):
+                start = time.perf_counter()
+                full = survivors.reconfigure(sorted(survivors.members + lost))
+                self._admissions.append(Admission(step, lost, full.generation, time.perf_counter() - start))
+                return full
+            gone = [r for r in lost if self.store.check([f"rank/{r}/gone"])]
+            give_up = torch.tensor([int(bool(gone) or time.monotonic() > deadline)])
+            survivors.all_reduce(give_up, ReduceOp.MAX)  # all decide together
+            if int(give_up):
+                self._fail(ReplacementMissing(
+                    f"rank(s) {lost} lost at step {step} got no replacement ("
+                    + (f"the launcher's restarts ran out for {gone}" if gone else
+                       f"none within {self._replace_timeout_s:g}s") + f"); the job last committed step "
+                    f"{self._committed}: resume from a checkpoint taken at or before it",
+                    comm=survivors.get_name(), op="recover", ranks=lost))
+            time.sleep(POLL_S)
+
+    def _restore(self, *, joined: bool) -> Tuple[int, bytes]:
+        """Agree on the boundary to go back to and get this rank's state there; every
+        rank of the new generation calls it, and votes that it worked."""
+        to_step, own = -1, b""
+        try:
+            to_step, own = self._copies.restore(joined)
+        except StateLost as exc:
+            self._fail(exc)
+        except CommAborted:
+            raise
+        except CommError:
+            pass
+        if not self._commit(to_step >= 0):
+            raise CommError("restoring the state after a lost rank failed on a rank", comm=self._shards.get_name(),
+                            op="restore")
+        self._copies.confirm()
+        recovery_hooks("healed" if joined else "restored", {"step": to_step, "generation": self.generation,
+                                                            "bytes": len(own)})
+        return to_step, own
+
+    def _fail(self, exc: CommError) -> None:
+        """The job cannot go on: say so in the job's store (the launcher ends the rest)
+        and raise on this rank (it dumps its trace on the way out)."""
+        try:
+            self.store.set("job/failed", f"{type(exc).__name__}: {first_line(exc)}")
+        except CommError:
+            pass
+        raise exc
+
+    # ------------------------------------------------------------ reporting
+    def _report_recovery(self, step: int) -> None:
+        r = self._recoveries[-1] if self._recoveries else None
+        if r is None or r.committed_at is not None:
+            return
+        r.committed_at = time.time()
+        if self.rank == 0:
+            runs.record(self.store, r)
+            print(f"recovered: rank(s) {r.lost_replicas} lost at step {r.step} replaced; generation {r.generation}; "
+                  f"back at step {self._committed} committed {r.committed_at - r.detected_at:.3f}s after the loss "
+                  f"was seen", flush=True)
+
+    # ------------------------------------------------------------------ end
+    def finish(self, *, exit: bool = True) -> List[int]:
+        """The end of the job on every rank: a last all-reduce (no rank leaves while
+        another may still count on it), this rank's state fingerprint, its result
+        written, and the process ended with status 0."""
+        if self._total is None or self.step_index >= 0:
+            raise InvalidArgument("finish() before the loop over steps() ended", op="finish")
+        elapsed = time.perf_counter() - self._begin
+        prints = [self._state.fingerprint()]
+        self._shards.all_reduce(torch.zeros(1), ReduceOp.SUM)
+        if self.reports:
+            print(f"done: steps {self.start_step}..{self._total - 1} in {elapsed:.1f}s, {len(self._recoveries)} "
+                  f"recoveries (ranks replaced: {sorted(r for a in self._admissions for r in a.replicas)}), "
+                  f"generation {self.generation}, copies held here {self._copies.held_bytes} bytes", flush=True)
+        self.store.set("job/finished", "1")
+        if self.run_dir:
+            self._write_result(elapsed, prints)
+        if exit:
+            exit_now(0)
+        return prints
+

@@ -1,0 +1,240 @@
+"""Peer-memory redundancy: every rank keeps, in host memory, a copy of its wards' state.
+
+A job sharded over every rank (FSDP2 without replica groups) holds each
+shard once: a lost rank takes its parameters and optimizer state with it.
+Here each rank's state (``Healable.pack()`` bytes: its shard of the
+parameters, its optimizer state, the registered objects) is also kept by
+``degree`` other ranks, its holders, chosen on other hosts where the hosts
+are known (``holders``).  A replacement process then receives the lost
+rank's state from a surviving holder, and the job loses no step.
+
+The copies move on a communicator of their own (a split of the shard
+communicator), in a thread, so the transfer started at a step boundary
+overlaps the next step's forward and backward; the step's commit waits for
+it.  Two versions are kept while a refresh is in flight:
+
+- ``confirmed``: the state of every rank at one boundary, complete on every
+  holder (the commit vote of the step after it said so);
+- ``pending``: the refresh under way (this rank's own state, and the copies
+  received so far).
+
+A rank keeps its own state at the confirmed boundary too, because a torch
+optimizer updates in place: a loss after a step's commit (in the optimizer,
+or in the next step's refresh) leaves the survivors one step ahead of the
+lost rank's copy, and they go back to it.  ``restore`` picks the newest
+boundary that every rank can reach (a survivor from its own snapshot, a
+replacement from a holder's copy) and hands each rank its state there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+
+from .communicator import Communicator
+from .errors import CommError
+
+HEADER = 2  # int64s before a copy: the boundary's step and the byte count
+
+
+class StateLost(CommError):
+    """A lost rank's state has no surviving copy (the rank and every holder of its
+    state were lost together): the job cannot go on without a checkpoint."""
+
+
+def holders(nodes: Sequence[int], degree: int) -> List[List[int]]:
+    """``holders(nodes, degree)[r]``: the ranks that keep a copy of rank ``r``'s state.
+
+    ``nodes[r]`` is rank ``r``'s host. Ranks are ordered round-robin across the
+    hosts (the first rank of every host, then the second, ...) and each rank's
+    copies go to the next ``degree`` ranks in that ring, so with equal hosts a
+    copy never shares its original's host; with one host every copy does."""
+    size = len(nodes)
+    if not 1 <= degree < size:
+        raise ValueError(f"redundancy degree {degree}: needs 1 <= degree < {size} (the ranks)")
+    by_node: Dict[int, List[int]] = {}
+    for rank, node in enumerate(nodes):
+        by_node.setdefault(node, []).append(rank)
+    queues = [ranks for _, ranks in sorted(by_node.items())]
+    ring: List[int] = []
+    for i in range(max(len(q) for q in queues)):
+        ring += [q[i] for q in queues if i < len(q)]
+    at = {rank: i for i, rank in enumerate(ring)}
+    return [[ring[(at[r] + j) % size] for j in range(1, degree + 1)] for r in range(size)]
+
+
+@dataclass
+class Version:
+    """Every rank's state at the boundary before ``step``, as one rank holds it."""
+
+    step: int
+    own: bytes  # this rank's state
+    copies: Dict[int, bytes] = field(default_factory=dict)  # ward rank -> its state (complete copies only)
+
+
+def _as_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def _as_bytes(t: torch.Tensor) -> bytes:
+    return ctypes.string_at(t.data_ptr(), t.numel())
+
+
+class PeerCopies:
+    """This rank's part of the redundancy: what it holds and the refresh in flight.
+
+    ``comm`` carries the copies (every rank of the job, in rank order);
+    ``plan`` is ``holders(...)``; ``on_sending`` runs in the refresh thread
+    between a copy's header and its bytes (the fault harness kills a rank
+    there: a copy cut in the middle)."""
+
+    def __init__(self, comm: Communicator, plan: List[List[int]],
+                 on_sending: Optional[Callable[[int], None]] = None) -> None:
+        self.plan = plan
+        self.rank = comm.get_rank()
+        self.wards = [w for w, hs in enumerate(plan) if self.rank in hs]
+        self.confirmed: Optional[Version] = None
+        self.pending: Optional[Version] = None
+        self.bytes_sent = 0
+        self._comm = comm
+        self._on_sending = on_sending
+        self._thread: Optional[threading.Thread] = None
+        self._ok = True
+
+    def use(self, comm: Communicator) -> None:
+        """Carry the copies over ``comm`` from now on (the next generation's split)."""
+        self._comm = comm
+
+    # ------------------------------------------------------------ refreshing
+    def refresh(self, step: int, own: bytes) -> None:
+        """Start sending ``own`` (this rank's state at the boundary before ``step``) to
+        its holders and receiving its wards' copies; ``wait`` finishes it."""
+        self.wait()
+        self.pending = Version(step, own)
+        self._ok = False
+        self._thread = threading.Thread(target=self._exchange, args=(self.pending,), daemon=True,
+                                        name=f"commslayer-copies-{step}")
+        self._thread.start()
+
+    def _exchange(self, version: Version) -> None:
+        try:
+            data = _as_tensor(version.own)
+            header = torch.tensor([version.step, data.numel()], dtype=torch.int64)
+            works = [self._comm.send(header, h, async_op=True) for h in self.plan[self.rank]]
+            if self._on_sending is not None:
+                self._on_sending(version.step)
+            works += [self._comm.send(data, h, async_op=True) for h in self.plan[self.rank]]
+            for ward in self.wards:
+                head = torch.empty(HEADER, dtype=torch.int64)
+                self._comm.recv(head, ward)
+                got = torch.empty(int(head[1]), dtype=torch.uint8)
+                self._comm.recv(got, ward)
+                if int(head[0]) != version.step:
+                    raise CommError(f"the copy from rank {ward} is of step {int(head[0])}, not {version.step}",
+                                    comm=self._comm.get_name(), op="refresh", ranks=[ward])
+                version.copies[ward] = _as_bytes(got)
+            for w in works:
+                w.wait()
+            self.bytes_sent += data.numel() * len(self.plan[self.rank])
+            self._ok = True
+        except CommError:
+            self._ok = False  # the step's vote says no; ``restore`` finds out which copies are whole
+
+    def wait(self) -> bool:
+        """Wait for the refresh in flight; whether every copy of it arrived here and
+        went out from here (True when none is in flight)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        return self._ok
+
+    def confirm(self) -> None:
+        """Every rank's refresh succeeded (the commit vote said so): it becomes the
+        version to go back to."""
+        if self.pending is not None:
+            self.confirmed, self.pending = self.pending, None
+
+    def exchange(self, step: int, own: bytes) -> bool:
+        """A whole refresh, waited for: whether it succeeded here."""
+        self.refresh(step, own)
+        return self.wait()
+
+    @property
+    def held_bytes(self) -> int:
+        """Host memory the copies take on this rank now (own snapshots and wards' copies)."""
+        return sum(len(v.own) + sum(len(c) for c in v.copies.values())
+                   for v in (self.confirmed, self.pending) if v is not None)
+
+    # ------------------------------------------------------------- recovery
+    def unrecoverable(self, lost: Set[int]) -> List[int]:
+        """The lost ranks none of whose holders survived."""
+        return sorted(r for r in lost if all(h in lost for h in self.plan[r]))
+
+    def _have(self, size: int) -> torch.Tensor:
+        """This rank's row of what it can give: the confirmed and the pending step (-1:
+        none), then per rank a bitmask (1: its state at the confirmed step, 2: at the
+        pending step; a copy counts only if it arrived whole)."""
+        row = torch.zeros(2 + size, dtype=torch.int64)
+        for column, bit, version in ((0, 1, self.confirmed), (1, 2, self.pending)):
+            row[column] = -1 if version is None else version.step
+            for rank in ([] if version is None else [self.rank, *version.copies]):
+                row[2 + rank] |= bit
+        return row
+
+    def restore(self, joined: bool) -> Tuple[int, bytes]:
+        """After a generation change (every rank calls it; ``joined``: this process is a
+        replacement and holds nothing): agree on the newest boundary whose state every
+        rank can get, give every replacement its state there from a holder, and refresh
+        every copy at it. Returns the boundary's step and this rank's state at it."""
+        self.wait()
+        if joined:
+            self.confirmed = self.pending = None
+        size = self._comm.get_size()
+        rows = torch.zeros(size * (2 + size), dtype=torch.int64)
+        self._comm.all_gather_single(rows, self._have(size))
+        table = rows.view(size, 2 + size)
+        step, bit = self._choose(table)
+        sources = {r: next(h for h in [r] + self.plan[r] if int(table[h, 2 + r]) & bit) for r in range(size)}
+        mine = self.confirmed if bit == 1 else self.pending
+        works = []
+        for r, h in sources.items():
+            if h == self.rank and r != self.rank:
+                assert mine is not None  # a holder with the bit has the version
+                data = _as_tensor(mine.copies[r])
+                works.append(self._comm.send(torch.tensor([step, data.numel()], dtype=torch.int64), r,
+                                             async_op=True))
+                works.append(self._comm.send(data, r, async_op=True))
+        if sources[self.rank] != self.rank:
+            head = torch.empty(HEADER, dtype=torch.int64)
+            self._comm.recv(head, sources[self.rank])
+            got = torch.empty(int(head[1]), dtype=torch.uint8)
+            self._comm.recv(got, sources[self.rank])
+            own = _as_bytes(got)
+        else:
+            assert mine is not None
+            own = mine.own
+        for w in works:
+            w.wait()
+        self.confirmed = self.pending = None
+        if not self.exchange(step, own):
+            raise CommError(f"refreshing the copies at step {step} after the recovery failed",
+                            comm=self._comm.get_name(), op="restore")
+        return step, own
+
+    def _choose(self, table: torch.Tensor) -> Tuple[int, int]:
+        """The newest boundary (step, bit) at which some rank has every rank's state."""
+        size = table.shape[0]
+        for column, bit in ((1, 2), (0, 1)):
+            steps = {int(table[h, column]) for h in range(size) if int(table[h, column]) >= 0}
+            if len(steps) != 1:
+                continue
+            if all(any(int(table[h, 2 + r]) & bit for h in [r] + self.plan[r]) for r in range(size)):
+                return steps.pop(), bit
+        missing = [r for r in range(size) if not any(int(table[h, 2 + r]) & 1 for h in [r] + self.plan[r])]
+        raise StateLost(f"no surviving copy of the state of rank(s) {missing}", comm=self._comm.get_name(),
+                        op="restore", ranks=missing)
+
