@@ -90,6 +90,7 @@ class PeerJob(Job):
         else:  # a replacement: admitted once the survivors see it
             self._shards = join("gloo", name=COMM_NAME, member=self.rank, store=store, timeout=timeout,
                                 isolate_writes=True)
+        store.set(f"rank/{self.rank}/member", str(self.restart))  # the life of this rank in the communicator
         with adopting(self._shards):
             dist.init_process_group("commslayer", store=dist.PrefixStore(f"c10d/{self.rank}.{self.restart}/", raw),
                                     rank=self.rank, world_size=self.world_size, timeout=timeout)
@@ -234,7 +235,8 @@ class PeerJob(Job):
                 ranks=hopeless))
         if survivors.get_rank() == 0:
             for r in lost:
-                self.store.set(f"rank/{r}/lost/{self.store.get(f'rank/{r}/life').decode()}", str(survivors.generation))
+                life = self.store.get(f"rank/{r}/member").decode()  # not rank/<r>/life: a replacement may be up
+                self.store.set(f"rank/{r}/lost/{life}", str(survivors.generation))
         full = self._admit(survivors, lost, step)
         self._shards = full
         self._group().replace(full)

@@ -38,9 +38,6 @@ import torch
 from .communicator import Communicator
 from .errors import CommError
 
-HEADER = 2  # int64s before a copy: the boundary's step and the byte count
-
-
 class StateLost(CommError):
     """A lost rank's state has no surviving copy (the rank and every holder of its
     state were lost together): the job cannot go on without a checkpoint."""
@@ -89,8 +86,8 @@ class PeerCopies:
 
     ``comm`` carries the copies (every rank of the job, in rank order);
     ``plan`` is ``holders(...)``; ``on_sending`` runs in the refresh thread
-    between a copy's header and its bytes (the fault harness kills a rank
-    there: a copy cut in the middle)."""
+    once the sizes are known and before the bytes move (the fault harness
+    kills a rank there: a refresh cut in the middle)."""
 
     def __init__(self, comm: Communicator, plan: List[List[int]],
                  on_sending: Optional[Callable[[int], None]] = None) -> None:
@@ -122,27 +119,40 @@ class PeerCopies:
 
     def _exchange(self, version: Version) -> None:
         try:
-            data = _as_tensor(version.own)
-            header = torch.tensor([version.step, data.numel()], dtype=torch.int64)
-            works = [self._comm.send(header, h, async_op=True) for h in self.plan[self.rank]]
-            if self._on_sending is not None:
-                self._on_sending(version.step)
-            works += [self._comm.send(data, h, async_op=True) for h in self.plan[self.rank]]
-            for ward in self.wards:
-                head = torch.empty(HEADER, dtype=torch.int64)
-                self._comm.recv(head, ward)
-                got = torch.empty(int(head[1]), dtype=torch.uint8)
-                self._comm.recv(got, ward)
-                if int(head[0]) != version.step:
-                    raise CommError(f"the copy from rank {ward} is of step {int(head[0])}, not {version.step}",
-                                    comm=self._comm.get_name(), op="refresh", ranks=[ward])
-                version.copies[ward] = _as_bytes(got)
-            for w in works:
-                w.wait()
-            self.bytes_sent += data.numel() * len(self.plan[self.rank])
+            own = _as_tensor(version.own)
+            got = self._route({h: own for h in self.plan[self.rank]}, on_sizes=self._on_sending, step=version.step)
+            version.copies.update({ward: _as_bytes(t) for ward, t in got.items()})
+            self.bytes_sent += own.numel() * len(self.plan[self.rank])
             self._ok = True
         except CommError:
             self._ok = False  # the step's vote says no; ``restore`` finds out which copies are whole
+
+    def _route(self, sends: Dict[int, torch.Tensor], *, step: int,
+               on_sizes: Optional[Callable[[int], None]] = None) -> Dict[int, torch.Tensor]:
+        """Send each of ``sends`` (rank -> bytes) to its rank; what the others sent here, by
+        sender. Two collectives (the sizes, then an all-to-all of the bytes), not
+        point-to-point ops: a wait in a collective ends as soon as the liveness monitor
+        names a lost member, whatever it waits for."""
+        size = self._comm.get_size()
+        row = torch.zeros(size, dtype=torch.int64)
+        for dst, t in sends.items():
+            row[dst] = t.numel()
+        sizes = torch.zeros(size * size, dtype=torch.int64)
+        self._comm.all_gather_single(sizes, row)
+        if on_sizes is not None:
+            on_sizes(step)
+        matrix = sizes.view(size, size)
+        pieces = [sends[dst] for dst in sorted(sends)]
+        data = pieces[0] if len(pieces) == 1 else (torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8))
+        into = matrix[:, self.rank].tolist()
+        out = torch.empty(sum(into), dtype=torch.uint8)
+        self._comm.all_to_all_single(out, data, output_split_sizes=into, input_split_sizes=matrix[self.rank].tolist())
+        got, at = {}, 0
+        for src, n in enumerate(into):
+            if n:
+                got[src] = out[at:at + n]
+            at += n
+        return got
 
     def wait(self) -> bool:
         """Wait for the refresh in flight; whether every copy of it arrived here and
@@ -200,25 +210,14 @@ class PeerCopies:
         step, bit = self._choose(table)
         sources = {r: next(h for h in [r] + self.plan[r] if int(table[h, 2 + r]) & bit) for r in range(size)}
         mine = self.confirmed if bit == 1 else self.pending
-        works = []
-        for r, h in sources.items():
-            if h == self.rank and r != self.rank:
-                assert mine is not None  # a holder with the bit has the version
-                data = _as_tensor(mine.copies[r])
-                works.append(self._comm.send(torch.tensor([step, data.numel()], dtype=torch.int64), r,
-                                             async_op=True))
-                works.append(self._comm.send(data, r, async_op=True))
+        sends = {r: _as_tensor(mine.copies[r]) for r, h in sources.items()
+                 if h == self.rank and r != self.rank and mine is not None}
+        got = self._route(sends, step=step)
         if sources[self.rank] != self.rank:
-            head = torch.empty(HEADER, dtype=torch.int64)
-            self._comm.recv(head, sources[self.rank])
-            got = torch.empty(int(head[1]), dtype=torch.uint8)
-            self._comm.recv(got, sources[self.rank])
-            own = _as_bytes(got)
+            own = _as_bytes(got[sources[self.rank]])
         else:
-            assert mine is not None
+            assert mine is not None  # a survivor has its own state at the chosen step
             own = mine.own
-        for w in works:
-            w.wait()
         self.confirmed = self.pending = None
         if not self.exchange(step, own):
             raise CommError(f"refreshing the copies at step {step} after the recovery failed",
