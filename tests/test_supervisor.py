@@ -1,0 +1,132 @@
+"""``commslayer-run`` in per-rank mode (no ``--replicas``): every rank its own restart unit.
+
+The ranks are tests/jobs/rank_unit_job.py: no collectives, only their environment,
+the job's store and files, so each test checks the launcher's side of the store
+contract (commslayer/supervisor.py) with real processes in a few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Dict
+
+import pytest
+
+from tests.test_launcher import launch, tagged
+
+JOB = str(Path(__file__).resolve().parent / "jobs" / "rank_unit_job.py")
+
+
+def envs(out: Path) -> Dict[str, dict]:
+    """Every life's environment, by file name (``rank<r>-life<n>``)."""
+    return {p.stem: json.loads(p.read_text()) for p in out.glob("rank*-life*.json")}
+
+
+def run(tmp_path: Path, scenario: str, *args: str, timeout: float = 90):
+    out = tmp_path / "out"
+    out.mkdir()
+    began = time.monotonic()
+    proc, tag = launch(["--nproc-per-node", "3", *args, JOB, scenario, str(out)], cwd=tmp_path, timeout=timeout)
+    return proc, tag, out, time.monotonic() - began
+
+
+@pytest.mark.timeout(120)
+def test_three_ranks_get_their_environment(tmp_path):
+    proc, tag, out, _ = run(tmp_path, "exit", "--run-dir", "rundir")
+    log = proc.stdout[-4000:] + proc.stderr
+    assert proc.returncode == 0, log
+    got = envs(out)
+    assert sorted(got) == ["rank0-life0", "rank1-life0", "rank2-life0"], log
+    store = got["rank0-life0"]["COMMSLAYER_JOB_STORE"]
+    host, _, port = store.rpartition(":")
+    run_dir = str(tmp_path / "rundir")
+    for r in range(3):
+        assert got[f"rank{r}-life0"] == {
+            "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3", "GROUP_RANK": "0",
+            "MASTER_ADDR": host, "MASTER_PORT": port, "TORCHELASTIC_RESTART_COUNT": "0",
+            "COMMSLAYER_JOB_STORE": store, "COMMSLAYER_RESTART_UNIT": "rank", "COMMSLAYER_NODE": "0",
+            "COMMSLAYER_JOB_RANK": str(r), "OMP_NUM_THREADS": "1", "COMMSLAYER_RUN_DIR": run_dir,
+            "COMMSLAYER_TRACE_DIR": "",  # set empty by the test: the launcher leaves it alone
+            "COMMSLAYER_FAULTS_LOG": os.path.join(run_dir, "faults.jsonl"),
+            "COMMSLAYER_REPLICA": None, "COMMSLAYER_REPLICAS": None}, log
+    assert "for 3 rank(s), 3 on each of 1 host(s)" in proc.stdout, log
+    assert "summary: no result files in" in proc.stdout, log
+    assert not tagged(tag)
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_rank_is_restarted_alone(tmp_path):
+    proc, tag, out, _ = run(tmp_path, "fail-once")
+    log = proc.stdout[-4000:] + proc.stderr
+    assert proc.returncode == 0, log
+    got = envs(out)
+    assert sorted(got) == ["rank0-life0", "rank1-life0", "rank1-life1", "rank2-life0"], log
+    assert got["rank1-life1"]["TORCHELASTIC_RESTART_COUNT"] == "1" and got["rank1-life1"]["RANK"] == "1"
+    assert "supervisor: rank 1: life 0 exited with status 1; starting life 1 (restart 1 of 3)" in proc.stdout, log
+    assert proc.stderr == ""
+    assert not tagged(tag)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_found_lost_is_replaced_while_its_old_life_still_exists(tmp_path):
+    """Rank 1's life 0 stops itself; rank 0 writes ``rank/1/lost/0``: life 1 starts while
+    life 0 is still there (stopped), and life 0 is ended with the rest at the end."""
+    proc, tag, out, wall = run(tmp_path, "stop", "--grace", "10")
+    log = proc.stdout[-4000:] + proc.stderr
+    assert proc.returncode == 0, log
+    seen = json.loads((out / "life0-seen-by-life1").read_text())
+    assert seen["state"] == "T" and seen["pid"] != seen["me"], seen  # both alive at once, life 0 stopped
+    assert sorted(envs(out)) == ["rank0-life0", "rank1-life0", "rank1-life1", "rank2-life0"], log
+    assert "rank 1: life 0 was found lost by the other ranks; starting life 1" in proc.stdout, log
+    assert not tagged(tag)  # life 0 (stopped) included
+    assert wall < 60, wall  # the stopped life is ended by SIGTERM + SIGCONT, not after the 10 s grace only
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_without_restarts_left_is_gone(tmp_path):
+    proc, tag, out, _ = run(tmp_path, "always-fail", "--max-restarts", "1")
+    log = proc.stdout[-4000:] + proc.stderr
+    assert proc.returncode == 1, log
+    assert sorted(envs(out)) == ["rank0-life0", "rank1-life0", "rank1-life1", "rank2-life0"], log
+    assert (out / "gone").read_text() == "life 1 exited with status 1", log  # rank 0 read rank/1/gone
+    lines = proc.stderr.splitlines()
+    assert lines == ["commslayer-run: rank(s) [1] gave up (no restart left after --max-restarts 1 per rank); "
+                     "their output is above"], log
+    assert "supervisor: rank 1 is gone: life 1 exited with status 1, and no restart is left" in proc.stdout, log
+    assert not tagged(tag)
+
+
+@pytest.mark.timeout(120)
+def test_job_failed_ends_the_job_after_the_grace(tmp_path):
+    """Rank 0 writes ``job/failed``: rank 2 exits on its own within the grace, rank 1
+    (asleep for 30 s) is ended after it; one line with the reason, exit 1."""
+    proc, tag, out, wall = run(tmp_path, "job-failed", "--grace", "6")
+    log = proc.stdout[-4000:] + proc.stderr
+    assert proc.returncode == 1, log
+    assert proc.stderr.splitlines() == ["commslayer-run: the job failed: rank 0 found that the job cannot go on"], log
+    assert (out / "rank2-dumped").exists(), log
+    assert "rank_unit_job: rank 1 was not ended" not in proc.stdout, log
+    assert wall < 28, wall  # rank 1 would sleep 30 s
+    assert not tagged(tag)
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--replicas", "2", "--nproc-per-node", "2"], "--nproc-per-node is for per-rank mode (without --replicas)"),
+    (["--replicas", "2", "--node-rank", "0"], "--node-rank is for per-rank mode"),
+    (["--replica-ids", "0"], "--replica-ids is for replica mode: give --replicas too"),
+    (["--nproc-per-replica", "2"], "--nproc-per-replica is for replica mode"),
+    (["--nproc-per-node", "0"], "--nproc-per-node 0: a host needs at least 1 rank"),
+    (["--nnodes", "2", "--node-rank", "2", "--coordinator", "127.0.0.1:29600"], "--node-rank 2: a host's place is"),
+    (["--nnodes", "2", "--node-rank", "1"], "--node-rank 1 joins the job's coordinator: give --coordinator"),
+    (["--nnodes", "2", "--coordinator", "127.0.0.1:29600"], "the coordinator runs node rank 0's ranks"),
+])
+def test_mixing_the_modes_is_one_line_and_exit_2(tmp_path, args, says):
+    proc, tag = launch([*args, JOB, "exit", str(tmp_path)], cwd=tmp_path)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("commslayer-run: error: ") and says in lines[0], proc.stderr
+    assert proc.stdout == ""
+    assert not tagged(tag)
