@@ -9,13 +9,20 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
+import uuid
 from pathlib import Path
 from typing import Dict
 
 import pytest
+import torch.distributed as dist
 
-from tests.test_launcher import launch, tagged
+from commslayer import runs
+from commslayer.launcher import summarize
+from commslayer.processes import free_port
+from commslayer.replicas import Recovery
+from tests.test_launcher import LAUNCHER, launch, tagged
 
 JOB = str(Path(__file__).resolve().parent / "jobs" / "rank_unit_job.py")
 
@@ -130,3 +137,54 @@ def test_mixing_the_modes_is_one_line_and_exit_2(tmp_path, args, says):
     assert len(lines) == 1 and lines[0].startswith("commslayer-run: error: ") and says in lines[0], proc.stderr
     assert proc.stdout == ""
     assert not tagged(tag)
+
+
+def test_the_summary_of_a_per_rank_run(tmp_path, capsys):
+    """One copy of each shard: no cross-replica comparison; a fault names its rank and
+    its stall comes from the recovery that lost that rank."""
+    for r in range(3):
+        runs.save(runs.RankResult(member=r, replica=0, rank=r, restart=int(r == 1), pid=100 + r, started=1.0,
+                                  steps=4, start_step=2 if r == 1 else 0, elapsed_s=0.2,
+                                  step_s=[0.1] * (2 if r == 1 else 4), losses={s: 1.0 for s in range(4)},
+                                  optimizer_steps=[4], live=[0], fingerprints=[7 + r]), str(tmp_path))
+    (tmp_path / runs.FAULT_LOG).write_text(json.dumps({"event": "injected", "member": 1, "t": 10.0,
+                                                       "what": "SIGKILL of rank 1"}) + "\n")
+    store = dist.HashStore()
+    runs.record(store, Recovery(2, [1], 1, 10.1, 10.2, 10.5))
+    assert summarize(str(tmp_path), store, 3, None, 0.05, per_rank=True)
+    out = capsys.readouterr().out
+    assert "summary: fault: SIGKILL of rank 1 (rank 1); survivor stall (fault to next committed step) 0.500s" in out
+    assert "identical across replicas" not in out
+    assert runs.load_summary(str(tmp_path)).killed[0]["rank"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_two_hosts_one_coordinator(tmp_path):
+    """Two launchers (on this one machine): the coordinator runs node 0's ranks, the other joins
+    it with ``--coordinator`` and ``--node-rank 1``; ranks and node numbers span the job."""
+    out = tmp_path / "out"
+    out.mkdir()
+    port = free_port()
+    tag = uuid.uuid4().hex
+    env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="", COMMSLAYER_TEST_TAG=tag)
+    common = [*LAUNCHER, "--nnodes", "2", "--nproc-per-node", "2"]
+    coordinator = subprocess.Popen([*common, "--port", str(port), JOB, "exit", str(out)], cwd=tmp_path, env=env,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    other = subprocess.Popen([*common, "--coordinator", f"127.0.0.1:{port}", "--node-rank", "1", JOB, "exit",
+                              str(out)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    try:
+        logs = [p.communicate(timeout=90)[0] for p in (other, coordinator)]
+    finally:
+        for p in (other, coordinator):
+            if p.poll() is None:
+                p.terminate()
+                p.wait(15)
+    assert (other.returncode, coordinator.returncode) == (0, 0), logs
+    got = envs(out)
+    assert sorted(got) == [f"rank{r}-life0" for r in range(4)], logs
+    assert [(got[f"rank{r}-life0"]["LOCAL_RANK"], got[f"rank{r}-life0"]["COMMSLAYER_NODE"],
+             got[f"rank{r}-life0"]["GROUP_RANK"], got[f"rank{r}-life0"]["WORLD_SIZE"]) for r in range(4)] == \
+        [("0", "0", "0", "4"), ("1", "0", "0", "4"), ("0", "1", "1", "4"), ("1", "1", "1", "4")]
+    assert {e["COMMSLAYER_JOB_STORE"] for e in got.values()} == {f"127.0.0.1:{port}"}
+    assert not tagged(f"COMMSLAYER_TEST_TAG={tag}".encode())
