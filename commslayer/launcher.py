@@ -1,42 +1,67 @@
-"""``commslayer-run``: a resilient job's launcher, one torchrun per replica group and a coordinator outside them.
+"""``commslayer-run``: a resilient job's launcher, in one of two modes, with a coordinator outside the job.
 
-torchrun's agent ends every worker of its group when one dies, so a job that
-must outlive a rank runs one torchrun per replica group, each with
+Replica mode (``--replicas R``): one torchrun per replica group.  torchrun's
+agent ends every worker of its group when one dies, so a job that must
+outlive a rank runs one torchrun per replica group, each with
 ``--max-restarts`` (it restarts its own group), and a coordinator that none of
 them can take down: it holds the job's store, where the membership of the
 replicate dimension is decided (commslayer.membership) and where each
 group's launcher records that it finished (``replica/<r>/done``) or gave up
 (``replica/<r>/gone``).
 
+Per-rank mode (no ``--replicas``): every rank is its own restart unit,
+started without torchrun and replaced alone when it is lost, while the
+others hold (commslayer.supervisor, which also lists the store keys the
+launcher and the ranks share).  It is for scripts on commslayer.resilience:
+``MASTER_ADDR``/``MASTER_PORT`` name the job's store, which is already a
+TCPStore server, so a plain ``init_process_group("env://")`` would try to
+serve it again on rank 0.  ``--nproc-per-node P`` ranks on each of
+``--nnodes M`` hosts (defaults 2 and 1); the coordinator runs node 0's
+ranks, every other host its ``--node-rank``'s; ``--max-restarts`` counts per
+rank.
+
 Like torchrun, the script is the first argument that is not an option, and
 every argument after it is the script's::
 
     commslayer-run --replicas 2 --nproc-per-replica 2 --run-dir runs/x train.py --steps 40
+    commslayer-run --nproc-per-node 4 --run-dir runs/y fsdp2.py --steps 40
 
-Several hosts: the coordinator on one, each host's replica groups on it (all
-of them with the same ``--run-dir`` on a shared filesystem, or none;
-``GLOO_SOCKET_IFNAME`` names the interface the ranks use)::
+Several hosts: in replica mode the coordinator on one, each host's replica
+groups on it; in per-rank mode the coordinator with node 0's ranks and one
+launcher per other host (all of them with the same ``--run-dir`` on a shared
+filesystem, or none; ``GLOO_SOCKET_IFNAME`` names the interface the ranks
+use)::
 
     commslayer-run --replicas 2 --replica-ids none --host 10.0.0.1 --port 29600 --run-dir /shared/x
     GLOO_SOCKET_IFNAME=eth0 commslayer-run --replicas 2 --replica-ids 1 --coordinator 10.0.0.1:29600 \\
         --run-dir /shared/x train.py --steps 40
 
+    commslayer-run --nnodes 2 --nproc-per-node 4 --host 10.0.0.1 --port 29600 fsdp2.py
+    commslayer-run --nnodes 2 --nproc-per-node 4 --node-rank 1 --coordinator 10.0.0.1:29600 fsdp2.py
+
 The workers run in the caller's working directory and get
-``COMMSLAYER_JOB_STORE`` (the coordinator's host:port), ``COMMSLAYER_REPLICA``,
-``COMMSLAYER_REPLICAS`` and, with ``--run-dir``, ``COMMSLAYER_RUN_DIR``,
+``COMMSLAYER_JOB_STORE`` (the coordinator's host:port) and, with
+``--run-dir``, ``COMMSLAYER_RUN_DIR``,
 ``COMMSLAYER_FAULTS_LOG=<run-dir>/faults.jsonl`` and
 ``COMMSLAYER_TRACE_DIR=<run-dir>/traces`` unless they are set already (set
-the trace directory empty to run without tracing).  Every process started
-here runs in its own session and is ended (SIGTERM, then SIGKILL after
-``--grace``), with everything it started, when the launcher exits, Ctrl-C
-and SIGTERM included.  With ``--run-dir``, the coordinator prints at the end
-the run's summary (commslayer's recoveries, the survivor stall per fault,
-whether the replicas' state matches; also in ``<run-dir>/summary.json``) and
+the trace directory empty to run without tracing); in replica mode
+``COMMSLAYER_REPLICA`` and ``COMMSLAYER_REPLICAS`` too; in per-rank mode
+what torchrun would set (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``,
+``TORCHELASTIC_RESTART_COUNT``: the rank's life) and
+``COMMSLAYER_RESTART_UNIT=rank``, ``COMMSLAYER_NODE`` (the node rank) and
+``COMMSLAYER_JOB_RANK``.  Every process started here runs in its own
+session and is ended (SIGTERM, then SIGKILL after ``--grace``), with
+everything it started, when the launcher exits, Ctrl-C and SIGTERM
+included.  With ``--run-dir``, the coordinator prints at the end the run's
+summary (commslayer's recoveries, the survivor stall per fault, whether the
+replicas' state matches; also in ``<run-dir>/summary.json``) and
 ``--compare-to`` compares its loss curve with another run's.
 
-Exit status: 0 when every replica group started here finished (and, with
-``--run-dir``, the summary found nothing wrong); 1 when one gave up, the
-coordinator was lost or the summary found a problem; 2 for bad arguments;
+Exit status: 0 when every replica group (or rank) started here finished
+(and, with ``--run-dir``, the summary found nothing wrong); 1 when one gave
+up, a rank wrote ``job/failed``, the coordinator was lost or the summary
+found a problem; 2 for bad arguments (options of the other mode included);
 130 when interrupted.  Anything but 0 comes with one line on stderr.
 """
 
