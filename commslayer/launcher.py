@@ -130,11 +130,6 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.script_args[:1] == ["--"]:  # `script.py -- args`
         a.script_args = a.script_args[1:]
-    a.per_rank = a.replicas is None
-    if a.per_rank:
-        _per_rank_mode(p, a)
-    else:
-        _replica_mode(p, a)
     if a.max_restarts < 0:
         p.error(f"--max-restarts {a.max_restarts}: must be 0 or more")
     if not 0 <= a.grace < math.inf:
@@ -147,6 +142,11 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
         a.coordinator_host, a.coordinator_port = _address(p, a.coordinator)
     elif a.port is not None and not 0 <= a.port <= 65535:
         p.error(f"--port {a.port}: a TCP port is 0..65535")
+    a.per_rank = a.replicas is None
+    if a.per_rank:
+        _per_rank_mode(p, a)
+    else:
+        _replica_mode(p, a)
     if a.script is None:
         if a.per_rank or a.ids:
             p.error(f"name the script to run: {PROG} [options] script.py [script args]")
