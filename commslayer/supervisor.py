@@ -85,7 +85,15 @@ def rank_env(job: RankJob, rank: int, life: int) -> Dict[str, str]:
 def supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
     """Run this host's ranks until each is done or gone (on the coordinator: every
     rank of the job); the job's ranks that are gone.  Raises ``Failed`` on
-    ``job/failed`` (after the grace period) or when the coordinator is lost."""
+    ``job/failed`` (after the grace period) or when the coordinator is lost (a
+    ``--coordinator`` store is bounded: every poll checks that it answers)."""
+    try:
+        return _supervise_ranks(job, store, procs)
+    except StoreUnreachable as exc:
+        raise Failed(_unreachable(job.store_address, exc)) from None
+
+
+def _supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
     lives: Dict[int, int] = {}
     restarts: Dict[int, int] = {r: 0 for r in job.ranks}
     ended: Dict[int, str] = {}  # rank -> "done" | "gone"
@@ -110,11 +118,7 @@ def supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
 
     for rank in job.ranks:
         start(rank, 0)
-    watched = time.monotonic()
     while True:
-        if job.coordinator and time.monotonic() - watched > 0.5:
-            watched = time.monotonic()
-            check_reachable(store, job.coordinator)
         if store.check([FAILED]):
             _fail(job, store, procs)
         for rank in job.ranks:
@@ -163,8 +167,13 @@ def check_reachable(store: Any, address: str) -> None:
     try:
         store.check(["job/finished"])
     except StoreUnreachable as exc:
-        raise Failed(f"the coordinator (the job's store at {address}) is unreachable ({exc.what}); "
-                     "ended the processes started here") from None
+        raise Failed(_unreachable(address, exc)) from None
+
+
+def _unreachable(address: str, exc: StoreUnreachable) -> str:
+    """The launcher's line for a coordinator that stopped answering."""
+    return (f"the coordinator (the job's store at {address}) is unreachable ({exc.what}); "
+            "ended the processes started here")
 
 
 def all_ended(store: Any, unit: str, count: int) -> bool:

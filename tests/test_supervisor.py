@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 import uuid
@@ -187,4 +188,44 @@ def test_two_hosts_one_coordinator(tmp_path):
              got[f"rank{r}-life0"]["GROUP_RANK"], got[f"rank{r}-life0"]["WORLD_SIZE"]) for r in range(4)] == \
         [("0", "0", "0", "4"), ("1", "0", "0", "4"), ("0", "1", "1", "4"), ("1", "1", "1", "4")]
     assert {e["COMMSLAYER_JOB_STORE"] for e in got.values()} == {f"127.0.0.1:{port}"}
+    assert not tagged(f"COMMSLAYER_TEST_TAG={tag}".encode())
+
+
+@pytest.mark.timeout(120)
+def test_a_host_whose_coordinator_stops_answering_ends_its_ranks(tmp_path):
+    """The coordinator's launcher is SIGSTOPped: the other host's launcher finds its store
+    unreachable (after twice ``COMMSLAYER_STORE_TIMEOUT_S``), says so in one line, exits 1
+    and ends its rank."""
+    out = tmp_path / "out"
+    out.mkdir()
+    port = free_port()
+    tag = uuid.uuid4().hex
+    env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="", COMMSLAYER_TEST_TAG=tag)
+    common = [*LAUNCHER, "--nnodes", "2", "--nproc-per-node", "1"]
+    coordinator = subprocess.Popen([*common, "--port", str(port), JOB, "sleep", str(out)], cwd=tmp_path, env=env,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    other = subprocess.Popen([*common, "--coordinator", f"127.0.0.1:{port}", "--node-rank", "1", JOB, "sleep",
+                              str(out)], cwd=tmp_path, env=dict(env, COMMSLAYER_STORE_TIMEOUT_S="1"),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "rank1-life0.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (out / "rank1-life0.json").exists()
+        coordinator.send_signal(signal.SIGSTOP)
+        began = time.monotonic()
+        _, err = other.communicate(timeout=60)
+        stalled = time.monotonic() - began
+    finally:
+        coordinator.send_signal(signal.SIGCONT)
+        for p in (other, coordinator):
+            if p.poll() is None:
+                p.terminate()
+                p.wait(30)
+    assert other.returncode == 1, err
+    [line] = err.splitlines()
+    assert line.startswith(f"commslayer-run: the coordinator (the job's store at 127.0.0.1:{port}) is unreachable "
+                           f"(the store at 127.0.0.1:{port} did not answer within 2s") and \
+        line.endswith("; ended the processes started here"), err
+    assert stalled < 20, stalled  # 2 s deadline, then SIGTERM to a sleeping rank
     assert not tagged(f"COMMSLAYER_TEST_TAG={tag}".encode())

@@ -14,6 +14,7 @@ launcher's side of the store contract with it, fast (no collectives).
   and writes its value into ``OUT/gone``.
 - ``job-failed``: rank 0 writes ``job/failed``; rank 1 sleeps; rank 2 waits for
   ``job/failed``, writes ``OUT/rank2-dumped`` and exits 0.
+- ``sleep``: sleeps (until the launcher ends it).
 """
 
 import json
@@ -85,6 +86,9 @@ def main():
             pid = int(open(pid_file).read())
             with open(os.path.join(out, "life0-seen-by-life1"), "w") as f:
                 json.dump({"pid": pid, "state": state(pid), "me": os.getpid()}, f)
+    if scenario == "sleep":
+        time.sleep(DEADLINE_S)
+        sys.exit("rank_unit_job: not ended")
     if scenario == "job-failed":
         if rank == 0:
             store().set("job/failed", "rank 0 found that the job cannot go on\nsecond line")
