@@ -37,7 +37,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set
 
 from .errors import StoreUnreachable
 from .processes import ProcessSet
@@ -96,7 +96,7 @@ def supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
 def _supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
     lives: Dict[int, int] = {}
     restarts: Dict[int, int] = {r: 0 for r in job.ranks}
-    ended: Dict[int, str] = {}  # rank -> "done" | "gone"
+    ended: Set[int] = set()  # done or gone
 
     def start(rank: int, life: int) -> None:
         lives[rank] = life
@@ -106,7 +106,7 @@ def _supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
 
     def replace(rank: int, why: str) -> None:
         if restarts[rank] >= job.max_restarts:
-            ended[rank] = "gone"
+            ended.add(rank)
             store.set(f"rank/{rank}/gone", why)
             print(f"supervisor: rank {rank} is gone: {why}, and no restart is left (--max-restarts "
                   f"{job.max_restarts})", flush=True)
@@ -126,7 +126,7 @@ def _supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
                 continue
             code, life = procs.procs[rank].poll(), lives[rank]
             if code == 0:
-                ended[rank] = "done"
+                ended.add(rank)
                 store.set(f"rank/{rank}/done", "0")
             elif code is not None:
                 replace(rank, f"life {life} {_exit(code)}")

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict
 
@@ -159,28 +160,38 @@ def test_the_summary_of_a_per_rank_run(tmp_path, capsys):
     assert runs.load_summary(str(tmp_path)).killed[0]["rank"] == 1
 
 
-@pytest.mark.timeout(120)
-def test_two_hosts_one_coordinator(tmp_path):
-    """Two launchers (on this one machine): the coordinator runs node 0's ranks, the other joins
-    it with ``--coordinator`` and ``--node-rank 1``; ranks and node numbers span the job."""
+@contextmanager
+def two_hosts(tmp_path: Path, scenario: str, per_node: int, other_env: Dict[str, str]):
+    """Two launchers on this machine, as two hosts: the coordinator (node 0) and one with
+    ``--coordinator`` and ``--node-rank 1``; yields them (each one's stdout and stderr
+    piped, text), the ranks' output directory, the store's port and the launch's tag.
+    Whatever still runs at the end is ended."""
     out = tmp_path / "out"
     out.mkdir()
     port = free_port()
     tag = uuid.uuid4().hex
     env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="", COMMSLAYER_TEST_TAG=tag)
-    common = [*LAUNCHER, "--nnodes", "2", "--nproc-per-node", "2"]
-    coordinator = subprocess.Popen([*common, "--port", str(port), JOB, "exit", str(out)], cwd=tmp_path, env=env,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    other = subprocess.Popen([*common, "--coordinator", f"127.0.0.1:{port}", "--node-rank", "1", JOB, "exit",
-                              str(out)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
+    common = [*LAUNCHER, "--nnodes", "2", "--nproc-per-node", str(per_node)]
+    pipes = dict(cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    coordinator = subprocess.Popen([*common, "--port", str(port), JOB, scenario, str(out)], env=env, **pipes)
+    other = subprocess.Popen([*common, "--coordinator", f"127.0.0.1:{port}", "--node-rank", "1", JOB, scenario,
+                              str(out)], env=dict(env, **other_env), **pipes)
     try:
-        logs = [p.communicate(timeout=90)[0] for p in (other, coordinator)]
+        yield coordinator, other, out, port, f"COMMSLAYER_TEST_TAG={tag}".encode()
     finally:
+        coordinator.send_signal(signal.SIGCONT)
         for p in (other, coordinator):
             if p.poll() is None:
                 p.terminate()
-                p.wait(15)
+            p.communicate(timeout=30)
+
+
+@pytest.mark.timeout(120)
+def test_two_hosts_one_coordinator(tmp_path):
+    """The coordinator runs node 0's ranks, the other launcher node 1's; ranks and node
+    numbers span the job."""
+    with two_hosts(tmp_path, "exit", 2, {}) as (coordinator, other, out, port, tag):
+        logs = [p.communicate(timeout=90) for p in (other, coordinator)]
     assert (other.returncode, coordinator.returncode) == (0, 0), logs
     got = envs(out)
     assert sorted(got) == [f"rank{r}-life0" for r in range(4)], logs
@@ -188,7 +199,7 @@ def test_two_hosts_one_coordinator(tmp_path):
              got[f"rank{r}-life0"]["GROUP_RANK"], got[f"rank{r}-life0"]["WORLD_SIZE"]) for r in range(4)] == \
         [("0", "0", "0", "4"), ("1", "0", "0", "4"), ("0", "1", "1", "4"), ("1", "1", "1", "4")]
     assert {e["COMMSLAYER_JOB_STORE"] for e in got.values()} == {f"127.0.0.1:{port}"}
-    assert not tagged(f"COMMSLAYER_TEST_TAG={tag}".encode())
+    assert not tagged(tag)
 
 
 @pytest.mark.timeout(120)
@@ -196,18 +207,7 @@ def test_a_host_whose_coordinator_stops_answering_ends_its_ranks(tmp_path):
     """The coordinator's launcher is SIGSTOPped: the other host's launcher finds its store
     unreachable (after twice ``COMMSLAYER_STORE_TIMEOUT_S``), says so in one line, exits 1
     and ends its rank."""
-    out = tmp_path / "out"
-    out.mkdir()
-    port = free_port()
-    tag = uuid.uuid4().hex
-    env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="", COMMSLAYER_TEST_TAG=tag)
-    common = [*LAUNCHER, "--nnodes", "2", "--nproc-per-node", "1"]
-    coordinator = subprocess.Popen([*common, "--port", str(port), JOB, "sleep", str(out)], cwd=tmp_path, env=env,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    other = subprocess.Popen([*common, "--coordinator", f"127.0.0.1:{port}", "--node-rank", "1", JOB, "sleep",
-                              str(out)], cwd=tmp_path, env=dict(env, COMMSLAYER_STORE_TIMEOUT_S="1"),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with two_hosts(tmp_path, "sleep", 1, {"COMMSLAYER_STORE_TIMEOUT_S": "1"}) as (coordinator, other, out, port, tag):
         deadline = time.monotonic() + 60
         while not (out / "rank1-life0.json").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -216,16 +216,10 @@ def test_a_host_whose_coordinator_stops_answering_ends_its_ranks(tmp_path):
         began = time.monotonic()
         _, err = other.communicate(timeout=60)
         stalled = time.monotonic() - began
-    finally:
-        coordinator.send_signal(signal.SIGCONT)
-        for p in (other, coordinator):
-            if p.poll() is None:
-                p.terminate()
-                p.wait(30)
     assert other.returncode == 1, err
     [line] = err.splitlines()
     assert line.startswith(f"commslayer-run: the coordinator (the job's store at 127.0.0.1:{port}) is unreachable "
                            f"(the store at 127.0.0.1:{port} did not answer within 2s") and \
         line.endswith("; ended the processes started here"), err
     assert stalled < 20, stalled  # 2 s deadline, then SIGTERM to a sleeping rank
-    assert not tagged(f"COMMSLAYER_TEST_TAG={tag}".encode())
+    assert not tagged(tag)
