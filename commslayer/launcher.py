@@ -1,42 +1,67 @@
-"""``commslayer-run``: a resilient job's launcher, one torchrun per replica group and a coordinator outside them.
+"""``commslayer-run``: a resilient job's launcher, in one of two modes, with a coordinator outside the job.
 
-torchrun's agent ends every worker of its group when one dies, so a job that
-must outlive a rank runs one torchrun per replica group, each with
+Replica mode (``--replicas R``): one torchrun per replica group.  torchrun's
+agent ends every worker of its group when one dies, so a job that must
+outlive a rank runs one torchrun per replica group, each with
 ``--max-restarts`` (it restarts its own group), and a coordinator that none of
 them can take down: it holds the job's store, where the membership of the
 replicate dimension is decided (commslayer.membership) and where each
 group's launcher records that it finished (``replica/<r>/done``) or gave up
 (``replica/<r>/gone``).
 
+Per-rank mode (no ``--replicas``): every rank is its own restart unit,
+started without torchrun and replaced alone when it is lost, while the
+others hold (commslayer.supervisor, which also lists the store keys the
+launcher and the ranks share).  It is for scripts on commslayer.resilience:
+``MASTER_ADDR``/``MASTER_PORT`` name the job's store, which is already a
+TCPStore server, so a plain ``init_process_group("env://")`` would try to
+serve it again on rank 0.  ``--nproc-per-node P`` ranks on each of
+``--nnodes M`` hosts (defaults 2 and 1); the coordinator runs node 0's
+ranks, every other host its ``--node-rank``'s; ``--max-restarts`` counts per
+rank.
+
 Like torchrun, the script is the first argument that is not an option, and
 every argument after it is the script's::
 
     commslayer-run --replicas 2 --nproc-per-replica 2 --run-dir runs/x train.py --steps 40
+    commslayer-run --nproc-per-node 4 --run-dir runs/y fsdp2.py --steps 40
 
-Several hosts: the coordinator on one, each host's replica groups on it (all
-of them with the same ``--run-dir`` on a shared filesystem, or none;
-``GLOO_SOCKET_IFNAME`` names the interface the ranks use)::
+Several hosts: in replica mode the coordinator on one, each host's replica
+groups on it; in per-rank mode the coordinator with node 0's ranks and one
+launcher per other host (all of them with the same ``--run-dir`` on a shared
+filesystem, or none; ``GLOO_SOCKET_IFNAME`` names the interface the ranks
+use)::
 
     commslayer-run --replicas 2 --replica-ids none --host 10.0.0.1 --port 29600 --run-dir /shared/x
     GLOO_SOCKET_IFNAME=eth0 commslayer-run --replicas 2 --replica-ids 1 --coordinator 10.0.0.1:29600 \\
         --run-dir /shared/x train.py --steps 40
 
+    commslayer-run --nnodes 2 --nproc-per-node 4 --host 10.0.0.1 --port 29600 fsdp2.py
+    commslayer-run --nnodes 2 --nproc-per-node 4 --node-rank 1 --coordinator 10.0.0.1:29600 fsdp2.py
+
 The workers run in the caller's working directory and get
-``COMMSLAYER_JOB_STORE`` (the coordinator's host:port), ``COMMSLAYER_REPLICA``,
-``COMMSLAYER_REPLICAS`` and, with ``--run-dir``, ``COMMSLAYER_RUN_DIR``,
+``COMMSLAYER_JOB_STORE`` (the coordinator's host:port) and, with
+``--run-dir``, ``COMMSLAYER_RUN_DIR``,
 ``COMMSLAYER_FAULTS_LOG=<run-dir>/faults.jsonl`` and
 ``COMMSLAYER_TRACE_DIR=<run-dir>/traces`` unless they are set already (set
-the trace directory empty to run without tracing).  Every process started
-here runs in its own session and is ended (SIGTERM, then SIGKILL after
-``--grace``), with everything it started, when the launcher exits, Ctrl-C
-and SIGTERM included.  With ``--run-dir``, the coordinator prints at the end
-the run's summary (commslayer's recoveries, the survivor stall per fault,
-whether the replicas' state matches; also in ``<run-dir>/summary.json``) and
+the trace directory empty to run without tracing); in replica mode
+``COMMSLAYER_REPLICA`` and ``COMMSLAYER_REPLICAS`` too; in per-rank mode
+what torchrun would set (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``,
+``TORCHELASTIC_RESTART_COUNT``: the rank's life) and
+``COMMSLAYER_RESTART_UNIT=rank``, ``COMMSLAYER_NODE`` (the node rank) and
+``COMMSLAYER_JOB_RANK``.  Every process started here runs in its own
+session and is ended (SIGTERM, then SIGKILL after ``--grace``), with
+everything it started, when the launcher exits, Ctrl-C and SIGTERM
+included.  With ``--run-dir``, the coordinator prints at the end the run's
+summary (commslayer's recoveries, the survivor stall per fault, whether the
+replicas' state matches; also in ``<run-dir>/summary.json``) and
 ``--compare-to`` compares its loss curve with another run's.
 
-Exit status: 0 when every replica group started here finished (and, with
-``--run-dir``, the summary found nothing wrong); 1 when one gave up, the
-coordinator was lost or the summary found a problem; 2 for bad arguments;
+Exit status: 0 when every replica group (or rank) started here finished
+(and, with ``--run-dir``, the summary found nothing wrong); 1 when one gave
+up, a rank wrote ``job/failed``, the coordinator was lost or the summary
+found a problem; 2 for bad arguments (options of the other mode included);
 130 when interrupted.  Anything but 0 comes with one line on stderr.
 """
 
@@ -54,9 +79,10 @@ from typing import Dict, List, NoReturn, Optional, Tuple
 import torch.distributed as dist
 
 from . import config, runs
-from .errors import StoreUnreachable, first_line
+from .errors import first_line
 from .processes import ProcessSet, become_subreaper, free_port
 from .store import bounded
+from .supervisor import Failed, RankJob, all_ended, check_reachable, echo, supervise_ranks
 
 PROG = "commslayer-run"
 GRACE_S = 5.0  # default --grace: SIGTERM to SIGKILL when the launcher ends its processes
@@ -69,28 +95,31 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{PROG}: error: {message}\n")
 
 
-class _Failed(Exception):
-    """The job could not go on; the message is the launcher's one line."""
-
-
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, usage=f"{PROG} [options] script.py [script args]", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    p.add_argument("--replicas", type=int, default=2, help="replica groups in the job (default 2)")
-    p.add_argument("--nproc-per-replica", type=int, default=2, help="ranks per replica group (default 2)")
-    p.add_argument("--replica-ids", default="all",
-                   help="the replica groups to run here: all (default), none (only the coordinator) or 0,2,...")
+    p.add_argument("--replicas", type=int,
+                   help="replica groups in the job: replica mode (without it: per-rank mode)")
+    p.add_argument("--nproc-per-replica", type=int, help="replica mode: ranks per replica group (default 2)")
+    p.add_argument("--replica-ids",
+                   help="replica mode: the replica groups to run here: all (default), none (only the coordinator) "
+                        "or 0,2,...")
+    p.add_argument("--nproc-per-node", type=int, help="per-rank mode: ranks on this host (default 2)")
+    p.add_argument("--nnodes", type=int, help="per-rank mode: hosts in the job (default 1)")
+    p.add_argument("--node-rank", type=int,
+                   help="per-rank mode: this host's place (default 0, the coordinator's): it runs ranks "
+                        "node-rank * nproc-per-node and up")
     p.add_argument("--coordinator", metavar="HOST:PORT", help="a running coordinator (default: be the coordinator)")
     p.add_argument("--host", help="the address the coordinator listens on (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="the coordinator's port (default: a free one)")
-    p.add_argument("--max-restarts", type=int, default=3, help="restarts of each replica group (torchrun's; default 3)")
+    p.add_argument("--max-restarts", type=int, default=3, help="restarts of each replica group (torchrun's) or, in per-rank mode, of each rank (default 3)")
     p.add_argument("--grace", type=float, default=GRACE_S,
                    help=f"seconds between SIGTERM and SIGKILL on exit (default {GRACE_S:g})")
     p.add_argument("--run-dir", help="results, the fault log and traces go here")
     p.add_argument("--compare-to", metavar="RUN_DIR", help="a fault-free run's --run-dir: compare the loss curves")
     p.add_argument("--loss-tolerance", type=float, default=0.05,
                    help="largest relative difference of a 5-step mean loss against --compare-to (default 0.05)")
-    p.add_argument("script", nargs="?", help="the training script, run by torchrun on every rank")
+    p.add_argument("script", nargs="?", help="the training script, run on every rank")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
     return p
 
@@ -101,25 +130,25 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.script_args[:1] == ["--"]:  # `script.py -- args`
         a.script_args = a.script_args[1:]
-    if a.replicas < 1:
-        p.error(f"--replicas {a.replicas}: a job needs at least 1 replica group")
-    if a.nproc_per_replica < 1:
-        p.error(f"--nproc-per-replica {a.nproc_per_replica}: a replica group needs at least 1 rank")
     if a.max_restarts < 0:
         p.error(f"--max-restarts {a.max_restarts}: must be 0 or more")
     if not 0 <= a.grace < math.inf:
         p.error(f"--grace {a.grace}: must be a finite number of seconds >= 0")
     if not 0 <= a.loss_tolerance < math.inf:
         p.error(f"--loss-tolerance {a.loss_tolerance}: must be a finite number >= 0")
-    a.ids = _replica_ids(p, a.replica_ids, a.replicas)
     if a.coordinator is not None:
         if a.host is not None or a.port is not None:
             p.error("--coordinator joins a running coordinator; --host and --port start one: give one or the other")
         a.coordinator_host, a.coordinator_port = _address(p, a.coordinator)
     elif a.port is not None and not 0 <= a.port <= 65535:
         p.error(f"--port {a.port}: a TCP port is 0..65535")
+    a.per_rank = a.replicas is None
+    if a.per_rank:
+        _per_rank_mode(p, a)
+    else:
+        _replica_mode(p, a)
     if a.script is None:
-        if a.ids:
+        if a.per_rank or a.ids:
             p.error(f"name the script to run: {PROG} [options] script.py [script args]")
     elif not os.path.isfile(a.script):
         why = "is a directory" if os.path.isdir(a.script) else "no such file"
@@ -140,6 +169,42 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
         except OSError as exc:
             p.error(f"--run-dir {a.run_dir!r}: {exc.strerror or exc}")
     return a
+
+
+def _replica_mode(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    for name in ("nproc_per_node", "nnodes", "node_rank"):
+        if getattr(a, name) is not None:
+            p.error(f"--{name.replace('_', '-')} is for per-rank mode (without --replicas); replica mode takes "
+                    "--nproc-per-replica and --replica-ids")
+    a.nproc_per_replica = 2 if a.nproc_per_replica is None else a.nproc_per_replica
+    if a.replicas < 1:
+        p.error(f"--replicas {a.replicas}: a job needs at least 1 replica group")
+    if a.nproc_per_replica < 1:
+        p.error(f"--nproc-per-replica {a.nproc_per_replica}: a replica group needs at least 1 rank")
+    a.ids = _replica_ids(p, a.replica_ids or "all", a.replicas)
+
+
+def _per_rank_mode(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    for name in ("nproc_per_replica", "replica_ids"):
+        if getattr(a, name) is not None:
+            p.error(f"--{name.replace('_', '-')} is for replica mode: give --replicas too (without it every rank "
+                    "is its own restart unit: --nproc-per-node, --nnodes, --node-rank)")
+    a.nproc_per_node = 2 if a.nproc_per_node is None else a.nproc_per_node
+    a.nnodes = 1 if a.nnodes is None else a.nnodes
+    a.node_rank = 0 if a.node_rank is None else a.node_rank
+    if a.nproc_per_node < 1:
+        p.error(f"--nproc-per-node {a.nproc_per_node}: a host needs at least 1 rank")
+    if a.nnodes < 1:
+        p.error(f"--nnodes {a.nnodes}: a job needs at least 1 host")
+    if not 0 <= a.node_rank < a.nnodes:
+        p.error(f"--node-rank {a.node_rank}: a host's place is in 0..{a.nnodes - 1} (--nnodes {a.nnodes})")
+    if a.node_rank > 0 and a.coordinator is None:
+        p.error(f"--node-rank {a.node_rank} joins the job's coordinator: give --coordinator HOST:PORT (the "
+                "coordinator runs node rank 0)")
+    if a.node_rank == 0 and a.coordinator is not None:
+        p.error("--coordinator with node rank 0: the coordinator runs node rank 0's ranks; give this host's "
+                "--node-rank (1 and up)")
+    a.world_size = a.nnodes * a.nproc_per_node
 
 
 def _replica_ids(p: argparse.ArgumentParser, spec: str, replicas: int) -> List[int]:
@@ -176,28 +241,38 @@ def main(argv: Optional[List[str]] = None) -> int:
         signal.signal(sig, on_signal)
     try:
         store = _job_store(a)
-        codes = _supervise(a, store, procs)
+        if a.per_rank:
+            gone = supervise_ranks(_rank_job(a), store, procs)
+        else:
+            codes = _supervise(a, store, procs)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; ending every process it started", file=sys.stderr, flush=True)
         return 130
-    except _Failed as exc:
+    except Failed as exc:
         print(f"{PROG}: {exc}", file=sys.stderr, flush=True)
         return 1
     except dist.DistNetworkError as exc:  # the job's store went away between two checks
-        print(f"{PROG}: the job's store failed ({first_line(exc)}); ended the replica groups started here",
+        print(f"{PROG}: the job's store failed ({first_line(exc)}); ended the processes started here",
               file=sys.stderr, flush=True)
         return 1
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second Ctrl-C must not cut the ending short
             signal.signal(sig, signal.SIG_IGN)
         procs.stop()
-    gave_up = sorted(r for r, c in codes.items() if c != 0)
-    if gave_up:
-        print(f"{PROG}: replica group(s) {gave_up} gave up (torchrun exit {[codes[r] for r in gave_up]} after up to "
-              f"{a.max_restarts} restart(s)); their output is above", file=sys.stderr, flush=True)
-    ok = not gave_up
-    if a.run_dir and not a.coordinator:  # the coordinator has seen every replica group end
-        summarized = summarize(a.run_dir, store, a.nproc_per_replica, a.compare_to, a.loss_tolerance)
+    if a.per_rank:
+        if gone:
+            print(f"{PROG}: rank(s) {gone} gave up (no restart left after --max-restarts {a.max_restarts} per "
+                  "rank); their output is above", file=sys.stderr, flush=True)
+        ok = not gone
+    else:
+        gave_up = sorted(r for r, c in codes.items() if c != 0)
+        if gave_up:
+            print(f"{PROG}: replica group(s) {gave_up} gave up (torchrun exit {[codes[r] for r in gave_up]} after up "
+                  f"to {a.max_restarts} restart(s)); their output is above", file=sys.stderr, flush=True)
+        ok = not gave_up
+    if a.run_dir and not a.coordinator:  # the coordinator has seen every replica group (or rank) end
+        shards = a.world_size if a.per_rank else a.nproc_per_replica
+        summarized = summarize(a.run_dir, store, shards, a.compare_to, a.loss_tolerance, per_rank=a.per_rank)
         if not summarized and ok:
             print(f"{PROG}: the run's summary found a problem (the 'summary:' lines above, {a.run_dir}/"
                   f"{runs.SUMMARY})", file=sys.stderr, flush=True)
@@ -212,7 +287,7 @@ def _job_store(a: argparse.Namespace):
             store = dist.TCPStore(a.coordinator_host, a.coordinator_port, is_master=False, timeout=STORE_TIMEOUT,
                                   use_libuv=True)
         except (RuntimeError, OSError) as exc:
-            raise _Failed(f"cannot reach the coordinator at {a.coordinator}: {first_line(exc)}") from None
+            raise Failed(f"cannot reach the coordinator at {a.coordinator}: {first_line(exc)}") from None
         # A stopped coordinator answers nothing: give up on it after twice the ranks' store deadline, so
         # that a rank, which talks to the store at least once a deadline (every step does), raises
         # StoreUnreachable itself, naming the call, before this launcher ends it.
@@ -222,36 +297,51 @@ def _job_store(a: argparse.Namespace):
         store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT,
                               use_libuv=True)
     except (RuntimeError, OSError) as exc:
-        raise _Failed(f"cannot start the coordinator's store at {host}:{port}: {first_line(exc)}") from None
+        raise Failed(f"cannot start the coordinator's store at {host}:{port}: {first_line(exc)}") from None
     a.address = f"{host if host != '0.0.0.0' else '127.0.0.1'}:{store.port}"
-    print(f"coordinator: job store at {host}:{store.port} for {a.replicas} replica group(s) of "
-          f"{a.nproc_per_replica}", flush=True)
+    if a.per_rank:
+        print(f"coordinator: job store at {host}:{store.port} for {a.world_size} rank(s), {a.nproc_per_node} on each "
+              f"of {a.nnodes} host(s), each rank its own restart unit", flush=True)
+    else:
+        print(f"coordinator: job store at {host}:{store.port} for {a.replicas} replica group(s) of "
+              f"{a.nproc_per_replica}", flush=True)
     return store
+
+
+def _worker_env(a: argparse.Namespace) -> Dict[str, str]:
+    """What every process started here gets, in either mode."""
+    env = dict(os.environ, COMMSLAYER_JOB_STORE=a.coordinator or a.address,
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    if a.run_dir:
+        env["COMMSLAYER_RUN_DIR"] = a.run_dir
+        if "COMMSLAYER_TRACE_DIR" not in os.environ:  # set empty, it keeps tracing off
+            env["COMMSLAYER_TRACE_DIR"] = os.path.join(a.run_dir, "traces")
+        env.setdefault("COMMSLAYER_FAULTS_LOG", os.path.join(a.run_dir, runs.FAULT_LOG))
+    return env
+
+
+def _rank_job(a: argparse.Namespace) -> RankJob:
+    return RankJob(command=[a.script, *a.script_args], env=_worker_env(a), store_address=a.coordinator or a.address,
+                   world_size=a.world_size, node=a.node_rank, per_node=a.nproc_per_node,
+                   max_restarts=a.max_restarts, grace_s=a.grace, coordinator=a.coordinator)
 
 
 def _supervise(a: argparse.Namespace, store, procs: ProcessSet) -> Dict[int, int]:
     """Start this host's replica groups and wait until they (or, on the coordinator
     alone, every group of the job) ended; each one's torchrun exit status."""
-    address = a.coordinator or a.address
     for r in a.ids:
-        env = dict(os.environ, COMMSLAYER_JOB_STORE=address, COMMSLAYER_REPLICA=str(r),
-                   COMMSLAYER_REPLICAS=str(a.replicas), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        if a.run_dir:
-            env["COMMSLAYER_RUN_DIR"] = a.run_dir
-            if "COMMSLAYER_TRACE_DIR" not in os.environ:  # set empty, it keeps tracing off
-                env["COMMSLAYER_TRACE_DIR"] = os.path.join(a.run_dir, "traces")
-            env.setdefault("COMMSLAYER_FAULTS_LOG", os.path.join(a.run_dir, runs.FAULT_LOG))
+        env = dict(_worker_env(a), COMMSLAYER_REPLICA=str(r), COMMSLAYER_REPLICAS=str(a.replicas))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                "--nproc-per-node", str(a.nproc_per_replica), "--max-restarts", str(a.max_restarts),
                "--monitor-interval", "0.1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                "--role", f"replica{r}", a.script, *a.script_args]
-        procs.start(r, cmd, env, on_line=lambda line, r=r: _echo(f"[replica {r}] {line}"))
+        procs.start(r, cmd, env, on_line=lambda line, r=r: echo(f"[replica {r}] {line}"))
     codes: Dict[int, int] = {}
     watched = time.monotonic()
-    while len(codes) < len(a.ids) or (not a.ids and not _all_ended(store, a.replicas)):
+    while len(codes) < len(a.ids) or (not a.ids and not all_ended(store, "replica", a.replicas)):
         if a.coordinator and time.monotonic() - watched > 0.5:
             watched = time.monotonic()
-            _check_reachable(store, a.coordinator)
+            check_reachable(store, a.coordinator)
         for r, proc in procs.procs.items():
             if r not in codes and proc.poll() is not None:
                 codes[r] = proc.returncode
@@ -262,30 +352,13 @@ def _supervise(a: argparse.Namespace, store, procs: ProcessSet) -> Dict[int, int
     return codes
 
 
-def _echo(line: str) -> None:
-    sys.stdout.write(line)
-    sys.stdout.flush()
-
-
-def _check_reachable(store, address: str) -> None:
-    """Raise if the coordinator no longer answers (this host's groups are then ended:
-    without the job's store no step can commit, and a restarted group could not rejoin)."""
-    try:
-        store.check(["job/finished"])
-    except StoreUnreachable as exc:
-        raise _Failed(f"the coordinator (the job's store at {address}) is unreachable ({exc.what}); "
-                      "ended the replica groups started here") from None
-
-
-def _all_ended(store, replicas: int) -> bool:
-    return all(store.check([f"replica/{r}/done"]) or store.check([f"replica/{r}/gone"]) for r in range(replicas))
-
-
 # ------------------------------------------------------------------ the summary
-def summarize(run_dir: str, store, shards: int, compare_to: Optional[str], tolerance: float) -> bool:
+def summarize(run_dir: str, store, shards: int, compare_to: Optional[str], tolerance: float,
+              per_rank: bool = False) -> bool:
     """Print what the run did and whether its invariants hold (also into
     ``summary.json``); False if one does not, or if there is nothing to
-    compare with ``compare_to``."""
+    compare with ``compare_to``.  ``shards``: ranks per replica group (in
+    per-rank mode, ``per_rank``, the job's ranks: one replica of each)."""
     results = runs.load_results(run_dir)
     if not results:  # a script that writes none (commslayer.runs.save): nothing to check
         print(f"summary: no result files in {run_dir}", flush=True)
@@ -299,6 +372,8 @@ def summarize(run_dir: str, store, shards: int, compare_to: Optional[str], toler
     ok &= whole
     for shard in sorted({r.rank for r in results if r.fingerprints is not None}):
         prints = {r.replica: r.fingerprints for r in results if r.rank == shard}
+        if len(prints) == 1 and len(next(iter(prints.values()))) == 1:
+            continue  # one copy of the shard (per-rank mode, or one replica group): nothing to compare
         same = len({tuple(v) for v in prints.values()}) == 1 and len(set(next(iter(prints.values())))) == 1
         ok &= same
         print(f"summary: shard {shard}: parameters and optimizer state bitwise identical across replicas "
@@ -307,11 +382,11 @@ def summarize(run_dir: str, store, shards: int, compare_to: Optional[str], toler
     recoveries, admissions = runs.job_recoveries(store), runs.job_admissions(store)
     for i, k in enumerate(killed):
         until = killed[i + 1]["t"] if i + 1 < len(killed) else float("inf")
-        rec = next((x for x in recoveries if k["replica"] in x.lost_replicas and k["t"] <= x.detected_at < until),
-                   None)
+        unit = k["rank"] if per_rank else k["replica"]  # what a recovery lost: ranks in per-rank mode
+        rec = next((x for x in recoveries if unit in x.lost_replicas and k["t"] <= x.detected_at < until), None)
         k["stall_s"] = rec.committed_at - k["t"] if rec and rec.committed_at is not None else None
         stall = "n/a (no recovery recorded)" if k["stall_s"] is None else f"{k['stall_s']:.3f}s"
-        print(f"summary: fault: {k['what']} (replica group {k['replica']}); "
+        print(f"summary: fault: {k['what']} ({'rank' if per_rank else 'replica group'} {unit}); "
               f"survivor stall (fault to next committed step) {stall}", flush=True)
     for adm in admissions:
         print(f"summary: replica(s) {adm.replicas} rejoined at step {adm.step} (generation "

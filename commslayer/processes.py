@@ -24,10 +24,13 @@ PR_SET_CHILD_SUBREAPER = 36
 
 class ProcessSet:
     """Processes started here, each in a session of its own, its output handed
-    line by line to a callback; ``stop`` ends them and everything they started."""
+    line by line to a callback; ``stop`` ends them and everything they started.
+    ``procs`` holds each key's latest process: a key started again (a restarted
+    rank) supersedes its process there, which ``stop`` still ends."""
 
     def __init__(self, grace_s: float) -> None:
         self.procs: Dict[Hashable, subprocess.Popen] = {}
+        self._started: List[subprocess.Popen] = []  # superseded ones included
         self._grace_s = grace_s
         self._readers: List[threading.Thread] = []
         # A caller's children from before are not ours to end.
@@ -40,6 +43,7 @@ class ProcessSet:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, text=True, bufsize=1)
         self.procs[key] = proc
+        self._started.append(proc)
         t = threading.Thread(target=_relay, args=(proc, on_line), daemon=True)
         t.start()
         self._readers.append(t)
@@ -47,14 +51,16 @@ class ProcessSet:
 
     def stop(self) -> None:
         """End every process started here, and everything they started: SIGTERM to
-        each one's process group (a torchrun agent then ends its workers), SIGKILL
-        after the grace period to whatever is left below this process."""
-        live = [p for p in self.procs.values() if p.poll() is None]
+        each one's process group (a torchrun agent then ends its workers) and SIGCONT
+        (a stopped process handles its SIGTERM only once it runs), SIGKILL after the
+        grace period to whatever is left below this process."""
+        live = [p for p in self._started if p.poll() is None]
         for p in live:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+            for sig in (signal.SIGTERM, signal.SIGCONT):
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
         deadline = time.monotonic() + self._grace_s
         for p in live:
             try:
@@ -67,10 +73,10 @@ class ProcessSet:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            for p in self.procs.values():
+            for p in self._started:
                 p.poll()  # reap
             time.sleep(0.05)
-        for p in self.procs.values():
+        for p in self._started:
             p.wait()
         for t in self._readers:
             t.join(timeout=1)

@@ -137,9 +137,10 @@ def read_log(path: str) -> List[Dict[str, Any]]:
 
 def injections(run_dir: str, shards: int) -> List[Dict[str, Any]]:
     """The faults injected in a run (its fault log's ``injected`` events), each with
-    the replica group it hit (``shards``: ranks per replica group)."""
-    return [dict(e, replica=e["member"] // shards) for e in read_log(os.path.join(run_dir, FAULT_LOG))
-            if e["event"] == "injected"]
+    the replica group it hit and the rank in it (``shards``: ranks per replica group;
+    in per-rank mode the job's ranks, so ``rank`` is the job rank)."""
+    return [dict(e, replica=e["member"] // shards, rank=e["member"] % shards)
+            for e in read_log(os.path.join(run_dir, FAULT_LOG)) if e["event"] == "injected"]
 
 
 # ------------------------------------------------------------------ the summary

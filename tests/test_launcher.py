@@ -92,9 +92,9 @@ def test_the_console_script_is_declared():
 
 @pytest.mark.parametrize("args,says", [
     (["--replicas", "0", "{script}"], "--replicas 0: a job needs at least 1 replica group"),
-    (["--nproc-per-replica", "0", "{script}"], "--nproc-per-replica 0: a replica group needs at least 1 rank"),
-    (["--replica-ids", "2", "{script}"], "--replica-ids 2: distinct replica ids in 0..1 (--replicas 2)"),
-    (["--replica-ids", "0,0", "{script}"], "--replica-ids 0,0: distinct replica ids"),
+    (["--replicas", "2", "--nproc-per-replica", "0", "{script}"], "--nproc-per-replica 0: a replica group needs at least 1 rank"),
+    (["--replicas", "2", "--replica-ids", "2", "{script}"], "--replica-ids 2: distinct replica ids in 0..1 (--replicas 2)"),
+    (["--replicas", "2", "--replica-ids", "0,0", "{script}"], "--replica-ids 0,0: distinct replica ids"),
     (["--coordinator", "10.0.0.1", "{script}"], "--coordinator '10.0.0.1': expected HOST:PORT"),
     (["--coordinator", "10.0.0.1:29600", "--port", "29600", "{script}"], "give one or the other"),
     (["--max-restarts", "-1", "{script}"], "--max-restarts -1: must be 0 or more"),

@@ -50,7 +50,8 @@ def test_the_job_stores_records_and_the_fault_log(tmp_path):
               {"event": "failure", "member": 0, "t": 1.1}]
     (tmp_path / runs.FAULT_LOG).write_text("".join(json.dumps(e) + "\n" for e in events) + "\n")
     assert runs.read_log(str(tmp_path / runs.FAULT_LOG)) == events
-    assert runs.injections(str(tmp_path), shards=2) == [dict(events[0], replica=1)]
+    assert runs.injections(str(tmp_path), shards=2) == [dict(events[0], replica=1, rank=1)]
+    assert runs.injections(str(tmp_path), shards=4) == [dict(events[0], replica=0, rank=3)]  # per-rank mode
 
 
 def test_a_summary_reads_back_and_a_missing_one_is_none(tmp_path):
