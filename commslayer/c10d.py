@@ -160,8 +160,8 @@ class CommslayerProcessGroup(dist.ProcessGroup):
             op, opts = opts, c10d.AllreduceOptions()
             if op is not None:
                 opts.reduceOp = op
-        return self._many(tensors, lambda: [self._comm(t).all_reduce(t, opts.reduceOp, async_op=True,
-                                                             timeout=_timeout(opts)) for t in tensors])
+        return self._many(tensors, lambda: [
+            self._comm(t).all_reduce(t, opts.reduceOp, async_op=True, timeout=_timeout(opts)) for t in tensors])
 
     allreduce_coalesced = allreduce  # one op per tensor: each gets its own deadline and record
 
@@ -171,15 +171,16 @@ class CommslayerProcessGroup(dist.ProcessGroup):
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        return self._many(outputs, lambda: [self._comm(i).all_gather_single(o, i, async_op=True, timeout=_timeout(opts))
-                                    for o, i in zip(outputs, inputs)])
+        return self._many(outputs, lambda: [
+            self._comm(i).all_gather_single(o, i, async_op=True, timeout=_timeout(opts))
+            for o, i in zip(outputs, inputs)])
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def allgather(self, output_lists, inputs, opts=None):
-        return self._many([t for outs in output_lists for t in outs],
-                          lambda: [self._comm(i).all_gather(outs, i, async_op=True, timeout=_timeout(opts))
-                                   for outs, i in zip(output_lists, inputs)])
+        return self._many([t for outs in output_lists for t in outs], lambda: [
+            self._comm(i).all_gather(outs, i, async_op=True, timeout=_timeout(opts))
+            for outs, i in zip(output_lists, inputs)])
 
     def reduce_scatter_single(self, output, input, opts=None):
         return self.reduce_scatter_single_coalesced([output], [input], opts)
@@ -188,17 +189,17 @@ class CommslayerProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts or c10d.ReduceScatterOptions()
-        return self._many(outputs, lambda: [self._comm(i).reduce_scatter_single(o, i, opts.reduceOp, async_op=True,
-                                                                        timeout=_timeout(opts))
-                                    for o, i in zip(outputs, inputs)])
+        return self._many(outputs, lambda: [
+            self._comm(i).reduce_scatter_single(o, i, opts.reduceOp, async_op=True, timeout=_timeout(opts))
+            for o, i in zip(outputs, inputs)])
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         opts = opts or c10d.ReduceScatterOptions()
-        return self._many(outputs, lambda: [self._comm(o).reduce_scatter(o, ins, opts.reduceOp, async_op=True,
-                                                                 timeout=_timeout(opts))
-                                    for o, ins in zip(outputs, input_lists)])
+        return self._many(outputs, lambda: [
+            self._comm(o).reduce_scatter(o, ins, opts.reduceOp, async_op=True, timeout=_timeout(opts))
+            for o, ins in zip(outputs, input_lists)])
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         return self._many([output], lambda: [self._comm(input).all_to_all_single(
@@ -209,25 +210,26 @@ class CommslayerProcessGroup(dist.ProcessGroup):
 
     def broadcast(self, tensors, opts=None):
         opts = opts or c10d.BroadcastOptions()
-        return self._many(tensors, lambda: [self._comm(t).broadcast(t, opts.rootRank, async_op=True, timeout=_timeout(opts))
-                                    for t in tensors])
+        return self._many(tensors, lambda: [
+            self._comm(t).broadcast(t, opts.rootRank, async_op=True, timeout=_timeout(opts)) for t in tensors])
 
     def reduce(self, tensors, opts=None):
         opts = opts or c10d.ReduceOptions()
-        return self._many(tensors, lambda: [self._comm(t).reduce(t, opts.rootRank, opts.reduceOp, async_op=True,
-                                                         timeout=_timeout(opts)) for t in tensors])
+        return self._many(tensors, lambda: [
+            self._comm(t).reduce(t, opts.rootRank, opts.reduceOp, async_op=True, timeout=_timeout(opts))
+            for t in tensors])
 
     def gather(self, output_lists, inputs, opts=None):
         opts = opts or c10d.GatherOptions()
         outs = output_lists[0] if output_lists else []
-        return self._many(list(outs), lambda: [self._comm(inputs[0]).gather(outs, inputs[0], opts.rootRank, async_op=True,
-                                                                    timeout=_timeout(opts))])
+        return self._many(list(outs), lambda: [
+            self._comm(inputs[0]).gather(outs, inputs[0], opts.rootRank, async_op=True, timeout=_timeout(opts))])
 
     def scatter(self, outputs, input_lists, opts=None):
         opts = opts or c10d.ScatterOptions()
         ins = input_lists[0] if input_lists else []
-        return self._many(outputs, lambda: [self._comm(outputs[0]).scatter(outputs[0], ins, opts.rootRank, async_op=True,
-                                                                   timeout=_timeout(opts))])
+        return self._many(outputs, lambda: [
+            self._comm(outputs[0]).scatter(outputs[0], ins, opts.rootRank, async_op=True, timeout=_timeout(opts))])
 
     def barrier(self, opts=None):
         return self._many([], lambda: [self.communicator("cpu").barrier(async_op=True, timeout=_timeout(opts))])

@@ -37,7 +37,7 @@ from __future__ import annotations
 import os
 import time
 from datetime import timedelta
-from typing import Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -67,7 +67,7 @@ class ReplacementMissing(CommError):
 class PeerJob(Job):
     """This process's place in a job whose restart unit is one rank (see the module doc)."""
 
-    def __init__(self, *, redundancy: int, refresh_every: int, replace_timeout_s: float, **kwargs) -> None:
+    def __init__(self, *, redundancy: int, refresh_every: int, replace_timeout_s: float, **kwargs: Any) -> None:
         self._degree = redundancy
         self._refresh_every = refresh_every
         self._replace_timeout_s = replace_timeout_s
@@ -77,6 +77,9 @@ class PeerJob(Job):
         self._redo: Optional[Tuple[int, bytes]] = None  # the boundary to go back to, and this rank's state there
         self._committed = -1  # the last step committed here
         super().__init__(**kwargs)
+        if redundancy >= self.world_size:
+            raise InvalidArgument(f"redundancy={redundancy}: each rank's state can have at most "
+                                  f"{self.world_size - 1} holder(s) in a job of {self.world_size} ranks", op="init")
 
     # ------------------------------------------------------------ start-up
     def _connect(self, timeout: timedelta) -> Tuple[dist.Store, int, int]:
@@ -116,11 +119,11 @@ class PeerJob(Job):
         return self._shards.generation
 
     @property
-    def admissions(self) -> list:
+    def admissions(self) -> List[Admission]:
         return self._admissions
 
     @property
-    def recoveries(self) -> list:
+    def recoveries(self) -> List[Recovery]:
         return self._recoveries
 
     @property
@@ -168,6 +171,7 @@ class PeerJob(Job):
                 step, own = self._redo
                 self._redo = None
                 self._state.unpack(own)
+                del self.step_s[step - self.start_step:]  # the steps from there on are redone
                 continue
             step += 1
         self.step_index = -1
@@ -246,8 +250,9 @@ class PeerJob(Job):
         to_step, own = self._restore(joined=False)
         self._redo = (to_step, own)
         self._recoveries.append(Recovery(step, lost, self.generation, detected, resumed))
-        recovery_hooks("recovered", {"step": step, "lost_replicas": lost, "generation": self.generation,
-                                     "members": list(full.members), "seconds": resumed - detected})
+        recovery_hooks("recovered", {"step": step, "lost_replicas": [], "generation": self.generation,
+                                     "members": list(full.members), "seconds": time.time() - detected,
+                                     "redo_from": to_step})
 
     def _admit(self, survivors: Communicator, lost: List[int], step: int) -> Communicator:
         """Wait until every lost rank's replacement announced itself, then the next
@@ -259,6 +264,8 @@ class PeerJob(Job):
                 start = time.perf_counter()
                 full = survivors.reconfigure(sorted(survivors.members + lost))
                 self._admissions.append(Admission(step, lost, full.generation, time.perf_counter() - start))
+                recovery_hooks("admitted", {"step": step, "replicas": [], "generation": full.generation,
+                                            "members": list(full.members), "seconds": self._admissions[-1].heal_s})
                 return full
             gone = [r for r in lost if self.store.check([f"rank/{r}/gone"])]
             give_up = torch.tensor([int(bool(gone) or time.monotonic() > deadline)])
@@ -275,9 +282,10 @@ class PeerJob(Job):
     def _restore(self, *, joined: bool) -> Tuple[int, bytes]:
         """Agree on the boundary to go back to and get this rank's state there; every
         rank of the new generation calls it, and votes that it worked."""
-        to_step, own = -1, b""
+        to_step, own, source = -1, b"", self.rank
+        start = time.perf_counter()
         try:
-            to_step, own = self._copies.restore(joined)
+            to_step, own, source = self._copies.restore(joined)
         except StateLost as exc:
             self._fail(exc)
         except CommAborted:
@@ -288,8 +296,10 @@ class PeerJob(Job):
             raise CommError("restoring the state after a lost rank failed on a rank", comm=self._shards.get_name(),
                             op="restore")
         self._copies.confirm()
-        recovery_hooks("healed" if joined else "restored", {"step": to_step, "generation": self.generation,
-                                                            "bytes": len(own)})
+        if joined:
+            recovery_hooks("healed", {"step": to_step, "generation": self.generation, "source": source,
+                                      "source_replica": None, "bytes": len(own),
+                                      "seconds": time.perf_counter() - start})
         return to_step, own
 
     def _fail(self, exc: CommError) -> None:
@@ -307,7 +317,7 @@ class PeerJob(Job):
         if r is None or r.committed_at is not None:
             return
         r.committed_at = time.time()
-        if self.rank == 0:
+        if self.rank == min(set(range(self.world_size)) - set(r.lost_replicas)):  # the first survivor
             runs.record(self.store, r)
             print(f"recovered: rank(s) {r.lost_replicas} lost at step {r.step} replaced; generation {r.generation}; "
                   f"back at step {self._committed} committed {r.committed_at - r.detected_at:.3f}s after the loss "

@@ -195,11 +195,12 @@ class PeerCopies:
                 row[2 + rank] |= bit
         return row
 
-    def restore(self, joined: bool) -> Tuple[int, bytes]:
+    def restore(self, joined: bool) -> Tuple[int, bytes, int]:
         """After a generation change (every rank calls it; ``joined``: this process is a
         replacement and holds nothing): agree on the newest boundary whose state every
         rank can get, give every replacement its state there from a holder, and refresh
-        every copy at it. Returns the boundary's step and this rank's state at it."""
+        every copy at it. Returns the boundary's step, this rank's state at it and the
+        rank it came from (itself, for a survivor)."""
         self.wait()
         if joined:
             self.confirmed = self.pending = None
@@ -222,7 +223,7 @@ class PeerCopies:
         if not self.exchange(step, own):
             raise CommError(f"refreshing the copies at step {step} after the recovery failed",
                             comm=self._comm.get_name(), op="restore")
-        return step, own
+        return step, own, sources[self.rank]
 
     def _choose(self, table: torch.Tensor) -> Tuple[int, int]:
         """The newest boundary (step, bit) at which some rank has every rank's state."""

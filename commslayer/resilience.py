@@ -537,7 +537,8 @@ def _leave(exc_type: type, exc: BaseException, tb: Any, previous: Callable[..., 
         previous(exc_type, exc, tb)
         # a CommError inside DDP's comm hook arrives wrapped by each future it passed through
         why = _FUTURE_WRAPPING.sub("", f"{type(exc).__name__}: {first_line(exc)}")
-    print(f"[replica {config.replica_id() or 0} rank {os.environ.get('RANK')}] leaving ({why})", file=sys.stderr,
+    where = "" if config.restart_unit() == "rank" else f"replica {config.replica_id() or 0} "
+    print(f"[{where}rank {os.environ.get('RANK')}] leaving ({why})", file=sys.stderr,
           flush=True)
     exit_now(1, why)
 
