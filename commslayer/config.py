@@ -13,6 +13,7 @@ is dumped or a peer is judged.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from datetime import timedelta
@@ -299,6 +300,32 @@ def refresh_every() -> int:
     return value
 
 
+def reshard() -> bool:
+    """``COMMSLAYER_RESHARD``: in a job whose restart unit is a rank, go on with the
+    survivors, resharded, when a lost rank gets no replacement (default on; off:
+    the job ends with ``ReplacementMissing``)."""
+    return os.environ.get("COMMSLAYER_RESHARD", "").strip() == "" or _flag("COMMSLAYER_RESHARD")
+
+
+def resharded() -> Optional[dict]:
+    """``COMMSLAYER_RESHARDED``: set by a ``PeerJob`` for the script it starts again after
+    resharding onto the survivors (JSON: the epoch, the launcher's ranks of the new
+    layout in order, the whole state's file, the loss it follows); None when unset."""
+    raw = os.environ.get("COMMSLAYER_RESHARDED", "")
+    if not raw.strip():
+        return None
+    try:
+        value = json.loads(raw)
+        if not (isinstance(value, dict) and isinstance(value.get("epoch"), int) and value["epoch"] > 0
+                and isinstance(value.get("ranks"), list) and all(isinstance(r, int) for r in value["ranks"])
+                and isinstance(value.get("from"), str)):
+            raise ValueError
+    except ValueError:
+        raise _bad("COMMSLAYER_RESHARDED", raw, "what a resharding job sets: JSON with epoch, ranks and from") \
+            from None
+    return value
+
+
 def faults() -> str:
     """``COMMSLAYER_FAULTS``: the fault harness's faults, as JSON (faults.inject
     parses and checks them when it loads)."""
@@ -316,7 +343,7 @@ _CHECKED: Tuple[Callable[[], object], ...] = (
     default_timeout, check_mode, route_c10d, trace_dir, job_rank, trace_buffer, trace_stack, trace_jsonl,
     trace_otel, trace_sink_queue, heartbeat_s, peer_timeout_s, liveness_timing, liveness_host, isolate_writes,
     faults_log, trace_mode, replica_id, run_dir, store_timeout_s, average_after_backward, restart_unit, node,
-    redundancy, refresh_every,
+    redundancy, refresh_every, reshard, resharded,
 )
 _valid: Set[Tuple[Tuple[str, str], ...]] = set()  # environments found valid (resolving a host costs)
 

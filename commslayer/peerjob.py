@@ -34,10 +34,14 @@ How a step survives a lost rank:
 
 from __future__ import annotations
 
+import io
+import json
 import os
+import sys
+import tempfile
 import time
 from datetime import timedelta
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, NoReturn, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -46,14 +50,16 @@ from . import config, runs
 from .c10d import CommslayerProcessGroup, adopting
 from .communicator import Communicator, join, new_comm
 from .errors import CommAborted, CommError, InvalidArgument, first_line
-from .exits import exit_now
+from .exits import before_exit, exit_now
 from .gradients import local
 from .hooks import recovery_hooks
 from .redundancy import PeerCopies, StateLost, holders
 from .reduce_op import ReduceOp
 from .replicas import Admission, Recovery
-from .resilience import Job
+from .reshard import merge
+from .resilience import Job, digest
 from .store import bounded
+from .supervisor import RESHARDED
 
 COMM_NAME = "shards"
 POLL_S = 0.05  # how often survivors look for the replacement
@@ -76,7 +82,12 @@ class PeerJob(Job):
         self._admissions: List[Admission] = []
         self._redo: Optional[Tuple[int, bytes]] = None  # the boundary to go back to, and this rank's state there
         self._committed = -1  # the last step committed here
+        self._resharded = config.resharded()  # this process started again on the survivors of a loss
+        self._epoch = self._resharded["epoch"] if self._resharded else 0
         super().__init__(**kwargs)
+        # the launcher's rank (its store keys) of each rank of this layout
+        self._launched = self._resharded["ranks"] if self._resharded else list(range(self.world_size))
+        self._joined = self.restart > 0 and self._resharded is None  # a replacement (none after a reshard)
         if redundancy >= self.world_size:
             raise InvalidArgument(f"redundancy={redundancy}: each rank's state can have at most "
                                   f"{self.world_size - 1} holder(s) in a job of {self.world_size} ranks", op="init")
@@ -86,17 +97,22 @@ class PeerJob(Job):
         host, port = os.environ["COMMSLAYER_JOB_STORE"].rsplit(":", 1)
         raw = dist.TCPStore(host, int(port), is_master=False, timeout=timeout, use_libuv=True)
         store = bounded(raw)
-        if self.restart == 0:
-            self._shards = new_comm("gloo", name=COMM_NAME, store=store, rank=self.rank, size=self.world_size,
+        me = int(os.environ.get("COMMSLAYER_JOB_RANK", self.rank)) if self._resharded is None else \
+            self._resharded["ranks"][self.rank]  # the launcher's rank
+        name = COMM_NAME + (f".e{self._epoch}" if self._epoch else "")
+        if self.restart == 0 or self._resharded is not None:
+            self._shards = new_comm("gloo", name=name, store=store, rank=self.rank, size=self.world_size,
                                     timeout=timeout, isolate_writes=True)
-            store.set(f"rank/{self.rank}/node", str(config.node()))
+            if self.restart == 0 and self._resharded is None:
+                store.set(f"rank/{me}/node", str(config.node()))
         else:  # a replacement: admitted once the survivors see it
-            self._shards = join("gloo", name=COMM_NAME, member=self.rank, store=store, timeout=timeout,
+            self._shards = join("gloo", name=name, member=self.rank, store=store, timeout=timeout,
                                 isolate_writes=True)
-        store.set(f"rank/{self.rank}/member", str(self.restart))  # the life of this rank in the communicator
+        store.set(f"rank/{me}/member", str(self.restart))  # the life of this rank in the communicator
         with adopting(self._shards):
-            dist.init_process_group("commslayer", store=dist.PrefixStore(f"c10d/{self.rank}.{self.restart}/", raw),
-                                    rank=self.rank, world_size=self.world_size, timeout=timeout)
+            dist.init_process_group(
+                "commslayer", store=dist.PrefixStore(f"c10d/{self._epoch}.{self.rank}.{self.restart}/", raw),
+                rank=self.rank, world_size=self.world_size, timeout=timeout)
         self._group().hold(self._on_failure)
         return store, 0, 1
 
@@ -140,9 +156,9 @@ class PeerJob(Job):
         """The steps this life runs: from 0, or (a replacement) from the boundary the
         survivors went back to. A step voted down is yielded again."""
         self._begin_loop(total)
-        nodes = [int(self.store.get(f"rank/{r}/node")) for r in range(self.world_size)]
+        nodes = [int(self.store.get(f"rank/{r}/node")) for r in self._launched]
         self._copies = PeerCopies(self._split(), holders(nodes, self._degree), self._on_sending)
-        if self.restart:
+        if self._joined:
             step, own = self._restore(joined=True)
             self._state.unpack(own)
             self.healed_at = step
@@ -150,10 +166,12 @@ class PeerJob(Job):
                   f"{self._copies.plan[self.rank]}, continuing at step {step} in generation {self.generation}",
                   flush=True)
         else:
-            step = 0
-            if not self._commit(self._copies.exchange(0, self._state.pack())):
+            step = 0 if self._resharded is None else self._load_resharded()
+            if not self._commit(self._copies.exchange(step, self._state.pack())):
                 raise CommError("the first copies of the state failed", comm=self._shards.get_name(), op="steps")
             self._copies.confirm()
+            if self._resharded is not None:
+                self._check_resharded(step)
         self._checked = True
         self.start_step = step
         self._begin = time.perf_counter()
@@ -179,6 +197,7 @@ class PeerJob(Job):
     def _split(self) -> Communicator:
         comm = self._shards.split(list(range(self.world_size)), name="copies")
         assert comm is not None
+        self._copies_comm = comm
         return comm
 
     def _on_sending(self, step: int) -> None:
@@ -239,9 +258,10 @@ class PeerJob(Job):
                 ranks=hopeless))
         if survivors.get_rank() == 0:
             for r in lost:
-                life = self.store.get(f"rank/{r}/member").decode()  # not rank/<r>/life: a replacement may be up
-                self.store.set(f"rank/{r}/lost/{life}", str(survivors.generation))
-        full = self._admit(survivors, lost, step)
+                key = f"rank/{self._launched[r]}"
+                life = self.store.get(f"{key}/member").decode()  # not .../life: a replacement may be up already
+                self.store.set(f"{key}/lost/{life}", str(survivors.generation))
+        full = self._admit(survivors, lost, step, detected)
         self._shards = full
         self._group().replace(full)
         self._copies.use(self._split())
@@ -249,12 +269,13 @@ class PeerJob(Job):
         resumed = time.time()
         to_step, own = self._restore(joined=False)
         self._redo = (to_step, own)
-        self._recoveries.append(Recovery(step, lost, self.generation, detected, resumed))
+        self._recoveries.append(Recovery(step, [self._launched[r] for r in lost], self.generation, detected,
+                                         resumed))
         recovery_hooks("recovered", {"step": step, "lost_replicas": [], "generation": self.generation,
                                      "members": list(full.members), "seconds": time.time() - detected,
                                      "redo_from": to_step})
 
-    def _admit(self, survivors: Communicator, lost: List[int], step: int) -> Communicator:
+    def _admit(self, survivors: Communicator, lost: List[int], step: int, detected: float) -> Communicator:
         """Wait until every lost rank's replacement announced itself, then the next
         generation with all of them (member ids are ranks: the same rank order)."""
         deadline = time.monotonic() + self._replace_timeout_s
@@ -267,17 +288,94 @@ class PeerJob(Job):
                 recovery_hooks("admitted", {"step": step, "replicas": [], "generation": full.generation,
                                             "members": list(full.members), "seconds": self._admissions[-1].heal_s})
                 return full
-            gone = [r for r in lost if self.store.check([f"rank/{r}/gone"])]
+            gone = [self._launched[r] for r in lost if self.store.check([f"rank/{self._launched[r]}/gone"])]
             give_up = torch.tensor([int(bool(gone) or time.monotonic() > deadline)])
             survivors.all_reduce(give_up, ReduceOp.MAX)  # all decide together
+            if int(give_up) and config.reshard():
+                self._reshard(survivors, lost, step, detected)
             if int(give_up):
                 self._fail(ReplacementMissing(
-                    f"rank(s) {lost} lost at step {step} got no replacement ("
+                    f"rank(s) {[self._launched[r] for r in lost]} lost at step {step} got no replacement ("
                     + (f"the launcher's restarts ran out for {gone}" if gone else
                        f"none within {self._replace_timeout_s:g}s") + f"); the job last committed step "
                     f"{self._committed}: resume from a checkpoint taken at or before it",
                     comm=survivors.get_name(), op="recover", ranks=lost))
             time.sleep(POLL_S)
+
+    # ------------------------------------------------------------ resharding
+    def _reshard(self, survivors: Communicator, lost: List[int], step: int, detected: float) -> NoReturn:
+        """No replacement came: go on with the survivors. Each gets every rank's state at
+        the newest boundary the survivors can reach, merges it into the whole state
+        (``commslayer.reshard``), leaves it in this host's memory (``/dev/shm``) and
+        starts its script again as a rank of a job one rank smaller: the script builds
+        FSDP2 on the smaller mesh as it did at the start, and ``steps`` takes this
+        rank's part of the whole state (``_load_resharded``)."""
+        comm = survivors.split(list(range(survivors.get_size())), name="reshard")
+        assert comm is not None
+        to_step, states = self._copies.gather(comm, survivors.members)
+        snapshots = {self._launched[r]: torch.load(io.BytesIO(data), weights_only=True) for r, data in states.items()}
+        whole = merge(snapshots, self._state.sharded())
+        kept = [self._launched[m] for m in survivors.members]
+        fd, path = tempfile.mkstemp(prefix="commslayer-reshard-", suffix=".pt",
+                                    dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        with os.fdopen(fd, "wb") as f:
+            torch.save({"step": to_step, "whole": whole, "digest": _whole_digest(whole)}, f)
+        if not survivors.should_commit(True):  # every survivor has its file
+            raise CommError("resharding onto the survivors failed on a rank", comm=comm.get_name(), op="reshard")
+        epoch = self._epoch + 1
+        lost_launched = [self._launched[r] for r in lost]
+        if survivors.get_rank() == 0:
+            self.store.set(RESHARDED, json.dumps({"epoch": epoch, "ranks": kept}))
+            print(f"resharding: rank(s) {lost_launched} lost at step {step} and not replaced; the job goes on as "
+                  f"{len(kept)} rank(s) (launcher ranks {kept}) from step {to_step}; whole state fingerprint "
+                  f"{_whole_digest(whole):016x}", flush=True)
+        rank = survivors.get_rank()
+        nodes = [int(self.store.get(f"rank/{r}/node")) for r in kept]
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(len(kept)), COMMSLAYER_JOB_RANK=str(rank),
+                   LOCAL_RANK=str(sum(1 for r in range(rank) if nodes[r] == nodes[rank])),
+                   LOCAL_WORLD_SIZE=str(nodes.count(nodes[rank])),
+                   COMMSLAYER_RESHARDED=json.dumps({"epoch": epoch, "ranks": kept, "from": path, "step": step,
+                                                    "lost": lost_launched, "detected": detected}))
+        if config.trace_dir():  # the new layout's trace files must not overwrite this one's
+            env["COMMSLAYER_TRACE_DIR"] = os.path.join(config.trace_dir() or "", f"reshard{epoch}")
+        before_exit(0, "resharding onto the survivors")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+    def _load_resharded(self) -> int:
+        """This rank's part of the whole state the survivors left before starting again;
+        the step it is at."""
+        assert self._resharded is not None
+        path = self._resharded["from"]
+        try:
+            saved = torch.load(path, weights_only=True)
+        finally:
+            os.remove(path)
+        self._state.load_whole(saved["whole"], self._launched[self.rank])
+        self._whole_before = saved["digest"]
+        self.healed_at = saved["step"]
+        lost = self._resharded.get("lost", [])
+        self._recoveries.append(Recovery(self._resharded.get("step", saved["step"]), lost, self.generation,
+                                         self._resharded.get("detected", time.time()), time.time()))
+        recovery_hooks("recovered", {"step": saved["step"], "lost_replicas": [], "generation": self.generation,
+                                     "members": list(self._shards.members), "resharded": True,
+                                     "seconds": time.time() - self._recoveries[-1].detected_at})
+        return int(saved["step"])
+
+    def _check_resharded(self, step: int) -> None:
+        """The new layout's parts, merged again, must be the whole state the survivors
+        left: a real round trip through the new shards (printed by rank 0)."""
+        _, states = self._copies.gather(self._copies_comm, list(range(self.world_size)))
+        snapshots = {r: torch.load(io.BytesIO(data), weights_only=True) for r, data in states.items()}
+        after = _whole_digest(merge(snapshots, self._state.sharded()))
+        if after != self._whole_before:
+            raise StateLost(f"the state resharded onto {self.world_size} ranks is not the state the survivors "
+                            f"left (fingerprint {after:016x} vs {self._whole_before:016x})",
+                            comm=self._shards.get_name(), op="reshard")
+        if self.rank == 0:
+            print(f"resharded: {self.world_size} rank(s) at step {step}, whole state fingerprint {after:016x}, the "
+                  "same as before", flush=True)
 
     def _restore(self, *, joined: bool) -> Tuple[int, bytes]:
         """Agree on the boundary to go back to and get this rank's state there; every
@@ -317,11 +415,12 @@ class PeerJob(Job):
         if r is None or r.committed_at is not None:
             return
         r.committed_at = time.time()
-        if self.rank == min(set(range(self.world_size)) - set(r.lost_replicas)):  # the first survivor
+        if self.rank == min(i for i, launched in enumerate(self._launched) if launched not in r.lost_replicas):
             runs.record(self.store, r)
-            print(f"recovered: rank(s) {r.lost_replicas} lost at step {r.step} replaced; generation {r.generation}; "
-                  f"back at step {self._committed} committed {r.committed_at - r.detected_at:.3f}s after the loss "
-                  f"was seen", flush=True)
+            how = f"the job went on as {self.world_size} rank(s)" if self._resharded is not None and \
+                r is self._recoveries[0] else f"replaced, generation {r.generation}"
+            print(f"recovered: rank(s) {r.lost_replicas} lost at step {r.step}; {how}; step {self._committed} "
+                  f"committed {r.committed_at - r.detected_at:.3f}s after the loss was seen", flush=True)
 
     # ------------------------------------------------------------------ end
     def finish(self, *, exit: bool = True) -> List[int]:
@@ -344,3 +443,8 @@ class PeerJob(Job):
             exit_now(0)
         return prints
 
+
+def _whole_digest(whole: Dict[str, Any]) -> int:
+    """A hash of the whole state's parameters and optimizer state (not the objects, which
+    are per rank: a lost rank's are dropped)."""
+    return digest({"modules": whole["modules"], "optimizers": whole["optimizers"]})

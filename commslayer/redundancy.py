@@ -195,6 +195,30 @@ class PeerCopies:
                 row[2 + rank] |= bit
         return row
 
+    def _agree(self, comm: Communicator, ranks: Sequence[int]) -> Tuple[int, Optional[Version], Dict[int, int]]:
+        """Every member of ``comm`` (``ranks[c]``: the job rank of its member ``c``) says
+        what it holds; the newest boundary at which every job rank's state is held by
+        some member: its step, this rank's version of it, and per job rank the member
+        that gives it (the rank itself where it is a member, else a holder)."""
+        size = len(self.plan)
+        rows = torch.zeros(comm.get_size() * (2 + size), dtype=torch.int64)
+        comm.all_gather_single(rows, self._have(size))
+        table = rows.view(comm.get_size(), 2 + size)
+        at = {rank: c for c, rank in enumerate(ranks)}
+
+        def source(rank: int, bit: int) -> Optional[int]:
+            return next((at[h] for h in [rank] + self.plan[rank] if h in at and int(table[at[h], 2 + rank]) & bit),
+                        None)
+
+        for column, bit, version in ((1, 2, self.pending), (0, 1, self.confirmed)):
+            steps = {int(table[c, column]) for c in range(comm.get_size()) if int(table[c, column]) >= 0}
+            sources = {rank: source(rank, bit) for rank in range(size)}
+            if len(steps) == 1 and None not in sources.values():
+                return steps.pop(), version, {r: c for r, c in sources.items() if c is not None}
+        missing = [r for r in range(size) if source(r, 1) is None]
+        raise StateLost(f"no surviving copy of the state of rank(s) {missing}", comm=comm.get_name(),
+                        op="restore", ranks=missing)
+
     def restore(self, joined: bool) -> Tuple[int, bytes, int]:
         """After a generation change (every rank calls it; ``joined``: this process is a
         replacement and holds nothing): agree on the newest boundary whose state every
@@ -204,15 +228,9 @@ class PeerCopies:
         self.wait()
         if joined:
             self.confirmed = self.pending = None
-        size = self._comm.get_size()
-        rows = torch.zeros(size * (2 + size), dtype=torch.int64)
-        self._comm.all_gather_single(rows, self._have(size))
-        table = rows.view(size, 2 + size)
-        step, bit = self._choose(table)
-        sources = {r: next(h for h in [r] + self.plan[r] if int(table[h, 2 + r]) & bit) for r in range(size)}
-        mine = self.confirmed if bit == 1 else self.pending
-        sends = {r: _as_tensor(mine.copies[r]) for r, h in sources.items()
-                 if h == self.rank and r != self.rank and mine is not None}
+        step, mine, sources = self._agree(self._comm, range(len(self.plan)))
+        sends = {r: _as_tensor(mine.copies[r]) for r, c in sources.items()
+                 if c == self.rank and r != self.rank and mine is not None}
         got = self._route(sends, step=step)
         if sources[self.rank] != self.rank:
             own = _as_bytes(got[sources[self.rank]])
@@ -225,16 +243,34 @@ class PeerCopies:
                             comm=self._comm.get_name(), op="restore")
         return step, own, sources[self.rank]
 
-    def _choose(self, table: torch.Tensor) -> Tuple[int, int]:
-        """The newest boundary (step, bit) at which some rank has every rank's state."""
-        size = table.shape[0]
-        for column, bit in ((1, 2), (0, 1)):
-            steps = {int(table[h, column]) for h in range(size) if int(table[h, column]) >= 0}
-            if len(steps) != 1:
-                continue
-            if all(any(int(table[h, 2 + r]) & bit for h in [r] + self.plan[r]) for r in range(size)):
-                return steps.pop(), bit
-        missing = [r for r in range(size) if not any(int(table[h, 2 + r]) & 1 for h in [r] + self.plan[r])]
-        raise StateLost(f"no surviving copy of the state of rank(s) {missing}", comm=self._comm.get_name(),
-                        op="restore", ranks=missing)
-
+    def gather(self, comm: Communicator, ranks: Sequence[int]) -> Tuple[int, Dict[int, bytes]]:
+        """Every job rank's state at the newest boundary the members of ``comm`` (the
+        survivors, ``ranks[c]`` the job rank of member ``c``) can give, on every member:
+        what resharding onto the survivors starts from. Returns the boundary's step and
+        the states by job rank."""
+        self.wait()
+        step, mine, sources = self._agree(comm, ranks)
+        me = list(ranks).index(self.rank)
+        given = {r: (mine.own if r == self.rank else mine.copies[r])
+                 for r, c in sources.items() if c == me and mine is not None}
+        lengths = torch.zeros(len(self.plan), dtype=torch.int64)
+        for r, data in given.items():
+            lengths[r] = len(data)
+        table = torch.zeros(comm.get_size() * len(self.plan), dtype=torch.int64)
+        comm.all_gather_single(table, lengths)
+        per_member = table.view(comm.get_size(), len(self.plan))
+        width = int(per_member.sum(dim=1).max())
+        mine_bytes = b"".join(given[r] for r in sorted(given))
+        padded = torch.zeros(width, dtype=torch.uint8)
+        padded[:len(mine_bytes)] = _as_tensor(mine_bytes)
+        everything = torch.empty(comm.get_size() * width, dtype=torch.uint8)
+        comm.all_gather_single(everything, padded)
+        out: Dict[int, bytes] = {}
+        for c in range(comm.get_size()):
+            at = c * width
+            for r in range(len(self.plan)):
+                n = int(per_member[c, r])
+                if n:
+                    out[r] = _as_bytes(everything[at:at + n])
+                    at += n
+        return step, out

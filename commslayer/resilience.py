@@ -69,6 +69,7 @@ from .gradients import GradientAverage, local
 from .hooks import phase_hooks as _phase_hooks
 from .hooks import register_phase_hook  # noqa: F401  (public here: where a user looks)
 from .replicas import ReplicaBroken, Replicas, fingerprint
+from .reshard import piece
 from .store import bounded
 
 BUCKET_BYTES = 4 << 20  # gradient bytes per bucket of the cross-replica average
@@ -128,7 +129,10 @@ class _State:
         return buf.getvalue()
 
     def unpack(self, data: bytes) -> None:
-        got = torch.load(io.BytesIO(data), weights_only=True)
+        self.load(torch.load(io.BytesIO(data), weights_only=True))
+
+    def load(self, got: Dict[str, Any]) -> None:
+        """Overwrite the state with a snapshot of the same layout (``snapshot``'s format)."""
         mismatch = _differences(signature(got), signature(self.snapshot(), optimizer_state=False),
                                 optimizer_state=False)
         if mismatch:
@@ -162,9 +166,34 @@ class _State:
             group.update(saved)
 
     def fingerprint(self) -> int:
-        h = hashlib.blake2b(digest_size=8)
-        _digest(self.snapshot(), h)
-        return int.from_bytes(h.digest(), "little") >> 1
+        return digest(self.snapshot())
+
+    # ------------------------------------------------------------ resharding
+    def sharded(self) -> Dict[str, List[bool]]:
+        """Per registered module, per tensor (parameters, then buffers): whether it is a shard."""
+        return {name: [hasattr(t, "to_local") for t in list(m.parameters()) + list(m.buffers())]
+                for name, m in self.modules.items()}
+
+    def load_whole(self, whole: Dict[str, Any], objects_of: int) -> None:
+        """Take this rank's part of the whole state (``reshard.merge``) for the current
+        layout, and the objects of rank ``objects_of`` of the layout it came from."""
+        params = {name: list(m.parameters()) + list(m.buffers()) for name, m in self.modules.items()}
+        optimizers = {}
+        for name, opt in self.optimizers.items():
+            mine = [p for g in opt.param_groups for p in g["params"]]
+            got = whole["optimizers"][name]
+            optimizers[name] = {"state": [{k: (piece(v, p) if flag else v, flag) for k, (v, flag) in entry.items()}
+                                          for p, entry in zip(mine, got["state"])], "groups": got["groups"]}
+        self.load({"modules": {name: [piece(w, t) for w, t in zip(tensors, params[name])]
+                               for name, tensors in whole["modules"].items()},
+                   "optimizers": optimizers, "objects": whole["objects"][objects_of]})
+
+
+def digest(obj: Any) -> int:
+    """A 63-bit hash of a snapshot (tensors by their bytes, the rest by ``repr``)."""
+    h = hashlib.blake2b(digest_size=8)
+    _digest(obj, h)
+    return int.from_bytes(h.digest(), "little") >> 1
 
 
 def _digest(obj: Any, h: "hashlib._Hash") -> None:

@@ -25,6 +25,12 @@ What a rank and this module tell each other goes through the job's store
 - ``job/failed`` = a one-line reason, written by a rank that found the job
   cannot go on: no replacement starts any more, the ranks get the grace
   period to exit on their own (they dump their traces), then ``Failed``.
+- ``job/resharded`` = ``{"epoch": e, "ranks": [...]}`` (JSON), written by a
+  rank when the survivors of a loss with no replacement went on without it:
+  they start their script again as a smaller job, the ranks listed (by
+  their rank here) in their new order.  A rank not listed is retired (its
+  ``gone`` is no failure), and no rank is replaced any more: a replacement
+  would start with the job's first layout.
 
 Keys are read with ``store.check``, which does not block, every
 ``POLL_S``.
@@ -32,6 +38,7 @@ Keys are read with ``store.check``, which does not block, every
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -44,6 +51,7 @@ from .processes import ProcessSet
 
 POLL_S = 0.1
 FAILED = "job/failed"
+RESHARDED = "job/resharded"
 
 
 class Failed(Exception):
@@ -118,9 +126,17 @@ def _supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
 
     for rank in job.ranks:
         start(rank, 0)
+    retired: Set[int] = set()
     while True:
         if store.check([FAILED]):
             _fail(job, store, procs)
+        if not retired and store.check([RESHARDED]):
+            kept = set(json.loads(store.get(RESHARDED))["ranks"])
+            retired = set(range(job.world_size)) - kept
+            ended |= retired & set(job.ranks)
+            restarts.update({r: job.max_restarts for r in job.ranks})
+            print(f"supervisor: the job goes on as ranks {sorted(kept)}; rank(s) {sorted(retired)} retired, no "
+                  "rank is replaced any more", flush=True)
         for rank in job.ranks:
             if rank in ended:
                 continue
@@ -133,7 +149,7 @@ def _supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
             elif store.check([f"rank/{rank}/lost/{life}"]):
                 replace(rank, f"life {life} was found lost by the other ranks")
         if len(ended) == len(job.ranks) and (job.coordinator or all_ended(store, "rank", job.world_size)):
-            return [r for r in range(job.world_size) if store.check([f"rank/{r}/gone"])]
+            return [r for r in range(job.world_size) if r not in retired and store.check([f"rank/{r}/gone"])]
         time.sleep(POLL_S)
 
 

@@ -153,9 +153,30 @@ def test_two_copies_survive_the_loss_of_a_rank_and_its_first_holder(clean, tmp_p
     assert results[1].restart == 1 and results[2].restart == 1
 
 
+@pytest.mark.timeout(150)
+def test_without_a_replacement_the_survivors_reshard_and_go_on(tmp_path):
+    """--max-restarts 0: the three survivors merge the whole state (the lost rank's part
+    from its holder), start the script again as a 3-rank job (FSDP2 on the smaller
+    mesh) and finish; the new shards, merged back, are the whole state they left."""
+    run = launch(tmp_path, [{"action": "sigkill", "rank": 3, "step": FAULT_STEP, "phase": "backward"}], restarts=0)
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-4000:]
+    [left] = [x for x in run.stdout.splitlines() if "resharding: rank(s) [3] lost" in x]
+    [came] = [x for x in run.stdout.splitlines() if "resharded: 3 rank(s) at step" in x]
+    assert left.split("fingerprint ")[1] == came.split("fingerprint ")[1].split(",")[0], (left, came)
+    assert "rank(s) [3] retired" in run.stdout
+    results = by_rank(tmp_path)
+    assert sorted(results) == [0, 1, 2], log[-4000:]
+    assert all(r.end_step == STEPS and r.start_step == FAULT_STEP for r in results.values()), \
+        [(r.rank, r.start_step, r.end_step) for r in results.values()]
+    assert all(loss == loss for loss in results[0].losses.values())  # no NaN left: every step committed
+    assert not list(Path("/dev/shm").glob("commslayer-reshard-*"))  # the whole state's files were removed
+
+
 @pytest.mark.timeout(120)
-def test_no_replacement_ends_the_job_with_the_rank_named(tmp_path):
-    run = launch(tmp_path, [{"action": "sigkill", "rank": 3, "step": FAULT_STEP, "phase": "forward"}], restarts=0)
+def test_no_replacement_and_no_resharding_ends_the_job_with_the_rank_named(tmp_path):
+    run = launch(tmp_path, [{"action": "sigkill", "rank": 3, "step": FAULT_STEP, "phase": "forward"}], restarts=0,
+                 env={"COMMSLAYER_RESHARD": "0"})
     log = run.stdout + run.stderr
     assert run.returncode == 1, log[-4000:]
     leaving = [x for x in log.splitlines() if "leaving (ReplacementMissing" in x]
