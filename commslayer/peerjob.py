@@ -25,11 +25,16 @@ How a step survives a lost rank:
   one before it, if the loss cut that step's copy) is redone.  The optimizer
   only runs on a committed step, so the state after the redo is the state a
   fault-free run has.
+- A lost rank that gets no replacement (the launcher's restarts ran out,
+  or none came in time): the survivors reshard (``_reshard``): each merges
+  every rank's state into the whole (``commslayer.reshard``), leaves it in
+  host memory and starts its script again as a rank of a job one rank
+  smaller, whose ``steps`` takes its part of the whole.
 - A rank whose state has no surviving copy (it and its holders lost
-  together), or a rank that gets no replacement (the launcher's restarts ran
-  out), ends the job with ``StateLost`` or ``ReplacementMissing`` on every
-  survivor, naming the ranks and the last committed step; each survivor
-  dumps its trace on the way out.
+  together), or no replacement with resharding off, ends the job with
+  ``StateLost`` or ``ReplacementMissing`` on every survivor, naming the
+  ranks and the last committed step; each survivor dumps its trace on the
+  way out.
 """
 
 from __future__ import annotations
