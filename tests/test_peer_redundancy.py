@@ -17,6 +17,7 @@ import pytest
 
 from commslayer.redundancy import holders
 from commslayer.runs import RankResult, load_results
+from tests.viewer_traces import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "launch" / "examples" / "fsdp2_resilient.py"
@@ -78,7 +79,9 @@ KILLS = {
 @pytest.mark.parametrize("where, target", [("forward", 0), ("backward", 2), ("optimizer", 3), ("refresh", 1),
                                            ("reduce-scatter", 3)])
 def test_a_lost_rank_is_replaced_and_nothing_is_lost(clean, tmp_path, where, target):
-    run = launch(tmp_path, [{"action": "sigkill", "rank": target, **KILLS[where]}])
+    traces = tmp_path / "traces"  # one of the runs traced: the viewer must tell its story
+    env = {"COMMSLAYER_TRACE_DIR": str(traces)} if where == "backward" else {}
+    run = launch(tmp_path, [{"action": "sigkill", "rank": target, **KILLS[where]}], env=env)
     log = run.stdout[-4000:] + run.stderr[-4000:]
     assert run.returncode == 0, log
     results = by_rank(tmp_path)
@@ -90,6 +93,11 @@ def test_a_lost_rank_is_replaced_and_nothing_is_lost(clean, tmp_path, where, tar
     [rec] = survivor.recoveries
     assert rec.lost_replicas == [target] and rec.committed_at is not None
     assert "survivor stall (fault to next committed step)" in run.stdout
+    if where == "backward":
+        code, out, err = run_cli("diagnose", str(traces))
+        assert code == 0, out + err  # a recovered job: nothing is wrong
+        assert f"The job lost rank {target} at step {FAULT_STEP} and recovered" in out, out
+        assert f"rank {target} healed from rank {(target + 1) % RANKS}" in out, out
 
 
 @pytest.mark.timeout(200)

@@ -170,8 +170,9 @@ def print_recovery(story: Dict[str, Any]) -> None:
         for h in adm["heals"]:
             life = " (restarted)" if h["restarted"] else ""
             group = "" if h.get("source_replica") is None else f" (replica group {h['source_replica']})"
-            say(f"    rank {h['rank']}{life} healed from rank {h['source']}{group}: {h['bytes']} B in "
-                f"{h['seconds']:.3f} s")
+            size = "" if h["bytes"] is None else f": {h['bytes']} B"
+            took = "" if h["seconds"] is None else f" in {h['seconds']:.3f} s"
+            say(f"    rank {h['rank']}{life} healed from rank {h['source']}{group}{size}{took}")
     for f in story["fenced"]:
         say(f"  rank {f['rank']} fenced out of '{f['comm']}'")
 

@@ -36,6 +36,11 @@ def lineage(uid: str) -> str:
     return uid.split("/", 1)[0].split("@g", 1)[0]
 
 
+def _number(value: Any) -> Any:
+    """``value`` if it is a number (a trace is hostile input: anything else reads as absent)."""
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def _ranks(rs: Iterable[int]) -> str:
     rs = sorted(rs)
     return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
@@ -122,8 +127,8 @@ def recovery_story(scan: "JobScan") -> Dict[str, Any]:
         })
     admissions = []
     heals = [{"rank": e["rank"], "t_ns": e["t_ns"], "step": e.get("step"), "generation": e.get("generation"),
-              "source": e.get("source"), "source_replica": e.get("source_replica"), "bytes": e.get("bytes"),
-              "seconds": e.get("seconds"),
+              "source": e.get("source"), "source_replica": e.get("source_replica"), "bytes": _number(e.get("bytes")),
+              "seconds": _number(e.get("seconds")),
               "restarted": scan.life_of(e["rank"], e["t_ns"]) > 0}
              for e in sorted(by_kind.get("healed", ()), key=lambda e: e["t_ns"])]
     for (lin, gen), evs in sorted(gens.items()):
@@ -136,7 +141,7 @@ def recovery_story(scan: "JobScan") -> Dict[str, Any]:
         admissions.append({"lineage": lin, "generation": gen, "joined": joined, "members_before": before,
                            "members_after": after, "t_ns": min(e["t_ns"] for e in evs),
                            "step": adm[0].get("step") if adm else None,
-                           "seconds": max((e.get("seconds") or 0 for e in adm), default=None) if adm else None,
+                           "seconds": max((_number(e.get("seconds")) or 0 for e in adm), default=None) if adm else None,
                            "heals": [h for h in heals if h["generation"] == gen]})
     fenced = [{"rank": e["rank"], "t_ns": e["t_ns"], "comm": e.get("comm"), "why": e.get("why")}
               for e in by_kind.get("fenced", ())]

@@ -182,7 +182,7 @@ def _recovery_rows(story: Dict[str, Any], t0: int) -> List[List[Any]]:
                          f"{'restarted; ' if h['restarted'] else ''}{human_bytes(h['bytes'] or 0)} from rank "
                          f"{h['source']}"
                          + ("" if h.get("source_replica") is None else f" of replica group {h['source_replica']}")
-                         + f" in {h['seconds']:.3f} s"])
+                         + ("" if h["seconds"] is None else f" in {h['seconds']:.3f} s")])
     for f in story["fenced"]:
         rows.append(["fenced", at(f["t_ns"]), "-", f["rank"], (short_error(f["why"]), f["why"])])
     return rows
