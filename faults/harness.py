@@ -631,7 +631,7 @@ def _fenced(events: List[dict], recoveries: List[Recovery], results: List[RankRe
     dropped = [r for r in recoveries if layout.unit(layout.target) in r.lost_replicas]
     finished = [r for r in results if r.pid in target_pids]
     detail = f"SIGCONT {resumed - min(r.detected_at for r in dropped):.3f}s after the survivors saw the loss" \
-        if dropped else "no recovery dropped its group"
+        if dropped else "no recovery dropped it"
     said = True
     if layout.per_rank:
         left = [line.strip() for line in _lines(os.path.join(run_dir, "job.log"), f"rank {layout.target}] leaving (")]
@@ -643,7 +643,8 @@ def _fenced(events: List[dict], recoveries: List[Recovery], results: List[RankRe
         except (OSError, TraceFileError):
             ended = "it left no dump (ended while stopped)"
     return Check("the stopped rank was fenced", bool(dropped) and not finished and said,
-                 f"{detail}; its replica group was dropped at step(s) {[r.step for r in dropped]}; "
+                 f"{detail}; {'it' if layout.per_rank else 'its replica group'} was dropped at step(s) "
+                 f"{[r.step for r in dropped]}; "
                  f"the stopped process {'finished (WRONG)' if finished else 'never finished a step after it'}; "
                  f"{ended}")
 
