@@ -244,7 +244,7 @@ class PeerJob(Job):
         self._broken = None
         resumed = time.time()
         to_step, own = self._restore(joined=False)
-        del self.step_s[max(0, to_step - self.start_step):]  # steps redone are timed when they are redone
+        del self.step_s[max(0, to_step - (self.start_step or 0)):]  # steps redone are timed when they are redone
         self._redo = (to_step, own)
         self._recoveries.append(Recovery(step, lost, self.generation, detected, resumed))
         recovery_hooks("recovered", {"step": step, "lost_replicas": lost, "generation": self.generation,
