@@ -118,9 +118,12 @@ def trace_dir() -> str:
     """``COMMSLAYER_TRACE_DIR``: where trace dumps go; setting it turns tracing on
     for every communicator of the process (empty: tracing off). A restarted replica
     group (under ``commslayer-run``) writes into ``replica<R>-restart<N>/`` below it,
-    so its files do not replace those of the life before."""
+    so its files do not replace those of the life before; a replacement rank in
+    per-rank mode (one replica group) into ``replica0-restart<N>/``."""
     base = _path("COMMSLAYER_TRACE_DIR", directory=True)
     replica, restart = replica_id(), restart_count()
+    if replica is None and restart_unit() == "rank":
+        replica = 0
     if base and replica is not None and restart:
         return os.path.join(base, f"replica{replica}-restart{restart}")
     return base

@@ -26,9 +26,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     r.add_argument("scenarios", nargs="*", metavar="SCENARIO")
     r.add_argument("--all", action="store_true", help="every scenario")
     r.add_argument("--fast", action="store_true", help="with --all: the fast set (the one the test suite runs)")
-    r.add_argument("--ranks", type=int, default=4, help="ranks in the job (default 4)")
+    r.add_argument("--ranks", type=int, default=4, help="ranks in the job (default 4; per-rank scenarios: 3 or more)")
     r.add_argument("--per-replica", type=int, default=2,
-                   help="ranks per replica group (default 2; network scenarios use 1, a host per rank)")
+                   help="ranks per replica group (default 2; network scenarios use 1, a host per rank; "
+                        "per-rank scenarios have no replica groups)")
     r.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
     r.add_argument("--rank", type=int, help="the rank the faults hit (default: the last; for the mismatch "
                                             "scenarios not the first of its replica group)")
@@ -41,6 +42,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     r.add_argument("--job", default=Options.job, help="the training script (default launch/train.py)")
     r.add_argument("--out", default="runs/faults", help="reports and run directories go here")
     r.add_argument("--timeout", type=float, default=300.0, help="seconds one scenario may run")
+    r.add_argument("--no-reference", action="store_true",
+                   help="per-rank scenarios: skip the fault-free run their final state is compared with")
     r.add_argument("--repeat", type=int, default=1, help="run each scenario this many times (out/run<i>/...); "
                                                          "the summary gives medians and ranges")
     argv = sys.argv[1:] if argv is None else argv
@@ -50,7 +53,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.command == "list":
         for s in SCENARIOS:
             tags = [t for t, on in (("fast", s.fast), ("root", s.needs_root), (f"expect {s.expect}", True)) if on]
-            print(f"{s.name:<18} {s.family:<14} {', '.join(tags):<26} {s.summary}")
+            print(f"{s.name:<24} {s.family:<15} {', '.join(tags):<26} {s.summary}")
         return 0
     known = {s.name for s in SCENARIOS}
     names = [s.name for s in SCENARIOS if not a.fast or s.fast] if a.all else a.scenarios
@@ -59,7 +62,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error(f"unknown scenario(s) {unknown}; `commslayer-faults list` shows them" if unknown
                 else "name a scenario, or --all")
     options = Options(ranks=a.ranks, per_replica=a.per_replica, steps=a.steps, rank=a.rank, step=a.step, nth=a.nth, op=a.op,
-                      job=os.path.abspath(a.job), job_args=a.job_args, timeout_s=a.timeout)
+                      job=os.path.abspath(a.job), job_args=a.job_args, timeout_s=a.timeout,
+                      reference=not a.no_reference)
     try:
         options.faults(BY_NAME[names[0]], options.layout(BY_NAME[names[0]]))
     except ValueError as exc:

@@ -64,7 +64,8 @@ class Options:
     ``rank`` (default: the last), ``step``, ``op`` and ``nth`` move the scenario's
     fault: the rank it hits, the step of a step fault or an external one, the kind
     of collective (on any communicator) and the call of it that a collective fault
-    (the first life's) fires at."""
+    (the first life's) fires at.  ``reference``: compare a per-rank job's final state
+    with a fault-free run's (run once per job, steps and size: ``reference_fingerprints``)."""
 
     ranks: int = 4
     per_replica: int = 2
@@ -76,12 +77,19 @@ class Options:
     job: str = DEFAULT_JOB
     job_args: List[str] = field(default_factory=list)
     timeout_s: float = 300.0
+    reference: bool = True
 
     def layout(self, scenario: Scenario) -> Layout:
+        rank = next((r for r in (self.rank, scenario.rank) if r is not None), -1)
+        if scenario.per_rank:  # per_replica does not apply: no replica groups
+            if self.ranks < 3:
+                raise ValueError(f"{scenario.name}: a per-rank job of {self.ranks} ranks: needs 3 or more "
+                                 "(a lost rank, the holder of its state and another survivor)")
+            return Layout(1, self.ranks, rank, self.step, per_rank=True)
         per = scenario.per_replica or self.per_replica
         if self.ranks % per or self.ranks // per < 2:
             raise ValueError(f"{scenario.name}: {self.ranks} ranks do not make 2 or more replica groups of {per}")
-        return Layout(self.ranks // per, per, -1 if self.rank is None else self.rank, self.step)
+        return Layout(self.ranks // per, per, rank, self.step)
 
     def faults(self, scenario: Scenario, layout: Layout) -> List[Fault]:
         """The scenario's faults, the first life's collective fault moved to ``op`` and ``nth``."""
@@ -183,10 +191,13 @@ def run(name: str, out_dir: str, options: Optional[Options] = None) -> Dict[str,
     env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_FAULTS=encode(faults), COMMSLAYER_FAULTS_LOG=log.path,
                **scenario.env)
     env.pop("COMMSLAYER_TRACE_DIR", None)  # the launcher's default: <run-dir>/traces
-    base = [sys.executable, "-m", "commslayer.launcher", "--replicas", str(layout.replicas),
-            "--nproc-per-replica", str(layout.per_replica), "--max-restarts", str(scenario.max_restarts),
+    shape = ["--nproc-per-node", str(layout.ranks)] if layout.per_rank else \
+        ["--replicas", str(layout.replicas), "--nproc-per-replica", str(layout.per_replica)]
+    base = [sys.executable, "-m", "commslayer.launcher", *shape, "--max-restarts", str(scenario.max_restarts),
             "--run-dir", run_dir]
     job_args = [options.job, "--steps", str(options.steps), "--heal-timeout", "90", *options.job_args]
+    reference = reference_fingerprints(options, layout, out_dir, job_args) \
+        if scenario.per_rank and scenario.expect == "survive" and options.reference else None
     began = time.time()
     deadline = time.monotonic() + options.timeout_s
     notes: List[str] = []
@@ -243,10 +254,37 @@ def run(name: str, out_dir: str, options: Optional[Options] = None) -> Dict[str,
             except ProcessLookupError:
                 pass
     wall = time.time() - began
-    report = evaluate(scenario, layout, options, run_dir, trace_dir, codes, job.ended_at, leftovers, began)
+    report = evaluate(scenario, layout, options, run_dir, trace_dir, codes, job.ended_at, leftovers, began,
+                      reference)
     report.update(wall_s=round(wall, 3), notes=notes + report["notes"])
     write_reports(report, run_dir)
     return report
+
+
+_REFERENCES: Dict[tuple, Dict[int, List[int]]] = {}
+
+
+def reference_fingerprints(options: Options, layout: Layout, out_dir: str, job_args: List[str]) -> Dict[int, List[int]]:
+    """Each rank's state fingerprints at the end of a fault-free run of the per-rank job
+    (``job_args``: the script and its arguments), by rank; empty if that run failed.  Run
+    into ``out_dir/reference-per-rank`` once per job, arguments and size in this process."""
+    key = (layout.ranks, *job_args)
+    if key not in _REFERENCES:
+        ref_dir = os.path.abspath(os.path.join(out_dir, "reference-per-rank"))
+        shutil.rmtree(ref_dir, ignore_errors=True)
+        os.makedirs(ref_dir)
+        env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="")
+        env.pop("COMMSLAYER_FAULTS", None)
+        job = _Job(ref_dir)
+        try:
+            proc = job.start([sys.executable, "-m", "commslayer.launcher", "--nproc-per-node", str(layout.ranks),
+                              "--run-dir", ref_dir, *job_args], env, "reference")
+            done = job.wait(time.monotonic() + options.timeout_s)
+        finally:
+            job.close()
+        results = load_results(ref_dir) if done and proc.returncode == 0 else []
+        _REFERENCES[key] = {r.member: r.fingerprints or [] for r in results}
+    return _REFERENCES[key]
 
 
 def _inject_external(kind: str, log: Log, job: _Job, layout: Layout, net: Any,
@@ -313,8 +351,9 @@ class _FullDisk:
 # ------------------------------------------------------------- the checks
 def evaluate(scenario: Scenario, layout: Layout, options: Options, run_dir: str, trace_dir: str,
              codes: List[Optional[int]], ended_at: Optional[float], leftovers: Dict[str, List[str]],
-             began: float) -> Dict[str, Any]:
-    """The report of a finished run: what was injected, detected and recovered, and the checks."""
+             began: float, reference: Optional[Dict[int, List[int]]] = None) -> Dict[str, Any]:
+    """The report of a finished run: what was injected, detected and recovered, and the checks
+    (``reference``: a per-rank job's fingerprints in a fault-free run, ``reference_fingerprints``)."""
     events = read_log(os.path.join(run_dir, FAULT_LOG))
     injected = [e for e in events if e["event"] == "injected"]
     results = load_results(run_dir)
@@ -328,13 +367,16 @@ def evaluate(scenario: Scenario, layout: Layout, options: Options, run_dir: str,
                         f"{len(injected)} of {wanted}: " + "; ".join(e["what"] for e in injected)))
     target_pids = {e["pid"] for e in injected if e["member"] == layout.target and e["fault"] not in
                    ("coordinator", "link", "cap")}
+    killed = sorted({e["member"] for e in injected if e["fault"] not in ("coordinator", "link", "cap")})
     detection = _detection(events, injected, layout, {r.pid: r.started for r in results})
     recovery = recovery_of(recoveries, injected, results)
     if scenario.expect == "survive":
-        checks += state_checks(results, options.steps, layout)
+        checks += state_checks(results, options.steps, layout, reference)
         checks.append(Check("job finished", ended_at is not None and all(c == 0 for c in codes),
                             f"launcher exit {codes}"))
         checks.append(_dumps_cover(scenario, results, trace_dir, t0, target_pids, layout))
+    elif layout.per_rank:
+        checks += _state_lost_checks(t0, layout, killed, codes, ended_at, trace_dir, run_dir)
     else:
         checks += _stop_checks(scenario, t0, layout, codes, ended_at, trace_dir, run_dir)
     quiet = scenario.straggler or scenario.external == "bandwidth-cap"
@@ -353,7 +395,7 @@ def evaluate(scenario: Scenario, layout: Layout, options: Options, run_dir: str,
         checks.append(Check("survivors recovered from every fault", bool(stalls) and None not in stalls,
                             "fault to next committed step: " + ", ".join(f"{x}s" for x in stalls)))
     if scenario.stopped:
-        checks.append(_fenced(events, recoveries, results, layout, target_pids, trace_dir))
+        checks.append(_fenced(events, recoveries, results, layout, target_pids, trace_dir, run_dir))
     diagnosis = _diagnose(trace_dir, layout, scenario)
     if scenario.culprit:
         checks.append(Check("viewer names the rank", layout.target in diagnosis.get("culprits", []),
@@ -380,7 +422,8 @@ def evaluate(scenario: Scenario, layout: Layout, options: Options, run_dir: str,
     return {
         "scenario": scenario.name, "family": scenario.family, "summary": scenario.summary,
         "promise": scenario.promise, "expect": scenario.expect, "passed": passed,
-        "layout": {"replicas": layout.replicas, "per_replica": layout.per_replica, "target": layout.target},
+        "layout": {"replicas": layout.replicas, "per_replica": layout.per_replica, "target": layout.target,
+                   "per_rank": layout.per_rank},
         "steps": options.steps, "job": options.job, "env": scenario.env, "launcher_exit": codes,
         "injected": [{"what": e["what"], "t": e["t"], "after_start_s": round(e["t"] - began, 3),
                       "step": e.get("step"), "member": e["member"], "life": e["life"]} for e in injected],
@@ -389,8 +432,11 @@ def evaluate(scenario: Scenario, layout: Layout, options: Options, run_dir: str,
     }
 
 
-def state_checks(results: List[RankResult], steps: int, layout: Layout) -> List[Check]:
-    """Nothing lost: every rank of every group reached the end with the same state, each step applied once."""
+def state_checks(results: List[RankResult], steps: int, layout: Layout,
+                 reference: Optional[Dict[int, List[int]]] = None) -> List[Check]:
+    """Nothing lost: every rank of every group reached the end with the same state, each step applied once.
+    A per-rank job holds each shard once: its state is compared with ``reference``, a fault-free run's
+    fingerprints by rank (None: not compared)."""
     members = sorted(r.member for r in results)
     out = [Check("every rank finished every step", members == list(range(layout.ranks)) and
                  all(r.end_step == steps for r in results),
@@ -400,6 +446,9 @@ def state_checks(results: List[RankResult], steps: int, layout: Layout) -> List[
     out.append(Check("no step applied twice or skipped", bool(results) and not twice,
                      f"AdamW step counts all {steps} and one loss per step on every rank" if not twice
                      else f"wrong on (member, AdamW steps): {twice}"))
+    if layout.per_rank:
+        out.append(_same_as_reference(results, reference))
+        return out
     diffs = []
     for shard in sorted({r.rank for r in results}):
         prints = {tuple(r.fingerprints or ()) for r in results if r.rank == shard}
@@ -410,6 +459,18 @@ def state_checks(results: List[RankResult], steps: int, layout: Layout) -> List[
                      "parameters and AdamW state, per shard (BLAKE2b)" + (f"; differ on shards {diffs}" if diffs
                                                                          else "")))
     return out
+
+
+def _same_as_reference(results: List[RankResult], reference: Optional[Dict[int, List[int]]]) -> Check:
+    name = "state bitwise identical to a fault-free run"
+    if reference is None:
+        return Check(name, None, "no fault-free reference run (--no-reference)")
+    if not reference:
+        return Check(name, False, "the fault-free reference run did not finish")
+    differ = sorted(r.member for r in results if r.fingerprints != reference.get(r.member))
+    return Check(name, bool(results) and not differ and sorted(reference) == sorted(r.member for r in results),
+                 "parameters, AdamW state and registered objects per rank (BLAKE2b) vs the reference run's"
+                 + (f"; differ on ranks {differ}" if differ else ""))
 
 
 def _detection(events: List[dict], injected: List[dict], layout: Layout,
@@ -427,7 +488,7 @@ def _detection(events: List[dict], injected: List[dict], layout: Layout,
         for e in sorted(first.values(), key=lambda e: e["t"]):
             out.append({"fault": inj["what"], "member": e["member"], "life": e["life"],
                         "after_s": round(e["t"] - inj["t"], 4), "error": e["error"], "comm": e["comm"],
-                        "mate": e["member"] // layout.per_replica == layout.target // layout.per_replica})
+                        "mate": layout.unit(e["member"]) == layout.unit(layout.target)})
     return out
 
 
@@ -524,21 +585,66 @@ def _stop_checks(scenario: Scenario, t: Optional[float], layout: Layout, codes: 
     return out
 
 
+def _state_lost_checks(t: Optional[float], layout: Layout, killed: List[int], codes: List[Optional[int]],
+                       ended_at: Optional[float], trace_dir: str, run_dir: str) -> List[Check]:
+    """A per-rank job that lost a rank's every copy: it must end soon, the launcher with exit 1
+    and its 'the job failed' line, and every survivor with a dump whose reason is ``StateLost``
+    naming the rank and the job's last committed step (the same on all).  Soon: the loss is seen
+    and the survivors shrink, each within the peer timeout; then the launcher grants the ranks
+    its grace period (replacements it started meanwhile do not leave on their own)."""
+    from commslayer import config
+
+    if t is None:
+        return [Check("job ended with the cause named", False, "no fault was injected")]
+    took = None if ended_at is None else ended_at - t
+    bound_s = 2 * config.peer_timeout_s() + GRACE_S
+    out = [Check(f"job ended (exit 1) within {bound_s:g}s", took is not None and took <= bound_s and codes == [1],
+                 f"every process gone {took:.3f}s after the fault; launcher exits {codes}" if took is not None
+                 else "the job did not end")]
+    failed = _lines(os.path.join(run_dir, "job.log"), "commslayer-run: the job failed:")
+    out.append(Check("the launcher names the lost state", any("StateLost" in line for line in failed),
+                     failed[0].strip()[:300] if failed else "no 'commslayer-run: the job failed' line"))
+    reasons, steps = {}, set()
+    for m in range(layout.ranks):
+        if m in killed:
+            continue
+        try:
+            reasons[m] = read_dump(os.path.join(trace_dir, f"rank{m}.json"))["reason"]
+        except (OSError, TraceFileError) as exc:
+            reasons[m] = f"no dump: {exc}"
+        last = re.search(r"last committed step (-?\d+)", reasons[m])
+        steps.add(int(last.group(1)) if last else None)
+    named = all("StateLost" in why and f"rank(s) {[layout.target]}" in why for why in reasons.values())
+    out.append(Check("every survivor dumped its trace, ending on StateLost with the lost rank and the last "
+                     "committed step", bool(reasons) and named and len(steps) == 1 and None not in steps,
+                     f"last committed step {sorted(steps, key=str)}; " + "; ".join(
+                         f"rank {m}: {why[why.find('StateLost'):][:160]}" for m, why in sorted(reasons.items()))))
+    return out
+
+
 def _fenced(events: List[dict], recoveries: List[Recovery], results: List[RankResult], layout: Layout,
-            target_pids: set, trace_dir: str) -> Check:
-    """The stopped rank's group was dropped, and the rank never finished a step after it."""
+            target_pids: set, trace_dir: str, run_dir: str) -> Check:
+    """The stopped rank's restart unit was dropped, and the rank never finished a step after it;
+    in a per-rank job it must say it left fenced (its dump is replaced by its replacement's)."""
     stop = next(e for e in events if e["event"] == "injected" and e["action"] == "sigstop")
     resumed = stop["t"] + stop["seconds"]  # when its helper sent SIGCONT
-    dropped = [r for r in recoveries if layout.target // layout.per_replica in r.lost_replicas]
+    dropped = [r for r in recoveries if layout.unit(layout.target) in r.lost_replicas]
     finished = [r for r in results if r.pid in target_pids]
     detail = f"SIGCONT {resumed - min(r.detected_at for r in dropped):.3f}s after the survivors saw the loss" \
-        if dropped else "no recovery dropped its group"
-    try:  # a dump shows it resumed (it dumps on the SIGTERM its torchrun sent); none: killed while stopped
-        ended = f"its dump says it ended on: {read_dump(os.path.join(trace_dir, f'rank{layout.target}.json'))['reason']}"
-    except (OSError, TraceFileError):
-        ended = "it left no dump (ended while stopped)"
-    return Check("the stopped rank was fenced", bool(dropped) and not finished,
-                 f"{detail}; its replica group was dropped at step(s) {[r.step for r in dropped]}; "
+        if dropped else "no recovery dropped it"
+    said = True
+    if layout.per_rank:
+        left = [line.strip() for line in _lines(os.path.join(run_dir, "job.log"), f"rank {layout.target}] leaving (")]
+        said = any("CommAborted" in line and "fenced" in line for line in left)
+        ended = f"it said: {left[0][:300]}" if left else "it never said it left"
+    else:
+        try:  # a dump shows it resumed (it dumps on the SIGTERM its torchrun sent); none: killed while stopped
+            ended = f"its dump says it ended on: {read_dump(os.path.join(trace_dir, f'rank{layout.target}.json'))['reason']}"
+        except (OSError, TraceFileError):
+            ended = "it left no dump (ended while stopped)"
+    return Check("the stopped rank was fenced", bool(dropped) and not finished and said,
+                 f"{detail}; {'it' if layout.per_rank else 'its replica group'} was dropped at step(s) "
+                 f"{[r.step for r in dropped]}; "
                  f"the stopped process {'finished (WRONG)' if finished else 'never finished a step after it'}; "
                  f"{ended}")
 
@@ -592,11 +698,16 @@ def _step_times(results: List[RankResult], injected: List[dict]) -> str:
 
 
 def _grep(path: str, text: str) -> int:
+    return len(_lines(path, text))
+
+
+def _lines(path: str, text: str) -> List[str]:
+    """The lines of the file at ``path`` that contain ``text`` (none: no file)."""
     try:
         with open(path, errors="replace") as f:
-            return sum(text in line for line in f)
+            return [line for line in f if text in line]
     except OSError:
-        return 0
+        return []
 
 
 # ---------------------------------------------------------------- reports
@@ -628,8 +739,8 @@ def markdown(reports: List[Dict[str, Any]]) -> str:
             continue
         lines += ["", f"## {r['scenario']} ({r['family']}): {'PASS' if r['passed'] else 'FAIL'}", "",
                   f"- injected: {r['summary']}", f"- promise: {r['promise']}",
-                  f"- layout: {r['layout']['replicas']} replica groups x {r['layout']['per_replica']} ranks, "
-                  f"target rank {r['layout']['target']}; {r['steps']} steps; wall {r['wall_s']:.1f}s",
+                  f"- layout: {_shape(r['layout'])}, target rank {r['layout']['target']}; {r['steps']} steps; "
+                  f"wall {r['wall_s']:.1f}s",
                   f"- viewer: {r['diagnosis'].get('headline', '')}"]
         for d in r["detection"]:
             lines.append(f"- detected by rank {d['member']} (life {d['life']}{', its group mate' if d['mate'] else ''})"
@@ -643,6 +754,12 @@ def markdown(reports: List[Dict[str, Any]]) -> str:
         for n in r["notes"]:
             lines.append(f"\n{n}")
     return "\n".join(lines) + "\n"
+
+
+def _shape(layout: Dict[str, Any]) -> str:
+    if layout.get("per_rank"):
+        return f"{layout['per_replica']} ranks, each its own restart unit (per-rank mode)"
+    return f"{layout['replicas']} replica groups x {layout['per_replica']} ranks"
 
 
 def repeated(reports: List[Dict[str, Any]]) -> str:

@@ -7,12 +7,19 @@ named by ``external`` and carried out by ``faults.harness``.  ``expect``
 says what the job promises: ``survive`` (the survivors go on, the lost
 replica group is restarted and heals, nothing is lost) or ``stop`` (the job
 ends, every rank with an error that names the cause and a trace dump).
+
+Most scenarios run a job of replica groups (``commslayer-run --replicas``).
+The ``per_rank`` ones run a job without them (per-rank mode: every rank its
+own restart unit, its state also held by its buddy, ``commslayer.peerjob``):
+their layout is one group of all the ranks, with ``per_rank`` set.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
+
+from commslayer.redundancy import holders
 
 from .inject import Fault
 
@@ -24,12 +31,14 @@ class Layout:
     """The job's shape (``replicas`` replica groups of ``per_replica`` ranks each), the
     rank the faults aim at and the step they fire at.  The default target is the last
     rank: not the first of its group, so that check mode (which compares every rank
-    with the group's rank 0) names it."""
+    with the group's rank 0) names it.  ``per_rank``: a job without replica groups
+    (one group of every rank, ``replicas`` 1), in which every rank is restarted alone."""
 
     replicas: int
     per_replica: int
     target: int = -1
     step: int = FAULT_STEP
+    per_rank: bool = False
 
     def __post_init__(self) -> None:
         if self.target == -1:
@@ -40,6 +49,15 @@ class Layout:
     @property
     def ranks(self) -> int:
         return self.replicas * self.per_replica
+
+    def unit(self, member: int) -> int:
+        """The restart unit of rank ``member``: its replica group, or the rank itself in per-rank mode."""
+        return member if self.per_rank else member // self.per_replica
+
+    @property
+    def holder(self) -> int:
+        """The rank that holds the target's state in per-rank mode (one host, one copy)."""
+        return holders([0] * self.ranks, 1)[self.target][0]
 
 
 @dataclass(frozen=True)
@@ -59,6 +77,8 @@ class Scenario:
     culprit: bool = False                    # the viewer's diagnose must name the target rank
     straggler: bool = False                  # the viewer's summary must show the target as the straggler
     stopped: bool = False                    # the target is stopped and resumed: it must be fenced
+    per_rank: bool = False                   # a job without replica groups (see the module doc)
+    rank: Optional[int] = None               # the default target (default: the last rank)
 
 
 def _at_step(action: str, phase: str, **kw) -> Callable[[Layout], List[Fault]]:
@@ -72,6 +92,19 @@ def _at_op(action: str, op: str, comm: str, nth: Callable[[Layout], int], **kw) 
 def _all_gathers(layout: Layout) -> int:
     """About ``layout.step``'s first FSDP2 all-gather in launch/train.py's default model: 10 a step."""
     return 10 * layout.step
+
+
+def _shard_op(per_step: int, at: int) -> Callable[[Layout], int]:
+    """The ``at``-th call (from 1) at ``layout.step`` of a collective that launch/train.py's default
+    model makes ``per_step`` times a step on the shard communicator of a per-rank job (counted in
+    its traces: 9 all-gathers, 5 reduce-scatters)."""
+    return lambda layout: per_step * layout.step + at
+
+
+def _buddy_pair(layout: Layout) -> List[Fault]:
+    """The target and the holder of its state killed in the same all-gather."""
+    return [Fault("sigkill", rank, op="all_gather_single", comm="shards", nth=_shard_op(9, 5)(layout), during=True)
+            for rank in (layout.target, layout.holder)]
 
 
 def _mismatch(kind: str) -> Scenario:
@@ -150,6 +183,36 @@ SCENARIOS: List[Scenario] = [
              lambda layout: [Fault("sigkill", layout.target, step=layout.step, phase="forward"),
                              Fault("sigkill", layout.target, life=1, op="broadcast", comm="replicate", nth=2,
                                    during=True)]),
+]
+
+PEER_PROMISE = ("the survivors hold, the launcher starts a replacement for the rank, which gets the rank's state "
+                "from its holder; the interrupted step is redone and every rank ends with the state of a "
+                "fault-free run, bit for bit")
+SCENARIOS += [
+    Scenario("rank-kill-fsdp", "peer-redundancy", f"per-rank job: SIGKILL of a rank at step {FAULT_STEP}, in "
+             "forward", PEER_PROMISE, _at_step("sigkill", "forward"), per_rank=True, culprit=True),
+    Scenario("rank-kill-refresh", "peer-redundancy", f"per-rank job: SIGKILL of a rank during the refresh of the "
+             f"state copies at step {FAULT_STEP} (between the sizes and the bytes)",
+             PEER_PROMISE + "; the cut refresh is not used: every rank goes back to the last boundary whose copies "
+             "are complete", _at_step("sigkill", "refresh"), per_rank=True, culprit=True, fast=False),
+    Scenario("rank-kill-reduce-scatter", "peer-redundancy", "per-rank job: SIGKILL of a rank while the 3rd "
+             f"reduce-scatter of step {FAULT_STEP}'s backward is in flight",
+             PEER_PROMISE + "; FSDP2's hooks never see the error (the group is held): the step runs on and is "
+             "voted down", _at_op("sigkill", "reduce_scatter_single", "shards", _shard_op(5, 3), during=True),
+             per_rank=True, culprit=True, fast=False),
+    Scenario("rank-stop", "peer-redundancy", f"per-rank job: SIGSTOP of a rank for 8 s at step {FAULT_STEP} "
+             "(then SIGCONT)",
+             "the survivors declare it lost after the peer timeout (3 s) and mark it lost in the job's store; the "
+             "launcher starts a replacement while the stopped process still exists, which heals from the holder; "
+             "on SIGCONT the old process finds itself fenced (CommAborted) and never commits a step; the state "
+             "ends as a fault-free run's", _at_step("sigstop", "forward", seconds=8.0), per_rank=True,
+             stopped=True, fast=False),
+    Scenario("buddy-pair-kill", "peer-redundancy", "per-rank job: a rank and the holder of its state (default "
+             f"ranks 1 and 2) SIGKILLed in the same all-gather of step {FAULT_STEP}",
+             "the rank's state has no copy left: the job stops. Every survivor raises StateLost naming the rank and "
+             "the last committed step, writes job/failed and dumps its trace; nobody hangs; the launcher prints "
+             "'the job failed' and exits 1", _buddy_pair, per_rank=True, rank=1, expect="stop",
+             culprit=True),
 ]
 
 BY_NAME: Dict[str, Scenario] = {s.name: s for s in SCENARIOS}

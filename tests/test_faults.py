@@ -3,8 +3,9 @@ resilient training job at world size 4, one real fault per scenario.
 
 Each fast scenario must pass every check the harness makes (faults fired, survivors'
 state bitwise identical, every step applied once, dumps covering the fault, the
-viewer's verdict, nothing left behind); the network scenarios need root and run with
-``-m slow``.  The checks themselves are tested against runs that break them.
+viewer's verdict, nothing left behind; a per-rank job's state equal to a fault-free
+run's); the network scenarios (root) and the slower per-rank ones run with ``-m slow``.
+The checks themselves are tested against runs that break them.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ def faults_cli(*args: str, timeout: float = 280) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
-def run_scenario(name: str, out: Path) -> dict:
-    proc = faults_cli("run", name, "--out", str(out))
+def run_scenario(name: str, out: Path, *args: str) -> dict:
+    proc = faults_cli("run", name, "--out", str(out), *args)
     if "SKIPPED" in proc.stdout:
         pytest.skip(proc.stdout.split("SKIPPED", 1)[1].strip().splitlines()[0])
     report = json.loads((out / name / "report.json").read_text())
@@ -46,9 +47,10 @@ def run_scenario(name: str, out: Path) -> dict:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", [s.name for s in SCENARIOS if s.fast])
 def test_fast_scenario_passes(name, tmp_path):
-    report = run_scenario(name, tmp_path)
-    assert (tmp_path / name / "report.md").read_text().startswith("| scenario |")
     scenario = next(s for s in SCENARIOS if s.name == name)
+    # a per-rank survive scenario also runs its fault-free reference: 20 steps (10 after the fault) keep it short
+    report = run_scenario(name, tmp_path, *(["--steps", "20"] if scenario.per_rank else []))
+    assert (tmp_path / name / "report.md").read_text().startswith("| scenario |")
     if scenario.expect == "survive" and not scenario.straggler:
         # Every fault was survived, and the survivors saw each one (generous bound: speed is a benchmark's).
         assert all(f["stall_s"] is not None and f["stall_s"] < 10 for f in report["recovery"]["per_fault"])
@@ -60,12 +62,17 @@ def test_fast_scenario_passes(name, tmp_path):
         assert errors and errors <= {"PeerLost", "StoreUnreachable"}, report["detection"]
         if scenario.external == "coordinator-stop":
             assert "StoreUnreachable" in errors, report["detection"]
+    if scenario.per_rank:
+        # Compared with a fault-free run (survive), or ended by the launcher naming the lost state (stop).
+        name = "state bitwise identical to a fault-free run" if scenario.expect == "survive" else \
+            "the launcher names the lost state"
+        assert [c["ok"] for c in report["checks"] if c["name"] == name] == [True], report["checks"]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("name", [s.name for s in SCENARIOS if not s.fast])
-def test_network_scenario_passes(name, tmp_path):
+def test_slow_scenario_passes(name, tmp_path):
     run_scenario(name, tmp_path)
 
 
@@ -80,6 +87,7 @@ def test_list_names_every_scenario():
     (["kill-step", "--rank", "9"], "the job has ranks 0..3"),
     (["kill-collective", "--op", "allreduce"], "op 'allreduce': expected one of all_reduce"),
     (["kill-step", "--ranks", "5"], "do not make 2 or more replica groups"),
+    (["buddy-pair-kill", "--ranks", "2"], "a per-rank job of 2 ranks: needs 3 or more"),
 ])
 def test_bad_arguments_are_usage_errors(args, says):
     proc = faults_cli("run", *args, timeout=60)
@@ -112,6 +120,29 @@ def test_state_checks_catch_a_skipped_step_and_diverged_state():
     assert [c.name for c in state_checks(skipped, 4, layout) if not c.ok] == ["no step applied twice or skipped"]
     assert [c.name for c in state_checks(diverged, 4, layout) if not c.ok] == \
         ["state bitwise identical across replicas"]
+
+
+def test_state_checks_of_a_per_rank_job_compare_with_the_reference():
+    """One copy of each shard: nothing to compare across replicas; each rank against a fault-free run."""
+    layout = Layout(1, 4, per_rank=True)
+    runs = [RankResult(member=m, replica=0, rank=m, restart=int(m == 3), pid=100 + m, started=0.0, steps=4,
+                       start_step=2 if m == 3 else 0, elapsed_s=0.4, step_s=[0.1] * (2 if m == 3 else 4),
+                       losses={s: 1.0 for s in range(2 if m == 3 else 0, 4)}, optimizer_steps=[4], live=[0],
+                       fingerprints=[20 + m]) for m in range(4)]
+    reference = {m: [20 + m] for m in range(4)}
+    assert all(c.ok for c in state_checks(runs, 4, layout, reference))
+    assert [c.ok for c in state_checks(runs, 4, layout) if "fault-free" in c.name] == [None]
+    diverged = {**reference, 3: [99]}
+    assert [c.detail for c in state_checks(runs, 4, layout, diverged) if c.ok is False] == \
+        ["parameters, AdamW state and registered objects per rank (BLAKE2b) vs the reference run's; "
+         "differ on ranks [3]"]
+    assert [c.ok for c in state_checks(runs, 4, layout, {}) if "fault-free" in c.name] == [False]
+
+
+def test_a_per_rank_layout_restarts_ranks_alone():
+    layout = Layout(1, 4, target=1, per_rank=True)
+    assert (layout.ranks, layout.holder, layout.unit(1), layout.unit(2)) == (4, 2, 1, 2)
+    assert Layout(2, 2, target=1).unit(1) == 0
 
 
 def test_fault_specs_round_trip_and_reject_bad_input():

@@ -65,6 +65,24 @@ def test_trace_mode_is_validated(monkeypatch):
             config.trace_mode()
 
 
+def test_each_life_of_a_rank_dumps_into_its_own_directory(tmp_path, monkeypatch):
+    """A replacement rank (per-rank mode) and a restarted replica group write below their life's
+    directory, which the viewer reads as a later life: never over the dump of the life before."""
+    from commslayer import config
+
+    monkeypatch.setenv("COMMSLAYER_TRACE_DIR", str(tmp_path))
+    for name in ("COMMSLAYER_REPLICA", "COMMSLAYER_RESTART_UNIT", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    assert config.trace_dir() == str(tmp_path)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert config.trace_dir() == str(tmp_path)  # plain torchrun: no replica group, not per-rank
+    monkeypatch.setenv("COMMSLAYER_RESTART_UNIT", "rank")
+    assert config.trace_dir() == str(tmp_path / "replica0-restart2")
+    monkeypatch.delenv("COMMSLAYER_RESTART_UNIT")
+    monkeypatch.setenv("COMMSLAYER_REPLICA", "1")
+    assert config.trace_dir() == str(tmp_path / "replica1-restart2")
+
+
 def test_a_planted_jsonl_link_is_refused_and_logged(tmp_path, caplog):
     from tracing.dumps import AppendWriter
 
