@@ -273,7 +273,6 @@ class PeerJob(Job):
         self._broken = None
         resumed = time.time()
         to_step, own = self._restore(joined=False)
-        del self.step_s[max(0, to_step - (self.start_step or 0)):]  # steps redone are timed when they are redone
         self._redo = (to_step, own)
         self._recoveries.append(Recovery(step, [self._launched[r] for r in lost], self.generation, detected,
                                          resumed))
