@@ -190,7 +190,7 @@ PEER_PROMISE = ("the survivors hold, the launcher starts a replacement for the r
                 "fault-free run, bit for bit")
 SCENARIOS += [
     Scenario("rank-kill-fsdp", "peer-redundancy", f"per-rank job: SIGKILL of a rank at step {FAULT_STEP}, in "
-             "forward", PEER_PROMISE, _at_step("sigkill", "forward"), per_rank=True, culprit=True),
+             "forward", PEER_PROMISE, _at_step("sigkill", "forward"), per_rank=True, culprit=True, fast=False),
     Scenario("rank-kill-refresh", "peer-redundancy", f"per-rank job: SIGKILL of a rank during the refresh of the "
              f"state copies at step {FAULT_STEP} (between the sizes and the bytes)",
              PEER_PROMISE + "; the cut refresh is not used: every rank goes back to the last boundary whose copies "
