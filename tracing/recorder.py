@@ -114,9 +114,13 @@ class Record:
 
 
 def _caller(frame):
-    """The first frame outside commslayer, tracing and torch: the code that issued the op."""
+    """The first frame outside commslayer, tracing and torch: the code that issued the op;
+    for an op of commslayer's own thread (the copies' refresh) the outermost frame of ours."""
+    inner = None
     while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
-        frame = frame.f_back
+        inner, frame = frame, frame.f_back
+    if inner is not None and frame is not None and frame.f_code.co_filename == threading.__file__:
+        return inner
     return frame
 
 
