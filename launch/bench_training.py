@@ -124,7 +124,8 @@ store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
 dist.init_process_group("gloo", store=dist.PrefixStore(f"restart{restart}/", store), rank=rank, world_size=size,
                         timeout=timeout)
 shards = size // cfg["replicas"]
-mesh = init_device_mesh("cpu", (cfg["replicas"], shards), mesh_dim_names=("replicate", "shard"))
+mesh = (init_device_mesh("cpu", (size,)) if cfg["replicas"] == 1 else  # plain FSDP2 over every rank
+        init_device_mesh("cpu", (cfg["replicas"], shards), mesh_dim_names=("replicate", "shard")))
 torch.manual_seed(cfg["seed"])
 model = TinyLM(cfg["vocab"], cfg["dim"], cfg["layers"], cfg["heads"], cfg["seq"])
 for block in model.blocks:
@@ -261,14 +262,15 @@ def survivor_stall(phase: str, args: argparse.Namespace, work: str, name: str) -
             "ranks_that_gave_up": leaving, "log": log_path}
 
 
-def dcp_restart(args: argparse.Namespace, work: str, name: str) -> dict:
-    """One run of the torchrun + DCP baseline: the kill, the restart, the replay."""
+def dcp_restart(args: argparse.Namespace, work: str, name: str, replicas: int = REPLICAS) -> dict:
+    """One run of the torchrun + DCP baseline: the kill, the restart, the replay (``replicas``
+    1: FSDP2 over all 4 ranks, no replica groups; launch/bench_peer.py's baseline)."""
     out, log_path = os.path.join(work, name), os.path.join(work, name + ".log")
     os.makedirs(os.path.join(out, "ckpt"))
     job = os.path.join(work, "dcp_job.py")
     with open(job, "w") as f:
         f.write(_DCP_JOB)
-    cfg = dict(args.model, replicas=REPLICAS, steps=args.steps, fault_step=args.fault_step,
+    cfg = dict(args.model, replicas=replicas, steps=args.steps, fault_step=args.fault_step,
                ckpt_every=args.ckpt_every, victim=VICTIM_REPLICA * RANKS, out=out)
     env = launcher_env()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "launch"), str(ROOT)] + env.get("PYTHONPATH", "").split(os.pathsep))
