@@ -70,7 +70,8 @@ import time
 from glob import glob
 from typing import Callable, Dict, List, Tuple
 
-from bench_training import MODEL, SMOKE, _train_args, dcp_restart, launcher_env, measured_revision, median_range
+from bench_training import (MODEL, SMOKE, _train_args, dcp_restart, launcher_env, measured_revision, median_range,
+                            rotated)
 from commslayer.processes import free_port
 from commslayer.runs import load_results, load_summary
 
@@ -179,6 +180,11 @@ class Bench:
                 "model_build_s": fresh["built_at"] - fresh["build_from"]}
 
 
+def _cells(xs: List[dict], *keys: str) -> str:
+    """A median and a min–max cell for each of ``keys`` over the runs ``xs``."""
+    return " | ".join(median_range([x[k] for x in xs]) for k in keys)
+
+
 def _tables(args: argparse.Namespace, figures: Dict[str, List[dict]]) -> None:
     """The Markdown tables, a row per configuration run."""
     def ours(config: str) -> bool:
@@ -194,11 +200,9 @@ def _tables(args: argparse.Namespace, figures: Dict[str, List[dict]]) -> None:
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for config in filter(ours, (PEER, GROUPS)):
         xs = figures[config]
-        print(f"| {config} | {median_range([x['stall_s'] for x in xs])} | "
-              f"{sorted({x['steps_redone'] for x in xs})} | "
+        print(f"| {config} | {_cells(xs, 'stall_s')} | {sorted({x['steps_redone'] for x in xs})} | "
               f"{median_range([x['replacement_since_kill_s']['exec_at'] for x in xs])} | "
-              f"{median_range([x['process_start_s'] for x in xs])} | "
-              f"{median_range([x['stall_s'] - x['process_start_s'] for x in xs])} |")
+              f"{_cells(xs, 'process_start_s')} | {median_range([x['stall_s'] - x['process_start_s'] for x in xs])} |")
     dcp = figures.get(DCP, [])
     if dcp:
         print(f"| {DCP} every {args.ckpt_every} steps | "
@@ -209,17 +213,16 @@ def _tables(args: argparse.Namespace, figures: Dict[str, List[dict]]) -> None:
     if any(c in figures for c in LOST):
         print("\nThe replacement's process start, per part (seconds; median and min–max over runs; torchrun + DCP: "
               "4 processes start at once, its imports are torch's with train.py's):\n")
-        print("| configuration | exec → interpreter up | min–max | import torch | min–max | other imports | min–max | "
-              "model build (FSDP2) | min–max | checkpoint load | min–max |")
+        print("| configuration | exec → interpreter up | min–max | import torch | min–max | other imports | "
+              "min–max | model build (FSDP2) | min–max | checkpoint load | min–max |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for config in filter(ours, (PEER, GROUPS)):
         xs = figures[config]
-        print(f"| {config} | {median_range([x['python_up_s'] for x in xs])} | "
-              f"{median_range([x['torch_import_s'] for x in xs])} | "
-              f"{median_range([x['other_imports_s'] for x in xs])} | "
-              f"{median_range([x['model_build_s'] for x in xs])} | – | – |")
+        parts = _cells(xs, 'python_up_s', 'torch_import_s', 'other_imports_s', 'model_build_s')
+        print(f"| {config} | {parts} | – | – |")
     if dcp:
-        print(f"| {DCP} | – | – | {median_range([x['imported_s'] - x['process_started_s'] for x in dcp])} | – | – | "
+        print(f"| {DCP} | – | – | {median_range([x['imported_s'] - x['process_started_s'] for x in dcp])} | "
+              "– | – | "
               f"{median_range([x['built_s'] - x['imported_s'] for x in dcp])} | "
               f"{median_range([x['checkpoint_loaded_s'] - x['built_s'] for x in dcp])} |")
     if BASE not in figures:
@@ -288,17 +291,9 @@ def main() -> int:
     for config in args.configs:
         runs[config] = (lambda run, config=config: bench.lost_rank(config, run)) if config in LOST else \
             (lambda run, config=config: bench.fault_free(config, run))
-    figures: Dict[str, List[dict]] = {key: [] for key in runs}
     revision = measured_revision()
     began = time.time()
-    for i in range(args.repeats):
-        order = list(runs)[i % len(runs):] + list(runs)[:i % len(runs)]
-        for key in order:
-            t0 = time.time()
-            run = f"r{i}-{key}".replace(" ", "_").replace("(", "").replace(")", "").replace("+", "").replace("/", "")
-            figures[key].append(runs[key](run))
-            shown = {k: round(v, 4) for k, v in figures[key][-1].items() if isinstance(v, float)}
-            _log(f"repeat {i} {key} ({time.time() - t0:.0f} s): {shown}")
+    figures = rotated(runs, args.repeats, _log)
     shutil.rmtree(work)
     _log(f"done in {time.time() - began:.0f} s")
 
