@@ -53,7 +53,7 @@ import tempfile
 import time
 from typing import Callable, Dict, List, Tuple
 
-from bench_training import launcher_env, measured_revision, median_range
+from bench_training import launcher_env, measured_revision, median_range, rotated
 from commslayer.processes import free_port
 from commslayer.runs import load_results, load_summary
 
@@ -172,17 +172,9 @@ def main() -> int:
         for phase in args.phases:
             runs[(name, f"ours, SIGKILL in {phase}")] = lambda run, name=name, phase=phase: bench.fault(name, phase,
                                                                                                           run)
-    figures: Dict[Tuple[str, str], List[dict]] = {key: [] for key in runs}
     revision = measured_revision()
     began = time.time()
-    for i in range(args.repeats):
-        order = list(runs)[i % len(runs):] + list(runs)[:i % len(runs)]
-        for key in order:
-            t0 = time.time()
-            run = f"r{i}-{key[0]}-{key[1]}".replace(" ", "_").replace(",", "").replace("/", "").replace(".", "")
-            figures[key].append(runs[key](run))
-            shown = {k: round(v, 4) for k, v in figures[key][-1].items() if isinstance(v, float)}
-            _log(f"repeat {i} {key[0]} / {key[1]} ({time.time() - t0:.0f} s): {shown}")
+    figures = rotated(runs, args.repeats, _log)
     shutil.rmtree(work)
     _log(f"done in {time.time() - began:.0f} s")
 

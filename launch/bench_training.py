@@ -65,6 +65,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import statistics
@@ -74,12 +75,13 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, Hashable, List, Sequence, TypeVar
 
 from commslayer.processes import free_port
 from commslayer.runs import load_results, load_summary, longest
 
 ROOT = Path(__file__).resolve().parent.parent
+K = TypeVar("K", bound=Hashable)
 
 REPLICAS, RANKS = 2, 2
 VICTIM_REPLICA = 1  # rank 0 of this replica group dies (global rank 2 in the DCP job)
@@ -124,7 +126,8 @@ store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
 dist.init_process_group("gloo", store=dist.PrefixStore(f"restart{restart}/", store), rank=rank, world_size=size,
                         timeout=timeout)
 shards = size // cfg["replicas"]
-mesh = init_device_mesh("cpu", (cfg["replicas"], shards), mesh_dim_names=("replicate", "shard"))
+mesh = (init_device_mesh("cpu", (size,)) if cfg["replicas"] == 1 else  # plain FSDP2 over every rank
+        init_device_mesh("cpu", (cfg["replicas"], shards), mesh_dim_names=("replicate", "shard")))
 torch.manual_seed(cfg["seed"])
 model = TinyLM(cfg["vocab"], cfg["dim"], cfg["layers"], cfg["heads"], cfg["seq"])
 for block in model.blocks:
@@ -261,14 +264,15 @@ def survivor_stall(phase: str, args: argparse.Namespace, work: str, name: str) -
             "ranks_that_gave_up": leaving, "log": log_path}
 
 
-def dcp_restart(args: argparse.Namespace, work: str, name: str) -> dict:
-    """One run of the torchrun + DCP baseline: the kill, the restart, the replay."""
+def dcp_restart(args: argparse.Namespace, work: str, name: str, replicas: int = REPLICAS) -> dict:
+    """One run of the torchrun + DCP baseline: the kill, the restart, the replay (``replicas``
+    1: FSDP2 over all 4 ranks, no replica groups; launch/bench_peer.py's baseline)."""
     out, log_path = os.path.join(work, name), os.path.join(work, name + ".log")
     os.makedirs(os.path.join(out, "ckpt"))
     job = os.path.join(work, "dcp_job.py")
     with open(job, "w") as f:
         f.write(_DCP_JOB)
-    cfg = dict(args.model, replicas=REPLICAS, steps=args.steps, fault_step=args.fault_step,
+    cfg = dict(args.model, replicas=replicas, steps=args.steps, fault_step=args.fault_step,
                ckpt_every=args.ckpt_every, victim=VICTIM_REPLICA * RANKS, out=out)
     env = launcher_env()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "launch"), str(ROOT)] + env.get("PYTHONPATH", "").split(os.pathsep))
@@ -314,6 +318,22 @@ def measured_revision() -> str:
                              capture_output=True, text=True).stdout.split("\n")
     changed = [line[3:] for line in changed if line.strip()]
     return f"{head or 'unknown'}" + (f" with uncommitted changes to {', '.join(changed)}" if changed else "")
+
+
+def rotated(runs: Dict[K, Callable[[str], dict]], repeats: int, log: Callable[[str], None]) -> Dict[K, List[dict]]:
+    """Every configuration of ``runs`` once per repeat, the order rotated from repeat to
+    repeat so that drift hits them alike; each run's figures, by configuration. A run is
+    called with its name (``r<repeat>-<configuration>`` made a file name) and logged with
+    its figures that are floats."""
+    figures: Dict[K, List[dict]] = {key: [] for key in runs}
+    for i in range(repeats):
+        for key in list(runs)[i % len(runs):] + list(runs)[:i % len(runs)]:
+            t0 = time.time()
+            label = " / ".join(key) if isinstance(key, tuple) else str(key)
+            figures[key].append(runs[key](re.sub(r"[^A-Za-z0-9_-]+", "_", f"r{i}-{label}")))
+            shown = {k: round(v, 4) for k, v in figures[key][-1].items() if isinstance(v, float)}
+            log(f"repeat {i} {label} ({time.time() - t0:.0f} s): {shown}")
+    return figures
 
 
 def median_range(xs: Sequence[float], scale: float = 1.0, digits: int = 3, unit: str = "") -> str:

@@ -233,3 +233,38 @@ def test_viewer_smoke():
     for row in found:
         assert row[6] == "[0]", row  # every command succeeded
         assert all(median_in_range(row[i]) > 0 for i in (3, 4, 5)), row
+
+
+def pair(row: List[str], i: int) -> float:
+    """The median in cell ``i`` of a row whose next cell is its min–max, checked to lie in it."""
+    return median_in_range(f"{row[i]} {row[i + 1]}")
+
+
+@pytest.mark.timeout(60)
+def test_peer_smoke():
+    out = run_bench("launch/bench_peer.py", "--smoke", timeout=50)
+    header = ["configuration", "stall: kill → step F committed again", "min–max", "steps redone",
+              "replacement: kill → process started", "min–max", "process start (→ model built)", "min–max",
+              "stall − process start", "min–max"]
+    [lost] = rows(out, header)
+    assert lost[0] == "peer redundancy (per-rank mode)"
+    stall, started, start = pair(lost, 1), pair(lost, 4), pair(lost, 6)
+    assert lost[3] in ("[0]", "[1]")  # the interrupted step redone, at most the one before it too
+    # the survivors commit step F again only with the replacement, which was started and built its model first
+    assert 0 <= started < 5 and 0 < start and started + start < stall < 60, lost
+    header = ["configuration", "exec → interpreter up", "min–max", "import torch", "min–max", "other imports",
+              "min–max", "model build (FSDP2)", "min–max", "checkpoint load", "min–max"]
+    [parts] = rows(out, header)
+    up, torch_, other, build = (pair(parts, i) for i in (1, 3, 5, 7))
+    assert min(up, torch_, other, build) > 0 and up + torch_ + other + build <= start + 0.001, parts
+    header = ["configuration", "step time, median (ms)", "min–max (ms)", "vs plain torchrun, median", "min–max"]
+    free = rows(out, header)
+    assert [r[0] for r in free] == ["plain torchrun", "peer, refresh every step"]
+    assert free[0][3:] == ["–", "–"] and pair(free[0], 1) > 0
+    assert pair(free[1], 1) > 0 and numbers(free[1][3])
+    header = ["configuration", "packed state (bytes)", "min–max", "sent per step (bytes)", "min–max",
+              "held at the end / state", "min–max", "peak held / state", "min–max"]
+    [copies] = rows(out, header)
+    state, sent, held, peak = (pair(copies, i) for i in (1, 3, 5, 7))
+    # one holder per rank: the copies sent each step are at most one state; what is held is at least the ward's copy
+    assert 0 < sent <= state and 1 <= held <= peak, copies
