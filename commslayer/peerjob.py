@@ -193,7 +193,6 @@ class PeerJob(Job):
             if self._redo is not None:
                 step, own = self._redo
                 self._redo = None
-                del self.step_s[step - self.start_step:]  # one time per step: a step redone counts once
                 self._state.unpack(own)
                 del self.step_s[step - self.start_step:]  # the steps from there on are redone
                 continue
