@@ -97,7 +97,7 @@ def test_a_lost_rank_is_replaced_and_nothing_is_lost(clean, tmp_path, where, tar
         code, out, err = run_cli("diagnose", str(traces))
         assert code == 0, out + err  # a recovered job: nothing is wrong
         assert f"The job lost rank {target} at step {FAULT_STEP} and recovered" in out, out
-        assert f"rank {target} healed from rank {(target + 1) % RANKS}" in out, out
+        assert f"rank {target} (restarted) healed from rank {(target + 1) % RANKS}" in out, out  # its holder
 
 
 @pytest.mark.timeout(200)
