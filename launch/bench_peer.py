@@ -61,7 +61,6 @@ import argparse
 import json
 import os
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
@@ -70,8 +69,7 @@ import time
 from glob import glob
 from typing import Callable, Dict, List, Tuple
 
-from bench_training import (MODEL, SMOKE, _train_args, dcp_restart, launcher_env, measured_revision, median_range,
-                            rotated)
+from bench_training import MODEL, SMOKE, _train_args, dcp_restart, launcher_env, median_range, series
 from commslayer.processes import free_port
 from commslayer.runs import load_results, load_summary
 
@@ -291,11 +289,7 @@ def main() -> int:
     for config in args.configs:
         runs[config] = (lambda run, config=config: bench.lost_rank(config, run)) if config in LOST else \
             (lambda run, config=config: bench.fault_free(config, run))
-    revision = measured_revision()
-    began = time.time()
-    figures = rotated(runs, args.repeats, _log)
-    shutil.rmtree(work)
-    _log(f"done in {time.time() - began:.0f} s")
+    figures, revision, began = series(runs, args.repeats, _log, work)
 
     print(f"command: `{shlex.join(['python'] + sys.argv)}`; {RANKS} ranks on {os.cpu_count()} CPU(s), untraced; "
           f"model {args.model}; {args.repeats} repeats; commit {revision}; "

@@ -45,7 +45,6 @@ import argparse
 import json
 import os
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
@@ -53,7 +52,7 @@ import tempfile
 import time
 from typing import Callable, Dict, List, Tuple
 
-from bench_training import launcher_env, measured_revision, median_range, rotated
+from bench_training import launcher_env, median_range, series
 from commslayer.processes import free_port
 from commslayer.runs import load_results, load_summary
 
@@ -172,11 +171,7 @@ def main() -> int:
         for phase in args.phases:
             runs[(name, f"ours, SIGKILL in {phase}")] = lambda run, name=name, phase=phase: bench.fault(name, phase,
                                                                                                           run)
-    revision = measured_revision()
-    began = time.time()
-    figures = rotated(runs, args.repeats, _log)
-    shutil.rmtree(work)
-    _log(f"done in {time.time() - began:.0f} s")
+    figures, revision, began = series(runs, args.repeats, _log, work)
 
     print(f"command: `{shlex.join(['python'] + sys.argv)}`; {REPLICAS} replica groups x {RANKS} ranks on "
           f"{os.cpu_count()} CPU(s), untraced; steps and fault step per script "

@@ -75,7 +75,7 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Dict, Hashable, List, Sequence, TypeVar
+from typing import Callable, Dict, Hashable, List, Sequence, Tuple, TypeVar
 
 from commslayer.processes import free_port
 from commslayer.runs import load_results, load_summary, longest
@@ -334,6 +334,18 @@ def rotated(runs: Dict[K, Callable[[str], dict]], repeats: int, log: Callable[[s
             shown = {k: round(v, 4) for k, v in figures[key][-1].items() if isinstance(v, float)}
             log(f"repeat {i} {label} ({time.time() - t0:.0f} s): {shown}")
     return figures
+
+
+def series(runs: Dict[K, Callable[[str], dict]], repeats: int, log: Callable[[str], None],
+           work: str) -> Tuple[Dict[K, List[dict]], str, float]:
+    """``rotated`` with what a benchmark notes around it: (the figures, the revision
+    measured, the wall time it began); ``work`` (the runs' scratch) is removed after."""
+    revision = measured_revision()
+    began = time.time()
+    figures = rotated(runs, repeats, log)
+    shutil.rmtree(work)
+    log(f"done in {time.time() - began:.0f} s")
+    return figures, revision, began
 
 
 def median_range(xs: Sequence[float], scale: float = 1.0, digits: int = 3, unit: str = "") -> str:
