@@ -15,7 +15,8 @@ and NCCL groups are built, classified, torn down), ``work``/``watchdog``
 ``runs`` (what a run leaves, for its writer and readers) and ``processes``.
 """
 
-from .communicator import Communicator, join, live_communicators, new_comm, register_communicator_hook
+from .communicator import Communicator, live_communicators, register_communicator_hook
+from .create import join, new_comm
 from .errors import (
     CollectiveMismatch,
     CollectiveTimeout,

@@ -9,13 +9,13 @@ from __future__ import annotations
 import os
 import socket
 from datetime import timedelta
-from typing import Callable, Dict, FrozenSet, Mapping, Optional, Type
+from typing import Any, Callable, Dict, FrozenSet, Mapping, Optional, Type
 
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from .errors import CollectiveTimeout, CommError, PeerLost
+from .errors import CollectiveTimeout, CommAborted, CommError, PeerLost
 
 # Gloo's messages when the other end of a pair went away (measured in torch 2.13).
 _PEER_GONE = (
@@ -122,6 +122,27 @@ class BackendSpec:
                     return
                 except Exception:
                     continue
+
+
+    @staticmethod
+    def shutdown(backend) -> None:
+        """Release a group after normal use; never raises."""
+        try:
+            backend.shutdown() if hasattr(backend, "shutdown") else None
+        except Exception:
+            pass
+
+
+class Released:
+    """Stands in for a backend the communicator let go of after a membership change.
+    Op methods still resolve (op closures are built before the op is issued), but
+    the communicator refuses a closed generation before it would call one."""
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise CommAborted("the backend was released after a membership change", op=name)
+
+        return refuse
 
 
 _COMMON_DTYPES = frozenset({

@@ -13,19 +13,37 @@ store round trips per op, so it is a debugging mode, like
 from __future__ import annotations
 
 import json
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 
 from .errors import CollectiveMismatch, CollectiveTimeout
+from .reduce_op import ReduceOp
 from .store import wait_for_keys
 
 
-def _describe(fp: dict) -> str:
+def fingerprint(op: str, t: torch.Tensor, reduce_op: Optional[ReduceOp] = None, *, root: Optional[int] = None,
+                extra_shape: Optional[List[int]] = None) -> Dict[str, Any]:
+    """What every rank's call of one op must agree on: op, dtype, the shape that
+    must match (``extra_shape`` where only the trailing dimensions must), reduce op, root."""
+    fp: Dict[str, Any] = {"op": op, "dtype": str(t.dtype),
+                          "shape": extra_shape if extra_shape is not None else list(t.shape)}
+    if reduce_op is not None:
+        fp["reduce_op"] = repr(reduce_op)
+    if root is not None:
+        fp["root"] = root
+    return fp
+
+
+Fingerprint = Dict[str, Any]
+
+
+def _describe(fp: Fingerprint) -> str:
     return ", ".join(f"{k}={v}" for k, v in fp.items() if k != "splits")
 
 
-def _differences(mine: dict, theirs: dict) -> List[str]:
+def _differences(mine: Fingerprint, theirs: Fingerprint) -> List[str]:
     keys = [k for k in mine.keys() | theirs.keys() if k != "splits"]
     return [f"{k}: {mine.get(k)} vs {theirs.get(k)}" for k in sorted(keys) if mine.get(k) != theirs.get(k)]
 
@@ -41,9 +59,10 @@ class CrossRankCheck:
         self.rank = rank
         self.size = size
         self._last_key: Optional[str] = None
-        self._last_p2p: Dict[tuple, str] = {}
+        self._last_p2p: Dict[Tuple[int, int], str] = {}
 
-    def _gather(self, key_of, ranks: List[int], fp: dict, op: str, seq: int, timeout_s: float) -> Dict[int, dict]:
+    def _gather(self, key_of: Callable[[int], str], ranks: List[int], fp: Fingerprint, op: str, seq: int,
+                timeout_s: float) -> Dict[int, Fingerprint]:
         mine = key_of(self.rank)
         self.store.set(mine, json.dumps(fp))
         keys = {r: key_of(r) for r in ranks if r != self.rank}
@@ -58,7 +77,7 @@ class CrossRankCheck:
         got[self.rank] = fp
         return got
 
-    def collective(self, fp: dict, seq: int, timeout_s: float) -> None:
+    def collective(self, fp: Fingerprint, seq: int, timeout_s: float) -> None:
         """Raise ``CollectiveMismatch`` unless every rank's fingerprint agrees."""
         got = self._gather(lambda r: f"{seq}/{r}", list(range(self.size)), fp, fp["op"], seq, timeout_s)
         reference = got[0]
@@ -82,7 +101,7 @@ class CrossRankCheck:
                 comm=self.comm, op=fp["op"], seq=seq, ranks=odd or [0],
             )
 
-    def p2p(self, fp: dict, src: int, dst: int, n: int, timeout_s: float) -> None:
+    def p2p(self, fp: Fingerprint, src: int, dst: int, n: int, timeout_s: float) -> None:
         """Sender and receiver compare dtype and shape of the n-th message src→dst."""
         got = self._gather(lambda r: f"p2p/{src}-{dst}/{n}/{r}", [src, dst], fp, fp["op"], n, timeout_s)
         a, b = got[src], got[dst]

@@ -1,14 +1,17 @@
 """The ``Communicator``: the public API, argument checks, deadlines and hooks.
 
 It validates a call (``validation``), optionally compares it across ranks
-(``check``), issues it on the c10d backend built by ``backends`` with the
-op's deadline in the backend's option struct, and hands back a ``Work`` whose
+(``check``), issues it on the c10d backend built by ``backends`` (the
+tensors and option structs as ``wire`` prepares them, the op's deadline in
+the struct), and hands back a ``Work`` whose
 deadline the caller's ``wait`` or the ``watchdog`` enforces.  Whether it may
 issue at all is its ``lifecycle``'s business (commslayer.lifecycle: the state
 machine, lost and departed peers, fencing, shrink, reconfigure, votes, the
 liveness callbacks): after any failure the backend group is unusable (Gloo
 cannot cancel an op), so the lifecycle remembers the first error and every
-later op raises at once.
+later op raises at once.  ``new_comm`` and ``join`` (commslayer.create)
+build the first communicator of a group; ``split``, ``shrink`` and
+``reconfigure`` build the others.
 
 Names follow torchcomms, so code moves between the two.
 """
@@ -27,31 +30,21 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from . import backends, config
-from .check import CrossRankCheck
-from .errors import CollectiveMismatch, CommAborted, CommError, PeerLost, StoreUnreachable, first_line
+from . import backends
+from .check import CrossRankCheck, fingerprint
+from .errors import CollectiveMismatch, CommError, StoreUnreachable
 from .hooks import HookHandle, Hooks, OpIO, OpRecorder
 from .isolation import IsolatedBackend, StagedWork
 from .lifecycle import Lifecycle, Lineage, State
-from .membership import Membership
-from .reduce_op import ReduceOp, coerce
-from .store import bounded, env_rank_size, env_store
-from .validation import Checker, Timeout, shown_name, timeout_seconds
+from .reduce_op import ReduceOp
+from .validation import Checker, Timeout, timeout_seconds
 from .watchdog import WATCHDOG
+from .wire import BACKEND_OPS, Options, averaging, in_place, premultiplied, wire
 from .work import Waiter, Work
 
 _op_ids = itertools.count(1)  # process-wide, monotonic
 _created = Hooks("communicator created")
 _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
-
-# Which method of the c10d backend each op runs (the pre hook reports it).
-BACKEND_OPS = {
-    "all_reduce": "allreduce", "all_gather_single": "_allgather_base",
-    "reduce_scatter_single": "_reduce_scatter_base", "all_to_all_single": "alltoall_base",
-    "all_gather": "allgather", "reduce_scatter": "reduce_scatter", "broadcast": "broadcast",
-    "reduce": "reduce", "gather": "gather", "scatter": "scatter", "barrier": "barrier",
-    "send": "send", "recv": "recv",
-}
 
 
 def register_communicator_hook(fn: Callable[["Communicator"], None]) -> HookHandle:
@@ -64,48 +57,6 @@ def register_communicator_hook(fn: Callable[["Communicator"], None]) -> HookHand
 def live_communicators() -> List["Communicator"]:
     """The communicators of this process that have not been garbage-collected."""
     return list(_live)
-
-
-_instances: Dict[str, int] = {}  # comm name -> how many were built here (keeps prefixes unique)
-_instances_lock = threading.Lock()
-
-
-def _wire(t: torch.Tensor) -> torch.Tensor:
-    """The tensor as the backend carries it (complex travels as pairs of reals)."""
-    return torch.view_as_real(t) if t.dtype.is_complex else t
-
-
-def _scaled_copy(t: torch.Tensor, factor: Any) -> torch.Tensor:
-    scaled: torch.Tensor = t * factor
-    return scaled
-
-
-def _in_place(call: Callable[..., Any], t: torch.Tensor, op: ReduceOp, opts: Any) -> Callable[[], Any]:
-    """The issue step of an in-place reduction (all_reduce, reduce). PREMUL_SUM scales
-    the tensor first: the result overwrites it anyway. Decided once, not per call."""
-    if op.name == "PREMUL_SUM":
-        factor: Any = op.factor
-        return lambda: call([t.mul_(factor)], opts)
-    return lambda: call([t], opts)
-
-
-def _average(t: torch.Tensor, size: int) -> None:
-    if t.dtype.is_floating_point or t.is_complex():
-        t.div_(size)
-    else:  # integer AVG truncates towards zero, as NCCL's ncclAvg does
-        t.copy_(torch.div(t, size, rounding_mode="trunc"))
-
-
-class _Released:
-    """Stands in for a backend the communicator let go of after a membership change.
-    Op methods still resolve (op closures are built before ``_run``), but ``_run``
-    refuses a closed communicator before it would call one."""
-
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        def refuse(*args: Any, **kwargs: Any) -> Any:
-            raise CommAborted("the backend was released after a membership change", op=name)
-
-        return refuse
 
 
 class Communicator:
@@ -167,12 +118,8 @@ class Communicator:
         self._post = Hooks("post")
         self._process_group: Optional[dist.ProcessGroup] = None
         self._checkers: Dict[str, Checker] = {}
-        self._device_type = spec.device_type
-        self._dtypes = spec.dtypes
-        self._opts_cache: Dict[Tuple[Any, ...], Any] = {}
-        self._opts_timeout: Dict[int, float] = {}  # id of a cached struct -> the timeout it holds
-        self._timedeltas: Dict[float, timedelta] = {}
-        self._barrier_opts = spec.barrier_options(self._timedelta(timeout_s), device)
+        self._options = Options()
+        self._barrier_opts = spec.barrier_options(self._options.timedelta(timeout_s), device)
         self.settle_lock = threading.Lock()  # shared by this communicator's Work objects
         self.completion_hooks = Hooks("completion")
         self._waiter_thread: Optional[Waiter] = None
@@ -257,47 +204,42 @@ class Communicator:
                    async_op: bool = False, timeout: Timeout = None) -> Work:
         """Reduce ``tensor`` across ranks, in place."""
         chk = self._checker("all_reduce")
-        self._tensor(chk, tensor, "tensor")
-        op = self._reduce_op(chk, op, tensor.dtype)
-        opts = self._opts(c10d.AllreduceOptions, op)
-        finish = (lambda: _average(tensor, self._size)) if op.name == "AVG" else None
-        return self._run(chk, timeout, async_op, OpIO((tensor,), (tensor,), op, None),
-                         self._fp(chk.op, tensor, op),
-                         opts, _in_place(self._ops.allreduce, _wire(tensor), op, opts), finish)
+        chk.tensor(tensor, "tensor")
+        op = chk.reduce_op(op, tensor.dtype)
+        opts = self._options.get(c10d.AllreduceOptions, op)
+        return self._run(chk, OpIO((tensor,), (tensor,), op, None),
+                         in_place(self._ops.allreduce, wire(tensor), op, opts), opts=opts,
+                         finish=averaging(tensor, op, self._size), fp=self._fp(chk.op, tensor, op),
+                         timeout=timeout, async_op=async_op)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, *,
                           async_op: bool = False, timeout: Timeout = None) -> Work:
         """Concatenate every rank's ``input`` into ``output`` (``size`` times larger)."""
         chk = self._checker("all_gather_single")
-        self._tensor(chk, output, "output")
-        self._tensor(chk, input, "input")
+        chk.tensor(output, "output")
+        chk.tensor(input, "input")
         chk.same_dtype(output, input, "output and input")
-        if output.numel() != input.numel() * self._size:
-            raise chk.fail(f"output has {output.numel()} elements; needs input.numel() x size = "
-                           f"{input.numel()} x {self._size}")
-        opts = self._opts(c10d.AllgatherOptions)
-        return self._run(chk, timeout, async_op, OpIO((input,), (output,), None, None),
-                         self._fp(chk.op, input),
-                         opts, lambda: self._ops._allgather_base(_wire(output), _wire(input), opts))
+        chk.sized(output, input, "output input")
+        opts = self._options.get(c10d.AllgatherOptions)
+        return self._run(chk, OpIO((input,), (output,), None, None),
+                         lambda: self._ops._allgather_base(wire(output), wire(input), opts), opts=opts,
+                         fp=self._fp(chk.op, input), timeout=timeout, async_op=async_op)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *,
                               async_op: bool = False, timeout: Timeout = None) -> Work:
         """Reduce ``input`` across ranks and leave this rank's slice in ``output``."""
         chk = self._checker("reduce_scatter_single")
-        self._tensor(chk, output, "output")
-        self._tensor(chk, input, "input")
+        chk.tensor(output, "output")
+        chk.tensor(input, "input")
         chk.same_dtype(output, input, "output and input")
-        op = self._reduce_op(chk, op, input.dtype)
-        if input.numel() != output.numel() * self._size:
-            raise chk.fail(f"input has {input.numel()} elements; needs output.numel() x size = "
-                           f"{output.numel()} x {self._size}")
-        src = _scaled_copy(input, op.factor) if op.name == "PREMUL_SUM" else input
-        opts = self._opts(c10d.ReduceScatterOptions, op)
-        finish = (lambda: _average(output, self._size)) if op.name == "AVG" else None
-        return self._run(chk, timeout, async_op, OpIO((input,), (output,), op, None),
-                         self._fp(chk.op, output, op),
-                         opts, lambda: self._ops._reduce_scatter_base(_wire(output), _wire(src), opts),
-                         finish)
+        op = chk.reduce_op(op, input.dtype)
+        chk.sized(input, output, "input output")
+        src = premultiplied(input, op)
+        opts = self._options.get(c10d.ReduceScatterOptions, op)
+        return self._run(chk, OpIO((input,), (output,), op, None),
+                         lambda: self._ops._reduce_scatter_base(wire(output), wire(src), opts), opts=opts,
+                         finish=averaging(output, op, self._size), fp=self._fp(chk.op, output, op),
+                         timeout=timeout, async_op=async_op)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_split_sizes: Optional[Sequence[int]] = None,
@@ -305,15 +247,15 @@ class Communicator:
                           async_op: bool = False, timeout: Timeout = None) -> Work:
         """Send slice j of ``input`` (dim 0, by ``input_split_sizes``) to rank j."""
         chk = self._checker("all_to_all_single")
-        self._tensor(chk, output, "output")
-        self._tensor(chk, input, "input")
+        chk.tensor(output, "output")
+        chk.tensor(input, "input")
         chk.same_dtype(output, input, "output and input")
         if output.dim() == 0 or input.dim() == 0:
             raise chk.fail("output and input need at least one dimension")
         if output.shape[1:] != input.shape[1:]:
             raise chk.fail(f"output and input differ beyond dim 0: {list(output.shape)} vs {list(input.shape)}")
-        out_splits = chk.splits(output_split_sizes, "output_split_sizes", self._size, output.shape[0])
-        in_splits = chk.splits(input_split_sizes, "input_split_sizes", self._size, input.shape[0])
+        out_splits = chk.splits(output_split_sizes, "output_split_sizes", output.shape[0])
+        in_splits = chk.splits(input_split_sizes, "input_split_sizes", input.shape[0])
         if out_splits is None and in_splits is None and output.shape[0] != input.shape[0]:
             raise chk.fail(f"with even splits output and input need the same dim 0 "
                            f"({output.shape[0]} vs {input.shape[0]})")
@@ -322,97 +264,92 @@ class Communicator:
             even_in = [input.shape[0] // self._size] * self._size
             even_out = [output.shape[0] // self._size] * self._size
             fp["splits"] = [in_splits or even_in, out_splits or even_out]
-        opts = self._opts(c10d.AllToAllOptions)
-        return self._run(chk, timeout, async_op,
-                         OpIO((input,), (output,), None, None), fp,
-                         opts, lambda: self._ops.alltoall_base(_wire(output), _wire(input), out_splits or [],
-                                                                in_splits or [], opts))
+        opts = self._options.get(c10d.AllToAllOptions)
+        return self._run(chk, OpIO((input,), (output,), None, None),
+                         lambda: self._ops.alltoall_base(wire(output), wire(input), out_splits or [],
+                                                         in_splits or [], opts), opts=opts,
+                         fp=fp, timeout=timeout, async_op=async_op)
 
     def all_gather(self, tensor_list: List[torch.Tensor], tensor: torch.Tensor, *,
                    async_op: bool = False, timeout: Timeout = None) -> Work:
         """Gather every rank's ``tensor`` into ``tensor_list[rank]``."""
         chk = self._checker("all_gather")
-        self._tensor(chk, tensor, "tensor")
-        outs = chk.tensor_list(tensor_list, "tensor_list", self._size, tensor, self._device_type, self._dtypes)
-        opts = self._opts(c10d.AllgatherOptions)
-        return self._run(chk, timeout, async_op, OpIO((tensor,), tuple(outs), None, None),
-                         self._fp(chk.op, tensor),
-                         opts, lambda: self._ops.allgather([[_wire(o) for o in outs]], [_wire(tensor)],
-                                                            opts))
+        chk.tensor(tensor, "tensor")
+        outs = chk.tensor_list(tensor_list, "tensor_list", tensor)
+        opts = self._options.get(c10d.AllgatherOptions)
+        return self._run(chk, OpIO((tensor,), tuple(outs), None, None),
+                         lambda: self._ops.allgather([[wire(o) for o in outs]], [wire(tensor)], opts), opts=opts,
+                         fp=self._fp(chk.op, tensor), timeout=timeout, async_op=async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input_list: List[torch.Tensor], op: ReduceOp = ReduceOp.SUM, *,
                        async_op: bool = False, timeout: Timeout = None) -> Work:
         """Reduce ``input_list[j]`` across ranks into rank j's ``output``."""
         chk = self._checker("reduce_scatter")
-        self._tensor(chk, output, "output")
-        ins = chk.tensor_list(input_list, "input_list", self._size, output, self._device_type, self._dtypes)
-        op = self._reduce_op(chk, op, output.dtype)
-        if op.name == "PREMUL_SUM":
-            ins = [_scaled_copy(t, op.factor) for t in ins]
-        opts = self._opts(c10d.ReduceScatterOptions, op)
-        finish = (lambda: _average(output, self._size)) if op.name == "AVG" else None
-        return self._run(chk, timeout, async_op, OpIO(tuple(ins), (output,), op, None),
-                         self._fp(chk.op, output, op),
-                         opts, lambda: self._ops.reduce_scatter([_wire(output)], [[_wire(t) for t in ins]],
-                                                                 opts), finish)
+        chk.tensor(output, "output")
+        ins = chk.tensor_list(input_list, "input_list", output)
+        op = chk.reduce_op(op, output.dtype)
+        ins = [premultiplied(t, op) for t in ins]
+        opts = self._options.get(c10d.ReduceScatterOptions, op)
+        return self._run(chk, OpIO(tuple(ins), (output,), op, None),
+                         lambda: self._ops.reduce_scatter([wire(output)], [[wire(t) for t in ins]], opts), opts=opts,
+                         finish=averaging(output, op, self._size), fp=self._fp(chk.op, output, op),
+                         timeout=timeout, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, root: int, *, async_op: bool = False, timeout: Timeout = None) -> Work:
         """Copy ``root``'s ``tensor`` into every rank's."""
         chk = self._checker("broadcast")
-        self._tensor(chk, tensor, "tensor")
-        root = chk.rank_arg(root, "root", self._size)
-        opts = self._opts(c10d.BroadcastOptions, root=root)
-        return self._run(chk, timeout, async_op, OpIO((tensor,), (tensor,), None, root),
-                         self._fp(chk.op, tensor, root=root),
-                         opts, lambda: self._ops.broadcast([_wire(tensor)], opts))
+        chk.tensor(tensor, "tensor")
+        root = chk.rank_arg(root, "root")
+        opts = self._options.get(c10d.BroadcastOptions, root=root)
+        return self._run(chk, OpIO((tensor,), (tensor,), None, root),
+                         lambda: self._ops.broadcast([wire(tensor)], opts), opts=opts,
+                         fp=self._fp(chk.op, tensor, root=root), timeout=timeout, async_op=async_op)
 
     def reduce(self, tensor: torch.Tensor, root: int, op: ReduceOp = ReduceOp.SUM, *,
                async_op: bool = False, timeout: Timeout = None) -> Work:
         """Reduce ``tensor`` across ranks into ``root``'s (others' are left undefined)."""
         chk = self._checker("reduce")
-        self._tensor(chk, tensor, "tensor")
-        root = chk.rank_arg(root, "root", self._size)
-        op = self._reduce_op(chk, op, tensor.dtype)
-        opts = self._opts(c10d.ReduceOptions, op, root)
-        finish = (lambda: _average(tensor, self._size)) if op.name == "AVG" and root == self._rank else None
-        return self._run(chk, timeout, async_op, OpIO((tensor,), (tensor,), op, root),
-                         self._fp(chk.op, tensor, op, root=root),
-                         opts, _in_place(self._ops.reduce, _wire(tensor), op, opts), finish)
+        chk.tensor(tensor, "tensor")
+        root = chk.rank_arg(root, "root")
+        op = chk.reduce_op(op, tensor.dtype)
+        opts = self._options.get(c10d.ReduceOptions, op, root)
+        return self._run(chk, OpIO((tensor,), (tensor,), op, root),
+                         in_place(self._ops.reduce, wire(tensor), op, opts), opts=opts,
+                         finish=averaging(tensor, op, self._size) if root == self._rank else None,
+                         fp=self._fp(chk.op, tensor, op, root=root), timeout=timeout, async_op=async_op)
 
     def gather(self, output_tensor_list: Optional[List[torch.Tensor]], input_tensor: torch.Tensor, root: int, *,
                async_op: bool = False, timeout: Timeout = None) -> Work:
         """Collect every rank's ``input_tensor`` into ``root``'s ``output_tensor_list``."""
         chk = self._checker("gather")
-        self._tensor(chk, input_tensor, "input_tensor")
-        root = chk.rank_arg(root, "root", self._size)
-        outs = chk.root_list(output_tensor_list, "output_tensor_list", root, self._rank, self._size, input_tensor,
-                             self._device_type, self._dtypes)
-        opts = self._opts(c10d.GatherOptions, root=root)
-        wire_outs = [[_wire(o) for o in outs]] if outs else []
-        return self._run(chk, timeout, async_op, OpIO((input_tensor,), tuple(outs), None, root),
-                         self._fp(chk.op, input_tensor, root=root),
-                         opts, lambda: self._ops.gather(wire_outs, [_wire(input_tensor)], opts))
+        chk.tensor(input_tensor, "input_tensor")
+        root = chk.rank_arg(root, "root")
+        outs = chk.root_list(output_tensor_list, "output_tensor_list", root, input_tensor)
+        opts = self._options.get(c10d.GatherOptions, root=root)
+        wire_outs = [[wire(o) for o in outs]] if outs else []
+        return self._run(chk, OpIO((input_tensor,), tuple(outs), None, root),
+                         lambda: self._ops.gather(wire_outs, [wire(input_tensor)], opts), opts=opts,
+                         fp=self._fp(chk.op, input_tensor, root=root), timeout=timeout, async_op=async_op)
 
     def scatter(self, output_tensor: torch.Tensor, input_tensor_list: Optional[List[torch.Tensor]], root: int, *,
                 async_op: bool = False, timeout: Timeout = None) -> Work:
         """Send ``root``'s ``input_tensor_list[j]`` to rank j's ``output_tensor``."""
         chk = self._checker("scatter")
-        self._tensor(chk, output_tensor, "output_tensor")
-        root = chk.rank_arg(root, "root", self._size)
-        ins = chk.root_list(input_tensor_list, "input_tensor_list", root, self._rank, self._size, output_tensor,
-                            self._device_type, self._dtypes)
-        opts = self._opts(c10d.ScatterOptions, root=root)
-        wire_ins = [[_wire(t) for t in ins]] if ins else []
-        return self._run(chk, timeout, async_op, OpIO(tuple(ins), (output_tensor,), None, root),
-                         self._fp(chk.op, output_tensor, root=root),
-                         opts, lambda: self._ops.scatter([_wire(output_tensor)], wire_ins, opts))
+        chk.tensor(output_tensor, "output_tensor")
+        root = chk.rank_arg(root, "root")
+        ins = chk.root_list(input_tensor_list, "input_tensor_list", root, output_tensor)
+        opts = self._options.get(c10d.ScatterOptions, root=root)
+        wire_ins = [[wire(t) for t in ins]] if ins else []
+        return self._run(chk, OpIO(tuple(ins), (output_tensor,), None, root),
+                         lambda: self._ops.scatter([wire(output_tensor)], wire_ins, opts), opts=opts,
+                         fp=self._fp(chk.op, output_tensor, root=root), timeout=timeout, async_op=async_op)
 
     def barrier(self, *, async_op: bool = False, timeout: Timeout = None) -> Work:
         """Return once every rank has entered the barrier."""
         chk = self._checker("barrier")
         opts = self._barrier_opts
-        return self._run(chk, timeout, async_op, OpIO((), (), None, None), {"op": "barrier"},
-                         opts, lambda: self._ops.barrier(opts))
+        return self._run(chk, OpIO((), (), None, None), lambda: self._ops.barrier(opts), opts=opts,
+                         fp={"op": "barrier"}, timeout=timeout, async_op=async_op)
 
     # ---------------------------------------------------------- point to point
     def send(self, tensor: torch.Tensor, dst: int, *, async_op: bool = False, timeout: Timeout = None) -> Work:
@@ -425,17 +362,17 @@ class Communicator:
 
     def _p2p(self, op: str, tensor: torch.Tensor, peer: int, async_op: bool, timeout: Timeout, tag: int = 0) -> Work:
         chk = self._checker(op)
-        self._tensor(chk, tensor, "tensor")
-        peer = chk.rank_arg(peer, "dst" if op == "send" else "src", self._size, me=self._rank)
+        chk.tensor(tensor, "tensor")
+        peer = chk.rank_arg(peer, "dst" if op == "send" else "src", me=self._rank)
         timeout = timeout_seconds(timeout, self._timeout_s, chk)  # before the message is numbered
         pair = (self._rank, peer) if op == "send" else (peer, self._rank)
         n = self._p2p_seq.get(pair, 0) + 1
         self._p2p_seq[pair] = n
-        self._ensure_usable(op, n, peer)
+        self.lifecycle.ensure_usable(op, n, peer)
         call = self._ops.send if op == "send" else self._ops.recv
         io = OpIO((tensor,), (), None, None) if op == "send" else OpIO((), (tensor,), None, None)
-        return self._run(chk, timeout, async_op, io, self._fp(op, tensor), None,
-                         lambda: call([_wire(tensor)], peer, tag), peer=peer, seq=n)
+        return self._run(chk, io, lambda: call([wire(tensor)], peer, tag), opts=None, fp=self._fp(op, tensor),
+                         timeout=timeout, async_op=async_op, peer=peer, seq=n)
 
     # ------------------------------------------------------------- management
     def split(self, ranks: Sequence[int], name: str, *, timeout: Timeout = None,
@@ -451,7 +388,7 @@ class Communicator:
             hints = self._spec.check_hints(hints)
         except ValueError as exc:
             raise chk.fail(str(exc)) from None
-        ranks = [chk.rank_arg(r, "ranks[]", self._size) for r in ranks]
+        ranks = [chk.rank_arg(r, "ranks[]") for r in ranks]
         if not ranks:
             raise chk.fail("ranks is empty")
         if len(set(ranks)) != len(ranks):
@@ -459,7 +396,7 @@ class Communicator:
         if name in self._splits:
             raise chk.fail(f"a split named {name!r} was already made from this communicator")
         timeout_s = timeout_seconds(timeout, self._timeout_s, chk)
-        self._ensure_usable("split", self._seq)
+        self.lifecycle.ensure_usable("split", self._seq)
         self._splits.add(name)
         if self._rank not in ranks:
             return None
@@ -481,12 +418,8 @@ class Communicator:
 
     def finalize(self) -> None:
         """Release the group after normal use. Idempotent, never raises."""
-        if not self.lifecycle.close(State.FINALIZED):
-            return
-        try:
-            self._backend.shutdown() if hasattr(self._backend, "shutdown") else None
-        except Exception:
-            pass
+        if self.lifecycle.close(State.FINALIZED):
+            backends.BackendSpec.shutdown(self._backend)
 
     # --------------------------------------------------------------- recovery
     def shrink(self, *, timeout: Timeout = None, min_size: int = 1) -> "Communicator":
@@ -576,7 +509,7 @@ class Communicator:
             # Dropping the last reference closes the group's connections (the
             # watchdog holds it instead while one of its ops still runs).
             self._spec.release(self._backend)
-            self._backend = self._ops = _Released()
+            self._backend = self._ops = backends.Released()
 
     def _stop_waiter(self) -> None:
         if self._waiter_thread is not None:
@@ -603,58 +536,17 @@ class Communicator:
     def _checker(self, op: str) -> Checker:
         chk = self._checkers.get(op)
         if chk is None:
-            chk = self._checkers[op] = Checker(self._name, op, self._rank)
+            chk = self._checkers[op] = Checker(self._name, op, self._rank, self._size, self._spec.device_type,
+                                               self._spec.dtypes)
         return chk
-
-    def _opts(self, cls: Callable[[], Any], reduce_op: Optional[ReduceOp] = None, root: Optional[int] = None) -> Any:
-        """The backend's option struct for this op, cached (c10d copies it on every call)."""
-        key = (cls, None if reduce_op is None else reduce_op.name, root)
-        opts = self._opts_cache.get(key)
-        if opts is None:
-            opts = cls()
-            if reduce_op is not None:
-                opts.reduceOp = reduce_op.to_c10d()
-            if root is not None:
-                opts.rootRank = root
-            self._opts_cache[key] = opts
-        return opts
-
-    def _timedelta(self, seconds: float) -> timedelta:
-        td = self._timedeltas.get(seconds)
-        if td is None:
-            td = self._timedeltas[seconds] = timedelta(seconds=seconds)
-        return td
-
-    def _tensor(self, chk: Checker, t: object, what: str) -> None:
-        chk.tensor(t, what, self._device_type, self._dtypes)
-
-    def _reduce_op(self, chk: Checker, op: object, dtype: torch.dtype) -> ReduceOp:
-        if op is ReduceOp.SUM:  # the common case is valid for every dtype
-            return op
-        try:
-            op = coerce(op)
-        except ValueError as exc:
-            raise chk.fail(str(exc)) from None
-        chk.reduce_op(op, dtype)
-        return op
 
     def _fp(self, op: str, t: torch.Tensor, reduce_op: Optional[ReduceOp] = None, *, root: Optional[int] = None,
             extra_shape: Optional[List[int]] = None) -> Optional[Dict[str, Any]]:
-        """The op's cross-rank fingerprint (only built in check mode)."""
-        if self._check is None:
-            return None
-        fp: Dict[str, Any] = {"op": op, "dtype": str(t.dtype), "shape": extra_shape if extra_shape is not None else list(t.shape)}
-        if reduce_op is not None:
-            fp["reduce_op"] = repr(reduce_op)
-        if root is not None:
-            fp["root"] = root
-        return fp
+        """The op's cross-rank fingerprint in check mode, else None."""
+        return None if self._check is None else fingerprint(op, t, reduce_op, root=root, extra_shape=extra_shape)
 
-    def _ensure_usable(self, op: str, seq: int, peer: Optional[int] = None) -> None:
-        self.lifecycle.ensure_usable(op, seq, peer)
-
-    def _run(self, chk: Checker, timeout: Timeout, async_op: bool, io: OpIO, fp: Optional[Dict[str, Any]],
-             opts: Any, issue: Callable[[], Any], finish: Optional[Callable[[], None]] = None, *,
+    def _run(self, chk: Checker, io: OpIO, issue: Callable[[], Any], *, opts: Any, fp: Optional[Dict[str, Any]],
+             timeout: Timeout, async_op: bool, finish: Optional[Callable[[], None]] = None,
              peer: Optional[int] = None, seq: Optional[int] = None) -> Work:
         """Issue one op: deadline, sequence number, check mode, hooks, then the backend call.
 
@@ -688,17 +580,14 @@ class Communicator:
                     assert peer is not None  # point-to-point
                     src, dst = (self._rank, peer) if op == "send" else (peer, self._rank)
                     self._check.p2p(fp, src, dst, seq, timeout_s)
-            td = self._timedeltas.get(timeout_s) or self._timedelta(timeout_s)
-            if opts is not None and self._opts_timeout.get(id(opts)) != timeout_s:
-                opts.timeout = td  # a pybind setter: skip it when the cached struct has it already
-                self._opts_timeout[id(opts)] = timeout_s
+            td = self._options.deadline(opts, timeout_s)
             c10d_work = issue()
             if c10d_work.__class__ is StagedWork:
                 finish = c10d_work.finisher(finish)
             if op in self._waited_elsewhere:
                 c10d_work = self._waiter().wrap(c10d_work)
         except (RuntimeError, CommError) as exc:
-            err = self._classify_raw(exc, op, seq, timeout_s, (time.monotonic_ns() - start) / 1e9, peer)
+            err = self.lifecycle.error_from(exc, op, seq, timeout_s, (time.monotonic_ns() - start) / 1e9, peer)
             failed = Work(self, op, seq, op_id, timeout_s, start, None, None, peer, record)
             # A mismatch found by check mode leaves the group usable: every rank raised
             # at the same op and nothing was sent. Anything else breaks it.
@@ -716,146 +605,3 @@ class Communicator:
         else:
             work.wait_issued(td)
         return work
-
-    def _classify_raw(self, exc: BaseException, op: str, seq: int, timeout_s: float, elapsed_s: float,
-                      peer: Optional[int]) -> CommError:
-        if isinstance(exc, CommError):
-            return exc
-        cls = backends.classify(exc)
-        what = first_line(exc)
-        ranks: Tuple[int, ...] = () if peer is None else (peer,)
-        if cls is PeerLost and not ranks and self.lifecycle.watched:
-            ranks = tuple(self.lifecycle.await_lost_ranks())
-            if ranks:
-                what = f"peer lost: rank(s) {', '.join(map(str, sorted(ranks)))} (backend: {what})"
-        return cls(what, comm=self._name, op=op, seq=seq, timeout_s=timeout_s, elapsed_s=elapsed_s, ranks=ranks)
-
-    def _classify(self, exc: BaseException, work: Work) -> CommError:
-        """Turn a backend exception raised while waiting on ``work`` into our error."""
-        return self._classify_raw(exc, work.op, work.seq, work.timeout_s,
-                                  (time.monotonic_ns() - work.start_ns) / 1e9, work.peer)
-
-    def _on_failure(self, err: CommError) -> None:
-        self.lifecycle.fail(err)
-
-    def _interrupted(self, work: Work) -> Optional[CommError]:
-        """The error an op in flight ends with once this communicator is broken
-        or closed (None while it is usable)."""
-        return self.lifecycle.interruption(work.op, work.seq, work.timeout_s,
-                                           (time.monotonic_ns() - work.start_ns) / 1e9)
-
-
-def new_comm(
-    backend: str,
-    device: Optional[torch.device] = None,
-    *,
-    name: str,
-    timeout: Timeout = None,
-    store: Optional[dist.Store] = None,
-    rank: Optional[int] = None,
-    size: Optional[int] = None,
-    check: Optional[bool] = None,
-    isolate_writes: Optional[bool] = None,
-    **hints: str,
-) -> Communicator:
-    """Build a communicator; every member rank calls it with the same ``name``.
-
-    ``backend`` is ``"gloo"``, ``"nccl"`` or ``"auto"`` (by ``device``).  Rank,
-    size and the store default to torchrun's environment.  ``timeout`` (a
-    timedelta or seconds) is the deadline of every op that names none;
-    default ``COMMSLAYER_TIMEOUT_S``.  ``check`` turns on the cross-rank
-    check mode (default ``COMMSLAYER_CHECK``).  ``isolate_writes`` stages
-    every output so an op that raised never writes later (default
-    ``COMMSLAYER_ISOLATE_WRITES``; commslayer.isolation).  ``hints`` go to
-    the backend (Gloo: ``interface``, ``threads``; NCCL:
-    ``high_priority_stream``), checked first: an unknown hint or a value the
-    backend does not allow is ``InvalidArgument``.  A bad ``COMMSLAYER_*``
-    variable is ``ConfigError`` (config.validate).  Members watch each
-    other (``COMMSLAYER_HEARTBEAT_S``, ``COMMSLAYER_PEER_TIMEOUT_S``) and the
-    communicator can ``shrink`` and ``reconfigure``.
-    """
-    chk = Checker(shown_name(name), "new_comm", -1 if rank is None else rank)
-    spec, device, timeout_s, store, hints, make_lineage = _lineage(chk, backend, device, name, timeout, store,
-                                                                   isolate_writes, hints)
-    global_ranks = None
-    if store is None:
-        store, env_rank, env_size = env_store(timedelta(seconds=timeout_s))
-        if rank is None and size is None:
-            global_ranks = list(range(env_size))
-        rank = env_rank if rank is None else rank
-        size = env_size if size is None else size
-    elif rank is None or size is None:
-        env_rank, env_size = env_rank_size()
-        rank = env_rank if rank is None else rank
-        size = env_size if size is None else size
-    if not (isinstance(size, int) and size > 0 and isinstance(rank, int) and 0 <= rank < size):
-        raise chk.fail(f"rank {rank} / size {size} is not a valid position in a group")
-    lineage = make_lineage(store)
-    return Communicator(
-        spec, device, name=name, store=lineage.store_for(0), rank=rank, size=size, timeout_s=timeout_s,
-        hints=hints,
-        check=config.check_mode() if check is None else check,
-        uid=lineage.uid_for(0), global_ranks=global_ranks, lineage=lineage,
-    )
-
-
-def join(
-    backend: str,
-    device: Optional[torch.device] = None,
-    *,
-    name: str,
-    member: int,
-    timeout: Timeout = None,
-    store: Optional[dist.Store] = None,
-    check: Optional[bool] = None,
-    isolate_writes: Optional[bool] = None,
-    **hints: str,
-) -> Communicator:
-    """Join the running communicator ``name`` as member id ``member`` (a restarted
-    rank, or a new one): announce it, wait until the members ``reconfigure`` to
-    a generation that includes it, and return that generation's communicator."""
-    chk = Checker(shown_name(name), "join", -1)
-    spec, device, timeout_s, store, hints, make_lineage = _lineage(chk, backend, device, name, timeout, store,
-                                                                   isolate_writes, hints)
-    if store is None:
-        store = env_store(timedelta(seconds=timeout_s))[0]
-    if not isinstance(member, int) or member < 0:
-        raise chk.fail(f"member must be a non-negative int, got {member!r}")
-    lineage = make_lineage(store)
-    before = lineage.membership.announce(member)
-    generation, members = lineage.membership.wait_for_admission(member, before, timeout_s)
-    return Communicator(
-        spec, device, name=name, store=lineage.store_for(generation),
-        rank=members.index(member), size=len(members), timeout_s=timeout_s,
-        hints=hints, check=config.check_mode() if check is None else check,
-        uid=lineage.uid_for(generation), lineage=lineage, generation=generation, members=members,
-    )
-
-
-def _lineage(chk: Checker, backend: str, device: Optional[torch.device], name: str, timeout: Timeout,
-             store: Optional[dist.Store], isolate_writes: Optional[bool], hints: Dict[str, Any]
-             ) -> Tuple[backends.BackendSpec, torch.device, float, Optional[dist.Store], Dict[str, str],
-                        Callable[[dist.Store], Lineage]]:
-    """What new_comm and join both check and read: (spec, device, timeout_s, store, the
-    backend hints, a function of the store that makes the communicator's ``Lineage``).
-    Start-up: a bad ``COMMSLAYER_*`` variable raises ``ConfigError`` here."""
-    chk.name(name, forbidden="/")
-    config.validate()
-    try:
-        spec, device = backends.resolve(backend, device)
-        hints = spec.check_hints(hints)
-    except ValueError as exc:
-        raise chk.fail(str(exc)) from None
-    heartbeat_s, peer_timeout_s = config.liveness_timing()
-    store_timeout_s = config.store_timeout_s()
-    timeout_s = timeout_seconds(timeout, config.default_timeout().total_seconds(), chk)
-    isolate = config.isolate_writes() if isolate_writes is None else bool(isolate_writes)
-
-    def make(store: dist.Store) -> Lineage:
-        with _instances_lock:
-            instance = _instances.get(name, 0)
-            _instances[name] = instance + 1
-        root = bounded(store, f"commslayer/{name}/{instance}/", comm=name, deadline_s=store_timeout_s)
-        return Lineage(root, f"{name}.{instance}", Membership(root, name), heartbeat_s, peer_timeout_s, isolate)
-
-    return spec, device, timeout_s, store, hints, make

@@ -4,7 +4,9 @@ A ``Communicator`` issues ops; its ``Lifecycle`` knows whether it may, and
 what happens around it on other threads: the liveness monitor naming lost
 or departed peers, the watchdog and the caller reporting failures, a shrink
 or a reconfigure replacing the generation, a decision of the others fencing
-this rank out, a parent closing the communicators split from it.
+this rank out, a parent closing the communicators split from it.  It also
+turns a backend's exception into the ``CommError`` an op raises
+(``error_from``), because only it knows which peers were lost meanwhile.
 
 State is a ``State`` plus a reason, changed under one lock (``_move``), along
 the transitions in ``TRANSITIONS``; a move that the table does not allow
@@ -31,7 +33,8 @@ from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, List, Optional, Set
 import torch.distributed as dist
 
 from . import config
-from .errors import CollectiveTimeout, CommAborted, CommError, PeerLost, StoreUnreachable
+from .backends import classify
+from .errors import CollectiveTimeout, CommAborted, CommError, PeerLost, StoreUnreachable, first_line
 from .hooks import Hooks
 from .liveness import Liveness
 from .membership import Membership
@@ -422,6 +425,21 @@ class Lifecycle:
             if gone:
                 self.peers_lost(gone, "it left the communicator (finalize or exit) while this rank still "
                                       "needs it")
+
+    def error_from(self, exc: BaseException, op: str, seq: int, timeout_s: float, elapsed_s: float,
+                   peer: Optional[int]) -> CommError:
+        """The ``CommError`` a backend exception inside ``op`` becomes: a connection
+        that dropped names the lost rank(s) once the monitor knows them."""
+        if isinstance(exc, CommError):
+            return exc
+        cls = classify(exc)
+        what = first_line(exc)
+        ranks: Tuple[int, ...] = () if peer is None else (peer,)
+        if cls is PeerLost and not ranks and self.watched:
+            ranks = tuple(self.await_lost_ranks())
+            if ranks:
+                what = f"peer lost: rank(s) {', '.join(map(str, sorted(ranks)))} (backend: {what})"
+        return cls(what, comm=self._name, op=op, seq=seq, timeout_s=timeout_s, elapsed_s=elapsed_s, ranks=ranks)
 
     def await_lost_ranks(self) -> Set[int]:
         """The backend saw a connection drop; the monitor names the rank within

@@ -53,7 +53,8 @@ import torch.distributed as dist
 
 from . import config, runs
 from .c10d import CommslayerProcessGroup, adopting
-from .communicator import Communicator, join, new_comm
+from .communicator import Communicator
+from .create import join, new_comm
 from .errors import CommAborted, CommError, InvalidArgument, first_line
 from .exits import before_exit, exit_now
 from .gradients import local

@@ -44,7 +44,8 @@ from typing import Callable, List, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from .communicator import Communicator, join, new_comm
+from .communicator import Communicator
+from .create import join, new_comm
 from .errors import CommAborted, CommError, InvalidArgument, StoreUnreachable
 from .hooks import recovery_hooks
 from .reduce_op import ReduceOp

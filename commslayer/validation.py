@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import numbers
 from datetime import timedelta
-from typing import Optional, Sequence, Union
+from typing import Any, FrozenSet, List, Optional, Sequence, Union
 
 import torch
 
 from .config import MAX_TIMEOUT_S
 from .errors import InvalidArgument
-from .reduce_op import ReduceOp
+from .reduce_op import ReduceOp, coerce
 
 Timeout = Union[timedelta, float, int, None]
 # A name is in every store key of its communicator, and a split's keys hold its
@@ -31,36 +31,42 @@ def shown_name(name: object) -> str:
 
 
 class Checker:
-    """Checks for one call: ``Checker(comm_name, op, rank)``."""
+    """Checks for one op of one communicator: its name, the op, this rank, and what
+    the group needs of a tensor (the group's size, device type and dtypes)."""
 
-    __slots__ = ("comm", "op", "rank")
+    __slots__ = ("comm", "op", "rank", "size", "device_type", "dtypes")
 
-    def __init__(self, comm: str, op: str, rank: int) -> None:
+    def __init__(self, comm: str, op: str, rank: int, size: int = 0, device_type: str = "cpu",
+                 dtypes: FrozenSet[torch.dtype] = frozenset()) -> None:
         self.comm = comm
         self.op = op
         self.rank = rank
+        self.size = size
+        self.device_type = device_type
+        self.dtypes = dtypes
 
     def fail(self, what: str) -> InvalidArgument:
         return InvalidArgument(what, comm=self.comm, op=self.op, ranks=(self.rank,))
 
-    def tensor(self, t: object, what: str, device_type: str, dtypes) -> torch.Tensor:
+    def tensor(self, t: Any, what: str) -> None:
+        """A dense, contiguous tensor on the group's device type, of a dtype it carries."""
+        device_type = self.device_type
         try:  # the fast path: three attribute reads
             on_device = t.is_cpu if device_type == "cpu" else t.device.type == device_type
-            if on_device and t.dtype in dtypes and t.is_contiguous():
-                return t
+            if on_device and t.dtype in self.dtypes and t.is_contiguous():
+                return
         except (AttributeError, RuntimeError):  # not a tensor, or a sparse one
             pass
         if not isinstance(t, torch.Tensor):
             raise self.fail(f"{what} must be a torch.Tensor, got {type(t).__name__}")
         if t.device.type != device_type:
             raise self.fail(f"{what} is on {t.device}; this communicator needs {device_type} tensors")
-        if t.dtype not in dtypes and not t.is_complex():
+        if t.dtype not in self.dtypes and not t.is_complex():
             raise self.fail(f"{what} has dtype {t.dtype}, which this backend does not carry")
         if not t.is_contiguous():
             raise self.fail(f"{what} must be contiguous (call .contiguous())")
         if t.is_sparse:
             raise self.fail(f"{what} is sparse; only dense tensors are supported")
-        return t
 
     def name(self, name: object, what: str = "name", forbidden: str = "") -> str:
         """A communicator's name: a non-empty string of at most ``MAX_NAME_CHARS``
@@ -77,29 +83,39 @@ class Checker:
         if a.dtype != b.dtype:
             raise self.fail(f"{what}: dtypes differ ({a.dtype} vs {b.dtype})")
 
-    def tensor_list(self, ts: object, what: str, size: int, like: torch.Tensor, device_type: str, dtypes) -> list:
+    def sized(self, big: torch.Tensor, small: torch.Tensor, names: str) -> None:
+        """``big`` holds the group's size times as many elements as ``small``
+        (``names``: "output ... input" as the message names them, big first)."""
+        if big.numel() != small.numel() * self.size:
+            big_name, small_name = names.split(" ")
+            raise self.fail(f"{big_name} has {big.numel()} elements; needs {small_name}.numel() x size = "
+                            f"{small.numel()} x {self.size}")
+
+    def tensor_list(self, ts: object, what: str, like: torch.Tensor) -> List[torch.Tensor]:
+        size = self.size
         if not isinstance(ts, (list, tuple)):
             raise self.fail(f"{what} must be a list of {size} tensors, got {type(ts).__name__}")
         if len(ts) != size:
             raise self.fail(f"{what} has {len(ts)} tensors; the group has {size} ranks")
         for i, t in enumerate(ts):
-            self.tensor(t, f"{what}[{i}]", device_type, dtypes)
+            self.tensor(t, f"{what}[{i}]")
             if t.dtype != like.dtype or t.shape != like.shape:
                 raise self.fail(
                     f"{what}[{i}] is {t.dtype}{list(t.shape)}, expected {like.dtype}{list(like.shape)}"
                 )
         return list(ts)
 
-    def root_list(self, ts: object, what: str, root: int, me: int, size: int, like: torch.Tensor,
-                  device_type: str, dtypes) -> list:
+    def root_list(self, ts: object, what: str, root: int, like: torch.Tensor) -> List[torch.Tensor]:
         """The list only the root passes (gather's outputs, scatter's inputs); empty elsewhere."""
-        if root == me:
-            return self.tensor_list(ts, what, size, like, device_type, dtypes)
+        if root == self.rank:
+            return self.tensor_list(ts, what, like)
         if ts:
-            raise self.fail(f"{what} must be empty on non-root rank {me} (root is {root})")
+            raise self.fail(f"{what} must be empty on non-root rank {self.rank} (root is {root})")
         return []
 
-    def rank_arg(self, r: object, what: str, size: int, me: Optional[int] = None) -> int:
+    def rank_arg(self, r: object, what: str, me: Optional[int] = None) -> int:
+        """A rank of the group, other than ``me`` when given."""
+        size = self.size
         if isinstance(r, bool) or not isinstance(r, int):
             raise self.fail(f"{what} must be an int rank, got {r!r}")
         if not 0 <= r < size:
@@ -108,7 +124,14 @@ class Checker:
             raise self.fail(f"{what}={r} is this rank itself")
         return r
 
-    def reduce_op(self, op: ReduceOp, dtype: torch.dtype) -> None:
+    def reduce_op(self, op: object, dtype: torch.dtype) -> ReduceOp:
+        """``op`` as a ``ReduceOp``, checked against the tensors' ``dtype``."""
+        if op is ReduceOp.SUM:  # the common case is valid for every dtype
+            return op
+        try:
+            op = coerce(op)
+        except ValueError as exc:
+            raise self.fail(str(exc)) from None
         is_int = not dtype.is_floating_point and not dtype.is_complex
         if op.is_bitwise and not is_int:
             raise self.fail(f"{op} is defined for integer and bool tensors, not {dtype}")
@@ -124,8 +147,10 @@ class Checker:
                 raise self.fail(f"ReduceOp.PREMUL_SUM factor must be a number, got {f!r}")
         if dtype.is_complex and op.name not in ("SUM", "AVG", "PREMUL_SUM"):
             raise self.fail(f"{op} is not defined for complex tensors")
+        return op
 
-    def splits(self, splits: Optional[Sequence[int]], what: str, size: int, rows: int) -> Optional[list]:
+    def splits(self, splits: Optional[Sequence[int]], what: str, rows: int) -> Optional[List[int]]:
+        size = self.size
         if splits is None:
             if rows % size:
                 raise self.fail(f"{what} is None, so dim 0 ({rows}) must divide evenly by the group size {size}")

@@ -195,7 +195,7 @@ class Work:
         if now_ns >= self.deadline_ns:
             self._expire(now_ns)
             return True
-        err = self.comm._interrupted(self)
+        err = self._interruption()
         if err is not None:
             self._fail(err, now_ns)
             return True
@@ -219,7 +219,7 @@ class Work:
                 if self._c10d.is_completed():  # it ended as the slice ran out: one more wait tells how
                     sliceable = False
                 else:
-                    err = self.comm._interrupted(self)
+                    err = self._interruption()
                     if err is not None:
                         self._fail(err, time.monotonic_ns())
                         return
@@ -228,11 +228,22 @@ class Work:
             break
         self._complete()
 
+    def _elapsed_s(self) -> float:
+        return (time.monotonic_ns() - self.start_ns) / 1e9
+
+    def _interruption(self) -> Optional[CommError]:
+        """The error this op ends with once its communicator broke or closed (None while usable)."""
+        return self.comm.lifecycle.interruption(self.op, self.seq, self.timeout_s, self._elapsed_s())
+
+    def _error_from(self, exc: BaseException) -> CommError:
+        """A backend exception raised while waiting on this op, as our error."""
+        return self.comm.lifecycle.error_from(exc, self.op, self.seq, self.timeout_s, self._elapsed_s(), self.peer)
+
     def _backend_failed(self, exc: RuntimeError) -> None:
         if classify(exc) is CollectiveTimeout:
             self._expire(time.monotonic_ns())
         else:
-            self._fail(self.comm._classify(exc, self), time.monotonic_ns())
+            self._fail(self._error_from(exc), time.monotonic_ns())
 
     def _complete(self) -> None:
         with self.comm.settle_lock:
@@ -242,7 +253,7 @@ class Work:
                 if self._finish is not None:
                     self._finish()
             except Exception as exc:
-                self._error = self.comm._classify(exc, self)
+                self._error = self._error_from(exc)
                 self._status = WorkStatus.ERROR
             else:
                 self._status = WorkStatus.COMPLETED
@@ -276,7 +287,7 @@ class Work:
         if self.record is not None:
             self.record.ended(self)  # before the error hooks, which may dump the trace
         if breaks:
-            self.comm._on_failure(err)
+            self.comm.lifecycle.fail(err)
         if self.comm.completion_hooks.fns:
             self.comm.completion_hooks(self)
 

@@ -93,7 +93,7 @@ class Options:
 
     def faults(self, scenario: Scenario, layout: Layout) -> List[Fault]:
         """The scenario's faults, the first life's collective fault moved to ``op`` and ``nth``."""
-        from commslayer.communicator import BACKEND_OPS
+        from commslayer.wire import BACKEND_OPS
 
         if self.op is not None and self.op not in BACKEND_OPS:
             raise ValueError(f"op {self.op!r}: expected one of {', '.join(BACKEND_OPS)}")

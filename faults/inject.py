@@ -186,7 +186,7 @@ class Injector:
     # ------------------------------------------------------- collective hooks
     def attach(self, comm: Any) -> None:
         """Wrap the methods of ``comm`` that a fault of this process targets; log its first failure."""
-        from commslayer.communicator import BACKEND_OPS
+        from commslayer.wire import BACKEND_OPS
 
         name = comm.get_name()
         table = comm.global_ranks or comm.members  # job ranks where known; the hook must not hold comm itself

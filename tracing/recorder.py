@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 import commslayer
 from commslayer import config
-from commslayer.communicator import BACKEND_OPS
+from commslayer.wire import BACKEND_OPS
 from commslayer.work import WorkStatus
 from commslayer.exits import before_exit, exit_now, register_before_exit
 from commslayer.hooks import OpIO, register_phase_hook, register_recovery_hook
