@@ -15,7 +15,7 @@ and NCCL groups are built, classified, torn down), ``work``/``watchdog``
 ``runs`` (what a run leaves, for its writer and readers) and ``processes``.
 """
 
-from .communicator import Communicator, live_communicators, register_communicator_hook
+from .communicator import Communicator
 from .create import join, new_comm
 from .errors import (
     CollectiveMismatch,
@@ -27,7 +27,7 @@ from .errors import (
     PeerLost,
     StoreUnreachable,
 )
-from .hooks import HookHandle
+from .hooks import HookHandle, live_communicators, register_communicator_hook
 from .reduce_op import ReduceOp
 from .work import Work, WorkStatus
 from . import config as _config

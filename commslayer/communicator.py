@@ -33,7 +33,7 @@ from torch._C import _distributed_c10d as c10d
 from . import backends
 from .check import CrossRankCheck, fingerprint
 from .errors import CollectiveMismatch, CommError, StoreUnreachable
-from .hooks import HookHandle, Hooks, OpIO, OpRecorder
+from .hooks import HookHandle, Hooks, OpIO, OpRecorder, created
 from .isolation import IsolatedBackend, StagedWork
 from .lifecycle import Lifecycle, Lineage, State
 from .reduce_op import ReduceOp
@@ -43,20 +43,6 @@ from .wire import BACKEND_OPS, Options, averaging, in_place, premultiplied, wire
 from .work import Waiter, Work
 
 _op_ids = itertools.count(1)  # process-wide, monotonic
-_created = Hooks("communicator created")
-_live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
-
-
-def register_communicator_hook(fn: Callable[["Communicator"], None]) -> HookHandle:
-    """``fn(comm)`` runs for every communicator built from now on in this process
-    (``new_comm``, ``split``, c10d groups); see ``live_communicators`` for those
-    that exist already."""
-    return _created.add(fn)
-
-
-def live_communicators() -> List["Communicator"]:
-    """The communicators of this process that have not been garbage-collected."""
-    return list(_live)
 
 
 class Communicator:
@@ -129,8 +115,7 @@ class Communicator:
             op for op, backend_op in BACKEND_OPS.items() if backend_op in spec.untimed_waits) \
             if life.watched else frozenset()
         self.recorder: Optional[OpRecorder] = None  # set by tracing's flight recorder
-        _live.add(self)
-        _created(self)
+        created(self)
 
     # ---------------------------------------------------------------- identity
     def get_rank(self) -> int:

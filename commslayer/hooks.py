@@ -7,13 +7,17 @@ Hooks are general and cost a Python call each plus an argument dict per op.
 The flight recorder sees every op of every communicator, so it gets a
 narrower path of its own: ``Communicator.recorder`` (an ``OpRecorder``) is
 asked for one record per op, and the op path and ``Work`` fill it in.
+
+The communicator hooks and ``live_communicators`` are the process-wide
+registry of communicators (tracing and the fault harness attach through it).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Dict, NamedTuple, Optional, Protocol, Set, Tuple
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Set, Tuple
 
 if TYPE_CHECKING:
     import torch
@@ -123,3 +127,25 @@ def register_recovery_hook(fn: Callable[[str, Dict[str, Any]], None]) -> HookHan
     are plain values (steps, member ids, bytes, seconds); tracing records them
     as events."""
     return recovery_hooks.add(fn)
+
+
+_created = Hooks("communicator created")
+_live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+
+
+def register_communicator_hook(fn: Callable[["Communicator"], None]) -> HookHandle:
+    """``fn(comm)`` runs for every communicator built from now on in this process
+    (``new_comm``, ``split``, c10d groups); see ``live_communicators`` for those
+    that exist already."""
+    return _created.add(fn)
+
+
+def live_communicators() -> List["Communicator"]:
+    """The communicators of this process that have not been garbage-collected."""
+    return list(_live)
+
+
+def created(comm: "Communicator") -> None:
+    """A communicator was built: remember it and run the communicator hooks."""
+    _live.add(comm)
+    _created(comm)

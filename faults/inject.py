@@ -291,7 +291,7 @@ _installed = False
 def install() -> None:
     """Attach the injector to every communicator this process builds from now on, and
     fire step faults at the phases of any job on ``commslayer.resilience`` (idempotent)."""
-    from commslayer.communicator import live_communicators, register_communicator_hook
+    from commslayer.hooks import live_communicators, register_communicator_hook
     from commslayer.hooks import register_phase_hook
 
     global _installed
