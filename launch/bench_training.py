@@ -5,8 +5,8 @@ side in one run.
 
     python launch/bench_training.py --repeats 3 --json docs/data/training.json
 
-``--smoke`` runs every configuration once on a tiny model for a few steps,
-to check that the benchmark still works.
+``--smoke`` runs every configuration once on a tiny model for a few steps
+(the fault in one phase only), to check that the benchmark still works.
 
 The job is launch/train.py's decoder-only LM at its default size (dim 128,
 4 layers, seq 128, batch 8 per rank), 2 replica groups of 2 FSDP2 ranks
@@ -86,7 +86,7 @@ K = TypeVar("K", bound=Hashable)
 REPLICAS, RANKS = 2, 2
 VICTIM_REPLICA = 1  # rank 0 of this replica group dies (global rank 2 in the DCP job)
 MODEL = {"batch": 8, "seq": 128, "dim": 128, "layers": 4, "heads": 4, "vocab": 256, "lr": 3e-3, "seed": 0}
-SMOKE = {"repeats": 1, "steps": 6, "warmup": 1, "fault_step": 3, "ckpt_every": 2,
+SMOKE = {"repeats": 1, "steps": 6, "warmup": 1, "fault_step": 3, "ckpt_every": 2, "phases": ["allreduce"],
          "model": dict(MODEL, batch=4, seq=32, dim=32, layers=2, vocab=64)}
 
 # The baseline job: run by torchrun (argv[1]: its settings as JSON); launch/ and the repository are on PYTHONPATH.
@@ -365,7 +365,7 @@ def main() -> int:
                    choices=["forward", "backward", "allreduce", "optimizer"], help="where ours' victim dies")
     p.add_argument("--json", help="also write the raw figures here")
     p.add_argument("--smoke", action="store_true", help="check that the benchmark works: every configuration "
-                   "once, a tiny model, 6 steps, the fault at step 3; explicit options still apply")
+                   "once, a tiny model, 6 steps, the fault at step 3 (in allreduce only); explicit options still apply")
     p.set_defaults(model=MODEL)
     args = p.parse_args()
     if args.smoke:

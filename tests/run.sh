@@ -8,4 +8,4 @@ if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/
     { apt-get install -y -qq chromium || { apt-get update -qq && apt-get install -y -qq chromium; }; } \
         >/dev/null 2>&1 || echo "tests/run.sh: could not install chromium; the HTML view test will skip" >&2
 fi
-exec python -m pytest -q -p no:cacheprovider "$@"
+exec python -m pytest -q -p no:cacheprovider --durations=25 "$@"

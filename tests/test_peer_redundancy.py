@@ -76,8 +76,11 @@ KILLS = {
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("where, target", [("forward", 0), ("backward", 2), ("optimizer", 3), ("refresh", 1),
-                                           ("reduce-scatter", 3)])
+@pytest.mark.parametrize("where, target", [
+    ("forward", 0), ("backward", 2), ("refresh", 1),
+    # the same recovery from other points of the step (also the fault harness's rank-kill-* scenarios)
+    pytest.param("optimizer", 3, marks=pytest.mark.slow), pytest.param("reduce-scatter", 3, marks=pytest.mark.slow),
+])
 def test_a_lost_rank_is_replaced_and_nothing_is_lost(clean, tmp_path, where, target):
     traces = tmp_path / "traces"  # one of the runs traced: the viewer must tell its story
     env = {"COMMSLAYER_TRACE_DIR": str(traces)} if where == "backward" else {}
