@@ -19,7 +19,6 @@ Names follow torchcomms, so code moves between the two.
 from __future__ import annotations
 
 import itertools
-import numbers
 import threading
 import weakref
 import time
@@ -373,11 +372,7 @@ class Communicator:
             hints = self._spec.check_hints(hints)
         except ValueError as exc:
             raise chk.fail(str(exc)) from None
-        ranks = [chk.rank_arg(r, "ranks[]") for r in ranks]
-        if not ranks:
-            raise chk.fail("ranks is empty")
-        if len(set(ranks)) != len(ranks):
-            raise chk.fail(f"ranks has duplicates: {ranks}")
+        ranks = chk.rank_list(ranks, "ranks")
         if name in self._splits:
             raise chk.fail(f"a split named {name!r} was already made from this communicator")
         timeout_s = timeout_seconds(timeout, self._timeout_s, chk)
@@ -434,12 +429,7 @@ class Communicator:
         """
         chk = self._checker("reconfigure")
         self._check_resizable(chk)
-        if not isinstance(members, (list, tuple)) or not members or any(
-                isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 0 for m in members) \
-                or len(set(members)) != len(members):
-            raise chk.fail(f"members must be a non-empty list of member ids (ints >= 0) without duplicates, "
-                           f"got {members!r}")
-        return self.lifecycle.reconfigure([int(m) for m in members], self._next_generation)
+        return self.lifecycle.reconfigure(chk.member_ids(members), self._next_generation)
 
     def pending_members(self, *, timeout: Timeout = None) -> List[int]:
         """Member ids that announced themselves (``commslayer.join``) and are not in

@@ -124,6 +124,24 @@ class Checker:
             raise self.fail(f"{what}={r} is this rank itself")
         return r
 
+    def rank_list(self, ranks: Sequence[object], what: str) -> List[int]:
+        """A non-empty list of distinct ranks of the group."""
+        checked = [self.rank_arg(r, f"{what}[]") for r in ranks]
+        if not checked:
+            raise self.fail(f"{what} is empty")
+        if len(set(checked)) != len(checked):
+            raise self.fail(f"{what} has duplicates: {checked}")
+        return checked
+
+    def member_ids(self, members: object) -> List[int]:
+        """A non-empty list of distinct member ids (ints >= 0)."""
+        if not isinstance(members, (list, tuple)) or not members or any(
+                isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 0 for m in members) \
+                or len(set(members)) != len(members):
+            raise self.fail(f"members must be a non-empty list of member ids (ints >= 0) without duplicates, "
+                            f"got {members!r}")
+        return [int(m) for m in members]
+
     def reduce_op(self, op: object, dtype: torch.dtype) -> ReduceOp:
         """``op`` as a ``ReduceOp``, checked against the tensors' ``dtype``."""
         if op is ReduceOp.SUM:  # the common case is valid for every dtype
