@@ -84,8 +84,10 @@ def test_diagnose_tells_the_story_of_the_recovery(recovered):
     rc, out, err = run_cli("diagnose", recovered["traces"])
     assert rc == 0, out + err  # recovered and finished: not a failure
     head = out.splitlines()[0]
+    # generation 1, or 2 when the survivors decided once without rank 2 and again without rank 3
+    # (its torchrun ended it a moment later): one recovery either way
     assert re.match(rf"The job lost ranks 2, 3 \(replica group 1\) at step {FAULT_STEP} and recovered in "
-                    r"\d+\.\d{3} s \(generation 1: ranks 0, 1\)", head), head
+                    r"\d+\.\d{3} s \(generation [12]: ranks 0, 1\)", head), head
     assert re.search(r"rank 2 rejoined at step \d+ after a restart \(heal \d+\.\d{3} s, ", head), head
     for noise in ("GLHF", ".cc:", "Likely culprit", str(ROOT)):
         assert noise not in out, (noise, out)
@@ -144,7 +146,7 @@ def test_watch_followed_the_running_job_and_quit_on_ctrl_c(recovered):
     failed = next(i for i, p in enumerate(panes) if "first failure: none so far" not in p and "first failure:" in p)
     assert failed < len(panes) - 1, "the failure showed only after the job ended"
     assert re.search(r"first failure: \d\d:\d\d:\d\d\.\d{3} rank \d", panes[failed]), panes[failed]
-    assert "'replicas' (replicas.0): generation 2, members 0, 1, 2, 3" in panes[-1]
+    assert re.search(r"'replicas' \(replicas\.0\): generation [23], members 0, 1, 2, 3", panes[-1]), panes[-1]
     assert re.search(r"slowest of the last collectives: rank \d, last to arrive in \d+ of 20", panes[-1])
     assert "watch stopped" in recovered["stopped"] and "watch-exit=0" in recovered["stopped"]
     assert "Traceback" not in recovered["stopped"]

@@ -91,6 +91,45 @@ def test_a_job_that_did_not_resume_failed(tmp_path):
     assert "did not resume in a new generation" in out and "GLHF" not in out
 
 
+def test_a_second_loss_before_the_new_generation_ran_is_one_recovery(tmp_path):
+    """Ranks 0 and 1 of 4 lose rank 2, decide generation 1 (members 0, 1, 3), then lose
+    rank 3 before generation 1 ran an op, decide generation 2 (members 0, 1) and go on:
+    one loss of ranks 2 and 3, timed from the first detection to generation 2's first op."""
+    directory = str(tmp_path / "t")
+    os.makedirs(directory)
+    lost = "peer lost: rank {r} (member {r}): rank {r}: its process exited (connection closed)"
+    for rank in (0, 1):
+        recs = [record(i, rank=rank) for i in (1, 2)]
+        recs.append(record(3, rank=rank, state="failed", error=GLOO, end_ns=MONO_NS + 3 * MS + 900_000))
+        recs += [record(i, rank=rank, seq=i - 5, comm_id="a.0@g2", generation=2) for i in (6, 7)]
+        comms = communicators(4)
+        comms["a.0"]["rank"] = rank
+        for gen, members in ((1, [0, 1, 3]), (2, [0, 1])):
+            comms[f"a.0@g{gen}"] = {"name": "a", "backend": "gloo", "rank": rank, "size": len(members),
+                                    "global_ranks": members, "generation": gen, "members": members, "state": "ok"}
+        doc = dump_doc(rank, recs, 4)
+        doc.update(communicators=comms, events=[
+            _event("peer_lost", MONO_NS + 3 * MS + 100_000, comm="a", comm_id="a.0", generation=0, lost=[2],
+                   op="liveness", seq=2, error=lost.format(r=2), step=7),
+            _event("generation", MONO_NS + 3 * MS + 600_000, comm="a", comm_id="a.0@g1", generation=1,
+                   members=[0, 1, 3], before=[0, 1, 2, 3], step=7),
+            _event("peer_lost", MONO_NS + 4 * MS, comm="a", comm_id="a.0@g1", generation=1, lost=[3],
+                   op="liveness", seq=0, error=lost.format(r=3), step=7),
+            _event("generation", MONO_NS + 5 * MS, comm="a", comm_id="a.0@g2", generation=2,
+                   members=[0, 1], before=[0, 1, 3], step=7)])
+        write(os.path.join(directory, f"rank{rank}.json"), doc)
+    rc, out, _ = run_cli("diagnose", directory)
+    assert rc == 0, out
+    head = out.splitlines()[0]
+    assert head.startswith("The job lost ranks 2, 3 at step 7 and recovered in 0.003 s (generation 2: ranks 0, 1)"), head
+    assert "did not resume" not in out
+    [loss] = json.loads(run_cli("diagnose", "--json", directory)[1])["recovery"]["losses"]
+    assert loss["lost"] == [2, 3] and loss["members_before"] == [0, 1, 2, 3] and loss["members_after"] == [0, 1]
+    # generation 2's first op: op 6 of rank 0, enqueued at +6 ms; the first detection at +3.1 ms
+    assert round(loss["resume_s"] * 1e6) == round(loss["recovery_s"] * 1e6) == 2900
+    assert round(loss["decision_s"] * 1e6) == 1900
+
+
 def test_lives_of_a_restarted_rank_are_one_row(tmp_path):
     """Rank 1's second life (another process: other clock anchor, op ids from 1 again)
     lies under replica1-restart1/; it continues rank 1's row, on the same time axis."""

@@ -125,6 +125,7 @@ def recovery_story(scan: "JobScan") -> Dict[str, Any]:
             "resume_s": None if resume is None else (resume - first) / 1e9,
             "recovery_s": rec_s, "recovered": resume is not None,
         })
+    losses = _chained(losses)
     admissions = []
     heals = [{"rank": e["rank"], "t_ns": e["t_ns"], "step": e.get("step"), "generation": e.get("generation"),
               "source": e.get("source"), "source_replica": e.get("source_replica"), "bytes": _number(e.get("bytes")),
@@ -170,6 +171,31 @@ def recovery_story(scan: "JobScan") -> Dict[str, Any]:
             "recovered": bool(losses) and all(loss["recovered"] for loss in losses),
             "superseded": sorted(superseded), "lines": _lines(losses, admissions, fenced),
             "markers": _markers(losses, admissions, fenced)}
+
+
+def _chained(losses: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """One loss per recovery: a loss whose decided generation lost a member before its
+    first op (a replica group's second rank, ended by its torchrun a moment after the
+    first died) is told with the later loss, from the first detection to the resume."""
+    out: List[Dict[str, Any]] = []
+    for loss in losses:  # in time order
+        prior = next((p for p in out if p["lineage"] == loss["lineage"] and not p["recovered"]
+                      and p["decision_generation"] == loss["generation"]), None)
+        if prior is None:
+            out.append(loss)
+            continue
+        shift = (loss["t_ns"] - prior["t_ns"]) / 1e9
+        steps = [s for s in (prior["step"], loss["step"]) if s is not None]
+        merged = dict(loss, t_ns=prior["t_ns"], lost=sorted(set(prior["lost"]) | set(loss["lost"])),
+                      step=min(steps) if steps else None, lost_replicas=loss["lost_replicas"] or prior["lost_replicas"],
+                      detection_base=prior["detection_base"], detections=prior["detections"] + loss["detections"],
+                      members_before=prior["members_before"] or loss["members_before"])
+        for key in ("decision_s", "resume_s"):
+            merged[key] = None if loss[key] is None else loss[key] + shift
+        merged["recovery_s"] = merged["resume_s"] if merged["resume_s"] is not None else \
+            None if loss["recovery_s"] is None else loss["recovery_s"] + shift
+        out[out.index(prior)] = merged
+    return out
 
 
 def _lines(losses: List[Dict[str, Any]], admissions: List[Dict[str, Any]], fenced: List[Dict[str, Any]]) -> List[str]:
