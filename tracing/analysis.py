@@ -74,10 +74,12 @@ class OverlapStats:
     ``hidden_rs_s``: the part of ``rs_s`` during which an all-gather was also
     in flight; ``hidden_fraction = hidden_rs_s / rs_s`` (0 without RS).
     ``comm_s``: union of the intervals of all its ops (p2p included).
-    ``exposed_comm_s``: union of the intervals during which the issuing thread
-    was blocked on communication: [enqueue, end] of a synchronous op, and
-    [``wait_ns``, ``wait_end_ns``] of an async one (the caller's ``Work.wait``;
-    traces without these fields count async ops as never waited on).
+    ``exposed_comm_s``: the part of ``comm_s`` during which the issuing thread
+    was blocked on it: [enqueue, end] of a synchronous op, and [``wait_ns``,
+    ``wait_end_ns``] of an async one (the caller's ``Work.wait``; traces
+    without these fields count async ops as never waited on), cut to the
+    time some op was in flight (a wait that returns late, its thread
+    descheduled on a loaded machine, is not communication).
     ``step``: the resilient job's step, for ``overlap_by_step`` (else None).
     """
 
@@ -166,7 +168,7 @@ def _overlap(records: Iterable[Dict[str, Any]], by_step: bool) -> Dict[Tuple[int
             rs_s=rs_ns / 1e9, ag_s=length(ag) / 1e9, hidden_rs_s=hidden_ns / 1e9,
             hidden_fraction=hidden_ns / rs_ns if rs_ns else 0.0,
             comm_s=length(union(lanes["all"])) / 1e9,
-            exposed_comm_s=length(union(lanes["blocked"])) / 1e9,
+            exposed_comm_s=length(intersect(union(lanes["blocked"]), union(lanes["all"]))) / 1e9,
             step=key[1] if by_step else None,
         )
     return out
