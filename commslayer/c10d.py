@@ -78,6 +78,13 @@ class C10dWork(dist.Work):
     def result(self) -> List[torch.Tensor]:
         return self._result
 
+    def _source_rank(self) -> int:
+        """The sender's group rank, once a recv from any source completed (``dist.recv`` reads it)."""
+        peer = self._works[0].peer if self._works else None
+        if peer is None:
+            raise InvalidArgument("no source rank: the receive has not completed")
+        return peer
+
     def get_future(self) -> torch.futures.Future:
         def settle(fut):
             try:
@@ -241,8 +248,7 @@ class CommslayerProcessGroup(dist.ProcessGroup):
         return self._many(tensors, lambda: [self._comm(t)._p2p("recv", t, src, True, None, tag) for t in tensors])
 
     def recv_anysource(self, tensors, tag=0):
-        raise InvalidArgument("recv from any source is not supported: name the source rank",
-                              comm=self.communicator("cpu").get_name(), op="recv")
+        return self._many(tensors, lambda: [self._comm(t)._recv_any(t, True, None, tag) for t in tensors])
 
     def _many(self, result, issue: Callable[[], List[Work]]) -> C10dWork:
         """The ops ``issue()`` starts, as one c10d work; while held, one that fails is

@@ -40,7 +40,7 @@ from .reduce_op import ReduceOp
 from .validation import Checker, Timeout, timeout_seconds
 from .watchdog import WATCHDOG
 from .wire import BACKEND_OPS, Options, averaging, in_place, premultiplied, wire
-from .work import Waiter, Work
+from .work import AnySourceWork, Waiter, Work
 
 _op_ids = itertools.count(1)  # process-wide, monotonic
 
@@ -345,6 +345,32 @@ class Communicator:
         """Receive into ``tensor`` from rank ``src``."""
         return self._p2p("recv", tensor, src, async_op, timeout)
 
+    def recv_any_source(self, tensor: torch.Tensor, *, async_op: bool = False, timeout: Timeout = None) -> Work:
+        """Receive into ``tensor`` from whichever rank's message comes first (c10d's
+        ``recv_anysource``); once it completed, ``work.peer`` is the sender's rank."""
+        return self._recv_any(tensor, async_op, timeout)
+
+    def _recv_any(self, tensor: torch.Tensor, async_op: bool, timeout: Timeout, tag: int = 0) -> Work:
+        """A recv that waits on every other member: the liveness monitor interrupts it
+        when any of them is lost (a helper thread waits on the backend: Gloo fails a
+        receive at its first timed-out wait). Numbered in its pair once the sender is known."""
+        chk = self._checker("recv")
+        chk.tensor(tensor, "tensor")
+        if self._check is not None:
+            raise chk.fail("check mode compares each message before it is sent: a recv from any source "
+                           "must name its source rank")
+        timeout = timeout_seconds(timeout, self._timeout_s, chk)
+        self.lifecycle.ensure_usable("recv", 0)
+        return self._run(chk, OpIO((), (tensor,), None, None),
+                         lambda: self._ops.recv_anysource([wire(tensor)], tag), opts=None, fp=None,
+                         timeout=timeout, async_op=async_op, seq=0, any_source=True)
+
+    def _numbered(self, src: int) -> int:
+        """The number of the message from ``src`` that a recv from any source received."""
+        pair = (src, self._rank)
+        n = self._p2p_seq[pair] = self._p2p_seq.get(pair, 0) + 1
+        return n
+
     def _p2p(self, op: str, tensor: torch.Tensor, peer: int, async_op: bool, timeout: Timeout, tag: int = 0) -> Work:
         chk = self._checker(op)
         chk.tensor(tensor, "tensor")
@@ -532,13 +558,15 @@ class Communicator:
 
     def _run(self, chk: Checker, io: OpIO, issue: Callable[[], Any], *, opts: Any, fp: Optional[Dict[str, Any]],
              timeout: Timeout, async_op: bool, finish: Optional[Callable[[], None]] = None,
-             peer: Optional[int] = None, seq: Optional[int] = None) -> Work:
+             peer: Optional[int] = None, seq: Optional[int] = None, any_source: bool = False) -> Work:
         """Issue one op: deadline, sequence number, check mode, hooks, then the backend call.
 
         Collectives number themselves here; point-to-point ops pass the
-        per-pair ``seq`` and have run their check already.
+        per-pair ``seq`` and have run their check already; a recv from any
+        source (``any_source``) learns its peer and number as it completes.
         """
         op = chk.op
+        work_cls = AnySourceWork if any_source else Work
         timeout_s = self._timeout_s if timeout is None else timeout_seconds(timeout, self._timeout_s, chk)
         collective = seq is None
         if seq is None:
@@ -571,14 +599,16 @@ class Communicator:
                 finish = c10d_work.finisher(finish)
             if op in self._waited_elsewhere:
                 c10d_work = self._waiter().wrap(c10d_work)
+            elif any_source and self.lifecycle.watched:
+                c10d_work = self._waiter().wrap(c10d_work, td)
         except (RuntimeError, CommError) as exc:
             err = self.lifecycle.error_from(exc, op, seq, timeout_s, (time.monotonic_ns() - start) / 1e9, peer)
-            failed = Work(self, op, seq, op_id, timeout_s, start, None, None, peer, record)
+            failed = work_cls(self, op, seq, op_id, timeout_s, start, None, None, peer, record)
             # A mismatch found by check mode leaves the group usable: every rank raised
             # at the same op and nothing was sent. Anything else breaks it.
             failed.fail_before_issue(err, self._post, breaks=not isinstance(err, CollectiveMismatch))
             raise err from (None if err is exc else exc)
-        work = Work(self, op, seq, op_id, timeout_s, start, c10d_work, finish, peer, record)
+        work = work_cls(self, op, seq, op_id, timeout_s, start, c10d_work, finish, peer, record)
         if record is not None:
             record.started(start)
         if self._post.fns:
