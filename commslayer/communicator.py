@@ -187,8 +187,10 @@ class Communicator:
     # ------------------------------------------------------------- collectives
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *,
                    async_op: bool = False, timeout: Timeout = None) -> Work:
-        """Reduce ``tensor`` across ranks, in place."""
+        """Reduce ``tensor`` across ranks, in place (a sparse COO one too: ``_all_reduce_sparse``)."""
         chk = self._checker("all_reduce")
+        if getattr(tensor, "is_sparse", False):
+            return self._all_reduce_sparse(chk, tensor, op, async_op, timeout)
         chk.tensor(tensor, "tensor")
         op = chk.reduce_op(op, tensor.dtype)
         opts = self._options.get(c10d.AllreduceOptions, op)
@@ -196,6 +198,18 @@ class Communicator:
                          in_place(self._ops.allreduce, wire(tensor), op, opts), opts=opts,
                          finish=averaging(tensor, op, self._size), fp=self._fp(chk.op, tensor, op),
                          timeout=timeout, async_op=async_op)
+
+    def _all_reduce_sparse(self, chk: Checker, tensor: torch.Tensor, op: ReduceOp, async_op: bool,
+                           timeout: Timeout) -> Work:
+        """The backend's own reduction of a sparse COO tensor, in place (Gloo: sums only)."""
+        chk.sparse(tensor, "tensor")
+        op = chk.reduce_op(op, tensor.dtype)
+        if op.name != "SUM" or self._spec.name != "gloo":
+            raise chk.fail(f"a sparse tensor is reduced with ReduceOp.SUM on Gloo only, not {op} on "
+                           f"{self._spec.name}")
+        opts = self._options.get(c10d.AllreduceOptions, op)
+        return self._run(chk, OpIO((tensor,), (tensor,), op, None), lambda: self._ops.allreduce([tensor], opts),
+                         opts=opts, fp=self._fp(chk.op, tensor, op), timeout=timeout, async_op=async_op)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, *,
                           async_op: bool = False, timeout: Timeout = None) -> Work:

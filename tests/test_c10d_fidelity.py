@@ -71,7 +71,11 @@ def _fidelity_job(rank, size, store):
     rec = install(None, signals=False)
     out = {"types": (type(plain).__name__, type(routed).__name__)}
     for kind, group in (("plain", plain), ("routed", routed)):
-        out[kind] = {"recv": _recv_any(group, rank)}
+        out[kind] = {"recv": _recv_any(group, rank), "sparse": _sparse(group, rank)}
+    try:
+        dist.all_reduce(torch.ones(2).to_sparse(), op=dist.ReduceOp.MAX, group=routed)
+    except commslayer.InvalidArgument as err:
+        out["sparse max"] = str(err)
     out["records"] = [(r["op"], r["peer"], r["seq"], r["state"]) for r in rec.records()
                       if r["comm"].startswith(f"c10d:{routed.group_name}:")]
     if rank == 1:  # no sender on `short`; then die while rank 0 receives on `long`
@@ -98,8 +102,12 @@ def test_routed_group_matches_plain_gloo():
     for how in ("sync", "async"):
         (src, t), (ref_src, ref) = routed["recv"][how], plain["recv"][how]
         assert src == ref_src == 1 and t == ref and sum(t) > 0
-    # one record per receive, its sender and its number in the pair learnt as it completed
-    assert ours["records"] == [("recv", 1, 1, "completed"), ("recv", 1, 2, "completed")]
+    coalesced, indices, values = routed["sparse"]
+    assert routed["sparse"] == plain["sparse"] and coalesced and indices == [[0, 1, 2]], routed["sparse"]
+    assert "ReduceOp.SUM on Gloo only" in ours["sparse max"]
+    # one record per op; a receive's sender and its number in the pair learnt as it completed
+    assert ours["records"] == [("recv", 1, 1, "completed"), ("recv", 1, 2, "completed"),
+                               ("all_reduce", None, 1, "completed")], ours["records"]
     kind, took = ours["deadline"]
     assert kind == "CollectiveTimeout" and 0.9 < took < 3.0, ours["deadline"]
     kind, took = ours["lost"]
