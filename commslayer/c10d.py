@@ -106,6 +106,7 @@ class CommslayerProcessGroup(dist.ProcessGroup):
                  global_ranks: List[int]) -> None:
         super().__init__(rank, size)
         self._held: Optional[Callable[[CommError], None]] = None
+        self._answers = BACKEND_NAME
         config.validate()  # start-up of a c10d job: a bad COMMSLAYER_* variable fails init_process_group
         timeout_s = (config.default_timeout() if config.timeout_is_set() else timeout).total_seconds()
         self._comms = {}
@@ -132,6 +133,7 @@ class CommslayerProcessGroup(dist.ProcessGroup):
         dist.ProcessGroup.__init__(pg, comm.get_rank(), comm.get_size())
         pg._comms = {}
         pg._held = None
+        pg._answers = BACKEND_NAME
         pg._attach(comm)
         return pg
 
@@ -155,11 +157,16 @@ class CommslayerProcessGroup(dist.ProcessGroup):
     def _comm(self, t: torch.Tensor) -> Communicator:
         return self.communicator(t.device.type)
 
-    def getBackendName(self) -> str:  # noqa: N802 (c10d's C++ name)
-        return BACKEND_NAME
+    def getBackendName(self) -> str:  # noqa: N802 (c10d's C++ name; DDP's logging reads it)
+        return self._answers
 
     def name(self) -> str:
-        return BACKEND_NAME
+        return self._answers
+
+    def answer_as(self, name: str) -> None:
+        """Give ``name`` as this group's backend name (``name()``, DDP's logging data):
+        a routed group answers with the backend the job asked for."""
+        self._answers = name
 
     # collectives: c10d's Python API and C++ callers use these names
     def allreduce(self, tensors, opts=None):
@@ -359,6 +366,11 @@ def _routed_backend(backend) -> str:
     return ",".join(f"{dev}:{BACKEND_NAME if b in _ROUTED else b}" for dev, b in pairs)
 
 
+def _default_backend(config: dist.BackendConfig) -> str:
+    """The name plain c10d gives a group of ``config`` (its default backend: NCCL if any device uses it)."""
+    return "nccl" if "nccl" in config.get_device_backend_map().values() else "gloo"
+
+
 def install_routing() -> None:
     """Route every group c10d creates from now on through commslayer (idempotent)."""
     register_backend()
@@ -371,8 +383,12 @@ def install_routing() -> None:
         pg, store = original(group_size, group_rank, global_ranks_in_group,
                              dist.Backend(_routed_backend(backend)), *args, **kwargs)
         if pg is not dist.GroupMember.NON_GROUP_MEMBER:
-            # keep answering get_backend() with what the job asked for
+            # every name the job can read (get_backend, get_backend_config, name()) answers what it asked for
+            config = dist.BackendConfig(dist.Backend(str(backend)))
             dc._world.pg_map[pg] = (backend, store)
+            dc._world.pg_backend_config[pg] = str(config)
+            if isinstance(pg, CommslayerProcessGroup):
+                pg.answer_as(_default_backend(config))
         return pg, store
 
     routed._commslayer_routed = True

@@ -44,7 +44,7 @@ def _sparse(group, rank: int) -> tuple:
     return t.is_coalesced(), t._indices().tolist(), t._values().tolist()  # tensors do not cross processes
 
 
-def _names(group, backend) -> dict:
+def _names(group) -> dict:
     """Every name of a group a job can read, DDP's logging included."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -71,7 +71,7 @@ def _fidelity_job(rank, size, store):
     rec = install(None, signals=False)
     out = {"types": (type(plain).__name__, type(routed).__name__)}
     for kind, group in (("plain", plain), ("routed", routed)):
-        out[kind] = {"recv": _recv_any(group, rank), "sparse": _sparse(group, rank)}
+        out[kind] = {"recv": _recv_any(group, rank), "sparse": _sparse(group, rank), "names": _names(group)}
     try:
         dist.all_reduce(torch.ones(2).to_sparse(), op=dist.ReduceOp.MAX, group=routed)
     except commslayer.InvalidArgument as err:
@@ -105,8 +105,10 @@ def test_routed_group_matches_plain_gloo():
     coalesced, indices, values = routed["sparse"]
     assert routed["sparse"] == plain["sparse"] and coalesced and indices == [[0, 1, 2]], routed["sparse"]
     assert "ReduceOp.SUM on Gloo only" in ours["sparse max"]
+    assert routed["names"] == plain["names"] and plain["names"]["ddp"] == plain["names"]["name"] == "gloo", \
+        (routed["names"], plain["names"])
     # one record per op; a receive's sender and its number in the pair learnt as it completed
-    assert ours["records"] == [("recv", 1, 1, "completed"), ("recv", 1, 2, "completed"),
+    assert ours["records"][:3] == [("recv", 1, 1, "completed"), ("recv", 1, 2, "completed"),
                                ("all_reduce", None, 1, "completed")], ours["records"]
     kind, took = ours["deadline"]
     assert kind == "CollectiveTimeout" and 0.9 < took < 3.0, ours["deadline"]
