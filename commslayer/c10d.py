@@ -112,19 +112,8 @@ class CommslayerProcessGroup(dist.ProcessGroup):
         self._comms = {}
         kinds = ["gloo"] + (["nccl"] if torch.cuda.is_available() and dist.is_nccl_available() else [])
         default_ranks = global_ranks or list(range(size))
-        shift = job_rank_shift(default_ranks[rank])
-        global_ranks = [r + shift for r in default_ranks]
         for kind in kinds:
-            spec, device = backends.resolve(kind, None)
-            uid = f"c10d:{group_name}:{spec.device_type}" + (f"+{shift}" if shift else "")
-            name = f"c10d:{group_name}:{spec.device_type}"
-            comm_store = bounded(store, f"commslayer/{spec.device_type}/", comm=name)
-            comm = Communicator(
-                spec, device, name=name, store=comm_store, rank=rank, size=size,
-                timeout_s=timeout_s, hints={}, check=config.check_mode(),
-                uid=uid, global_ranks=global_ranks, lineage=watched_lineage(comm_store, uid, name),
-            )
-            self._attach(comm)
+            self._attach(group_communicator(kind, store, rank, timeout_s, group_name, default_ranks))
 
     @classmethod
     def wrapping(cls, comm: Communicator) -> "CommslayerProcessGroup":
@@ -298,6 +287,24 @@ class CommslayerProcessGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         for comm in self._comms.values():
             comm.finalize()
+
+
+def group_communicator(kind: str, store: dist.Store, rank: int, timeout_s: float, group_name: str,
+                       default_ranks: List[int]) -> Communicator:
+    """The communicator that carries a c10d group's ops for backend ``kind`` (``"gloo"``,
+    ``"nccl"``), named ``c10d:<group_name>:<device type>``, over the group's ``store``;
+    ``default_ranks``: its members' ranks in the default group (it records them as the
+    job's, ``job_rank_shift``). Its members watch each other; its membership is fixed."""
+    spec, device = backends.resolve(kind, None)
+    shift = job_rank_shift(default_ranks[rank])
+    name = f"c10d:{group_name}:{spec.device_type}"
+    uid = name + (f"+{shift}" if shift else "")
+    comm_store = bounded(store, f"commslayer/{spec.device_type}/", comm=name)
+    return Communicator(
+        spec, device, name=name, store=comm_store, rank=rank, size=len(default_ranks),
+        timeout_s=timeout_s, hints={}, check=config.check_mode(),
+        uid=uid, global_ranks=[r + shift for r in default_ranks], lineage=watched_lineage(comm_store, uid, name),
+    )
 
 
 def job_rank_shift(my_rank: int) -> int:
