@@ -166,7 +166,10 @@ class CommslayerProcessGroup(dist.ProcessGroup):
         return self._many(tensors, lambda: [
             self._comm(t).all_reduce(t, opts.reduceOp, async_op=True, timeout=_timeout(opts)) for t in tensors])
 
-    allreduce_coalesced = allreduce  # one op per tensor: each gets its own deadline and record
+    def allreduce_coalesced(self, tensors, opts=None):
+        opts = opts or c10d.AllreduceCoalescedOptions()
+        return self._many(tensors, lambda: [self._comm(tensors[0]).all_reduce_coalesced(
+            tensors, opts.reduceOp, async_op=True, timeout=_timeout(opts))])
 
     def all_gather_single(self, output, input, opts=None):
         return self.all_gather_single_coalesced([output], [input], opts)

@@ -195,9 +195,31 @@ class Communicator:
         op = chk.reduce_op(op, tensor.dtype)
         opts = self._options.get(c10d.AllreduceOptions, op)
         return self._run(chk, OpIO((tensor,), (tensor,), op, None),
-                         in_place(self._ops.allreduce, wire(tensor), op, opts), opts=opts,
+                         in_place(self._ops.allreduce, [wire(tensor)], op, opts), opts=opts,
                          finish=averaging(tensor, op, self._size), fp=self._fp(chk.op, tensor, op),
                          timeout=timeout, async_op=async_op)
+
+    def all_reduce_coalesced(self, tensors: List[torch.Tensor], op: ReduceOp = ReduceOp.SUM, *,
+                             async_op: bool = False, timeout: Timeout = None) -> Work:
+        """Reduce each of ``tensors`` (one dtype) across ranks, in place, as one op on the wire."""
+        chk = self._checker("all_reduce_coalesced")
+        if not isinstance(tensors, (list, tuple)) or not tensors:
+            raise chk.fail(f"tensors must be a non-empty list of tensors, got {tensors!r}")
+        for i, t in enumerate(tensors):
+            chk.tensor(t, f"tensors[{i}]")
+            chk.same_dtype(t, tensors[0], f"tensors[{i}] and tensors[0]")
+        op = chk.reduce_op(op, tensors[0].dtype)
+        finishes = [f for f in (averaging(t, op, self._size) for t in tensors) if f is not None]
+
+        def finish() -> None:
+            for f in finishes:
+                f()
+
+        opts = self._options.get(c10d.AllreduceCoalescedOptions, op)
+        fp = self._fp(chk.op, tensors[0], op, extra_shape=[t.numel() for t in tensors])
+        issue = in_place(self._ops.allreduce_coalesced, [wire(t) for t in tensors], op, opts)
+        return self._run(chk, OpIO(tuple(tensors), tuple(tensors), op, None), issue, opts=opts,
+                         finish=finish if finishes else None, fp=fp, timeout=timeout, async_op=async_op)
 
     def _all_reduce_sparse(self, chk: Checker, tensor: torch.Tensor, op: ReduceOp, async_op: bool,
                            timeout: Timeout) -> Work:
@@ -313,7 +335,7 @@ class Communicator:
         op = chk.reduce_op(op, tensor.dtype)
         opts = self._options.get(c10d.ReduceOptions, op, root)
         return self._run(chk, OpIO((tensor,), (tensor,), op, root),
-                         in_place(self._ops.reduce, wire(tensor), op, opts), opts=opts,
+                         in_place(self._ops.reduce, [wire(tensor)], op, opts), opts=opts,
                          finish=averaging(tensor, op, self._size) if root == self._rank else None,
                          fp=self._fp(chk.op, tensor, op, root=root), timeout=timeout, async_op=async_op)
 

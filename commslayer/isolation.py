@@ -81,6 +81,10 @@ class IsolatedBackend:
         pairs: Pairs = []
         return StagedWork(self._backend.allreduce(_copied(tensors, pairs), opts), pairs)
 
+    def allreduce_coalesced(self, tensors, opts):
+        pairs: Pairs = []
+        return StagedWork(self._backend.allreduce_coalesced(_copied(tensors, pairs), opts), pairs)
+
     def reduce(self, tensors, opts):
         pairs: Pairs = []
         return StagedWork(self._backend.reduce(_copied(tensors, pairs), opts), pairs)

@@ -44,6 +44,22 @@ def _sparse(group, rank: int) -> tuple:
     return t.is_coalesced(), t._indices().tolist(), t._values().tolist()  # tensors do not cross processes
 
 
+def _coalesced(group, rank: int) -> tuple:
+    """all_reduce_coalesced and a coalescing block: results and the profiler's events."""
+    import torch.distributed as dist
+    from torch.profiler import profile
+
+    ts = [torch.arange(3.0) + rank, torch.full((2, 2), 2.0 + rank)]
+    with profile() as prof:
+        dist.all_reduce_coalesced(ts, group=group)
+    events = sorted(e.name for e in prof.events() if "reduce" in e.name)
+    more = [torch.ones(2) * (rank + 1), torch.arange(4.0) * (rank + 1)]
+    with dist._coalescing_manager(group=group):
+        for t in more:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [t.tolist() for t in ts + more], events
+
+
 def _names(group) -> dict:
     """Every name of a group a job can read, DDP's logging included."""
     import torch.distributed as dist
@@ -71,7 +87,8 @@ def _fidelity_job(rank, size, store):
     rec = install(None, signals=False)
     out = {"types": (type(plain).__name__, type(routed).__name__)}
     for kind, group in (("plain", plain), ("routed", routed)):
-        out[kind] = {"recv": _recv_any(group, rank), "sparse": _sparse(group, rank), "names": _names(group)}
+        out[kind] = {"recv": _recv_any(group, rank), "sparse": _sparse(group, rank), "names": _names(group),
+                     "coalesced": _coalesced(group, rank)}
     try:
         dist.all_reduce(torch.ones(2).to_sparse(), op=dist.ReduceOp.MAX, group=routed)
     except commslayer.InvalidArgument as err:
@@ -107,9 +124,16 @@ def test_routed_group_matches_plain_gloo():
     assert "ReduceOp.SUM on Gloo only" in ours["sparse max"]
     assert routed["names"] == plain["names"] and plain["names"]["ddp"] == plain["names"]["name"] == "gloo", \
         (routed["names"], plain["names"])
+    # coalesced: the same results, and one op on the wire (Gloo's one profiler event), as plain Gloo;
+    # plain c10d also shows its dispatcher's event, which a Python group's call does not pass through
+    (values, events), (ref_values, ref_events) = routed["coalesced"], plain["coalesced"]
+    assert values == ref_values and values[0] == [1.0, 3.0, 5.0] and values[3] == [0.0, 2.0, 4.0, 6.0]
+    assert events == [e for e in ref_events if e.startswith("gloo:")] == ["gloo:all_reduce"], (events, ref_events)
     # one record per op; a receive's sender and its number in the pair learnt as it completed
     assert ours["records"][:3] == [("recv", 1, 1, "completed"), ("recv", 1, 2, "completed"),
                                ("all_reduce", None, 1, "completed")], ours["records"]
+    coalesced = [r for r in ours["records"] if r[0] == "all_reduce_coalesced"]
+    assert [r[3] for r in coalesced] == ["completed"] * 2, ours["records"]  # one per call and per block
     kind, took = ours["deadline"]
     assert kind == "CollectiveTimeout" and 0.9 < took < 3.0, ours["deadline"]
     kind, took = ours["lost"]
