@@ -57,7 +57,11 @@ def _coalesced(group, rank: int) -> tuple:
     with dist._coalescing_manager(group=group):
         for t in more:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return [t.tolist() for t in ts + more], events
+    got = torch.zeros(3)
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.arange(3.0) * (rank + 2), 1 - rank, group),
+                                        dist.P2POp(dist.irecv, got, 1 - rank, group)]):
+        work.wait()
+    return [t.tolist() for t in ts + more + [got]], events
 
 
 def _names(group) -> dict:
@@ -128,6 +132,7 @@ def test_routed_group_matches_plain_gloo():
     # plain c10d also shows its dispatcher's event, which a Python group's call does not pass through
     (values, events), (ref_values, ref_events) = routed["coalesced"], plain["coalesced"]
     assert values == ref_values and values[0] == [1.0, 3.0, 5.0] and values[3] == [0.0, 2.0, 4.0, 6.0]
+    assert values[4] == [0.0, 3.0, 6.0]  # batch_isend_irecv: rank 1's message
     assert events == [e for e in ref_events if e.startswith("gloo:")] == ["gloo:all_reduce"], (events, ref_events)
     # one record per op; a receive's sender and its number in the pair learnt as it completed
     assert ours["records"][:3] == [("recv", 1, 1, "completed"), ("recv", 1, 2, "completed"),
