@@ -78,6 +78,13 @@ class C10dWork(dist.Work):
     def result(self) -> List[torch.Tensor]:
         return self._result
 
+    def _source_rank(self) -> int:
+        """The sender's group rank, once a recv from any source completed (``dist.recv`` reads it)."""
+        peer = self._works[0].peer if self._works else None
+        if peer is None:
+            raise InvalidArgument("no source rank: the receive has not completed")
+        return peer
+
     def get_future(self) -> torch.futures.Future:
         def settle(fut):
             try:
@@ -99,24 +106,14 @@ class CommslayerProcessGroup(dist.ProcessGroup):
                  global_ranks: List[int]) -> None:
         super().__init__(rank, size)
         self._held: Optional[Callable[[CommError], None]] = None
+        self._answers = BACKEND_NAME
         config.validate()  # start-up of a c10d job: a bad COMMSLAYER_* variable fails init_process_group
         timeout_s = (config.default_timeout() if config.timeout_is_set() else timeout).total_seconds()
         self._comms = {}
         kinds = ["gloo"] + (["nccl"] if torch.cuda.is_available() and dist.is_nccl_available() else [])
         default_ranks = global_ranks or list(range(size))
-        shift = job_rank_shift(default_ranks[rank])
-        global_ranks = [r + shift for r in default_ranks]
         for kind in kinds:
-            spec, device = backends.resolve(kind, None)
-            uid = f"c10d:{group_name}:{spec.device_type}" + (f"+{shift}" if shift else "")
-            name = f"c10d:{group_name}:{spec.device_type}"
-            comm_store = bounded(store, f"commslayer/{spec.device_type}/", comm=name)
-            comm = Communicator(
-                spec, device, name=name, store=comm_store, rank=rank, size=size,
-                timeout_s=timeout_s, hints={}, check=config.check_mode(),
-                uid=uid, global_ranks=global_ranks, lineage=watched_lineage(comm_store, uid, name),
-            )
-            self._attach(comm)
+            self._attach(group_communicator(kind, store, rank, timeout_s, group_name, default_ranks))
 
     @classmethod
     def wrapping(cls, comm: Communicator) -> "CommslayerProcessGroup":
@@ -125,6 +122,7 @@ class CommslayerProcessGroup(dist.ProcessGroup):
         dist.ProcessGroup.__init__(pg, comm.get_rank(), comm.get_size())
         pg._comms = {}
         pg._held = None
+        pg._answers = BACKEND_NAME
         pg._attach(comm)
         return pg
 
@@ -148,11 +146,16 @@ class CommslayerProcessGroup(dist.ProcessGroup):
     def _comm(self, t: torch.Tensor) -> Communicator:
         return self.communicator(t.device.type)
 
-    def getBackendName(self) -> str:  # noqa: N802 (c10d's C++ name)
-        return BACKEND_NAME
+    def getBackendName(self) -> str:  # noqa: N802 (c10d's C++ name; DDP's logging reads it)
+        return self._answers
 
     def name(self) -> str:
-        return BACKEND_NAME
+        return self._answers
+
+    def answer_as(self, name: str) -> None:
+        """Give ``name`` as this group's backend name (``name()``, DDP's logging data):
+        a routed group answers with the backend the job asked for."""
+        self._answers = name
 
     # collectives: c10d's Python API and C++ callers use these names
     def allreduce(self, tensors, opts=None):
@@ -163,7 +166,10 @@ class CommslayerProcessGroup(dist.ProcessGroup):
         return self._many(tensors, lambda: [
             self._comm(t).all_reduce(t, opts.reduceOp, async_op=True, timeout=_timeout(opts)) for t in tensors])
 
-    allreduce_coalesced = allreduce  # one op per tensor: each gets its own deadline and record
+    def allreduce_coalesced(self, tensors, opts=None):
+        opts = opts or c10d.AllreduceCoalescedOptions()
+        return self._many(tensors, lambda: [self._comm(tensors[0]).all_reduce_coalesced(
+            tensors, opts.reduceOp, async_op=True, timeout=_timeout(opts))])
 
     def all_gather_single(self, output, input, opts=None):
         return self.all_gather_single_coalesced([output], [input], opts)
@@ -241,8 +247,7 @@ class CommslayerProcessGroup(dist.ProcessGroup):
         return self._many(tensors, lambda: [self._comm(t)._p2p("recv", t, src, True, None, tag) for t in tensors])
 
     def recv_anysource(self, tensors, tag=0):
-        raise InvalidArgument("recv from any source is not supported: name the source rank",
-                              comm=self.communicator("cpu").get_name(), op="recv")
+        return self._many(tensors, lambda: [self._comm(t)._recv_any(t, True, None, tag) for t in tensors])
 
     def _many(self, result, issue: Callable[[], List[Work]]) -> C10dWork:
         """The ops ``issue()`` starts, as one c10d work; while held, one that fails is
@@ -285,6 +290,24 @@ class CommslayerProcessGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         for comm in self._comms.values():
             comm.finalize()
+
+
+def group_communicator(kind: str, store: dist.Store, rank: int, timeout_s: float, group_name: str,
+                       default_ranks: List[int]) -> Communicator:
+    """The communicator that carries a c10d group's ops for backend ``kind`` (``"gloo"``,
+    ``"nccl"``), named ``c10d:<group_name>:<device type>``, over the group's ``store``;
+    ``default_ranks``: its members' ranks in the default group (it records them as the
+    job's, ``job_rank_shift``). Its members watch each other; its membership is fixed."""
+    spec, device = backends.resolve(kind, None)
+    shift = job_rank_shift(default_ranks[rank])
+    name = f"c10d:{group_name}:{spec.device_type}"
+    uid = name + (f"+{shift}" if shift else "")
+    comm_store = bounded(store, f"commslayer/{spec.device_type}/", comm=name)
+    return Communicator(
+        spec, device, name=name, store=comm_store, rank=rank, size=len(default_ranks),
+        timeout_s=timeout_s, hints={}, check=config.check_mode(),
+        uid=uid, global_ranks=[r + shift for r in default_ranks], lineage=watched_lineage(comm_store, uid, name),
+    )
 
 
 def job_rank_shift(my_rank: int) -> int:
@@ -353,6 +376,11 @@ def _routed_backend(backend) -> str:
     return ",".join(f"{dev}:{BACKEND_NAME if b in _ROUTED else b}" for dev, b in pairs)
 
 
+def _default_backend(config: dist.BackendConfig) -> str:
+    """The name plain c10d gives a group of ``config`` (its default backend: NCCL if any device uses it)."""
+    return "nccl" if "nccl" in config.get_device_backend_map().values() else "gloo"
+
+
 def install_routing() -> None:
     """Route every group c10d creates from now on through commslayer (idempotent)."""
     register_backend()
@@ -365,8 +393,12 @@ def install_routing() -> None:
         pg, store = original(group_size, group_rank, global_ranks_in_group,
                              dist.Backend(_routed_backend(backend)), *args, **kwargs)
         if pg is not dist.GroupMember.NON_GROUP_MEMBER:
-            # keep answering get_backend() with what the job asked for
+            # every name the job can read (get_backend, get_backend_config, name()) answers what it asked for
+            config = dist.BackendConfig(dist.Backend(str(backend)))
             dc._world.pg_map[pg] = (backend, store)
+            dc._world.pg_backend_config[pg] = str(config)
+            if isinstance(pg, CommslayerProcessGroup):
+                pg.answer_as(_default_backend(config))
         return pg, store
 
     routed._commslayer_routed = True

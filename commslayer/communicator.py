@@ -39,7 +39,7 @@ from .reduce_op import ReduceOp
 from .validation import Checker, Timeout, timeout_seconds
 from .watchdog import WATCHDOG
 from .wire import BACKEND_OPS, Options, averaging, in_place, premultiplied, wire
-from .work import Waiter, Work
+from .work import AnySourceWork, Waiter, Work
 
 _op_ids = itertools.count(1)  # process-wide, monotonic
 
@@ -186,15 +186,51 @@ class Communicator:
     # ------------------------------------------------------------- collectives
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *,
                    async_op: bool = False, timeout: Timeout = None) -> Work:
-        """Reduce ``tensor`` across ranks, in place."""
+        """Reduce ``tensor`` across ranks, in place (a sparse COO one too: ``_all_reduce_sparse``)."""
         chk = self._checker("all_reduce")
+        if getattr(tensor, "is_sparse", False):
+            return self._all_reduce_sparse(chk, tensor, op, async_op, timeout)
         chk.tensor(tensor, "tensor")
         op = chk.reduce_op(op, tensor.dtype)
         opts = self._options.get(c10d.AllreduceOptions, op)
         return self._run(chk, OpIO((tensor,), (tensor,), op, None),
-                         in_place(self._ops.allreduce, wire(tensor), op, opts), opts=opts,
+                         in_place(self._ops.allreduce, [wire(tensor)], op, opts), opts=opts,
                          finish=averaging(tensor, op, self._size), fp=self._fp(chk.op, tensor, op),
                          timeout=timeout, async_op=async_op)
+
+    def all_reduce_coalesced(self, tensors: List[torch.Tensor], op: ReduceOp = ReduceOp.SUM, *,
+                             async_op: bool = False, timeout: Timeout = None) -> Work:
+        """Reduce each of ``tensors`` (one dtype) across ranks, in place, as one op on the wire."""
+        chk = self._checker("all_reduce_coalesced")
+        if not isinstance(tensors, (list, tuple)) or not tensors:
+            raise chk.fail(f"tensors must be a non-empty list of tensors, got {tensors!r}")
+        for i, t in enumerate(tensors):
+            chk.tensor(t, f"tensors[{i}]")
+            chk.same_dtype(t, tensors[0], f"tensors[{i}] and tensors[0]")
+        op = chk.reduce_op(op, tensors[0].dtype)
+        finishes = [f for f in (averaging(t, op, self._size) for t in tensors) if f is not None]
+
+        def finish() -> None:
+            for f in finishes:
+                f()
+
+        opts = self._options.get(c10d.AllreduceCoalescedOptions, op)
+        fp = self._fp(chk.op, tensors[0], op, extra_shape=[t.numel() for t in tensors])
+        issue = in_place(self._ops.allreduce_coalesced, [wire(t) for t in tensors], op, opts)
+        return self._run(chk, OpIO(tuple(tensors), tuple(tensors), op, None), issue, opts=opts,
+                         finish=finish if finishes else None, fp=fp, timeout=timeout, async_op=async_op)
+
+    def _all_reduce_sparse(self, chk: Checker, tensor: torch.Tensor, op: ReduceOp, async_op: bool,
+                           timeout: Timeout) -> Work:
+        """The backend's own reduction of a sparse COO tensor, in place (Gloo: sums only)."""
+        chk.sparse(tensor, "tensor")
+        op = chk.reduce_op(op, tensor.dtype)
+        if op.name != "SUM" or self._spec.name != "gloo":
+            raise chk.fail(f"a sparse tensor is reduced with ReduceOp.SUM on Gloo only, not {op} on "
+                           f"{self._spec.name}")
+        opts = self._options.get(c10d.AllreduceOptions, op)
+        return self._run(chk, OpIO((tensor,), (tensor,), op, None), lambda: self._ops.allreduce([tensor], opts),
+                         opts=opts, fp=self._fp(chk.op, tensor, op), timeout=timeout, async_op=async_op)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, *,
                           async_op: bool = False, timeout: Timeout = None) -> Work:
@@ -298,7 +334,7 @@ class Communicator:
         op = chk.reduce_op(op, tensor.dtype)
         opts = self._options.get(c10d.ReduceOptions, op, root)
         return self._run(chk, OpIO((tensor,), (tensor,), op, root),
-                         in_place(self._ops.reduce, wire(tensor), op, opts), opts=opts,
+                         in_place(self._ops.reduce, [wire(tensor)], op, opts), opts=opts,
                          finish=averaging(tensor, op, self._size) if root == self._rank else None,
                          fp=self._fp(chk.op, tensor, op, root=root), timeout=timeout, async_op=async_op)
 
@@ -343,6 +379,32 @@ class Communicator:
     def recv(self, tensor: torch.Tensor, src: int, *, async_op: bool = False, timeout: Timeout = None) -> Work:
         """Receive into ``tensor`` from rank ``src``."""
         return self._p2p("recv", tensor, src, async_op, timeout)
+
+    def recv_any_source(self, tensor: torch.Tensor, *, async_op: bool = False, timeout: Timeout = None) -> Work:
+        """Receive into ``tensor`` from whichever rank's message comes first (c10d's
+        ``recv_anysource``); once it completed, ``work.peer`` is the sender's rank."""
+        return self._recv_any(tensor, async_op, timeout)
+
+    def _recv_any(self, tensor: torch.Tensor, async_op: bool, timeout: Timeout, tag: int = 0) -> Work:
+        """A recv that waits on every other member: the liveness monitor interrupts it
+        when any of them is lost (a helper thread waits on the backend: Gloo fails a
+        receive at its first timed-out wait). Numbered in its pair once the sender is known."""
+        chk = self._checker("recv")
+        chk.tensor(tensor, "tensor")
+        if self._check is not None:
+            raise chk.fail("check mode compares each message before it is sent: a recv from any source "
+                           "must name its source rank")
+        timeout = timeout_seconds(timeout, self._timeout_s, chk)
+        self.lifecycle.ensure_usable("recv", 0)
+        return self._run(chk, OpIO((), (tensor,), None, None),
+                         lambda: self._ops.recv_anysource([wire(tensor)], tag), opts=None, fp=None,
+                         timeout=timeout, async_op=async_op, seq=0, any_source=True)
+
+    def _numbered(self, src: int) -> int:
+        """The number of the message from ``src`` that a recv from any source received."""
+        pair = (src, self._rank)
+        n = self._p2p_seq[pair] = self._p2p_seq.get(pair, 0) + 1
+        return n
 
     def _p2p(self, op: str, tensor: torch.Tensor, peer: int, async_op: bool, timeout: Timeout, tag: int = 0) -> Work:
         chk = self._checker(op)
@@ -522,13 +584,15 @@ class Communicator:
 
     def _run(self, chk: Checker, io: OpIO, issue: Callable[[], Any], *, opts: Any, fp: Optional[Dict[str, Any]],
              timeout: Timeout, async_op: bool, finish: Optional[Callable[[], None]] = None,
-             peer: Optional[int] = None, seq: Optional[int] = None) -> Work:
+             peer: Optional[int] = None, seq: Optional[int] = None, any_source: bool = False) -> Work:
         """Issue one op: deadline, sequence number, check mode, hooks, then the backend call.
 
         Collectives number themselves here; point-to-point ops pass the
-        per-pair ``seq`` and have run their check already.
+        per-pair ``seq`` and have run their check already; a recv from any
+        source (``any_source``) learns its peer and number as it completes.
         """
         op = chk.op
+        work_cls = AnySourceWork if any_source else Work
         timeout_s = self._timeout_s if timeout is None else timeout_seconds(timeout, self._timeout_s, chk)
         collective = seq is None
         if seq is None:
@@ -561,14 +625,16 @@ class Communicator:
                 finish = c10d_work.finisher(finish)
             if op in self._waited_elsewhere:
                 c10d_work = self._waiter().wrap(c10d_work)
+            elif any_source and self.lifecycle.watched:
+                c10d_work = self._waiter().wrap(c10d_work, td)
         except (RuntimeError, CommError) as exc:
             err = self.lifecycle.error_from(exc, op, seq, timeout_s, (time.monotonic_ns() - start) / 1e9, peer)
-            failed = Work(self, op, seq, op_id, timeout_s, start, None, None, peer, record)
+            failed = work_cls(self, op, seq, op_id, timeout_s, start, None, None, peer, record)
             # A mismatch found by check mode leaves the group usable: every rank raised
             # at the same op and nothing was sent. Anything else breaks it.
             failed.fail_before_issue(err, self._post, breaks=not isinstance(err, CollectiveMismatch))
             raise err from (None if err is exc else exc)
-        work = Work(self, op, seq, op_id, timeout_s, start, c10d_work, finish, peer, record)
+        work = work_cls(self, op, seq, op_id, timeout_s, start, c10d_work, finish, peer, record)
         if record is not None:
             record.started(start)
         if self._post.fns:

@@ -41,6 +41,9 @@ class StagedWork:
     def get_future(self):
         return self.work.get_future()
 
+    def _source_rank(self) -> int:
+        return int(self.work._source_rank())
+
     def finisher(self, then: Optional[Callable[[], None]]) -> Callable[[], None]:
         """The op's finish step: copy the results out, then run ``then`` (AVG's division)."""
         pairs = self.pairs
@@ -77,6 +80,10 @@ class IsolatedBackend:
     def allreduce(self, tensors, opts):
         pairs: Pairs = []
         return StagedWork(self._backend.allreduce(_copied(tensors, pairs), opts), pairs)
+
+    def allreduce_coalesced(self, tensors, opts):
+        pairs: Pairs = []
+        return StagedWork(self._backend.allreduce_coalesced(_copied(tensors, pairs), opts), pairs)
 
     def reduce(self, tensors, opts):
         pairs: Pairs = []
@@ -120,6 +127,10 @@ class IsolatedBackend:
     def recv(self, tensors, src, tag):
         pairs: Pairs = []
         return StagedWork(self._backend.recv(_fresh(tensors, pairs), src, tag), pairs)
+
+    def recv_anysource(self, tensors, tag):
+        pairs: Pairs = []
+        return StagedWork(self._backend.recv_anysource(_fresh(tensors, pairs), tag), pairs)
 
     def send(self, tensors, dst, tag):
         return StagedWork(self._backend.send(tensors, dst, tag), [])

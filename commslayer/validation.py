@@ -63,10 +63,20 @@ class Checker:
             raise self.fail(f"{what} is on {t.device}; this communicator needs {device_type} tensors")
         if t.dtype not in self.dtypes and not t.is_complex():
             raise self.fail(f"{what} has dtype {t.dtype}, which this backend does not carry")
+        if t.layout != torch.strided:
+            raise self.fail(f"{what} has layout {t.layout}; this op takes dense tensors "
+                            "(all_reduce also takes sparse COO ones)")
         if not t.is_contiguous():
             raise self.fail(f"{what} must be contiguous (call .contiguous())")
-        if t.is_sparse:
-            raise self.fail(f"{what} is sparse; only dense tensors are supported")
+
+    def sparse(self, t: torch.Tensor, what: str) -> None:
+        """A sparse COO tensor on the group's device type, of a dtype it carries."""
+        if t.layout != torch.sparse_coo:
+            raise self.fail(f"{what} has layout {t.layout}; a sparse op takes sparse COO tensors")
+        if t.device.type != self.device_type:
+            raise self.fail(f"{what} is on {t.device}; this communicator needs {self.device_type} tensors")
+        if t.dtype not in self.dtypes:
+            raise self.fail(f"{what} has dtype {t.dtype}, which this backend does not carry")
 
     def name(self, name: object, what: str = "name", forbidden: str = "") -> str:
         """A communicator's name: a non-empty string of at most ``MAX_NAME_CHARS``

@@ -12,7 +12,7 @@ every call and a pybind setter costs more than a dict lookup).
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -20,7 +20,7 @@ from .reduce_op import ReduceOp
 
 # Which method of the c10d backend each op runs (the pre hook reports it).
 BACKEND_OPS = {
-    "all_reduce": "allreduce", "all_gather_single": "_allgather_base",
+    "all_reduce": "allreduce", "all_reduce_coalesced": "allreduce_coalesced", "all_gather_single": "_allgather_base",
     "reduce_scatter_single": "_reduce_scatter_base", "all_to_all_single": "alltoall_base",
     "all_gather": "allgather", "reduce_scatter": "reduce_scatter", "broadcast": "broadcast",
     "reduce": "reduce", "gather": "gather", "scatter": "scatter", "barrier": "barrier",
@@ -42,13 +42,14 @@ def premultiplied(t: torch.Tensor, op: ReduceOp) -> torch.Tensor:
     return scaled
 
 
-def in_place(call: Callable[..., Any], t: torch.Tensor, op: ReduceOp, opts: Any) -> Callable[[], Any]:
-    """The issue step of an in-place reduction (all_reduce, reduce). PREMUL_SUM scales
-    the tensor first: the result overwrites it anyway. Decided once, not per call."""
+def in_place(call: Callable[..., Any], ts: List[torch.Tensor], op: ReduceOp, opts: Any) -> Callable[[], Any]:
+    """The issue step of an in-place reduction (all_reduce, its coalesced form, reduce).
+    PREMUL_SUM scales the tensors first: the result overwrites them anyway. Decided
+    once, not per call."""
     if op.name == "PREMUL_SUM":
         factor: Any = op.factor
-        return lambda: call([t.mul_(factor)], opts)
-    return lambda: call([t], opts)
+        return lambda: call([t.mul_(factor) for t in ts], opts)
+    return lambda: call(ts, opts)
 
 
 def averaging(t: torch.Tensor, op: ReduceOp, size: int) -> Optional[Callable[[], None]]:

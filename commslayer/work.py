@@ -295,6 +295,20 @@ class Work:
         return f"<Work {self.comm.get_name()}:{self.op}#{self.seq} {self._status.value}>"
 
 
+class AnySourceWork(Work):
+    """A recv from any source: its peer (the sender) and its number in that pair
+    are known once it completed; until then ``peer`` is None."""
+
+    __slots__ = ()
+
+    def _complete(self) -> None:
+        with self.comm.settle_lock:
+            if self.peer is None and self._status not in _DONE:
+                self.peer = self._c10d._source_rank()
+                self.seq = self.comm._numbered(self.peer)
+        super()._complete()
+
+
 class WaitedElsewhere:
     """A backend work whose ``wait(timeout)`` ignores the timeout (Gloo's
     reduce-scatter), waited on by the communicator's ``Waiter`` thread instead, so
@@ -302,10 +316,11 @@ class WaitedElsewhere:
     Exactly one thread waits on the real work: two waiters corrupted FSDP2's
     gradients (measured)."""
 
-    __slots__ = ("work", "done", "error")
+    __slots__ = ("work", "timeout", "done", "error")
 
-    def __init__(self, work: Any) -> None:
+    def __init__(self, work: Any, timeout: Optional[timedelta] = None) -> None:
         self.work = work
+        self.timeout = timeout  # the op's deadline, for a backend work whose wait honours it
         self.done = threading.Event()
         self.error: Optional[BaseException] = None
 
@@ -322,6 +337,9 @@ class WaitedElsewhere:
     def get_future(self) -> Any:
         raise RuntimeError("this work has no future")
 
+    def _source_rank(self) -> int:
+        return int(self.work._source_rank())
+
 
 class Waiter:
     """One daemon thread per communicator that waits on ``WaitedElsewhere`` works in turn."""
@@ -331,8 +349,8 @@ class Waiter:
         self._thread = threading.Thread(target=self._run, name=f"commslayer-waiter-{label}", daemon=True)
         self._thread.start()
 
-    def wrap(self, work: Any) -> WaitedElsewhere:
-        waited = WaitedElsewhere(work)
+    def wrap(self, work: Any, timeout: Optional[timedelta] = None) -> WaitedElsewhere:
+        waited = WaitedElsewhere(work, timeout)
         self._queue.put(waited)
         return waited
 
@@ -342,7 +360,7 @@ class Waiter:
             if waited is None:
                 return
             try:
-                waited.work.wait()
+                waited.work.wait() if waited.timeout is None else waited.work.wait(waited.timeout)
             except BaseException as exc:  # handed to the caller's wait
                 waited.error = exc
             waited.done.set()

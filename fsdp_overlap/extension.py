@@ -32,10 +32,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.distributed.distributed_c10d as dc
 from torch.distributed.fsdp import FSDPModule
 
 from commslayer import Communicator, InvalidArgument
-from commslayer.c10d import CommslayerProcessGroup, job_rank_shift
+from commslayer import config
+from commslayer.c10d import CommslayerProcessGroup, group_communicator, job_rank_shift
 
 
 class FsdpInternalsChanged(RuntimeError):
@@ -53,6 +55,7 @@ class _Saved:
 
 _saved: "weakref.WeakKeyDictionary[Any, _Saved]" = weakref.WeakKeyDictionary()
 _cache: Dict[Tuple[str, Tuple[int, ...], Optional[str]], Communicator] = {}
+_world: Dict[str, Communicator] = {}  # device type -> the parent of a plain c10d job (_default_group_communicator)
 
 
 def enable(module: nn.Module, *, comm: Optional[Communicator] = None, interface: Optional[str] = None,
@@ -62,8 +65,9 @@ def enable(module: nn.Module, *, comm: Optional[Communicator] = None, interface:
 
     Every rank of the shard groups calls it, with the same arguments, after
     ``fully_shard``. ``comm``: the communicator to split the reduce-scatter
-    communicator from (default: the shard group's own communicator, which
-    exists when the job runs on the ``"commslayer"`` backend). ``interface``:
+    communicator from (default: the shard group's own communicator when the
+    job runs on commslayer, else one built over the default group's store and
+    ranks, so a plain ``"gloo"`` job needs no change). ``interface``:
     the network interface the new communicator uses (Gloo; NCCL picks its
     network process-wide, see docs/fsdp_overlap.md). ``recurse``: also the
     FSDP2 submodules of ``module``. Calling it again is harmless; the
@@ -195,6 +199,18 @@ class _CommslayerReduceScatter:
 
 
 # ------------------------------------------------------------- communicators
+def _default_group_communicator(device_type: str) -> Communicator:
+    """For a job on plain c10d: a commslayer communicator over the default group's
+    store and ranks (built once per device type; every rank calls ``enable``)."""
+    comm = _world.get(device_type)
+    if comm is None:
+        kind = "nccl" if device_type == "cuda" else "gloo"
+        comm = _world[device_type] = group_communicator(
+            kind, dist.PrefixStore("fsdp_overlap/", dc._get_default_store()), dist.get_rank(),
+            config.default_timeout().total_seconds(), "fsdp_overlap", list(range(dist.get_world_size())))
+    return comm
+
+
 def _communicator_for(group: Any, comm: Optional[Communicator], interface: Optional[str]) -> Communicator:
     """The cached reduce-scatter communicator for this group's shard ranks, split on first use."""
     device_type = group.device.type
@@ -206,12 +222,7 @@ def _communicator_for(group: Any, comm: Optional[Communicator], interface: Optio
     elif isinstance(shard_pg, CommslayerProcessGroup):
         parent = shard_pg.communicator(device_type)
     else:
-        raise InvalidArgument(
-            f"the shard group of {getattr(group, '_module_fqn', '') or 'the root module'} is a plain "
-            f"{dist.get_backend(shard_pg)!r} group, not a commslayer one: run the job on commslayer "
-            "(init_process_group('commslayer') or COMMSLAYER_ROUTE_C10D=1), or pass comm=, a commslayer "
-            f"communicator that contains ranks {shard_ranks}"
-        )
+        parent = _default_group_communicator(device_type)
     if parent.get_device().type != device_type:
         raise InvalidArgument(f"comm {parent.get_name()!r} carries {parent.get_device().type} tensors; "
                               f"these parameters are on {device_type}")

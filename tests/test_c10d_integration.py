@@ -45,7 +45,9 @@ def test_fsdp2_and_ddp_match_plain_gloo(tmp_path, nproc):
                        COMMSLAYER_TRACE_DIR=str(tmp_path / "traces"))
     assert plain["world_type"] == "ProcessGroup"
     assert ours["world_type"] == routed["world_type"] == "CommslayerProcessGroup"
-    assert routed["backend"] == "gloo"  # the job still sees what it asked for
+    assert routed["backend"] == "gloo"  # the job still sees what it asked for, under every name
+    assert routed["names"] == plain["names"] and plain["names"]["ddp"] == "gloo", (routed["names"], plain["names"])
+    assert ours["names"]["name"] == ours["names"]["ddp"] == "commslayer"
     assert routed["recording"] and not ours["recording"]
     for run in (ours, routed):
         _assert_bitwise(plain["fsdp"], run["fsdp"])

@@ -183,32 +183,25 @@ def test_reduce_scatter_hides_under_all_gather_only_with_the_extension(tmp_path)
 def _plain_gloo_job(rank, size, store):
     import torch.distributed as dist
 
-    import commslayer
     import fsdp_overlap
 
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
     mesh = _mesh(size, False)
     model = _shard(mesh)
-    try:
-        fsdp_overlap.enable(model)
-        refused = None
-    except commslayer.InvalidArgument as exc:
-        refused = str(exc)
+    (rs_comm,) = fsdp_overlap.enable(model)  # over the default group's store and ranks: no change to the job
     baseline = _train(_shard(mesh), STEPS, rank)
-    world = commslayer.new_comm("gloo", name="world", timeout=30)  # from torchrun's environment
-    (rs_comm,) = fsdp_overlap.enable(model, comm=world)
     seen = []
     rs_comm.register_pre_hook(lambda op, op_id, args: seen.append(op))
     ours = _train(model, STEPS, rank)
     dist.destroy_process_group()
-    return _bytes((refused, baseline, ours, seen))
+    return _bytes((rs_comm.get_name(), rs_comm.global_ranks, baseline, ours, seen))
 
 
 @pytest.mark.timeout(90)
-def test_plain_gloo_job_needs_comm_and_works_with_it():
+def test_plain_gloo_job_enables_without_changes():
     for result in run_ranks(_plain_gloo_job, 2, timeout=60):
-        refused, baseline, ours, seen = _load(result)
-        assert "not a commslayer one" in refused and "comm=" in refused
+        name, ranks, baseline, ours, seen = _load(result)
+        assert name == "fsdp_rs_0_1" and ranks == [0, 1]
         _assert_same(baseline, ours)
         assert seen == ["reduce_scatter_single"] * (3 * STEPS)  # one per block and step
 

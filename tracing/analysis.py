@@ -177,8 +177,8 @@ def _overlap(records: Iterable[Dict[str, Any]], by_step: bool) -> Dict[Tuple[int
 # ---------------------------------------------------------------- one pass over a job
 
 # Ops whose end on any rank needs every rank's start: they bound clock offsets.
-SYMMETRIC_OPS = frozenset(("all_reduce", "all_gather_single", "all_gather", "reduce_scatter_single",
-                           "reduce_scatter", "all_to_all_single", "barrier"))
+SYMMETRIC_OPS = frozenset(("all_reduce", "all_reduce_coalesced", "all_gather_single", "all_gather",
+                           "reduce_scatter_single", "reduce_scatter", "all_to_all_single", "barrier"))
 _STATE_CODES = {s: i for i, s in enumerate(STATES)}
 _COMPLETED = _STATE_CODES[COMPLETED]
 # A collective's flat array holds _W values per rank, at these offsets (JobScan.collectives):
@@ -191,7 +191,7 @@ def bus_factor(op: str, n: int) -> Optional[float]:
     """busbw / algbw for ``op`` on ``n`` ranks (nccl-tests' factors); None: no bandwidth (barrier)."""
     if op == "barrier" or n < 1:
         return None
-    if op == "all_reduce":
+    if op in ("all_reduce", "all_reduce_coalesced"):
         return 2 * (n - 1) / n
     if op in ("broadcast", "reduce", "send", "recv"):
         return 1.0

@@ -116,6 +116,7 @@ FR_VERSION = "2.10"
 # (torch's Gloo says all_gather for _allgather_base; the analyzer takes both).
 FR_OP_NAMES: Dict[str, str] = {
     "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "allreduce_coalesced",
     "all_gather_single": "_all_gather_base",
     "reduce_scatter_single": "_reduce_scatter_base",
     "all_to_all_single": "all_to_all",

@@ -77,6 +77,8 @@ class Record:
         """The op settled; an op already marked aborted stays so."""
         if self.end_ns is not None:
             return
+        if self.peer is None and work.peer is not None:  # a recv from any source learnt its sender
+            self.peer, self.seq = work.peer, work.seq
         self.end_ns = end = work.end_ns
         self.duration_ms = (end - (self.start_ns or self.enqueue_ns)) / 1e6
         err = work.exception()

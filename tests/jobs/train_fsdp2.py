@@ -63,8 +63,12 @@ def main() -> None:
     gathered = [torch.zeros(1) for _ in range(world)]
     dist.all_gather(gathered, torch.tensor([float(rank)]))
 
+    # every name of a group the job can read, DDP's logging included
+    names = {"backend": dist.get_backend(), "config": dist.get_backend_config(), "name": dist.group.WORLD.name(),
+             "ddp": ddp._get_ddp_logging_data()["backend_name"], "sub": (dist.get_backend(sub), sub.name())
+             if rank in (0, 1) else None}
     if rank == 0:
-        torch.save({"fsdp": fsdp_params, "ddp": ddp_params, "world_type": type(dist.group.WORLD).__name__,
+        torch.save({"names": names, "fsdp": fsdp_params, "ddp": ddp_params, "world_type": type(dist.group.WORLD).__name__,
                     "backend": dist.get_backend(), "sub": x.item(), "gathered": torch.cat(gathered),
                     # whether commslayer's recorder watched this run (started from the environment)
                     "recording": getattr(sys.modules.get("tracing.recorder"), "recorder", lambda: None)() is not None},
