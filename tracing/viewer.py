@@ -95,24 +95,29 @@ class _Timeline:
         budget = self.scan.detail_budget or len(ends)
         cut = sorted(ends)[-budget] if len(ends) > budget else None
         width = 1 if cut is None else max(1, (cut - base) // self.bins + 1)
+        records, site = lay.records, self.scan.site
+        detailed = sorted(i for i in records if cut is None or ends[i] >= cut or i in lay.incomplete)
+        for i in detailed:
+            r, start = records[i], lay.start[i]
+            self.ops.append([first + lay.lane[i], (start - base) / 1e3, (ends[i] - start) / 1e3,
+                             _STATE_CODE.get(r["state"], 1), len(self.details), r["op"]])
+            self.details.append(_detail(r, rank, i in lay.open_life, site(r.get("call_site"), rank)))
+        if len(detailed) == len(ends):
+            return
+        skip = set(detailed)
         cells: Dict[Tuple[int, int], List[int]] = {}
-        records, incomplete, site = lay.records, lay.incomplete, self.scan.site
         for i, (lane, start, end) in enumerate(zip(lay.lane, lay.start, ends)):
-            r = records.get(i)
-            if r is not None and (cut is None or end >= cut or i in incomplete):
-                self.ops.append([first + lane, (start - base) / 1e3, (end - start) / 1e3,
-                                 _STATE_CODE.get(r["state"], 1), len(self.details), r["op"]])
-                self.details.append(_detail(r, rank, i in lay.open_life, site(r.get("call_site"), rank)))
+            if i in skip:
                 continue
-            self.aggregated += 1
-            key = (first + lane, (start - base) // width)
+            key = (lane, (start - base) // width)
             c = cells.get(key)
             if c is None:
                 c = cells[key] = [0, 0]
             c[0] += 1
             c[1] += end - start
+        self.aggregated += len(ends) - len(detailed)
         for (lane, b), (n, busy) in cells.items():
-            self.agg.append([lane, b * width / 1e3, width / 1e3, n, busy / 1e3])
+            self.agg.append([first + lane, b * width / 1e3, width / 1e3, n, busy / 1e3])
 
     def data(self, story: Dict[str, Any]) -> Dict[str, Any]:
         """What the page's script reads: the ops, and the recovery story's markers (across
