@@ -37,12 +37,17 @@ Interval = Tuple[int, int]
 def union(intervals: Iterable[Interval]) -> List[Interval]:
     """The union of half-open intervals, as sorted disjoint intervals."""
     out: List[Interval] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            if b > out[-1][1]:
-                out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
+    ordered = iter(sorted(intervals))
+    lo, hi = next(ordered, (0, None))
+    if hi is None:
+        return out
+    for a, b in ordered:
+        if a > hi:
+            out.append((lo, hi))
+            lo, hi = a, b
+        elif b > hi:
+            hi = b
+    out.append((lo, hi))
     return out
 
 
@@ -54,16 +59,21 @@ def length(disjoint: Iterable[Interval]) -> int:
 def intersect(xs: List[Interval], ys: List[Interval]) -> List[Interval]:
     """The intersection of two sorted disjoint interval lists."""
     out: List[Interval] = []
-    i = j = 0
-    while i < len(xs) and j < len(ys):
-        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
-        if a < b:
-            out.append((a, b))
-        if xs[i][1] < ys[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
+    if not xs or not ys:
+        return out
+    xi, yi = iter(xs), iter(ys)
+    (xa, xb), (ya, yb) = next(xi), next(yi)
+    try:
+        while True:
+            a, b = (xa if xa > ya else ya), (xb if xb < yb else yb)
+            if a < b:
+                out.append((a, b))
+            if xb < yb:
+                xa, xb = next(xi)
+            else:
+                ya, yb = next(yi)
+    except StopIteration:
+        return out
 
 
 @dataclass
@@ -140,16 +150,17 @@ class Busy:
             wait_end: Any) -> None:
         """One op that has an end: ``kind`` from ``op_kind``; ``wait``/``wait_end``: its
         ``wait_ns``/``wait_end_ns`` (used when they are integers, for an async op)."""
-        self.all.append((start, end))
+        span = (start, end)
+        self.all.append(span)
         if async_op is False:
             self.blocked.append((enqueue, end))
         elif type(wait) is int and type(wait_end) is int and wait < wait_end:
             self.blocked.append((wait, wait_end))
         if kind == 1:
-            self.rs.append((start, end))
+            self.rs.append(span)
             self.rs_count += 1
         elif kind == 2:
-            self.ag.append((start, end))
+            self.ag.append(span)
             self.ag_count += 1
 
     def stats(self, rank: int, step: Optional[int]) -> OverlapStats:

@@ -20,6 +20,9 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from .traceio import RankSource, TraceFileError, tail_ends
 
+# The fields of a record the page shows (the rest is left here: the records travel from the readers).
+DETAIL_FIELDS = ("op", "seq", "comm", "comm_id", "state", "duration_ms", "dtype", "in_bytes", "out_bytes", "reduce_op",
+                 "root", "peer", "async_op", "timeout_s", "thread", "call_site", "life", "error")
 OPEN = (1 << 63) - 1  # the end of an op without one until the trace's end is known (after every real time)
 
 
@@ -55,7 +58,8 @@ class RankLayout:
     lane: array
     start: array
     end: array
-    records: Dict[int, Dict[str, Any]] = field(repr=False)  # draw index -> record: the latest completed, and:
+    records: Dict[int, Dict[str, Any]] = field(repr=False)  # draw index -> DETAIL_FIELDS of a record: the latest
+                                                            # completed, and:
     incomplete: Set[int] = field(default_factory=set)       # draw indices of the ops that did not complete
     open_life: Dict[int, int] = field(default_factory=dict)  # draw index -> life, of the ops without an end
 
@@ -132,5 +136,6 @@ class LayoutBuilder:
             end.extend(es)
             order.extend(ii)
         at = {i: d for d, i in enumerate(order) if i in keep}  # index as added -> draw index
-        return RankLayout(lanes, lane, start, end, {at[i]: r for i, r in keep.items()},
+        shown = {at[i]: {k: r.get(k) for k in DETAIL_FIELDS} for i, r in keep.items()}
+        return RankLayout(lanes, lane, start, end, shown,
                           {at[i] for i in self.incomplete}, {at[i]: life for i, life in self.open.items()})
