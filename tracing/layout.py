@@ -14,7 +14,10 @@ Imports neither torch nor commslayer.
 
 from __future__ import annotations
 
+import heapq
 from array import array
+from itertools import accumulate, chain
+from operator import sub
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
@@ -49,19 +52,35 @@ def life_ends(src: RankSource, shift: int, t_end: int) -> Dict[int, int]:
 
 
 @dataclass
-class RankLayout:
-    """One rank's ops in draw order (by communicator, then start): per op its lane
-    (an index into ``lanes``), start and end (an op without an end: drawn to that of
-    its life, ``open_life``); the ops the page may show in detail: ``records``."""
+class Lane:
+    """The ops of one lane of a communicator, in start order: their starts, draw
+    indices (by communicator, then start, over the rank), and the running sum of
+    their durations (``busy[j]``: the first ``j`` ops'; an op without an end counts 0)."""
 
-    lanes: List[Tuple[str, int, str]]                  # (communicator uid, lane in it, communicator name)
-    lane: array
+    uid: str
+    number: int   # the lane in its communicator
+    name: str     # the communicator's name
     start: array
-    end: array
+    draw: array
+    busy: array
+
+    def end(self, j: int) -> int:
+        """The end of the lane's ``j``-th op (its start for an op without an end)."""
+        return self.start[j] + self.busy[j + 1] - self.busy[j]
+
+
+@dataclass
+class RankLayout:
+    """One rank's ops, lane by lane; the ops the page may show in detail: ``records``."""
+
+    lanes: List[Lane]
+    count: int                                          # ops in all
+    latest: List[int]                                   # the latest ``budget`` ends of ops that have one
     records: Dict[int, Dict[str, Any]] = field(repr=False)  # draw index -> DETAIL_FIELDS of a record: the latest
                                                             # completed, and:
     incomplete: Set[int] = field(default_factory=set)       # draw indices of the ops that did not complete
     open_life: Dict[int, int] = field(default_factory=dict)  # draw index -> life, of the ops without an end
+    at: Dict[int, Tuple[int, int]] = field(default_factory=dict)  # draw index -> (lane, position), of ``records``
 
 
 class LayoutBuilder:
@@ -120,8 +139,10 @@ class LayoutBuilder:
         self.latest.sort()
         keep = dict(self.incomplete)
         keep.update((i, r) for _, i, r in self.latest[-self.budget:])
-        lanes: List[Tuple[str, int, str]] = []
-        lane, start, end, order = array("i"), array("q"), array("q"), array("i")
+        lanes: List[Lane] = []
+        at: Dict[int, Tuple[int, int]] = {}  # index as added -> (lane, position) of the kept ops
+        draw: Dict[int, int] = {}            # index as added -> draw index, of the kept ops
+        count, finite = 0, []
         for uid in sorted(self.by_comm):
             spans = self.by_comm[uid]
             if self.open:  # an op left open by a life that ended is drawn to that life's end
@@ -129,13 +150,23 @@ class LayoutBuilder:
             spans.sort()
             ss, es, ii = zip(*spans)
             ks = list(first_fit(zip(ss, es)))
-            base = len(lanes)
-            lanes += [(uid, k, self.names[uid]) for k in range(max(ks) + 1)]
-            lane.extend([base + k for k in ks])
-            start.extend(ss)
-            end.extend(es)
-            order.extend(ii)
-        at = {i: d for d, i in enumerate(order) if i in keep}  # index as added -> draw index
-        shown = {at[i]: {k: r.get(k) for k in DETAIL_FIELDS} for i, r in keep.items()}
-        return RankLayout(lanes, lane, start, end, shown,
-                          {at[i] for i in self.incomplete}, {at[i]: life for i, life in self.open.items()})
+            durations = list(map(sub, es, ss))
+            for j, i in enumerate(ii):
+                if i in self.open:
+                    durations[j] = 0
+                if i in keep:
+                    draw[i] = count + j
+            for k in range(max(ks) + 1):
+                mine = range(len(ks)) if k == 0 and not any(ks) else [j for j, kk in enumerate(ks) if kk == k]
+                for p, j in enumerate(mine):
+                    if ii[j] in keep:
+                        at[ii[j]] = (len(lanes), p)
+                lanes.append(Lane(uid, k, self.names[uid], array("q", map(ss.__getitem__, mine)),
+                                  array("i", [count + j for j in mine]),
+                                  array("q", accumulate(map(durations.__getitem__, mine), initial=0))))
+            count += len(ss)
+            finite.append(heapq.nlargest(self.budget, (e for e, i in zip(es, ii) if i not in self.open)))
+        shown = {draw[i]: {k: r.get(k) for k in DETAIL_FIELDS} for i, r in keep.items()}
+        return RankLayout(lanes, count, heapq.nlargest(self.budget, chain.from_iterable(finite)), shown,
+                          {draw[i] for i in self.incomplete}, {draw[i]: life for i, life in self.open.items()},
+                          {draw[i]: at[i] for i in keep})

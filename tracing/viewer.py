@@ -26,7 +26,8 @@ import html
 import json
 import os
 import re
-from array import array
+from bisect import bisect_left
+from itertools import chain
 from typing import Any, Dict, List, Optional, Tuple
 
 from .messages import human_bytes, short_error
@@ -83,41 +84,54 @@ class _Timeline:
         src, off = self.scan.sources[rank], self.scan.offsets[rank].offset_ns
         base = self.t0 + off  # the anchor axis minus this, in ns from the first op
         first = len(self.lanes)
-        for _, lane, name in lay.lanes:
+        for lane in lay.lanes:
             self.lanes.append({"rank": rank, "culprit": rank in self.culprits,
-                               "label": f"rank {rank} {name}" + (f" #{lane + 1}" if lane else "")})
-        ends = lay.end
+                               "label": f"rank {rank} {lane.name}" + (f" #{lane.number + 1}" if lane.number else "")})
+        ends: Dict[int, int] = {}  # draw index -> end, of the ops the page may detail
+        for i, (k, j) in lay.at.items():
+            ends[i] = lay.lanes[k].end(j)
         if lay.open_life:  # drawn to the end of the trace, or of its life when the rank was restarted after it
-            ends = array("q", ends)
             last = life_ends(src, src.wall_minus_mono_ns or 0, self.t_end + off)
             for i, life in lay.open_life.items():
-                ends[i] = max(lay.start[i], last.get(life, self.t_end + off))
-        budget = self.scan.detail_budget or len(ends)
-        cut = sorted(ends)[-budget] if len(ends) > budget else None
+                k, j = lay.at[i]
+                ends[i] = max(lay.lanes[k].start[j], last.get(life, self.t_end + off))
+        budget = self.scan.detail_budget or lay.count
+        top = sorted(chain(lay.latest, (ends[i] for i in lay.open_life)))
+        cut = top[-budget] if lay.count > budget else None
         width = 1 if cut is None else max(1, (cut - base) // self.bins + 1)
         records, site = lay.records, self.scan.site
         detailed = sorted(i for i in records if cut is None or ends[i] >= cut or i in lay.incomplete)
         for i in detailed:
-            r, start = records[i], lay.start[i]
-            self.ops.append([first + lay.lane[i], (start - base) / 1e3, (ends[i] - start) / 1e3,
+            r, (k, j) = records[i], lay.at[i]
+            start = lay.lanes[k].start[j]
+            self.ops.append([first + k, (start - base) / 1e3, (ends[i] - start) / 1e3,
                              _STATE_CODE.get(r["state"], 1), len(self.details), r["op"]])
             self.details.append(_detail(r, rank, i in lay.open_life, site(r.get("call_site"), rank)))
-        if len(detailed) == len(ends):
+        if len(detailed) == lay.count:
             return
-        skip = set(detailed)
-        cells: Dict[Tuple[int, int], List[int]] = {}
-        for i, (lane, start, end) in enumerate(zip(lay.lane, lay.start, ends)):
-            if i in skip:
-                continue
-            key = (lane, (start - base) // width)
-            c = cells.get(key)
-            if c is None:
-                c = cells[key] = [0, 0]
-            c[0] += 1
-            c[1] += end - start
-        self.aggregated += len(ends) - len(detailed)
-        for (lane, b), (n, busy) in cells.items():
-            self.agg.append([first + lane, b * width / 1e3, width / 1e3, n, busy / 1e3])
+        self.aggregated += lay.count - len(detailed)
+        skipped: Dict[int, List[int]] = {}  # lane -> positions of its detailed ops, ascending
+        for i in detailed:
+            skipped.setdefault(lay.at[i][0], []).append(lay.at[i][1])
+        cells = []  # (draw index of its first op, lane, bin, ops, busy ns), per time bin of a lane
+        for k, lane in enumerate(lay.lanes):
+            starts, busy, skip = lane.start, lane.busy, sorted(skipped.get(k, ()))
+            lo = 0
+            while lo < len(starts):
+                b = (starts[lo] - base) // width
+                hi = bisect_left(starts, base + (b + 1) * width, lo)
+                qa, qb = bisect_left(skip, lo), bisect_left(skip, hi)
+                if hi - lo > qb - qa:
+                    first_op = lo
+                    for q in skip[qa:qb]:
+                        if q != first_op:
+                            break
+                        first_op += 1
+                    cells.append((lane.draw[first_op], first + k, b, hi - lo - (qb - qa),
+                                  busy[hi] - busy[lo] - sum(busy[q + 1] - busy[q] for q in skip[qa:qb])))
+                lo = hi
+        for _, k, b, n, took in sorted(cells):
+            self.agg.append([k, b * width / 1e3, width / 1e3, n, took / 1e3])
 
     def data(self, story: Dict[str, Any]) -> Dict[str, Any]:
         """What the page's script reads: the ops, and the recovery story's markers (across
