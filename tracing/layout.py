@@ -14,9 +14,8 @@ Imports neither torch nor commslayer.
 
 from __future__ import annotations
 
-import heapq
 from array import array
-from itertools import accumulate, chain
+from itertools import accumulate
 from operator import sub
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Set, Tuple
@@ -142,7 +141,7 @@ class LayoutBuilder:
         lanes: List[Lane] = []
         at: Dict[int, Tuple[int, int]] = {}  # index as added -> (lane, position) of the kept ops
         draw: Dict[int, int] = {}            # index as added -> draw index, of the kept ops
-        count, finite = 0, []
+        count, finite = 0, array("q")
         for uid in sorted(self.by_comm):
             spans = self.by_comm[uid]
             if self.open:  # an op left open by a life that ended is drawn to that life's end
@@ -151,22 +150,22 @@ class LayoutBuilder:
             ss, es, ii = zip(*spans)
             ks = list(first_fit(zip(ss, es)))
             durations = list(map(sub, es, ss))
-            for j, i in enumerate(ii):
-                if i in self.open:
-                    durations[j] = 0
-                if i in keep:
-                    draw[i] = count + j
+            if self.open and not self.open.keys().isdisjoint(ii):
+                for j, i in enumerate(ii):
+                    if i in self.open:
+                        durations[j] = 0
+                finite.extend(e for e, i in zip(es, ii) if i not in self.open)
+            else:
+                finite.extend(es)
+            draw.update((i, count + j) for j, i in enumerate(ii) if i in keep)
             for k in range(max(ks) + 1):
-                mine = range(len(ks)) if k == 0 and not any(ks) else [j for j, kk in enumerate(ks) if kk == k]
-                for p, j in enumerate(mine):
-                    if ii[j] in keep:
-                        at[ii[j]] = (len(lanes), p)
+                mine = range(len(ks)) if not any(ks) else [j for j, kk in enumerate(ks) if kk == k]
+                at.update((ii[j], (len(lanes), p)) for p, j in enumerate(mine) if ii[j] in keep)
                 lanes.append(Lane(uid, k, self.names[uid], array("q", map(ss.__getitem__, mine)),
-                                  array("i", [count + j for j in mine]),
+                                  array("i", map(count.__add__, mine)),
                                   array("q", accumulate(map(durations.__getitem__, mine), initial=0))))
             count += len(ss)
-            finite.append(heapq.nlargest(self.budget, (e for e, i in zip(es, ii) if i not in self.open)))
         shown = {draw[i]: {k: r.get(k) for k in DETAIL_FIELDS} for i, r in keep.items()}
-        return RankLayout(lanes, count, heapq.nlargest(self.budget, chain.from_iterable(finite)), shown,
+        return RankLayout(lanes, count, sorted(finite)[-self.budget:], shown,
                           {draw[i] for i in self.incomplete}, {draw[i]: life for i, life in self.open.items()},
                           {draw[i]: at[i] for i in keep})
