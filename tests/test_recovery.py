@@ -9,6 +9,7 @@ decided on the same members.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -157,7 +158,10 @@ def _stopped(rank, size, store, isolate):
     """Rank 1 stops itself before an all_reduce; the others recover without it, then
     resume it: it must be fenced, and nothing may write into the survivors' old tensors."""
     import commslayer
+    from tracing.recorder import install
 
+    if os.environ.get("COMMSLAYER_TRACE_DIR"):  # forked after import torch: start it here
+        install(signals=False)
     comm = commslayer.new_comm("gloo", name="stop", store=store, rank=rank, size=size, timeout=OP_TIMEOUT,
                                isolate_writes=isolate)
     comm.barrier()
@@ -196,9 +200,16 @@ def _stopped(rank, size, store, isolate):
             "fresh": fresh[0].item(), "after": after[0].item(), "own": float(rank + 1)}
 
 
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """The SIGSTOP scenario run once, traced: (each rank's result, the trace directory)."""
+    traces = tmp_path_factory.mktemp("stopped")
+    return run_ranks(_stopped, 4, True, timeout=60, env={**ENV, "COMMSLAYER_TRACE_DIR": str(traces)}), traces
+
+
 @pytest.mark.timeout(120)
-def test_sigstopped_rank_is_fenced_and_never_writes_late():
-    results = run_ranks(_stopped, 4, True, timeout=60, env=ENV)
+def test_sigstopped_rank_is_fenced_and_never_writes_late(stopped):
+    results, _ = stopped
     fenced, survivors = results[1], [r for i, r in enumerate(results) if i != 1]
     assert fenced["next"] == "CommAborted" and "fenced out of generation 1" in fenced["message"], fenced
     for r in survivors:
@@ -206,6 +217,32 @@ def test_sigstopped_rank_is_fenced_and_never_writes_late():
         assert r["detected_s"] < 1.5 + 1.0 + 0.5, r  # peer timeout + 1 s (+ the 0.3 s head start)
         assert r["fresh"] == 1 + 3 + 4 and r["after"] == 3
         assert r["canary"] == r["own"], "a late write reached the survivors' old tensor"
+
+
+@pytest.mark.timeout(120)
+def test_the_viewer_names_the_fenced_rank_and_its_generation(stopped):
+    """The job's real trace directory: the fenced rank dumped when its communicator was
+    aborted, and ``diagnose``, ``summary`` and the story say who was fenced out of which
+    generation, next to the loss the others recovered from (exit status 0: they finished)."""
+    from tests.viewer_traces import run_cli
+
+    _, traces = stopped
+    doc = load_dump(str(traces / "rank1.json"))
+    assert any(e["kind"] == "fenced" for e in doc["events"]) and "fenced" in doc["reason"], doc["reason"]
+    rc, out, err = run_cli("diagnose", "--json", str(traces))
+    d = json.loads(out)
+    story = d["recovery"]
+    assert [(f["rank"], f["comm"]) for f in story["fenced"]] == [(1, "stop")], story["fenced"]
+    assert "fenced out of generation 1" in story["fenced"][0]["why"], story["fenced"]
+    fenced_line = "rank 1 was fenced out of 'stop': fenced out of generation 1"
+    assert any(line.startswith(fenced_line) for line in story["lines"]), story["lines"]
+    assert [loss["lost"] for loss in story["losses"]] == [[1]] and story["recovered"], story["losses"]
+    assert story["losses"][0]["members_after"] == [0, 2, 3], story["losses"][0]
+    assert rc == 0 and d["ok"], (rc, err, d["findings"])
+    rc, text, _ = run_cli("diagnose", str(traces))
+    assert rc == 0 and fenced_line in text and "rank 1 fenced out of 'stop'" in text, text
+    rc, out, _ = run_cli("summary", "--json", str(traces))
+    assert rc == 0 and json.loads(out)["recovery"]["fenced"] == story["fenced"], out
 
 
 @pytest.mark.timeout(120)

@@ -59,10 +59,10 @@ def test_a_parallel_reader_reports_a_corrupt_line_like_a_sequential_one(tmp_path
 _PARENT, _SCAN_CHUNK = os.getpid(), analysis._scan_chunk
 
 
-def _scan_in_child(sources, skip_bad):
+def _scan_in_child(sources, skip_bad, detail_budget):
     """analysis._scan_chunk, checking that it runs in a forked reader (pickled by name)."""
     assert os.getpid() != _PARENT, "the parallel path read in the parent process"
-    return _SCAN_CHUNK(sources, skip_bad)
+    return _SCAN_CHUNK(sources, skip_bad, detail_budget)
 
 
 # ------------------------------------------------------------------ item 5: wrong field types

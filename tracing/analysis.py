@@ -21,6 +21,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .records import COMPLETED, SCHEDULED, STARTED, STATES
 from .messages import human_bytes, relative_site, short_error, short_reason
+from .layout import LayoutBuilder, RankLayout, first_fit, life_ends
 from .story import recovery_story
 from .traceio import RankSource, TraceFileError, discover, life_communicators, life_uid, rank_records, rank_rows
 
@@ -36,12 +37,17 @@ Interval = Tuple[int, int]
 def union(intervals: Iterable[Interval]) -> List[Interval]:
     """The union of half-open intervals, as sorted disjoint intervals."""
     out: List[Interval] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            if b > out[-1][1]:
-                out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
+    ordered = iter(sorted(intervals))
+    lo, hi = next(ordered, (0, None))
+    if hi is None:
+        return out
+    for a, b in ordered:
+        if a > hi:
+            out.append((lo, hi))
+            lo, hi = a, b
+        elif b > hi:
+            hi = b
+    out.append((lo, hi))
     return out
 
 
@@ -53,16 +59,21 @@ def length(disjoint: Iterable[Interval]) -> int:
 def intersect(xs: List[Interval], ys: List[Interval]) -> List[Interval]:
     """The intersection of two sorted disjoint interval lists."""
     out: List[Interval] = []
-    i = j = 0
-    while i < len(xs) and j < len(ys):
-        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
-        if a < b:
-            out.append((a, b))
-        if xs[i][1] < ys[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
+    if not xs or not ys:
+        return out
+    xi, yi = iter(xs), iter(ys)
+    (xa, xb), (ya, yb) = next(xi), next(yi)
+    try:
+        while True:
+            a, b = (xa if xa > ya else ya), (xb if xb < yb else yb)
+            if a < b:
+                out.append((a, b))
+            if xb < yb:
+                xa, xb = next(xi)
+            else:
+                ya, yb = next(yi)
+    except StopIteration:
+        return out
 
 
 @dataclass
@@ -99,16 +110,6 @@ class OverlapStats:
         return asdict(self)
 
 
-def is_rs(r: Dict[str, Any]) -> bool:
-    """A reduce-scatter, by our op name or the backend method."""
-    return r["op"] in RS_OPS or r.get("backend_op") in RS_BACKEND_OPS
-
-
-def is_ag(r: Dict[str, Any]) -> bool:
-    """An all-gather, by our op name or the backend method."""
-    return r["op"] in AG_OPS or r.get("backend_op") in AG_BACKEND_OPS
-
-
 def overlap_by_rank(records: Iterable[Dict[str, Any]]) -> Dict[int, OverlapStats]:
     """Per rank, reduce-scatter/all-gather overlap and exposed communication.
 
@@ -128,9 +129,56 @@ def overlap_by_step(records: Iterable[Dict[str, Any]]) -> Dict[Tuple[int, int], 
     return _overlap(records, True)
 
 
+def op_kind(op: str, backend_op: Optional[str]) -> int:
+    """1: a reduce-scatter, 2: an all-gather (by our op name or the backend method), 0: other."""
+    return 1 if op in RS_OPS or backend_op in RS_BACKEND_OPS else 2 if op in AG_OPS or backend_op in AG_BACKEND_OPS \
+        else 0
+
+
+class Busy:
+    """The intervals of one rank (or one rank's step) that ``OverlapStats`` measures,
+    added op by op (the record's times, all on one clock)."""
+
+    __slots__ = ("rs", "ag", "all", "blocked", "rs_count", "ag_count")
+
+    def __init__(self) -> None:
+        self.rs: List[Interval] = []
+        self.ag: List[Interval] = []
+        self.all: List[Interval] = []
+        self.blocked: List[Interval] = []
+        self.rs_count = self.ag_count = 0
+
+    def add(self, kind: int, start: int, end: int, enqueue: int, async_op: Optional[bool], wait: Any,
+            wait_end: Any) -> None:
+        """One op that has an end: ``kind`` from ``op_kind``; ``wait``/``wait_end``: its
+        ``wait_ns``/``wait_end_ns`` (used when they are integers, for an async op)."""
+        span = (start, end)
+        self.all.append(span)
+        if async_op is False:
+            self.blocked.append((enqueue, end))
+        elif type(wait) is int and type(wait_end) is int and wait < wait_end:
+            self.blocked.append((wait, wait_end))
+        if kind == 1:
+            self.rs.append(span)
+            self.rs_count += 1
+        elif kind == 2:
+            self.ag.append(span)
+            self.ag_count += 1
+
+    def stats(self, rank: int, step: Optional[int]) -> OverlapStats:
+        """The overlap of what was added."""
+        rs, ag = union(self.rs), union(self.ag)
+        rs_ns, hidden_ns = length(rs), length(intersect(rs, ag))
+        return OverlapStats(rank=rank, rs_count=self.rs_count, ag_count=self.ag_count, rs_s=rs_ns / 1e9,
+                            ag_s=length(ag) / 1e9, hidden_rs_s=hidden_ns / 1e9,
+                            hidden_fraction=hidden_ns / rs_ns if rs_ns else 0.0,
+                            comm_s=length(union(self.all)) / 1e9,
+                            exposed_comm_s=length(intersect(union(self.blocked), union(self.all))) / 1e9,
+                            step=step)
+
+
 def _overlap(records: Iterable[Dict[str, Any]], by_step: bool) -> Dict[Tuple[int, int], OverlapStats]:
-    per: Dict[Tuple[int, int], Dict[str, List[Interval]]] = {}
-    counts: Dict[Tuple[int, int], List[int]] = {}
+    per: Dict[Tuple[int, int], Busy] = {}
     for r in records:
         start, end = r.get("start_ns"), r.get("end_ns")
         if end is None:
@@ -141,37 +189,12 @@ def _overlap(records: Iterable[Dict[str, Any]], by_step: bool) -> Dict[Tuple[int
         if type(step) is not int:
             continue
         key = (r["rank"], step)
-        lanes = per.get(key)
-        if lanes is None:
-            lanes = per[key] = {"rs": [], "ag": [], "all": [], "blocked": []}
-            counts[key] = [0, 0]
-        lanes["all"].append((start, end))
-        if r.get("async_op") is False:
-            lanes["blocked"].append((r.get("enqueue_ns", start), end))
-        else:
-            w0, w1 = r.get("wait_ns"), r.get("wait_end_ns")
-            if type(w0) is int and type(w1) is int and w0 < w1:
-                lanes["blocked"].append((w0, w1))
-        if is_rs(r):
-            lanes["rs"].append((start, end))
-            counts[key][0] += 1
-        elif is_ag(r):
-            lanes["ag"].append((start, end))
-            counts[key][1] += 1
-    out: Dict[Tuple[int, int], OverlapStats] = {}
-    for key in sorted(per):
-        lanes = per[key]
-        rs, ag = union(lanes["rs"]), union(lanes["ag"])
-        rs_ns, hidden_ns = length(rs), length(intersect(rs, ag))
-        out[key] = OverlapStats(
-            rank=key[0], rs_count=counts[key][0], ag_count=counts[key][1],
-            rs_s=rs_ns / 1e9, ag_s=length(ag) / 1e9, hidden_rs_s=hidden_ns / 1e9,
-            hidden_fraction=hidden_ns / rs_ns if rs_ns else 0.0,
-            comm_s=length(union(lanes["all"])) / 1e9,
-            exposed_comm_s=length(intersect(union(lanes["blocked"]), union(lanes["all"]))) / 1e9,
-            step=key[1] if by_step else None,
-        )
-    return out
+        busy = per.get(key)
+        if busy is None:
+            busy = per[key] = Busy()
+        busy.add(op_kind(r["op"], r.get("backend_op")), start, end, r.get("enqueue_ns", start), r.get("async_op"),
+                 r.get("wait_ns"), r.get("wait_end_ns"))
+    return {key: per[key].stats(key[0], key[1] if by_step else None) for key in sorted(per)}
 
 
 # ---------------------------------------------------------------- one pass over a job
@@ -246,14 +269,20 @@ class JobScan:
     """One streaming pass over every rank's records, keeping what the
     summary, the diagnosis, the clock alignment and the exports need."""
 
-    def __init__(self, paths: Sequence[str], *, skip_bad: bool = False, jobs: int = 1) -> None:
+    def __init__(self, paths: Sequence[str], *, skip_bad: bool = False, jobs: int = 1,
+                 detail: Optional[int] = None) -> None:
         """Read every rank's files under ``paths``.  With ``jobs`` > 1 and more
         than ``PARALLEL_BYTES`` of input, ranks are read by that many forked
-        processes (contiguous rank ranges), whose results are merged here."""
+        processes (contiguous rank ranges), whose results are merged here.
+        With ``detail`` (the view's), each rank's timeline is laid out and its
+        overlap measured in the same pass (``layouts``, ``overlap``,
+        ``step_overlap``), keeping the records of about ``detail`` ops of the
+        job for their details (``tracing.layout``)."""
         self.skip_bad = skip_bad
         self.paths = list(paths)
         self.problems: List[str] = []
         self.sources: Dict[int, RankSource] = discover(paths, skip_bad=skip_bad, problems=self.problems)
+        self.detail_budget = None if detail is None else max(1, detail // len(self.sources))
         self._empty_state()
         ranks = sorted(self.sources)
         size = sum(os.path.getsize(p) for src in self.sources.values() for p in src.files)
@@ -262,7 +291,7 @@ class JobScan:
             chunks = [ranks[i * len(ranks) // jobs:(i + 1) * len(ranks) // jobs] for i in range(jobs)]
             with ProcessPoolExecutor(len(chunks), mp_context=multiprocessing.get_context("fork")) as pool:
                 parts = list(pool.map(_scan_chunk, [[self.sources[r] for r in c] for c in chunks],
-                                      [skip_bad] * jobs))
+                                      [skip_bad] * jobs, [self.detail_budget] * jobs))
             for part in parts:
                 self._merge(part)
         else:
@@ -294,6 +323,9 @@ class JobScan:
         self.last_record: Dict[int, Dict[str, Any]] = {}                 # rank -> record with the largest op_id
         self.unfinished: Dict[int, List[Dict[str, Any]]] = {}            # rank -> records not completed
         self.rank_span: Dict[int, Tuple[int, int]] = {}                  # earliest enqueue, latest end (anchor axis)
+        self.layouts: Dict[int, RankLayout] = {}                        # with ``detail``: rank -> its timeline
+        self.overlap: Dict[int, OverlapStats] = {}                       # with ``detail``: overlap_by_rank's
+        self.step_overlap: Dict[Tuple[int, int], OverlapStats] = {}      # with ``detail``: overlap_by_step's
 
     def _merge(self, part: "JobScan") -> None:
         """Add a worker's ranks (higher than any read so far) to this scan."""
@@ -323,7 +355,8 @@ class JobScan:
                 mine[1] += g[1]
                 mine[2] += g[2]
                 mine[3].extend(g[3])
-        for name in ("last_entered", "last_completed", "last_record", "unfinished", "rank_span"):
+        for name in ("last_entered", "last_completed", "last_record", "unfinished", "rank_span", "layouts", "overlap",
+                     "step_overlap"):
             getattr(self, name).update(getattr(part, name))
 
     # ------------------------------------------------------------------ reading
@@ -341,13 +374,20 @@ class JobScan:
         last_id = -1
         off: Optional[int] = None
         lo, hi = None, -1  # this rank's earliest enqueue and latest end
+        layout = None if self.detail_budget is None else LayoutBuilder(self.detail_budget, src.life)
+        floor = None if layout is None else layout.tail_floor(src)
+        every = Busy()  # the rank's busy intervals, and per step (a resilient job's records have one)
+        steps: Dict[int, Busy] = {}
         for values, r in rank_rows(src, skip_bad=self.skip_bad, problems=self.problems):
-            (op_id, _, comm, gen, seq, op, _, reduce_op, dtype, _, _, in_bytes, out_bytes, root, _, _, _, state, _,
-             enq, start, end, _, _, site, _) = values  # records.RECORD_FIELDS, as the reader checked them
+            (op_id, name, comm, gen, seq, op, backend_op, reduce_op, dtype, _, _, in_bytes, out_bytes, root, _,
+             async_op, _, state, _, enq, start, end, _, _, site, _) = values  # records.RECORD_FIELDS, checked
             if off is None:
                 off = src.wall_minus_mono_ns
                 lo = enq + off
+                if floor is not None:
+                    layout.floor = floor + off
             enq += off
+            drawn_from = start  # the timeline draws an op from its start, else (also at 0) its enqueue
             start = enq if start is None else start + off
             if end is None:
                 end = -1
@@ -360,6 +400,19 @@ class JobScan:
             if op_id > last_id:
                 last, last_id = r, op_id
             done = state == COMPLETED
+            if layout is not None:
+                layout.add(comm, name, start if drawn_from else enq, end, done, r)
+                if end >= 0:
+                    kind, wait, wait_end = op_kind(op, backend_op), r.get("wait_ns"), r.get("wait_end_ns")
+                    wait, wait_end = (wait + off if type(wait) is int else wait), \
+                        (wait_end + off if type(wait_end) is int else wait_end)
+                    every.add(kind, start, end, enq, async_op, wait, wait_end)
+                    step = r.get("step")
+                    if type(step) is int:
+                        b = steps.get(step)
+                        if b is None:
+                            b = steps[step] = Busy()
+                        b.add(kind, start, end, enq, async_op, wait, wait_end)
             if done:
                 nbytes = (out_bytes if op in out_sized else in_bytes) or 0
                 key = (comm, op, nbytes.bit_length())
@@ -401,6 +454,12 @@ class JobScan:
             self.last_completed[(rank, comm)] = r
         if lo is not None:
             self.rank_span[rank] = (lo, max(lo, hi))
+        if layout is not None:
+            self.layouts[rank] = layout.finish(src, src.wall_minus_mono_ns or 0)
+            if every.all:
+                self.overlap[rank] = every.stats(rank, None)
+            for step, b in sorted(steps.items()):
+                self.step_overlap[(rank, step)] = b.stats(rank, step)
         if last is not None:
             self.last_record[rank] = last
         self.unfinished[rank] = sorted(unfinished, key=lambda x: x["op_id"])
@@ -539,10 +598,10 @@ class JobScan:
         return self.communicators.get(uid, {}).get("size") or \
             len({r for (r, c) in self.last_entered if c == uid}) or 1
 
-def _scan_chunk(sources: List[RankSource], skip_bad: bool) -> JobScan:
+def _scan_chunk(sources: List[RankSource], skip_bad: bool, detail_budget: Optional[int]) -> JobScan:
     """A worker's part of a parallel scan: these ranks only, not yet aligned."""
     part = JobScan.__new__(JobScan)
-    part.skip_bad, part.problems = skip_bad, []
+    part.skip_bad, part.problems, part.detail_budget = skip_bad, [], detail_budget
     part.sources = {src.rank: src for src in sources}
     part._empty_state()
     for src in sources:
@@ -572,26 +631,20 @@ def rank_timeline(scan: JobScan, rank: int) -> List[Slice]:
     src = scan.sources[rank]
     off = src.wall_minus_mono_ns - scan.offsets[rank].offset_ns
     t_end = scan.span()[1]
-    lives = scan.lives.get(rank, [])
-    life_ends = {life: (hi if i + 1 < len(lives) else t_end) for i, (life, _, hi) in enumerate(lives)}
+    ends = life_ends(src, off, t_end)
     by_comm: Dict[str, List[Tuple[int, int, Dict[str, Any], bool]]] = {}
     for r in rank_records(src, skip_bad=True):
         start = (r.get("start_ns") or r["enqueue_ns"]) + off
         end = r.get("end_ns")
         if end is None:
-            end = max(start, life_ends.get(r.get("life", src.life), t_end))
+            end = max(start, ends.get(r.get("life", src.life), t_end))
         else:
             end += off
         by_comm.setdefault(r["comm_id"], []).append((start, end, r, r.get("end_ns") is None))
     out: List[Slice] = []
     for comm in sorted(by_comm):
-        lane_ends: List[int] = []
-        for start, end, r, open_ in sorted(by_comm[comm], key=lambda x: (x[0], x[1])):
-            lane = next((i for i, e in enumerate(lane_ends) if e <= start), len(lane_ends))
-            if lane == len(lane_ends):
-                lane_ends.append(end)
-            else:
-                lane_ends[lane] = end
+        ops = sorted(by_comm[comm], key=lambda x: (x[0], x[1]))
+        for (start, end, r, open_), lane in zip(ops, first_fit((op[0], op[1]) for op in ops)):
             out.append(Slice(start, end, comm, lane, r, open_))
     return out
 

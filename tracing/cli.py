@@ -195,8 +195,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_view(args: argparse.Namespace) -> int:
     """Write the self-contained HTML view."""
-    scan = analysis.JobScan(args.paths, skip_bad=args.skip_bad, jobs=args.jobs)
-    write_html(scan, args.output, args.title or f"commslayer trace: {', '.join(args.paths)}", max_ops=args.max_ops)
+    scan = analysis.JobScan(args.paths, skip_bad=args.skip_bad, jobs=args.jobs, detail=args.max_ops)
+    write_html(scan, args.output, args.title or f"commslayer trace: {', '.join(args.paths)}")
     _warn(scan.problems)
     say(f"wrote {args.output}")
     return 0

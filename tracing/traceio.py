@@ -45,7 +45,7 @@ from itertools import chain
 from operator import itemgetter
 from typing import Any, BinaryIO, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from .records import DUMP_KIND, RECORD_FIELDS, SCHEMA_VERSION, STATES
+from .records import COMPLETED, DUMP_KIND, RECORD_FIELDS, SCHEMA_VERSION, STATES
 
 try:  # orjson (a dependency of the package) is faster; the viewer also runs without it
     from orjson import loads
@@ -544,6 +544,35 @@ def _jsonl_rows(src: RankSource, skip_bad: bool, problems: List[str]) -> Iterato
                 yield row
     if bad > 5:
         problems.append(f"skipped {bad - 5} more bad lines of {path}")
+
+
+def tail_ends(path: str, n: int) -> List[int]:
+    """The ends (the file's clock) of completed records among the last lines of the
+    JSON-lines file ``path``: at least ``n`` when it holds as many, read from its end
+    (lines that are not valid records are passed over; a line past the size bound
+    stops the search).  The ``n``-th latest of them is a lower bound of the ``n``-th
+    latest end of the whole file, found without reading it."""
+    ends: List[int] = []
+    with open_regular(path) as f:
+        pos = f.seek(0, os.SEEK_END)
+        chunk, carry = 1 << 20, b""
+        while pos > 0 and len(ends) < n and len(carry) <= MAX_LINE_BYTES:
+            step = min(chunk, pos)
+            pos -= step
+            f.seek(pos)
+            lines = (f.read(step) + carry).split(b"\n")
+            carry = lines.pop(0) if pos > 0 else b""  # the first line may go on before this chunk
+            for line in lines:
+                try:
+                    r = loads(line)
+                    if r["event"] == "collective" and r["state"] == COMPLETED:
+                        values = _record(r, path, 0)
+                        if values[_END] is not None:
+                            ends.append(values[_END])
+                except (TraceFileError, *_NOT_FAST):
+                    pass
+            chunk *= 2
+    return ends
 
 
 def _other_line(src: RankSource, path: str, lineno: int, line: bytes) -> Optional[Row]:

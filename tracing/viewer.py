@@ -26,11 +26,13 @@ import html
 import json
 import os
 import re
-from typing import Any, Dict, List, Optional
+from bisect import bisect_left
+from itertools import chain
+from typing import Any, Dict, List, Optional, Tuple
 
 from .messages import human_bytes, short_error
-from .analysis import (JobScan, OverlapStats, Slice, diagnose, overlap_by_rank, overlap_by_step, rank_timeline,
-                       straggler_line, summary)
+from .analysis import JobScan, OverlapStats, diagnose, straggler_line, summary
+from .layout import RankLayout, life_ends
 
 MAX_OPS = 60_000
 BINS = 600
@@ -64,12 +66,11 @@ def _detail(r: Dict[str, Any], rank: int, in_flight: bool, site: Optional[str]) 
 class _Timeline:
     """Collects the timeline's plain values rank by rank (times in us from the first op)."""
 
-    def __init__(self, scan: JobScan, culprits: List[int], max_ops: int, bins: int) -> None:
+    def __init__(self, scan: JobScan, culprits: List[int], bins: int) -> None:
         self.scan = scan
-        self.t0, t1 = scan.span()
-        self.span_us = (t1 - self.t0) / 1e3
+        self.t0, self.t_end = scan.span()
+        self.span_us = (self.t_end - self.t0) / 1e3
         self.culprits = set(culprits)
-        self.budget = max(1, max_ops // max(1, len(scan.sources)))
         self.bins = bins
         self.lanes: List[Dict[str, Any]] = []
         self.ops: List[List[Any]] = []
@@ -77,36 +78,60 @@ class _Timeline:
         self.agg: List[List[Any]] = []
         self.aggregated = 0
 
-    def add(self, rank: int, slices: List[Slice]) -> None:
-        """Lay out one rank: its latest ``budget`` ops and every unfinished one in
-        detail, the older ones binned."""
-        t0 = self.t0
-        lane_ids: Dict[Any, int] = {}
-        for sl in sorted(slices, key=lambda s: (s.comm, s.lane)):
-            if (sl.comm, sl.lane) not in lane_ids:
-                lane_ids[(sl.comm, sl.lane)] = len(self.lanes)
-                name = sl.record.get("comm") or sl.comm
-                self.lanes.append({"rank": rank, "culprit": rank in self.culprits,
-                                   "label": f"rank {rank} {name}" + (f" #{sl.lane + 1}" if sl.lane else "")})
-        keep = slices
-        if len(slices) > self.budget:
-            cut = sorted(s.end_ns for s in slices)[-self.budget]
-            detailed = [s.end_ns >= cut or s.in_flight or s.record["state"] != "completed" for s in slices]
-            keep = [s for s, d in zip(slices, detailed) if d]
-            old = [s for s, d in zip(slices, detailed) if not d]
-            self.aggregated += len(old)
-            width = max(1, (cut - t0) // self.bins + 1)
-            cells: Dict[Any, List[int]] = {}
-            for s in old:
-                c = cells.setdefault((lane_ids[(s.comm, s.lane)], (s.start_ns - t0) // width), [0, 0])
-                c[0] += 1
-                c[1] += s.end_ns - s.start_ns
-            for (lane, b), (n, busy) in cells.items():
-                self.agg.append([lane, b * width / 1e3, width / 1e3, n, busy / 1e3])
-        for s in keep:
-            self.ops.append([lane_ids[(s.comm, s.lane)], (s.start_ns - t0) / 1e3, (s.end_ns - s.start_ns) / 1e3,
-                             _STATE_CODE.get(s.record["state"], 1), len(self.details), s.record["op"]])
-            self.details.append(_detail(s.record, rank, s.in_flight, self.scan.site(s.record.get("call_site"), rank)))
+    def add(self, rank: int, lay: RankLayout) -> None:
+        """Lay out one rank: its latest ops (``JobScan.detail_budget``) and every unfinished
+        one in detail, the older ones binned."""
+        src, off = self.scan.sources[rank], self.scan.offsets[rank].offset_ns
+        base = self.t0 + off  # the anchor axis minus this, in ns from the first op
+        first = len(self.lanes)
+        for lane in lay.lanes:
+            self.lanes.append({"rank": rank, "culprit": rank in self.culprits,
+                               "label": f"rank {rank} {lane.name}" + (f" #{lane.number + 1}" if lane.number else "")})
+        ends: Dict[int, int] = {}  # draw index -> end, of the ops the page may detail
+        for i, (k, j) in lay.at.items():
+            ends[i] = lay.lanes[k].end(j)
+        if lay.open_life:  # drawn to the end of the trace, or of its life when the rank was restarted after it
+            last = life_ends(src, src.wall_minus_mono_ns or 0, self.t_end + off)
+            for i, life in lay.open_life.items():
+                k, j = lay.at[i]
+                ends[i] = max(lay.lanes[k].start[j], last.get(life, self.t_end + off))
+        budget = self.scan.detail_budget or lay.count
+        top = sorted(chain(lay.latest, (ends[i] for i in lay.open_life)))
+        cut = top[-budget] if lay.count > budget else None
+        width = 1 if cut is None else max(1, (cut - base) // self.bins + 1)
+        records, site = lay.records, self.scan.site
+        detailed = sorted(i for i in records if cut is None or ends[i] >= cut or i in lay.incomplete)
+        for i in detailed:
+            r, (k, j) = records[i], lay.at[i]
+            start = lay.lanes[k].start[j]
+            self.ops.append([first + k, (start - base) / 1e3, (ends[i] - start) / 1e3,
+                             _STATE_CODE.get(r["state"], 1), len(self.details), r["op"]])
+            self.details.append(_detail(r, rank, i in lay.open_life, site(r.get("call_site"), rank)))
+        if len(detailed) == lay.count:
+            return
+        self.aggregated += lay.count - len(detailed)
+        skipped: Dict[int, List[int]] = {}  # lane -> positions of its detailed ops, ascending
+        for i in detailed:
+            skipped.setdefault(lay.at[i][0], []).append(lay.at[i][1])
+        cells = []  # (draw index of its first op, lane, bin, ops, busy ns), per time bin of a lane
+        for k, lane in enumerate(lay.lanes):
+            starts, busy, skip = lane.start, lane.busy, sorted(skipped.get(k, ()))
+            lo = 0
+            while lo < len(starts):
+                b = (starts[lo] - base) // width
+                hi = bisect_left(starts, base + (b + 1) * width, lo)
+                qa, qb = bisect_left(skip, lo), bisect_left(skip, hi)
+                if hi - lo > qb - qa:
+                    first_op = lo
+                    for q in skip[qa:qb]:
+                        if q != first_op:
+                            break
+                        first_op += 1
+                    cells.append((lane.draw[first_op], first + k, b, hi - lo - (qb - qa),
+                                  busy[hi] - busy[lo] - sum(busy[q + 1] - busy[q] for q in skip[qa:qb])))
+                lo = hi
+        for _, k, b, n, took in sorted(cells):
+            self.agg.append([k, b * width / 1e3, width / 1e3, n, took / 1e3])
 
     def data(self, story: Dict[str, Any]) -> Dict[str, Any]:
         """What the page's script reads: the ops, and the recovery story's markers (across
@@ -192,23 +217,20 @@ def _f(v: Optional[float], fmt: str = ".3f") -> str:
     return "-" if v is None else format(v, fmt)
 
 
-def render(scan: JobScan, title: str, *, max_ops: int = MAX_OPS) -> str:
-    """The whole page."""
+def render(scan: JobScan, title: str) -> str:
+    """The whole page of a job read with ``JobScan(..., detail=MAX_OPS)`` (or another number
+    of ops to draw one by one)."""
+    if scan.detail_budget is None:
+        raise ValueError("the view needs a JobScan read with detail (the ops drawn one by one)")
     d = diagnose(scan)
     s = summary(scan)
-    ov: Dict[int, OverlapStats] = {}
-    tl = _Timeline(scan, d["culprits"], max_ops, BINS)
-    by_step: Dict[int, List[OverlapStats]] = {}
+    tl = _Timeline(scan, d["culprits"], BINS)
     for rank in sorted(scan.sources):
-        slices = rank_timeline(scan, rank)
-        records = [sl.record for sl in slices]
-        for r in records:  # read for this page only: no copy needed
-            r["rank"] = rank
-        ov.update(overlap_by_rank(records))
-        stepped = [r for r in records if r.get("step") is not None]  # only a resilient job's records have one
-        for (_, step), st in (overlap_by_step(stepped).items() if stepped else ()):
-            by_step.setdefault(step, []).append(st)
-        tl.add(rank, slices)
+        tl.add(rank, scan.layouts[rank])
+    ov = [scan.overlap[rank] for rank in sorted(scan.overlap)]
+    by_step: Dict[int, List[OverlapStats]] = {}
+    for (_, step), st in sorted(scan.step_overlap.items()):
+        by_step.setdefault(step, []).append(st)
     story = d["recovery"]
     data = tl.data(story)
     payload = json.dumps(data, separators=(",", ":")).replace("<", "\\u003c").replace(">", "\\u003e") \
@@ -243,7 +265,7 @@ def render(scan: JobScan, title: str, *, max_ops: int = MAX_OPS) -> str:
     overlap = _table(["rank", "RS ops", "AG ops", "RS s", "AG s", "hidden RS s", "hidden %", "comm s", "exposed s"],
                      [[o.rank, o.rs_count, o.ag_count, _f(o.rs_s, ".4f"), _f(o.ag_s, ".4f"), _f(o.hidden_rs_s, ".4f"),
                        _f(100 * o.hidden_fraction, ".1f"), _f(o.comm_s, ".4f"), _f(o.exposed_comm_s, ".4f")]
-                      for o in ov.values()])
+                      for o in ov])
     shown = sorted(by_step)[-STEP_ROWS:]
     steps = "" if not by_step else (
         f"<h3>per step (the last {len(shown)} of {len(by_step)} steps; means over the ranks)</h3>" + _table(
@@ -279,10 +301,10 @@ def fill(template: str, values: Dict[str, str]) -> str:
     return "".join(parts)
 
 
-def write_html(scan: JobScan, path: str, title: str, *, max_ops: int = MAX_OPS) -> None:
-    """Write the page to ``path``."""
+def write_html(scan: JobScan, path: str, title: str) -> None:
+    """Write the page (``render``) to ``path``."""
     with open(path, "w", encoding="utf-8") as f:
-        f.write(render(scan, title, max_ops=max_ops))
+        f.write(render(scan, title))
 
 
 _PAGE = """<!DOCTYPE html>
