@@ -210,6 +210,12 @@ _RANK, _ENQ, _START, _END, _FP, _STATE, _SITE = range(7)
 _W = 7
 
 
+def arrivals(a: Sequence[int], off: Dict[int, int]) -> List[Tuple[int, int]]:
+    """(enqueue on the common axis, rank) of each rank's entry in collective array ``a``;
+    ``off``: each rank's clock offset (ns), 0 where unknown."""
+    return [(a[i + _ENQ] - off.get(a[i + _RANK], 0), a[i + _RANK]) for i in range(0, len(a), _W)]
+
+
 def bus_factor(op: str, n: int) -> Optional[float]:
     """busbw / algbw for ``op`` on ``n`` ranks (nccl-tests' factors); None: no bandwidth (barrier)."""
     if op == "barrier" or n < 1:
@@ -739,10 +745,10 @@ def stragglers(scan: JobScan) -> List[Dict[str, Any]]:
         n = len(a) // _W
         if n < 2 or n != scan.comm_size(comm):
             continue
-        arrivals = [(a[i + _ENQ] - off[a[i + _RANK]], a[i + _RANK]) for i in range(0, len(a), _W)]
-        latest, late_rank = max(arrivals)
+        entered = arrivals(a, off)
+        latest, late_rank = max(entered)
         last[late_rank] += 1
-        for t, rank in arrivals:
+        for t, rank in entered:
             wait[rank] += latest - t
             counted[rank] += 1
             chance[rank] += 1 / n

@@ -48,6 +48,8 @@ def _ranks(rs: Iterable[int]) -> str:
 
 def _first_ops(scan: "JobScan") -> Dict[Tuple[str, int], int]:
     """(lineage, generation > 0) -> the earliest aligned enqueue of an op in it."""
+    from .analysis import arrivals  # analysis imports this module
+
     first_seq: Dict[str, Tuple[int, int]] = {}
     for comm, gen, seq in scan.collectives:
         if gen and (comm not in first_seq or seq < first_seq[comm][1]):
@@ -56,7 +58,7 @@ def _first_ops(scan: "JobScan") -> Dict[Tuple[str, int], int]:
     off = {r: c.offset_ns for r, c in scan.offsets.items()}
     for comm, (gen, seq) in first_seq.items():
         a = scan.collectives[(comm, gen, seq)]
-        t = min(a[i + 1] - off.get(a[i], 0) for i in range(0, len(a), 7))
+        t = min(arrivals(a, off))[0]
         key = (lineage(comm), gen)
         out[key] = min(t, out.get(key, t))
     return out
