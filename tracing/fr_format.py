@@ -198,7 +198,7 @@ def _sizes(rec: Dict[str, Any]) -> Tuple[List[List[int]], List[List[int]]]:
 def _state(rec: Dict[str, Any]) -> str:
     state = rec.get("state")
     if state in (SCHEDULED, STARTED, COMPLETED):
-        return state
+        return str(state)
     return STARTED if rec.get("start_ns") is not None else SCHEDULED
 
 
@@ -251,15 +251,15 @@ def to_flight_recorder(doc: Dict[str, Any]) -> Dict[str, Any]:
     skipped = 0
     for rec in doc.get("records") or []:
         uid, op, peer = rec.get("comm_id"), rec.get("op"), rec.get("peer")
-        info = comms.get(uid)
+        comm_info = comms.get(uid)
         is_p2p = op in P2P_OPS
-        if (info is None or op not in FR_OP_NAMES or rec.get("generation", 0) != info.get("generation", 0)
+        if (comm_info is None or op not in FR_OP_NAMES or rec.get("generation", 0) != comm_info.get("generation", 0)
                 or (is_p2p and not isinstance(peer, int))):
             skipped += 1
             continue
         seq = int(rec.get("seq") or 0)
-        group, name = groups.p2p(uid, info, op, peer) if is_p2p else (uid, FR_OP_NAMES[op])
-        backend = info.get("backend") if info.get("backend") in _FR_BACKENDS else "gloo"
+        group, name = groups.p2p(uid, comm_info, op, peer) if is_p2p else (uid, FR_OP_NAMES[op])
+        backend = comm_info.get("backend") if comm_info.get("backend") in _FR_BACKENDS else "gloo"
         state = _state(rec)
         ins, outs = _sizes(rec)
         dtype = fr_dtype(rec.get("dtype"))

@@ -38,7 +38,7 @@ import logging
 import os
 import time
 from datetime import datetime, timezone
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, MutableMapping, Optional
 
 import orjson
 import structlog
@@ -56,7 +56,7 @@ def _iso(wall_ns: int) -> str:
     return datetime.fromtimestamp(wall_ns / 1e9, timezone.utc).isoformat(timespec="microseconds")
 
 
-def _stamp(logger: Any, method: str, event_dict: Dict[str, Any]) -> Dict[str, Any]:
+def _stamp(logger: Any, method: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """structlog processor: ``ts`` is when the event happened, not when it was rendered."""
     wall = event_dict.pop("_wall_ns", None)
     event_dict["ts"] = _iso(time.time_ns() if wall is None else wall)

@@ -63,14 +63,14 @@ import logging
 import math
 import os
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import orjson
 from opentelemetry import context as otel_context
 from opentelemetry import metrics as metrics_api
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import (Histogram, MetricExporter, MetricExportResult, MetricsData,
-                                              PeriodicExportingMetricReader, Sum)
+from opentelemetry.sdk.metrics.export import (Histogram, HistogramDataPoint, MetricExporter, MetricExportResult,
+                                              MetricsData, PeriodicExportingMetricReader, Sum)
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -95,7 +95,7 @@ _INSTALL_HINTS = {  # exporter name -> the package that registers it
     "otlp_proto_http": "opentelemetry-exporter-otlp-proto-http", "zipkin": "opentelemetry-exporter-zipkin",
     "prometheus": "opentelemetry-exporter-prometheus",
 }
-_warned: set = set()
+_warned: Set[str] = set()
 
 
 def _warn_once(key: str, msg: str, *args: Any) -> None:
@@ -160,6 +160,7 @@ class JsonlSpanExporter(SpanExporter):
         lines = []
         for s in spans:
             ctx = s.get_span_context()
+            assert ctx is not None  # a finished span has its context
             lines.append(orjson.dumps({
                 "trace_id": format(ctx.trace_id, "032x"),
                 "span_id": format(ctx.span_id, "016x"),
@@ -216,7 +217,7 @@ class JsonlMetricExporter(MetricExporter):
                                 "temporality": None if temporality is None else temporality.name.lower(),
                                 "attributes": dict(p.attributes or {}),
                                 "start_time_unix_nano": p.start_time_unix_nano, "time_unix_nano": p.time_unix_nano}
-                        if kind == "histogram":
+                        if isinstance(p, HistogramDataPoint):
                             line.update(count=p.count, sum=p.sum, min=p.min, max=p.max,
                                         explicit_bounds=list(p.explicit_bounds), bucket_counts=list(p.bucket_counts))
                         elif hasattr(p, "value"):

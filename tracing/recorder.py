@@ -28,9 +28,11 @@ import time
 import traceback
 import weakref
 from collections import deque
+from types import FrameType
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import orjson
+import torch
 import torch.distributed as dist
 
 import commslayer
@@ -49,7 +51,7 @@ log = logging.getLogger("commslayer.tracing")
 
 _FINAL = {WorkStatus.COMPLETED: COMPLETED, WorkStatus.TIMEDOUT: TIMED_OUT, WorkStatus.ERROR: FAILED}
 _INTERNAL_DIRS = tuple(
-    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+    os.path.dirname(os.path.abspath(str(m.__file__))) + os.sep
     for m in (commslayer, sys.modules[__package__], sys.modules["torch"])
 )
 
@@ -67,19 +69,51 @@ class Record:
     """
 
     __slots__ = RECORD_FIELDS + OPTIONAL_FIELDS + ("sinks",)
+    # The slots, as the hot path fills them (records.RECORD_FIELDS says what each means).
+    op_id: int
+    comm: str
+    comm_id: str
+    generation: int
+    seq: int
+    op: str
+    backend_op: str
+    reduce_op: Any  # the ReduceOp object until to_dict
+    dtype: Optional[torch.dtype]
+    in_sizes: List[torch.Size]
+    out_sizes: List[torch.Size]
+    in_bytes: Optional[int]
+    out_bytes: Optional[int]
+    root: Optional[int]
+    peer: Optional[int]
+    async_op: bool
+    timeout_s: float
+    state: str
+    error: Optional[str]
+    enqueue_ns: int
+    start_ns: Optional[int]
+    end_ns: Optional[int]
+    duration_ms: Optional[float]
+    thread: int  # the thread's ident until to_dict
+    call_site: Optional[Tuple[str, int]]
+    stack: Optional[List[str]]
+    wait_ns: Optional[int]
+    wait_end_ns: Optional[int]
+    step: Optional[int]
+    sinks: List[Any]
 
     def started(self, start_ns: int) -> None:
         """The op was handed to the backend."""
         self.start_ns = start_ns
         self.state = STARTED
 
-    def ended(self, work) -> None:
+    def ended(self, work: "commslayer.Work") -> None:
         """The op settled; an op already marked aborted stays so."""
         if self.end_ns is not None:
             return
         if self.peer is None and work.peer is not None:  # a recv from any source learnt its sender
             self.peer, self.seq = work.peer, work.seq
         self.end_ns = end = work.end_ns
+        assert end is not None  # a settled op has its end
         self.duration_ms = (end - (self.start_ns or self.enqueue_ns)) / 1e6
         err = work.exception()
         if err is None:
@@ -115,7 +149,7 @@ class Record:
         return d
 
 
-def _caller(frame):
+def _caller(frame: Optional[FrameType]) -> Optional[FrameType]:
     """The first frame outside commslayer, tracing and torch: the code that issued the op;
     for an op of commslayer's own thread (the copies' refresh) the outermost frame of ours."""
     inner = None
@@ -247,6 +281,8 @@ class FlightRecorder:
 
     def _aborted(self, uid: str) -> None:
         info = self.communicator_info(uid)  # its state says why it closed
+        if info is None:
+            return
         if info["state"].startswith("fenced"):
             self.event("fenced", dict(info, uid=uid), why=info["state"])
         now = time.monotonic_ns()
@@ -263,7 +299,7 @@ class FlightRecorder:
         n = self._count
         start = max(0, n - self.capacity)
         ring = list(self._ring)
-        return [ring[i % self.capacity].to_dict() for i in range(start, n)]
+        return [r.to_dict() for r in (ring[i % self.capacity] for i in range(start, n)) if r is not None]
 
     def document(self, reason: str) -> Dict[str, Any]:
         """The dump document as of now."""
@@ -288,7 +324,7 @@ class FlightRecorder:
         return dict(info)
 
     def _communicators(self) -> Dict[str, Dict[str, Any]]:
-        return {uid: self.communicator_info(uid) for uid in list(self._comms)}
+        return {uid: info for uid in list(self._comms) if (info := self.communicator_info(uid)) is not None}
 
     # --------------------------------------------------------------- dumping
     def flush_sinks(self) -> None:
@@ -350,8 +386,9 @@ class FlightRecorder:
 def _global_rank() -> int:
     """The rank this process's dumps and sinks are named by: ``COMMSLAYER_JOB_RANK``
     (a job of several torchruns names its ranks itself), else the default group's."""
-    if config.job_rank() is not None:
-        return config.job_rank()
+    job_rank = config.job_rank()
+    if job_rank is not None:
+        return job_rank
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
@@ -432,7 +469,7 @@ def _install_signal_handlers(rec: FlightRecorder) -> None:
     """
     previous_term = signal.getsignal(signal.SIGTERM)
     term_lock = threading.Lock()
-    term_dumped = []
+    term_dumped: List[bool] = []
     watcher: Optional[threading.Thread] = None
 
     def dump_for_term() -> None:
@@ -456,7 +493,7 @@ def _install_signal_handlers(rec: FlightRecorder) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    def on_term(signum, frame):
+    def on_term(signum: int, frame: Optional[FrameType]) -> None:
         dump_for_term()
         if callable(previous_term):
             previous_term(signum, frame)

@@ -17,7 +17,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import Any, Deque, Dict, List, Optional, Tuple, Union
+from typing import Any, Deque, Dict, List, Optional, Tuple, Type, TypeVar, Union
 
 import commslayer
 from commslayer import config
@@ -35,6 +35,9 @@ def split_parent(uid: str) -> Optional[str]:
 
 
 _ERROR_EVENTS = {"CollectiveTimeout": "collective_timeout", "PeerLost": "peer_lost"}
+
+
+_Sink = TypeVar("_Sink", bound="QueuedSink")
 
 
 class QueuedSink:
@@ -80,7 +83,7 @@ class QueuedSink:
         atexit.register(self.close)
 
     @classmethod
-    def attached(cls, rec: FlightRecorder) -> Optional["QueuedSink"]:
+    def attached(cls: Type[_Sink], rec: FlightRecorder) -> Optional[_Sink]:
         """The sink of this class already attached to ``rec``, if any."""
         return next((s for s in rec.sinks if type(s) is cls), None)
 
@@ -88,7 +91,7 @@ class QueuedSink:
         """Queue the communicator's lifecycle events: created or split, errors, abort."""
         ref = weakref.ref(comm)  # the hooks below must not keep the communicator alive
         parent = split_parent(comm.uid)
-        info = {"comm": comm.get_name(), "comm_id": comm.uid, "parent_id": parent, "backend": comm.get_backend(),
+        info: Dict[str, Any] = {"comm": comm.get_name(), "comm_id": comm.uid, "parent_id": parent, "backend": comm.get_backend(),
                 "comm_rank": comm.get_rank(), "size": comm.get_size(), "global_ranks": comm.global_ranks,
                 "generation": comm.generation}
         self._event("communicator_split" if parent else "communicator_created", info)
