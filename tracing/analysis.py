@@ -318,7 +318,7 @@ class JobScan:
     def _empty_state(self) -> None:
         self.communicators: Dict[str, Dict[str, Any]] = {}
         # (comm_id, generation, seq) -> flat array of _W values per rank, ranks in ascending order
-        self.collectives: Dict[Tuple[str, int, int], array] = {}
+        self.collectives: Dict[Tuple[str, int, int], "array[int]"] = {}
         self.coll_ops: Dict[Tuple[str, int, int], str] = {}
         self.fingerprints: Dict[Tuple[Any, ...], int] = {}
         self.call_sites: Dict[str, int] = {}
@@ -352,15 +352,15 @@ class JobScan:
                 self.coll_ops[key] = part.coll_ops[key]
             else:
                 mine.extend(a)
-        for key, g in part.groups.items():
-            mine = self.groups.get(key)
-            if mine is None:
-                self.groups[key] = g
+        for group_key, g in part.groups.items():
+            known = self.groups.get(group_key)
+            if known is None:
+                self.groups[group_key] = g
             else:
-                mine[0] += g[0]
-                mine[1] += g[1]
-                mine[2] += g[2]
-                mine[3].extend(g[3])
+                known[0] += g[0]
+                known[1] += g[1]
+                known[2] += g[2]
+                known[3].extend(g[3])
         for name in ("last_entered", "last_completed", "last_record", "unfinished", "rank_span", "layouts", "overlap",
                      "step_overlap"):
             getattr(self, name).update(getattr(part, name))
@@ -388,9 +388,9 @@ class JobScan:
             (op_id, name, comm, gen, seq, op, backend_op, reduce_op, dtype, _, _, in_bytes, out_bytes, root, _,
              async_op, _, state, _, enq, start, end, _, _, site, _) = values  # records.RECORD_FIELDS, checked
             if off is None:
-                off = src.wall_minus_mono_ns
+                off = src.wall_minus_mono_ns or 0
                 lo = enq + off
-                if floor is not None:
+                if layout is not None and floor is not None:
                     layout.floor = floor + off
             enq += off
             drawn_from = start  # the timeline draws an op from its start, else (also at 0) its enqueue
@@ -498,7 +498,7 @@ class JobScan:
                             uid = life_uid(uid, life.life)
                         self.events.append(dict(ev, rank=rank, life=life.life, comm_id=uid, t_ns=ev["wall_ns"] - off))
                 if src.lives and life.span is not None:
-                    base = src.wall_minus_mono_ns - off
+                    base = (src.wall_minus_mono_ns or 0) - off
                     self.lives.setdefault(rank, []).append((life.life, life.span[0] + base, life.span[1] + base))
         self.events.sort(key=lambda e: e["t_ns"])
 
@@ -570,6 +570,7 @@ class JobScan:
                     continue
                 consistent = lo <= hi
                 step = min(max(0, lo), hi) if consistent else (lo + hi) // 2
+                assert base.low_ns is not None and base.high_ns is not None  # set for every aligned rank
                 out[v] = ClockOffset(v, root, base.offset_ns + step, base.low_ns + lo, base.high_ns + hi, n,
                                      consistent and base.consistent)
                 todo.append(v)
@@ -635,7 +636,7 @@ def rank_timeline(scan: JobScan, rank: int) -> List[Slice]:
     An op without an end is drawn to the end of the trace, or of its life when the
     rank was restarted after it (its process is gone)."""
     src = scan.sources[rank]
-    off = src.wall_minus_mono_ns - scan.offsets[rank].offset_ns
+    off = (src.wall_minus_mono_ns or 0) - scan.offsets[rank].offset_ns
     t_end = scan.span()[1]
     ends = life_ends(src, off, t_end)
     by_comm: Dict[str, List[Tuple[int, int, Dict[str, Any], bool]]] = {}
@@ -818,8 +819,8 @@ def diagnose(scan: JobScan) -> Dict[str, Any]:
         comms.append(_diagnose_comm(scan, uid, missing, mismatches, findings, culprits, uid in story["superseded"]))
     ranks = []
     for r in sorted(expected):
-        src = scan.sources.get(r)
-        if src is None:
+        source = scan.sources.get(r)
+        if source is None:
             ranks.append({"rank": r, "files": [], "stands": "no trace file", "call_site": None, "reason": None})
             continue
         stuck = scan.unfinished.get(r) or []
@@ -832,8 +833,8 @@ def diagnose(scan: JobScan) -> Dict[str, Any]:
             stands, site = f"last seen after {_where(last, scan, r)}", last.get("call_site")
         else:
             stands, site = "no records", None
-        life = src.last_life
-        ranks.append({"rank": r, "files": src.files, "host": life.host, "pid": life.pid,
+        life = source.last_life
+        ranks.append({"rank": r, "files": source.files, "host": life.host, "pid": life.pid,
                       "reason": short_reason(life.reason), "reason_full": life.reason,
                       "lives": life.life + 1, "dump": life.dump_path is not None, "stands": stands,
                       "call_site": scan.site(site, r), "call_site_full": site})
@@ -881,8 +882,9 @@ def _call_site_splits(scan: JobScan, findings: List[Finding]) -> None:
         where = "; ".join(f"{_ranks(rs)} at {scan.site(names[sid])}"
                           for sid, rs in sorted(groups.items(), key=lambda kv: min(kv[1])))
         name = scan.communicators.get(key[0], {}).get("name") or key[0]
+        fewest: List[int] = min(groups.values(), key=len)
         findings.append(Finding("warning", f"'{name}' #{key[2]} ({scan.coll_ops[key]}) was called from different "
-                                           f"lines: {where}", sorted(min(groups.values(), key=len))))
+                                           f"lines: {where}", sorted(fewest)))
 
 
 def _mismatches(scan: JobScan, findings: List[Finding], culprits: Dict[int, str]) -> Dict[Tuple[str, int, int], List[int]]:
@@ -952,9 +954,9 @@ def _diagnose_comm(scan: JobScan, uid: str, missing: List[int], mismatches: Dict
             by_state.setdefault(st, []).append(r)
         states = "; ".join(f"{_ranks(rs)} {st}" for st, rs in sorted(by_state.items()))
         text = f"'{name}' ({uid}) went wrong at {trouble['op']} #{seq}: {states}"
-        errs = {trouble.get("error")} - {None}
-        if errs:
-            text += f" ({short_error(sorted(errs)[0])})"
+        err = trouble.get("error")
+        if err is not None:
+            text += f" ({short_error(err)})"
         absent = [r for r in members if r in missing]
         if never:
             for r in never:

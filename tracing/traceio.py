@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from itertools import chain
 from operator import itemgetter
-from typing import Any, BinaryIO, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, BinaryIO, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from .records import COMPLETED, DUMP_KIND, RECORD_FIELDS, SCHEMA_VERSION, STATES
 
@@ -55,7 +55,7 @@ except ImportError:  # pragma: no cover - orjson is a dependency of the package
     def _no_constant(name: str) -> None:
         raise ValueError(f"{name} is not JSON")
 
-    loads = partial(json.loads, parse_constant=_no_constant)  # type: ignore[assignment]
+    loads = partial(json.loads, parse_constant=_no_constant)
 
 # What bad JSON raises: orjson's JSONDecodeError and json's are ValueErrors; the
 # standard parser meets a deeply nested value with RecursionError.
@@ -94,7 +94,7 @@ _record_values = itemgetter(*RECORD_FIELDS)
 _STATE, _ENQUEUE, _START, _END = (RECORD_FIELDS.index(k) for k in ("state", "enqueue_ns", "start_ns", "end_ns"))
 # Type signatures (field types in RECORD_FIELDS order) that passed the full
 # check: a record with one of them needs only its times and state checked.
-_good_signatures: set = set()
+_good_signatures: Set[Tuple[type, ...]] = set()
 
 
 class TraceFileError(ValueError):
@@ -127,7 +127,7 @@ class RankSource:
     communicators: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     cwd: Optional[str] = None                 # the process's working directory (call sites are shown from it)
     events: List[Dict[str, Any]] = field(default_factory=list)  # recovery events, with wall_ns added
-    event_keys: set = field(default_factory=set, repr=False)
+    event_keys: Set[Any] = field(default_factory=set, repr=False)
     life: int = 0                             # the restart number of this life (0: the first process)
     span: Optional[Tuple[int, int]] = None    # of a restarted rank's life: first enqueue, last end (first life's clock)
     lives: List["RankSource"] = field(default_factory=list)     # the later lives of this rank, in order
@@ -226,7 +226,7 @@ def _fast_values(r: Any) -> Optional[Tuple[Any, ...]]:
     start, end = values[_START], values[_END]
     if (0 <= values[_ENQUEUE] < TIME_LIMIT and (start is None or 0 <= start < TIME_LIMIT)
             and (end is None or 0 <= end < TIME_LIMIT) and values[_STATE] in _STATES):
-        return values
+        return tuple(values)
     return None
 
 
@@ -285,8 +285,7 @@ def find_files(paths: Sequence[str]) -> List[str]:
             dirs = [p] + sorted((os.path.join(p, n) for n in os.listdir(p) if _LIFE_DIR.match(n)
                                  and os.path.isdir(os.path.join(p, n))), key=life_of)
             found = [os.path.join(d, n) for d in dirs
-                     for n in sorted(os.listdir(d), key=lambda n: (int(_RANK_FILE.match(n).group(1)), n)
-                                     if _RANK_FILE.match(n) else (-1, n))
+                     for n in sorted(os.listdir(d), key=_rank_file_order)
                      if _RANK_FILE.match(n)]
             if not found:
                 raise TraceFileError(p, None, "no trace files here (rank<R>.json or rank<R>.jsonl)")
@@ -296,6 +295,12 @@ def find_files(paths: Sequence[str]) -> List[str]:
         else:
             raise TraceFileError(p, None, "no such file or directory")
     return out
+
+
+def _rank_file_order(name: str) -> Tuple[int, str]:
+    """Sort key of a directory entry: rank files by rank number, then by name."""
+    m = _RANK_FILE.match(name)
+    return (int(m.group(1)) if m else -1, name)
 
 
 def life_of(path: str) -> int:
@@ -314,7 +319,7 @@ def _clock_offset(clock: Any, path: str, line: int) -> int:
         why = _int_problem(f"clock.{key}", clock.get(key), 0, TIME_LIMIT)
         if why:
             raise TraceFileError(path, line, why)
-    return clock["wall_ns"] - clock["mono_ns"]
+    return int(clock["wall_ns"] - clock["mono_ns"])
 
 
 def _take_facts(src: RankSource, doc: Dict[str, Any], path: str, line: int) -> None:
@@ -472,6 +477,7 @@ def _load_dump_into(src: RankSource, skip_bad: bool, problems: List[str]) -> Dic
     """Read the rank's dump (facts into ``src``); its records by op_id.  With
     ``skip_bad`` a bad record is left out; a bad dump as a whole always raises."""
     path = src.dump_path
+    assert path is not None  # a source read for its dump has one
     doc = read_dump(path)
     if doc["rank"] != src.rank:
         raise TraceFileError(path, 1, f"dump of rank {doc['rank']} in a file named for rank {src.rank}")
@@ -513,6 +519,7 @@ def _load_dump_into(src: RankSource, skip_bad: bool, problems: List[str]) -> Dic
 
 def _jsonl_rows(src: RankSource, skip_bad: bool, problems: List[str]) -> Iterator[Row]:
     path = src.jsonl_path
+    assert path is not None  # a source read for its JSON lines has them
     bad = 0
     with open_regular(path) as f:
         read = partial(f.readline, MAX_LINE_BYTES + 1)
@@ -659,7 +666,7 @@ def rank_rows(src: RankSource, *, skip_bad: bool = False, problems: Optional[Lis
         first = next(rows, None)
         if src.wall_minus_mono_ns is None:  # the first life left nothing usable: this one sets the axis
             src.wall_minus_mono_ns = life.wall_minus_mono_ns
-        shift = (life.wall_minus_mono_ns or 0) - src.wall_minus_mono_ns
+        shift = (life.wall_minus_mono_ns or 0) - (src.wall_minus_mono_ns or 0)
         ids = life.life * LIFE_OP_IDS
         lo, hi = TIME_LIMIT, -1
         if first is not None:
