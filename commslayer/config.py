@@ -17,7 +17,7 @@ import json
 import os
 import socket
 from datetime import timedelta
-from typing import Callable, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Optional, Set, Tuple, overload
 
 from .errors import ConfigError
 
@@ -53,6 +53,14 @@ def _shown(name: str, value: float) -> str:
     """``NAME='raw'`` as given, or that it is unset and what it defaults to."""
     raw = os.environ.get(name, "")
     return f"{name}={raw!r}" if raw.strip() else f"{name} (unset, default {value:g})"
+
+
+@overload
+def _integer(name: str, default: int, minimum: int, maximum: Optional[int] = None) -> int: ...
+
+
+@overload
+def _integer(name: str, default: None, minimum: int, maximum: Optional[int] = None) -> Optional[int]: ...
 
 
 def _integer(name: str, default: Optional[int], minimum: int, maximum: Optional[int] = None) -> Optional[int]:
@@ -281,26 +289,20 @@ def restart_unit() -> str:
 def node() -> int:
     """``COMMSLAYER_NODE``: the host (node rank) of this rank, set by ``commslayer-run``;
     the copies of a rank's state go to ranks on other hosts. Default 0."""
-    value = _integer("COMMSLAYER_NODE", 0, 0)
-    assert value is not None
-    return value
+    return _integer("COMMSLAYER_NODE", 0, 0)
 
 
 def redundancy() -> int:
     """``COMMSLAYER_REDUNDANCY``: how many other ranks keep a copy of each rank's state in
     a job whose restart unit is a rank (default 1: any single loss, and any losses
     that take no rank together with every holder of its state, are survived)."""
-    value = _integer("COMMSLAYER_REDUNDANCY", 1, 1)
-    assert value is not None
-    return value
+    return _integer("COMMSLAYER_REDUNDANCY", 1, 1)
 
 
 def refresh_every() -> int:
     """``COMMSLAYER_REFRESH_EVERY``: refresh the copies every K steps (default 1: a loss
     costs no step; K > 1: less traffic, and a loss redoes up to K steps)."""
-    value = _integer("COMMSLAYER_REFRESH_EVERY", 1, 1)
-    assert value is not None
-    return value
+    return _integer("COMMSLAYER_REFRESH_EVERY", 1, 1)
 
 
 def reshard() -> bool:
@@ -310,7 +312,7 @@ def reshard() -> bool:
     return os.environ.get("COMMSLAYER_RESHARD", "").strip() == "" or _flag("COMMSLAYER_RESHARD")
 
 
-def resharded() -> Optional[dict]:
+def resharded() -> Optional[Dict[str, Any]]:
     """``COMMSLAYER_RESHARDED``: set by a ``PeerJob`` for the script it starts again after
     resharding onto the survivors (JSON: the epoch, the launcher's ranks of the new
     layout in order, the whole state's file, the loss it follows); None when unset."""

@@ -56,7 +56,7 @@ import re
 import sys
 import time
 from datetime import timedelta
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -68,7 +68,7 @@ from .exits import exit_now
 from .gradients import GradientAverage, local
 from .hooks import phase_hooks as _phase_hooks
 from .hooks import register_phase_hook  # noqa: F401  (public here: where a user looks)
-from .replicas import ReplicaBroken, Replicas, fingerprint
+from .replicas import Admission, Recovery, ReplicaBroken, Replicas, fingerprint
 from .reshard import piece
 from .store import bounded
 
@@ -196,7 +196,7 @@ def digest(obj: Any) -> int:
     return int.from_bytes(h.digest(), "little") >> 1
 
 
-def _digest(obj: Any, h: "hashlib._Hash") -> None:
+def _digest(obj: Any, h: "hashlib.blake2b") -> None:
     if isinstance(obj, torch.Tensor):
         h.update(fingerprint([obj]).to_bytes(8, "little"))
     elif isinstance(obj, dict):
@@ -356,21 +356,28 @@ class Job:
 
     # ---------------------------------------------------------------- steps
     @property
+    def _replica_groups(self) -> Replicas:
+        """The replica groups, once ``steps()`` began."""
+        if self._replicas is None:
+            raise InvalidArgument("the job has not begun: loop over job.steps(total) first", op="steps")
+        return self._replicas
+
+    @property
     def live_replicas(self) -> List[int]:
         """The replica groups in the current generation."""
-        return self._replicas.live
+        return self._replica_groups.live
 
     @property
     def generation(self) -> int:
-        return self._replicas.generation
+        return self._replica_groups.generation
 
     @property
-    def admissions(self) -> list:
-        return self._replicas.admissions
+    def admissions(self) -> List[Admission]:
+        return self._replica_groups.admissions
 
     @property
-    def recoveries(self) -> list:
-        return self._replicas.recoveries
+    def recoveries(self) -> List[Recovery]:
+        return self._replica_groups.recoveries
 
     def steps(self, total: int) -> Iterator[int]:
         """The steps this life runs: ``start_step`` (0, or where a restarted group healed
@@ -456,13 +463,13 @@ class Job:
         (names, keys, shapes, dtypes), or every rank raises ``StateMismatch`` naming it."""
         self._checked = True
         mine = signature(self._state.snapshot(), optimizer_state=False)
-        world = self._replicas.world
+        world = self._replica_groups.world
         digest = int.from_bytes(hashlib.blake2b(json.dumps([self.rank, mine], sort_keys=True).encode(),
                                                 digest_size=8).digest(), "little") >> 1
         hashes = torch.zeros(world.get_size(), dtype=torch.int64)
         world.all_gather_single(hashes, torch.tensor([digest], dtype=torch.int64))
         members = world.members
-        by_shard: Dict[int, set] = {}
+        by_shard: Dict[int, Set[int]] = {}
         for member, h in zip(members, hashes.tolist()):
             by_shard.setdefault(member % self.world_size, set()).add(h)
         if all(len(v) == 1 for v in by_shard.values()):
@@ -487,7 +494,7 @@ class Job:
         """Record in the job's store and print the admissions not reported yet (by the
         first survivor of each)."""
         for a in self.admissions[self._admissions_reported:]:
-            first = min(m for m in self._replicas.world.members if m // self.world_size not in a.replicas)
+            first = min(m for m in self._replica_groups.world.members if m // self.world_size not in a.replicas)
             if self.member == first:
                 runs.record(self.store, a)
                 print(f"admitted replica(s) {a.replicas} at step {a.step}: generation {a.generation}, join and "
@@ -498,7 +505,7 @@ class Job:
         """World rank 0 records (in the job's store, which outlives every rank) and prints
         the recovery that this step's commit ended."""
         r = self.recoveries[-1] if self.recoveries else None
-        if r is None or r.step != step or r.committed_at is None or self._replicas.world.get_rank() != 0:
+        if r is None or r.step != step or r.committed_at is None or self._replica_groups.world.get_rank() != 0:
             return
         runs.record(self.store, r)
         print(f"recovered: lost replica(s) {r.lost_replicas} at step {step}; generation {r.generation} built "
@@ -508,7 +515,7 @@ class Job:
     @property
     def reports(self) -> bool:
         """Whether this rank is the one that prints the job's progress (world rank 0)."""
-        return self._replicas.world.get_rank() == 0
+        return self._replica_groups.world.get_rank() == 0
 
     # ------------------------------------------------------------------ end
     def finish(self, *, exit: bool = True) -> List[int]:
@@ -520,7 +527,7 @@ class Job:
         if self._total is None or self.step_index >= 0:
             raise InvalidArgument("finish() before the loop over steps() ended", op="finish")
         elapsed = time.perf_counter() - self._begin
-        rep = self._replicas
+        rep = self._replica_groups
         rep.wait_for(self._state, self._total, lambda r: self.store.check([f"replica/{r}/gone"]),
                      self._heal_timeout_s)
         self._report_admissions()
@@ -541,15 +548,17 @@ class Job:
         return prints
 
     def _write_result(self, elapsed: float, prints: List[int]) -> None:
+        run_dir, total = self.run_dir, self._total
+        assert run_dir is not None and total is not None  # finish() writes one only then
         opt = next(iter(self._state.optimizers.values()), None)
         counts = [int(opt.state[p]["step"]) for p in self._state.params() if opt is not None and
                   "step" in opt.state.get(p, {})]
         runs.save(runs.RankResult(
             member=self.member, replica=self.replica, rank=self.rank, restart=self.restart, pid=os.getpid(),
-            started=self.started, steps=self._total, start_step=self.start_step, elapsed_s=elapsed,
+            started=self.started, steps=total, start_step=self.start_step or 0, elapsed_s=elapsed,
             step_s=self.step_s, losses=self.losses, optimizer_steps=counts, live=self.live_replicas,
             fingerprints=prints, recoveries=list(self.recoveries), admissions=list(self.admissions),
-            generation=self.generation, overlapped=self.overlapped), self.run_dir)
+            generation=self.generation, overlapped=self.overlapped), run_dir)
 
 
 _FUTURE_WRAPPING = re.compile(r"(RuntimeError: )?Got the following error when running the callback: ")
