@@ -23,20 +23,20 @@ from .reduce_op import ReduceOp
 from .store import wait_for_keys
 
 
+Fingerprint = Dict[str, Any]
+
+
 def fingerprint(op: str, t: torch.Tensor, reduce_op: Optional[ReduceOp] = None, *, root: Optional[int] = None,
-                extra_shape: Optional[List[int]] = None) -> Dict[str, Any]:
+                extra_shape: Optional[List[int]] = None) -> Fingerprint:
     """What every rank's call of one op must agree on: op, dtype, the shape that
     must match (``extra_shape`` where only the trailing dimensions must), reduce op, root."""
-    fp: Dict[str, Any] = {"op": op, "dtype": str(t.dtype),
+    fp: Fingerprint = {"op": op, "dtype": str(t.dtype),
                           "shape": extra_shape if extra_shape is not None else list(t.shape)}
     if reduce_op is not None:
         fp["reduce_op"] = repr(reduce_op)
     if root is not None:
         fp["root"] = root
     return fp
-
-
-Fingerprint = Dict[str, Any]
 
 
 def _describe(fp: Fingerprint) -> str:

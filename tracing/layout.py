@@ -158,8 +158,13 @@ class LayoutBuilder:
             else:
                 finite.extend(es)
             draw.update((i, count + j) for j, i in enumerate(ii) if i in keep)
-            for k in range(max(ks) + 1):
-                mine = range(len(ks)) if not any(ks) else [j for j, kk in enumerate(ks) if kk == k]
+            if any(ks):  # the positions of each lane's ops, in start order
+                by_lane: List[Any] = [[] for _ in range(max(ks) + 1)]
+                for j, k in enumerate(ks):
+                    by_lane[k].append(j)
+            else:
+                by_lane = [range(len(ks))]
+            for k, mine in enumerate(by_lane):
                 at.update((ii[j], (len(lanes), p)) for p, j in enumerate(mine) if ii[j] in keep)
                 lanes.append(Lane(uid, k, self.names[uid], array("q", map(ss.__getitem__, mine)),
                                   array("i", map(count.__add__, mine)),
