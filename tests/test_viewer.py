@@ -390,6 +390,26 @@ def test_overlap_matches_a_brute_force_sweep(clean):
         assert 0 < g["exposed_comm_s"] <= g["comm_s"]
 
 
+def test_covered_length_matches_a_sweep_of_random_intervals():
+    import random
+    from array import array
+
+    from tracing.analysis import Busy, covered
+
+    rng = random.Random(3)
+    for _ in range(300):
+        groups = [[(a, a + rng.randrange(-3, 12)) for a in (rng.randrange(0, 60) for _ in range(rng.randrange(0, 9)))]
+                  for _ in range(rng.randrange(1, 4))]  # ends before starts too: empty
+        flat = [array("q", [t for span in g for t in span]) for g in groups]
+        spans = [(a, b) for g in groups for a, b in g if b > a]
+        assert covered(*flat) == sum(_covered(t, spans) for t in range(-5, 80))
+    busy = Busy()  # a corrupt wait time (no int64 fits it) is left out, not an overflow
+    busy.add(0, 10, 20, 5, True, -(10 ** 30), 10 ** 30)
+    busy.add(0, 30, 40, 25, True, 31, 35)
+    stats = busy.stats(0, None)
+    assert stats.comm_s == pytest.approx(20e-9) and stats.exposed_comm_s == pytest.approx(4e-9)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("scenario", ["clean", "skipped", "mismatched"])  # skipped: call-site ids remapped
 def test_parallel_reading_gives_the_same_answers(scenario, request, monkeypatch):

@@ -17,11 +17,13 @@ import os
 from array import array
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
+from itertools import chain, compress, repeat
+from operator import add, lt, sub
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .records import COMPLETED, SCHEDULED, STARTED, STATES
 from .messages import human_bytes, relative_site, short_error, short_reason
-from .layout import LayoutBuilder, RankLayout, first_fit, life_ends
+from .layout import LayoutBuilder, RankLayout, lane_positions, life_ends
 from .story import recovery_story
 from .traceio import RankSource, TraceFileError, discover, life_communicators, life_uid, rank_records, rank_rows
 
@@ -31,49 +33,23 @@ RS_BACKEND_OPS = frozenset(("_reduce_scatter_base", "reduce_scatter", "reduce_sc
 AG_BACKEND_OPS = frozenset(("_allgather_base", "allgather", "allgather_into_tensor_coalesced"))
 P2P_OPS = frozenset(("send", "recv"))
 
-Interval = Tuple[int, int]
+SPAN_LIMIT = 1 << 62  # ns; a wait time beyond it (either sign) is corrupt and left out
 
 
-def union(intervals: Iterable[Interval]) -> List[Interval]:
-    """The union of half-open intervals, as sorted disjoint intervals."""
-    out: List[Interval] = []
-    ordered = iter(sorted(intervals))
-    lo, hi = next(ordered, (0, None))
-    if hi is None:
-        return out
-    for a, b in ordered:
-        if a > hi:
-            out.append((lo, hi))
-            lo, hi = a, b
-        elif b > hi:
-            hi = b
-    out.append((lo, hi))
-    return out
+def covered(*spans: "array[int]") -> int:
+    """The length (ns) of the union of the half-open intervals held in ``spans``:
+    flat arrays of (start, end) pairs (an end before its start counts as empty).
 
-
-def length(disjoint: Iterable[Interval]) -> int:
-    """Total length of disjoint intervals."""
-    return sum(b - a for a, b in disjoint)
-
-
-def intersect(xs: List[Interval], ys: List[Interval]) -> List[Interval]:
-    """The intersection of two sorted disjoint interval lists."""
-    out: List[Interval] = []
-    if not xs or not ys:
-        return out
-    xi, yi = iter(xs), iter(ys)
-    (xa, xb), (ya, yb) = next(xi), next(yi)
-    try:
-        while True:
-            a, b = (xa if xa > ya else ya), (xb if xb < yb else yb)
-            if a < b:
-                out.append((a, b))
-            if xb < yb:
-                xa, xb = next(xi)
-            else:
-                ya, yb = next(yi)
-    except StopIteration:
-        return out
+    With the starts and the ends each sorted on their own, the union has a gap
+    exactly after the i-th end when it comes before the (i+1)-th start (at a
+    point there, i+1 intervals have started and as many ended): the length is
+    the whole extent less those gaps, found without a loop in Python."""
+    starts = sorted(chain.from_iterable(s[0::2] for s in spans))
+    if not starts:
+        return 0
+    ends = sorted(chain.from_iterable(map(max, s[0::2], s[1::2]) for s in spans))
+    gaps = list(map(lt, ends[:-1], starts[1:]))
+    return ends[-1] - starts[0] - (sum(compress(starts[1:], gaps)) - sum(compress(ends, gaps)))
 
 
 @dataclass
@@ -137,15 +113,13 @@ def op_kind(op: str, backend_op: Optional[str]) -> int:
 
 class Busy:
     """The intervals of one rank (or one rank's step) that ``OverlapStats`` measures,
-    added op by op (the record's times, all on one clock)."""
+    added op by op (the record's times, all on one clock), each kind as a flat
+    array of (start, end) pairs."""
 
     __slots__ = ("rs", "ag", "all", "blocked", "rs_count", "ag_count")
 
     def __init__(self) -> None:
-        self.rs: List[Interval] = []
-        self.ag: List[Interval] = []
-        self.all: List[Interval] = []
-        self.blocked: List[Interval] = []
+        self.rs, self.ag, self.all, self.blocked = array("q"), array("q"), array("q"), array("q")
         self.rs_count = self.ag_count = 0
 
     def add(self, kind: int, start: int, end: int, enqueue: int, async_op: Optional[bool], wait: Any,
@@ -153,28 +127,29 @@ class Busy:
         """One op that has an end: ``kind`` from ``op_kind``; ``wait``/``wait_end``: its
         ``wait_ns``/``wait_end_ns`` (used when they are integers, for an async op)."""
         span = (start, end)
-        self.all.append(span)
+        self.all.extend(span)
         if async_op is False:
-            self.blocked.append((enqueue, end))
-        elif type(wait) is int and type(wait_end) is int and wait < wait_end:
-            self.blocked.append((wait, wait_end))
+            self.blocked.extend((enqueue, end))
+        elif type(wait) is int and type(wait_end) is int and -SPAN_LIMIT < wait < wait_end < SPAN_LIMIT:
+            self.blocked.extend((wait, wait_end))
         if kind == 1:
-            self.rs.append(span)
+            self.rs.extend(span)
             self.rs_count += 1
         elif kind == 2:
-            self.ag.append(span)
+            self.ag.extend(span)
             self.ag_count += 1
 
     def stats(self, rank: int, step: Optional[int]) -> OverlapStats:
-        """The overlap of what was added."""
-        rs, ag = union(self.rs), union(self.ag)
-        rs_ns, hidden_ns = length(rs), length(intersect(rs, ag))
+        """The overlap of what was added: the length of an intersection is that of
+        each part less that of their union."""
+        rs_ns, ag_ns, all_ns = covered(self.rs), covered(self.ag), covered(self.all)
+        hidden_ns = rs_ns + ag_ns - covered(self.rs, self.ag)
+        blocked_ns = covered(self.blocked)
+        exposed_ns = blocked_ns + all_ns - covered(self.blocked, self.all)
         return OverlapStats(rank=rank, rs_count=self.rs_count, ag_count=self.ag_count, rs_s=rs_ns / 1e9,
-                            ag_s=length(ag) / 1e9, hidden_rs_s=hidden_ns / 1e9,
-                            hidden_fraction=hidden_ns / rs_ns if rs_ns else 0.0,
-                            comm_s=length(union(self.all)) / 1e9,
-                            exposed_comm_s=length(intersect(union(self.blocked), union(self.all))) / 1e9,
-                            step=step)
+                            ag_s=ag_ns / 1e9, hidden_rs_s=hidden_ns / 1e9,
+                            hidden_fraction=hidden_ns / rs_ns if rs_ns else 0.0, comm_s=all_ns / 1e9,
+                            exposed_comm_s=exposed_ns / 1e9, step=step)
 
 
 def _overlap(records: Iterable[Dict[str, Any]], by_step: bool) -> Dict[Tuple[int, int], OverlapStats]:
@@ -278,8 +253,9 @@ class JobScan:
     def __init__(self, paths: Sequence[str], *, skip_bad: bool = False, jobs: int = 1,
                  detail: Optional[int] = None) -> None:
         """Read every rank's files under ``paths``.  With ``jobs`` > 1 and more
-        than ``PARALLEL_BYTES`` of input, ranks are read by that many forked
-        processes (contiguous rank ranges), whose results are merged here.
+        than ``PARALLEL_BYTES`` of input, ranks are read in that many contiguous
+        rank ranges: the first here, each other one by a forked process, whose
+        results are merged here.
         With ``detail`` (the view's), each rank's timeline is laid out and its
         overlap measured in the same pass (``layouts``, ``overlap``,
         ``step_overlap``), keeping the records of about ``detail`` ops of the
@@ -295,11 +271,13 @@ class JobScan:
         jobs = min(jobs, len(ranks))
         if jobs > 1 and size > PARALLEL_BYTES:
             chunks = [ranks[i * len(ranks) // jobs:(i + 1) * len(ranks) // jobs] for i in range(jobs)]
-            with ProcessPoolExecutor(len(chunks), mp_context=multiprocessing.get_context("fork")) as pool:
-                parts = list(pool.map(_scan_chunk, [[self.sources[r] for r in c] for c in chunks],
-                                      [skip_bad] * jobs, [self.detail_budget] * jobs))
-            for part in parts:
-                self._merge(part)
+            with ProcessPoolExecutor(jobs - 1, mp_context=multiprocessing.get_context("fork")) as pool:
+                parts = [pool.submit(_scan_chunk, [self.sources[r] for r in c], skip_bad, self.detail_budget)
+                         for c in chunks[1:]]
+                for rank in chunks[0]:  # this process reads the first chunk: its results need no copying
+                    self._scan_rank(self.sources[rank])
+                for part in parts:
+                    self._merge(part.result())
         else:
             for rank in ranks:
                 self._scan_rank(self.sources[rank])
@@ -651,8 +629,11 @@ def rank_timeline(scan: JobScan, rank: int) -> List[Slice]:
     out: List[Slice] = []
     for comm in sorted(by_comm):
         ops = sorted(by_comm[comm], key=lambda x: (x[0], x[1]))
-        for (start, end, r, open_), lane in zip(ops, first_fit((op[0], op[1]) for op in ops)):
-            out.append(Slice(start, end, comm, lane, r, open_))
+        lane_of = [0] * len(ops)
+        for lane, mine in enumerate(lane_positions([op[0] for op in ops], [op[1] for op in ops])):
+            for j in mine:
+                lane_of[j] = lane
+        out.extend(Slice(start, end, comm, lane, r, open_) for (start, end, r, open_), lane in zip(ops, lane_of))
     return out
 
 
@@ -737,22 +718,36 @@ def straggler_line(top: Optional[Dict[str, Any]]) -> str:
 def stragglers(scan: JobScan) -> List[Dict[str, Any]]:
     """Per rank, over the collectives every member recorded: the time it waited
     for the last member to arrive (max aligned enqueue - its own), summed."""
-    wait = {r: 0 for r in scan.sources}
-    counted = dict.fromkeys(scan.sources, 0)
-    last = dict.fromkeys(scan.sources, 0)
-    chance = dict.fromkeys(scan.sources, 0.0)  # last arrivals expected if arrival order were random
     off = {r: c.offset_ns for r, c in scan.offsets.items()}
+    sizes: Dict[str, int] = {}
+    last = dict.fromkeys(scan.sources, 0)
+    # members -> [collectives, sum of the last arrivals, each member's sum of arrivals]
+    by_members: Dict[Tuple[int, ...], List[Any]] = {}
     for (comm, _, _), a in scan.collectives.items():
         n = len(a) // _W
-        if n < 2 or n != scan.comm_size(comm):
+        size = sizes.get(comm)
+        if size is None:
+            size = sizes[comm] = scan.comm_size(comm)
+        if n < 2 or n != size:
             continue
-        entered = arrivals(a, off)
-        latest, late_rank = max(entered)
-        last[late_rank] += 1
-        for t, rank in entered:
-            wait[rank] += latest - t
-            counted[rank] += 1
-            chance[rank] += 1 / n
+        members = tuple(a[_RANK::_W])
+        entered = list(map(sub, a[_ENQ::_W], map(off.get, members, repeat(0))))
+        latest = max(entered)
+        last[max(compress(members, map(latest.__eq__, entered)))] += 1
+        sums = by_members.get(members)
+        if sums is None:
+            sums = by_members[members] = [0, 0, [0] * n]
+        sums[0] += 1
+        sums[1] += latest
+        sums[2] = list(map(add, sums[2], entered))
+    wait = dict.fromkeys(scan.sources, 0)
+    counted = dict.fromkeys(scan.sources, 0)
+    chance = dict.fromkeys(scan.sources, 0.0)  # last arrivals expected if arrival order were random
+    for members, (count, latest_sum, entered_sums) in by_members.items():
+        for rank, entered_sum in zip(members, entered_sums):
+            wait[rank] += latest_sum - entered_sum
+            counted[rank] += count
+            chance[rank] += count / len(members)
     return [{"rank": r, "collectives": counted[r], "wait_s": wait[r] / 1e9, "last_arrivals": last[r],
              "expected_last": chance[r]} for r in sorted(scan.sources)]
 

@@ -15,10 +15,10 @@ Imports neither torch nor commslayer.
 from __future__ import annotations
 
 from array import array
-from itertools import accumulate
+from itertools import accumulate, compress
 from operator import sub
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from .traceio import RankSource, TraceFileError, tail_ends
 
@@ -28,19 +28,22 @@ DETAIL_FIELDS = ("op", "seq", "comm", "comm_id", "state", "duration_ms", "dtype"
 OPEN = (1 << 63) - 1  # the end of an op without one until the trace's end is known (after every real time)
 
 
-def first_fit(spans: Iterable[Tuple[int, int]]) -> Iterator[int]:
-    """The lane of each (start, end) interval, given in start order: the first lane
-    whose last interval ended by this one's start (a new lane when none did)."""
+def lane_positions(starts: Sequence[int], ends: Sequence[int]) -> List[List[int]]:
+    """The lanes of intervals given in start order, first fit (an interval goes in the
+    first lane whose last interval ended by its start; a new lane when none did), as
+    the positions of each lane's intervals."""
     lane_ends: List[int] = []
-    for start, end in spans:
-        for i, e in enumerate(lane_ends):
-            if e <= start:
-                lane_ends[i] = end
-                yield i
+    lanes: List[List[int]] = []
+    for j, (start, end) in enumerate(zip(starts, ends)):
+        for k, last in enumerate(lane_ends):
+            if last <= start:
+                lane_ends[k] = end
+                lanes[k].append(j)
                 break
         else:
             lane_ends.append(end)
-            yield len(lane_ends) - 1
+            lanes.append([j])
+    return lanes
 
 
 def life_ends(src: RankSource, shift: int, t_end: int) -> Dict[int, int]:
@@ -148,7 +151,6 @@ class LayoutBuilder:
                 spans = [(s, max(s, ends.get(self.open[i], OPEN)) if i in self.open else e, i) for s, e, i in spans]
             spans.sort()
             ss, es, ii = zip(*spans)
-            ks = list(first_fit(zip(ss, es)))
             durations = list(map(sub, es, ss))
             if self.open and not self.open.keys().isdisjoint(ii):
                 for j, i in enumerate(ii):
@@ -157,15 +159,10 @@ class LayoutBuilder:
                 finite.extend(e for e, i in zip(es, ii) if i not in self.open)
             else:
                 finite.extend(es)
-            draw.update((i, count + j) for j, i in enumerate(ii) if i in keep)
-            if any(ks):  # the positions of each lane's ops, in start order
-                by_lane: List[Any] = [[] for _ in range(max(ks) + 1)]
-                for j, k in enumerate(ks):
-                    by_lane[k].append(j)
-            else:
-                by_lane = [range(len(ks))]
-            for k, mine in enumerate(by_lane):
-                at.update((ii[j], (len(lanes), p)) for p, j in enumerate(mine) if ii[j] in keep)
+            kept = set(compress(range(len(ii)), map(keep.__contains__, ii)))  # positions, in start order
+            draw.update((ii[j], count + j) for j in kept)
+            for k, mine in enumerate(lane_positions(ss, es)):
+                at.update((ii[mine[p]], (len(lanes), p)) for p in compress(range(len(mine)), map(kept.__contains__, mine)))
                 lanes.append(Lane(uid, k, self.names[uid], array("q", map(ss.__getitem__, mine)),
                                   array("i", map(count.__add__, mine)),
                                   array("q", accumulate(map(durations.__getitem__, mine), initial=0))))
