@@ -24,10 +24,12 @@ from .errors import (
     CommError,
     ConfigError,
     InvalidArgument,
+    NanDetected,
     PeerLost,
     StoreUnreachable,
 )
 from .hooks import HookHandle, live_communicators, register_communicator_hook
+from .nan_check import NanCheckHook
 from .reduce_op import ReduceOp
 from .work import Work, WorkStatus
 from . import config as _config
@@ -41,7 +43,7 @@ if _config.route_c10d():  # also when torch's entry-point autoload is off
 __all__ = [
     "new_comm", "join", "Communicator", "register_communicator_hook", "live_communicators", "Work", "WorkStatus", "ReduceOp", "HookHandle",
     "CommError", "CollectiveTimeout", "PeerLost", "CommAborted", "InvalidArgument", "CollectiveMismatch",
-    "StoreUnreachable", "ConfigError",
+    "StoreUnreachable", "ConfigError", "NanDetected", "NanCheckHook",
 ]
 
 # `import commslayer` may be what first imports torch, and torch then loads the
