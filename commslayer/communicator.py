@@ -526,7 +526,10 @@ class Communicator:
 
     def batch_op_create(self) -> BatchSendRecv:
         """An empty batch of sends and receives: queue them with its ``send``/``recv``,
-        then ``issue()`` them as one op (commslayer.batch)."""
+        then ``issue()`` them as one op (commslayer.batch). Gloo only for now: on NCCL
+        the messages would have to go out as one NCCL group, which is not built yet."""
+        if self._spec.name != "gloo":
+            raise self._checker("batch_p2p").fail(f"batched point-to-point runs on Gloo only, not {self._spec.name}")
         return BatchSendRecv(self)
 
     def _batch_p2p(self, ops: List[Message], async_op: bool, timeout: Timeout) -> Work:
