@@ -1,9 +1,10 @@
 """Two-way compatibility: one ordinary torch.distributed job (tests/jobs/c10d_compat_job.py:
-every collective and point-to-point op sync and async, object collectives, new_group and
-new_subgroups, a 2-D DeviceMesh, DDP with a comm hook and its logging data,
-monitored_barrier, timeouts per group and per op) runs under torchrun on plain Gloo and
-with ``COMMSLAYER_ROUTE_C10D=1``; both runs' results and what the job can read about its
-groups, works and errors must be equal, bitwise."""
+every collective and point-to-point op sync and async, coalescing blocks, object
+collectives, new_group and new_subgroups, a 2-D DeviceMesh and FSDP2 as HSDP on one,
+DDP with a comm hook and its logging data, monitored_barrier, timeouts per group and
+per op) runs under torchrun on plain Gloo and with ``COMMSLAYER_ROUTE_C10D=1``; both
+runs' results and what the job can read about its groups, works and errors must be
+equal, bitwise."""
 
 from __future__ import annotations
 
@@ -69,5 +70,8 @@ def test_a_job_cannot_tell_routed_commslayer_from_gloo(tmp_path: Path) -> None:
         assert gathered == (("ok", None), [("g", 0), ("g", 1)]), gathered
     else:
         assert gathered[0][0] == "raised" and routed[1]["objects"]["gather_object"][0] == ("ok", None)
+    assert [t.tolist() for t in ours["coalesced"]["all_reduce async=True"]] == [[3.0, 3.0], [0.0, 5.0, 10.0]]
+    torch.manual_seed(1)  # HSDP trained: its first weight moved from where the job built it
+    assert not torch.equal(ours["groups"]["hsdp"][0], torch.nn.Linear(8, 16).weight.detach())
     assert ours["ddp"]["logging"]["backend_name"] == "gloo" and ours["monitored_barrier"] == ("ok", None)
     assert ours["timeouts"]["group timeout"][0] == ours["timeouts"]["op timeout"][0] == "raised"

@@ -1,7 +1,8 @@
 """An ordinary torch.distributed job with no commslayer in it, for 2 ranks: every
-collective and point-to-point op (sync and async), object collectives,
-new_group/new_subgroups, a 2-D DeviceMesh, DDP with a comm hook and its
-logging data, monitored_barrier, and timeouts per group and per op.
+collective and point-to-point op (sync and async), coalescing blocks, object
+collectives, new_group/new_subgroups, a 2-D DeviceMesh, FSDP2 as HSDP on it, DDP
+with a comm hook and its logging data, monitored_barrier, and timeouts per group
+and per op.
 
 Run by torchrun: ``c10d_compat_job.py OUT_PREFIX``.  Each rank saves what it
 saw (results, and what the job can read about its groups, works and errors)
@@ -20,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 # DDP's logging fields that time the run or name the host: they differ between any two runs
@@ -120,6 +122,20 @@ def point_to_point(group: Any, rank: int) -> Dict[str, Any]:
     return out
 
 
+def coalesced(group: Any, rank: int) -> Dict[str, Any]:
+    """``_coalescing_manager`` blocks, sync and async (the manager's work)."""
+    out: Dict[str, Any] = {}
+    for async_ops in (False, True):
+        ts = [torch.ones(2) * (rank + 1), torch.arange(3.0) * (rank + 2)]
+        with dist._coalescing_manager(group=group, async_ops=async_ops) as manager:
+            for t in ts:
+                dist.all_reduce(t, group=group)
+        if async_ops:
+            manager.wait()
+        out[f"all_reduce async={async_ops}"] = ts
+    return out
+
+
 def objects(group: Any, rank: int, world: int) -> Dict[str, Any]:
     """Object collectives; each one's outcome (torch turns the bytes back into objects
     through numpy: without numpy every receiving call raises, after its ops ran)."""
@@ -165,7 +181,22 @@ def groups(rank: int, world: int) -> Dict[str, Any]:
         t = torch.arange(3.0) + rank
         dist.all_reduce(t, group=mesh.get_group(dim))
         out[f"mesh {dim} all_reduce"] = t
+    out["hsdp"] = hsdp(init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")), rank)
     return out
+
+
+def hsdp(mesh: Any, rank: int) -> List[torch.Tensor]:
+    """FSDP2 as HSDP (replicate x shard) for 2 steps: each rank's local parameter shards."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.to_local().detach().clone() for p in model.parameters()]
 
 
 def ddp(rank: int) -> Dict[str, Any]:
@@ -209,6 +240,7 @@ def main() -> None:
     for async_op in (False, True):
         result[f"collectives async={async_op}"] = collectives(world_group, rank, world, async_op)
     result["p2p"] = point_to_point(world_group, rank)
+    result["coalesced"] = coalesced(world_group, rank)
     result["objects"] = objects(world_group, rank, world)
     result["groups"] = groups(rank, world)
     result["ddp"] = ddp(rank)
