@@ -10,7 +10,8 @@ Layout: ``communicator`` (API, validation, deadlines, the op path),
 and NCCL groups are built, classified, torn down), ``work``/``watchdog``
 (deadline enforcement), ``check`` (cross-rank check mode), ``c10d`` (the
 ``torch.distributed`` adapter), ``errors``, ``reduce_op``, ``hooks``,
-``config`` (the ``COMMSLAYER_*`` table), ``store``; for resilient jobs
+``config`` (the ``COMMSLAYER_*`` table), ``store``, ``batch`` (batched
+point-to-point), ``nan_check`` (the NaN check, off by default); for resilient jobs
 ``replicas`` (the replicate dimension), ``launcher`` (``commslayer-run``),
 ``runs`` (what a run leaves, for its writer and readers) and ``processes``.
 """
