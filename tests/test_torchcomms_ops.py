@@ -2,7 +2,7 @@
 all_to_all_v_single, gather_single and batched point-to-point give what plain
 c10d (ProcessGroupGloo) gives on the same inputs, at 2 and 3 real ranks with
 uneven sizes; set_timeout, is_aborted, the NaN check, check mode and bad input,
-each in one spawned job per world size."""
+each in one spawned job per world size; and a batch's deadline and lost peer."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import pytest
 import torch
 
-from tests.harness import run_ranks
+from tests.harness import RankDied, run_ranks
 
 DTYPES = (torch.float32, torch.int64, torch.complex64)
 
@@ -286,3 +286,37 @@ def test_torchcomms_ops_match_plain_c10d(size: int) -> None:
             (mine[1], 1 - rank, n + 1 if size == 2 else 2, "completed", mine[1])], out["records"]
         kind, op, ranks, what = out["check batch"]
         assert (kind, op, ranks) == ("CollectiveMismatch", "batch_p2p", (0, 1)), out["check batch"]
+
+
+def _batch_ends(rank: int, size: int, store: Any) -> Any:
+    """A batch that nobody answers ends at its deadline; one whose peer dies, with PeerLost."""
+    import os
+    import signal
+
+    import commslayer
+
+    comms = [commslayer.new_comm("gloo", name=f"tc-batch-ends-{i}", store=store, rank=rank, size=size, timeout=30)
+             for i in range(2)]
+    if rank == 1:  # answers nothing; dies once rank 0's first batch has timed out
+        store.wait(["tc-batch timed out"])
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    out = {}
+    for comm, what, timeout in ((comms[0], "deadline", 1.0), (comms[1], "lost", 20.0)):
+        batch = comm.batch_op_create()
+        batch.send(torch.ones(2), 1)
+        batch.recv(torch.zeros(2), 1)
+        began = time.monotonic()
+        out[what] = _error(lambda: batch.issue(timeout=timeout)), time.monotonic() - began
+        store.set("tc-batch timed out", "1")
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_ends_at_its_deadline_and_when_its_peer_dies() -> None:
+    ours, died = run_ranks(_batch_ends, 2, timeout=45, allow_errors=True)
+    assert isinstance(died, RankDied), died
+    (kind, op, _, _), took = ours["deadline"]
+    assert (kind, op) == ("CollectiveTimeout", "batch_p2p") and 0.9 < took < 3.0, ours["deadline"]
+    (kind, op, ranks, _), took = ours["lost"]
+    assert (kind, op, ranks) == ("PeerLost", "batch_p2p", (1,)) and took < 8.0, ours["lost"]
