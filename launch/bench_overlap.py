@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from faults.netns import Network, remove_leftovers
+from faults.netns import Network, remove_leftovers, sent_bytes
 
 PREFIX = "csov"  # namespace names: csov<pid>-hub, csov<pid>-r<rank>
 # command-line key -> the name in tables
@@ -176,16 +176,6 @@ def main() -> None:
 
 
 # ------------------------------------------------------------------ worker
-def _sent_bytes() -> Dict[str, int]:
-    """Bytes this namespace sent on each rail so far (tc's counters)."""
-    out = {}
-    for dev in ("ag", "rs"):
-        stats = json.loads(subprocess.run(["tc", "-s", "-j", "qdisc", "show", "dev", dev], check=True,
-                                          capture_output=True, text=True).stdout)
-        out[dev] = sum(q.get("bytes", 0) for q in stats)
-    return out
-
-
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -237,9 +227,9 @@ def worker(args: argparse.Namespace) -> None:
         for cfg in order:
             step(cfg)  # warm-up: the previous config's buffers are cold now
             dist.barrier()
-            before, first = _sent_bytes(), len(rec.records())
+            before, first = sent_bytes(("ag", "rs")), len(rec.records())
             times = [step(cfg) for _ in range(args.steps)]
-            after = _sent_bytes()
+            after = sent_bytes(("ag", "rs"))
             windows = [(t1, t2) for _, t1, t2, _ in times]
             backward = [{**r, "rank": rank} for r in rec.records()[first:]
                         if r["start_ns"] is not None and any(a <= r["start_ns"] < b for a, b in windows)]
