@@ -108,8 +108,6 @@ class RingReduceScatter:
         bufs = torch.empty((min(n - 1, 2), m), dtype=self._out.dtype)
         units = [(s, k) for s in range(n - 1) for k in range(k_count)]
         sends: Dict[Tuple[int, int], Any] = {}  # (step, chunk) -> the send work of that chunk (buffer reuse waits for it)
-        first = self._blocks[(r - 1) % n]
-        pending = [backend.send([first[lo:hi]], right, RING_TAG) for lo, hi in chunks]
         recvs: Dict[int, Any] = {}  # unit index -> its receive work
 
         def post(i: int) -> None:
@@ -121,8 +119,10 @@ class RingReduceScatter:
 
         # a receive into a reused buffer waits for the send posted two steps earlier: at most 2 steps ahead
         window = min(_WINDOW, 2 * k_count)
-        for i in range(min(window, len(units))):
+        for i in range(min(window, len(units))):  # receives first: the peer may send at once
             post(i)
+        first = self._blocks[(r - 1) % n]
+        pending = [backend.send([first[lo:hi]], right, RING_TAG) for lo, hi in chunks]
         for i, (s, k) in enumerate(units):
             _wait(recvs.pop(i), deadline)
             lo, hi = chunks[k]
