@@ -31,18 +31,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from commslayer.processes import free_port
-from faults.netns import Network, remove_leftovers, sent_bytes, tcp_payload_sent
+from faults.netns import Network, sent_bytes, tcp_payload_sent
+from launch.workers import parse, prepare_testbed, run_workers
 
 PREFIX = "csrs"  # namespace names: csrs<pid>-hub, csrs<pid>-r<rank>
 CONFIGS = {"native": "native", "native (A/A)": "native", "ring": "ring"}  # name -> the reduce_scatter hint
@@ -73,31 +72,9 @@ def run_world(world: int, args: argparse.Namespace) -> List[dict]:
         if args.link == "capped":
             with Network(world, PREFIX, rails=("ag",), rate=args.rate) as bed:
                 env.update(MASTER_ADDR=bed.address(1, 0), MASTER_PORT="29500", GLOO_SOCKET_IFNAME="ag")
-                return _run(world, [bed.run(r, worker) for r in range(world)], env, out, args.timeout)
+                return run_workers([bed.run(r, worker) for r in range(world)], env, out, args.timeout)
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), GLOO_SOCKET_IFNAME="lo")
-        return _run(world, [worker] * world, env, out, args.timeout)
-
-
-def _run(world: int, cmds: List[List[str]], env: Dict[str, str], out: str, timeout: float) -> List[dict]:
-    logs = [open(Path(out, f"rank{r}.log"), "wb") for r in range(world)]
-    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r)}, stdout=logs[r], stderr=subprocess.STDOUT)
-             for r, cmd in enumerate(cmds)]
-    try:
-        deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p in procs):
-            failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                tail = Path(out, f"rank{failed[0] if failed else 0}.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{world} ranks: " + (f"rank(s) {failed} failed" if failed else
-                                                         f"no result within {timeout} s") + f"\n{tail}")
-            time.sleep(0.1)
-        return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(world)]
-    finally:
-        for p, log in zip(procs, logs):
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-            log.close()
+        return run_workers([worker] * world, env, out, args.timeout)
 
 
 def summarize(ranks: List[dict]) -> Dict[str, Dict[str, dict]]:
@@ -146,20 +123,12 @@ def main() -> None:
     p.add_argument("--json", help="write the raw results here")
     p.add_argument("--smoke", action="store_true", help="check that the benchmark works, in seconds: loopback, "
                    "2 ranks, 64 KiB and 1 MiB, 1 repeat; explicit options still apply")
-    p.add_argument("--worker", metavar="OUT_DIR", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.smoke:
-        p.set_defaults(**SMOKE)
-        args = p.parse_args()
+    args = parse(p, SMOKE)
     if args.worker:
         worker(args)
         return
     if args.link == "capped":
-        if os.geteuid() != 0:
-            sys.exit("--link capped builds network namespaces: run it as root")
-        for sig in (signal.SIGTERM, signal.SIGHUP):  # unwind through the testbed's cleanup
-            signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
-        remove_leftovers(PREFIX)
+        prepare_testbed(PREFIX, "bench_reduce_scatter.py --link capped")
     results: dict = {"args": {k: v for k, v in vars(args).items() if k != "worker"}, "worlds": {}}
     for world in args.ranks:
         ranks = run_world(world, args)
