@@ -36,7 +36,7 @@ _WINDOW = 8  # receives posted ahead of the chunk being reduced
 # Additions run in pieces below ATen's grain size (32768 elements), so that they
 # stay on this thread: an OpenMP region leaves its threads spinning, and on a
 # small host they starve Gloo's network thread (measured on 2 cores: the ring
-# took 3-7x as long with parallel additions).
+# took 6-8x as long with parallel additions).
 _PIECE = 16384
 RING_OPS = frozenset({"SUM", "AVG", "PREMUL_SUM"})  # elementwise sums: the ring adds
 
@@ -107,7 +107,7 @@ class RingReduceScatter:
         # two receive buffers, alternating by step; step s's buffer is sent on in step s+1
         bufs = torch.empty((min(n - 1, 2), m), dtype=self._out.dtype)
         units = [(s, k) for s in range(n - 1) for k in range(k_count)]
-        sends: Dict[Tuple[int, int], Any] = {}  # (step, chunk) -> the send work of that chunk (buffer reuse waits for it)
+        sends: Dict[Tuple[int, int], Any] = {}  # (step, chunk) -> its send (a reused buffer waits for it)
         recvs: Dict[int, Any] = {}  # unit index -> its receive work
 
         def post(i: int) -> None:
