@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from faults.netns import Network, sent_bytes
-from launch.workers import parse, prepare_testbed, run_workers
+from launch.workers import parse, prepare_testbed, report, run_workers
 
 PREFIX = "csov"  # namespace names: csov<pid>-hub, csov<pid>-r<rank>
 # command-line key -> the name in tables
@@ -136,15 +136,13 @@ def main() -> None:
         worker(args)
         return
     prepare_testbed(PREFIX, "bench_overlap.py")
-    results = {"args": {k: v for k, v in vars(args).items() if k != "worker"}, "worlds": {}}
-    for world in args.ranks:
+
+    def measure(world: int) -> tuple:
         ranks = run_world(world, args)
         table = summarize(world, ranks)
-        results["worlds"][str(world)] = {"table": table, "ranks": ranks}
-        print(markdown(world, table) + "\n", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
-    print(f"command: python launch/bench_overlap.py {' '.join(sys.argv[1:])}")
+        return table, ranks, markdown(world, table)
+
+    report(args, "bench_overlap.py", measure)
 
 
 # ------------------------------------------------------------------ worker

@@ -41,7 +41,7 @@ from typing import Dict, List
 
 from commslayer.processes import free_port
 from faults.netns import Network, sent_bytes, tcp_payload_sent
-from launch.workers import parse, prepare_testbed, run_workers
+from launch.workers import parse, prepare_testbed, report, run_workers
 
 PREFIX = "csrs"  # namespace names: csrs<pid>-hub, csrs<pid>-r<rank>
 CONFIGS = {"native": "native", "native (A/A)": "native", "ring": "ring"}  # name -> the reduce_scatter hint
@@ -129,15 +129,13 @@ def main() -> None:
         return
     if args.link == "capped":
         prepare_testbed(PREFIX, "bench_reduce_scatter.py --link capped")
-    results: dict = {"args": {k: v for k, v in vars(args).items() if k != "worker"}, "worlds": {}}
-    for world in args.ranks:
+
+    def measure(world: int) -> tuple:
         ranks = run_world(world, args)
         table = summarize(ranks)
-        results["worlds"][str(world)] = {"table": table, "ranks": ranks}
-        print(markdown(world, table) + "\n", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
-    print(f"command: python launch/bench_reduce_scatter.py {' '.join(sys.argv[1:])}")
+        return table, ranks, markdown(world, table)
+
+    report(args, "bench_reduce_scatter.py", measure)
 
 
 # ------------------------------------------------------------------ worker

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 from faults.netns import remove_leftovers
 
@@ -60,3 +60,18 @@ def prepare_testbed(prefix: str, script: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
     remove_leftovers(prefix)
+
+
+def report(args: argparse.Namespace, script: str,
+           measure: Callable[[int], Tuple[Dict[str, Any], List[dict], str]]) -> None:
+    """For each world size in ``args.ranks``: ``measure(world)`` gives (table, every rank's
+    results, the table as Markdown), printed as it comes; all of it into ``args.json``
+    when given; last, the command line that ran ``script``."""
+    results: Dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k != "worker"}, "worlds": {}}
+    for world in args.ranks:
+        table, ranks, text = measure(world)
+        results["worlds"][str(world)] = {"table": table, "ranks": ranks}
+        print(text + "\n", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    print(f"command: python launch/{script} {' '.join(sys.argv[1:])}")
