@@ -280,14 +280,12 @@ RING_MIN_BYTES = 65536  # measured: docs/benchmarks.md, "Reduce-scatter on Gloo"
 
 def reduce_scatter_algorithm() -> str:
     """``COMMSLAYER_REDUCE_SCATTER``: how a Gloo communicator reduce-scatters a sum:
-    ``native`` (Gloo's own, the default), ``auto`` (the ring from
-    ``COMMSLAYER_RING_MIN_BYTES`` of input up, Gloo's own below) or ``ring``
-    always (commslayer.ring). Every rank must agree.  Native by default until an
-    intermittent failure of the async ring at 2 ranks (docs/api.md) is fixed."""
+    ``auto`` (the ring from ``COMMSLAYER_RING_MIN_BYTES`` of input up, Gloo's own
+    below), ``ring`` or ``native`` always (commslayer.ring). Every rank must agree."""
     raw = os.environ.get("COMMSLAYER_REDUCE_SCATTER", "")
-    value = raw.strip().lower() or "native"
+    value = raw.strip().lower() or "auto"
     if value not in REDUCE_SCATTER_ALGORITHMS:
-        raise _bad("COMMSLAYER_REDUCE_SCATTER", raw, "auto, ring or native (any case), or empty (native)")
+        raise _bad("COMMSLAYER_REDUCE_SCATTER", raw, "auto, ring or native (any case), or empty (auto)")
     return value
 
 

@@ -52,8 +52,6 @@ PREFIX = "csov"  # namespace names: csov<pid>-hub, csov<pid>-r<rank>
 CONFIGS = {"default": "default", "default-aa": "default (A/A)", "native": "native",
            "ours-1link": "ours, 1 link", "ours-2links": "ours, 2 links"}
 ROOT = Path(__file__).resolve().parent.parent
-# The figures in docs were measured with the ring reduce-scatter chosen by size (not yet the default).
-os.environ.setdefault("COMMSLAYER_REDUCE_SCATTER", "auto")
 SMOKE = {"ranks": [2], "repeats": 1, "steps": 1, "layers": 2, "dim": 256, "timeout": 120}
 
 

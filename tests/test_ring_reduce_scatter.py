@@ -117,8 +117,7 @@ def _forced(rank, size, store):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("algorithm,used", [("", [False, False]), ("auto", [False, True]), ("ring", [True, True]),
-                                            ("native", [False, False])])
+@pytest.mark.parametrize("algorithm,used", [("", [False, True]), ("ring", [True, True]), ("native", [False, False])])
 def test_environment_picks_the_algorithm(algorithm, used):
     # auto's threshold at 4 KiB: the 64-byte input stays native, the 32 KiB one takes the ring
     env = {"COMMSLAYER_REDUCE_SCATTER": algorithm, "COMMSLAYER_RING_MIN_BYTES": "4096"}
