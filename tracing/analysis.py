@@ -185,10 +185,11 @@ _RANK, _ENQ, _START, _END, _FP, _STATE, _SITE = range(7)
 _W = 7
 
 
-def arrivals(a: Sequence[int], off: Dict[int, int]) -> List[Tuple[int, int]]:
-    """(enqueue on the common axis, rank) of each rank's entry in collective array ``a``;
+def arrivals(a: Sequence[int], off: Dict[int, int]) -> Tuple[Tuple[int, ...], List[int]]:
+    """The ranks of collective array ``a`` and the enqueue of each on the common axis;
     ``off``: each rank's clock offset (ns), 0 where unknown."""
-    return [(a[i + _ENQ] - off.get(a[i + _RANK], 0), a[i + _RANK]) for i in range(0, len(a), _W)]
+    ranks = tuple(a[_RANK::_W])
+    return ranks, list(map(sub, a[_ENQ::_W], map(off.get, ranks, repeat(0))))
 
 
 def bus_factor(op: str, n: int) -> Optional[float]:
@@ -730,8 +731,7 @@ def stragglers(scan: JobScan) -> List[Dict[str, Any]]:
             size = sizes[comm] = scan.comm_size(comm)
         if n < 2 or n != size:
             continue
-        members = tuple(a[_RANK::_W])
-        entered = list(map(sub, a[_ENQ::_W], map(off.get, members, repeat(0))))
+        members, entered = arrivals(a, off)
         latest = max(entered)
         last[max(compress(members, map(latest.__eq__, entered)))] += 1
         sums = by_members.get(members)

@@ -58,7 +58,7 @@ def _first_ops(scan: "JobScan") -> Dict[Tuple[str, int], int]:
     off = {r: c.offset_ns for r, c in scan.offsets.items()}
     for comm, (gen, seq) in first_seq.items():
         a = scan.collectives[(comm, gen, seq)]
-        t = min(arrivals(a, off))[0]
+        t = min(arrivals(a, off)[1])
         key = (lineage(comm), gen)
         out[key] = min(t, out.get(key, t))
     return out
