@@ -10,7 +10,8 @@ Layout: ``communicator`` (API, validation, deadlines, the op path),
 and NCCL groups are built, classified, torn down), ``work``/``watchdog``
 (deadline enforcement), ``check`` (cross-rank check mode), ``c10d`` (the
 ``torch.distributed`` adapter), ``errors``, ``reduce_op``, ``hooks``,
-``config`` (the ``COMMSLAYER_*`` table), ``store``; for resilient jobs
+``config`` (the ``COMMSLAYER_*`` table), ``store``, ``batch`` (batched
+point-to-point), ``nan_check`` (the NaN check, off by default); for resilient jobs
 ``replicas`` (the replicate dimension), ``launcher`` (``commslayer-run``),
 ``runs`` (what a run leaves, for its writer and readers) and ``processes``.
 """
@@ -24,10 +25,12 @@ from .errors import (
     CommError,
     ConfigError,
     InvalidArgument,
+    NanDetected,
     PeerLost,
     StoreUnreachable,
 )
 from .hooks import HookHandle, live_communicators, register_communicator_hook
+from .nan_check import NanCheckHook
 from .reduce_op import ReduceOp
 from .work import Work, WorkStatus
 from . import config as _config
@@ -41,7 +44,7 @@ if _config.route_c10d():  # also when torch's entry-point autoload is off
 __all__ = [
     "new_comm", "join", "Communicator", "register_communicator_hook", "live_communicators", "Work", "WorkStatus", "ReduceOp", "HookHandle",
     "CommError", "CollectiveTimeout", "PeerLost", "CommAborted", "InvalidArgument", "CollectiveMismatch",
-    "StoreUnreachable", "ConfigError",
+    "StoreUnreachable", "ConfigError", "NanDetected", "NanCheckHook",
 ]
 
 # `import commslayer` may be what first imports torch, and torch then loads the

@@ -47,7 +47,7 @@ def _timeout(opts) -> Optional[timedelta]:
 class C10dWork(dist.Work):
     """c10d's view of one or more commslayer ``Work`` objects."""
 
-    def __init__(self, works: List[Work], result: List[torch.Tensor],
+    def __init__(self, works: List[Work], result: Optional[List[torch.Tensor]],
                  held: Optional[Callable[[CommError], None]] = None) -> None:
         super().__init__()
         self._works = works
@@ -76,6 +76,9 @@ class C10dWork(dist.Work):
         return next((w.exception() for w in self._works if w.exception() is not None), None)
 
     def result(self) -> List[torch.Tensor]:
+        """The op's outputs, as Gloo's work gives them (None: Gloo's work has none and raises)."""
+        if self._result is None:
+            raise RuntimeError("result() not implemented.")
         return self._result
 
     def _source_rank(self) -> int:
@@ -94,7 +97,7 @@ class C10dWork(dist.Work):
                 if self._held is None:
                     raise
                 self._held(exc)
-            return self._result
+            return self._result if self._result is not None else []
 
         return torch.futures.collect_all([w.get_future() for w in self._works]).then(settle)
 
@@ -177,7 +180,8 @@ class CommslayerProcessGroup(dist.ProcessGroup):
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        return self._many(outputs, lambda: [
+        chunks = [c for o in outputs for c in o.chunk(self.size())]  # Gloo's result: one per rank
+        return self._many(chunks, lambda: [
             self._comm(i).all_gather_single(o, i, async_op=True, timeout=_timeout(opts))
             for o, i in zip(outputs, inputs)])
 
@@ -195,7 +199,7 @@ class CommslayerProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts or c10d.ReduceScatterOptions()
-        return self._many(outputs, lambda: [
+        return self._many(None, lambda: [
             self._comm(i).reduce_scatter_single(o, i, opts.reduceOp, async_op=True, timeout=_timeout(opts))
             for o, i in zip(outputs, inputs)])
 
@@ -203,7 +207,7 @@ class CommslayerProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         opts = opts or c10d.ReduceScatterOptions()
-        return self._many(outputs, lambda: [
+        return self._many(None, lambda: [
             self._comm(o).reduce_scatter(o, ins, opts.reduceOp, async_op=True, timeout=_timeout(opts))
             for o, ins in zip(outputs, input_lists)])
 
@@ -241,16 +245,17 @@ class CommslayerProcessGroup(dist.ProcessGroup):
         return self._many([], lambda: [self.communicator("cpu").barrier(async_op=True, timeout=_timeout(opts))])
 
     def send(self, tensors, dst, tag=0):
-        return self._many(tensors, lambda: [self._comm(t)._p2p("send", t, dst, True, None, tag) for t in tensors])
+        return self._many(None, lambda: [self._comm(t)._p2p("send", t, dst, True, None, tag) for t in tensors])
 
     def recv(self, tensors, src, tag=0):
-        return self._many(tensors, lambda: [self._comm(t)._p2p("recv", t, src, True, None, tag) for t in tensors])
+        return self._many(None, lambda: [self._comm(t)._p2p("recv", t, src, True, None, tag) for t in tensors])
 
     def recv_anysource(self, tensors, tag=0):
-        return self._many(tensors, lambda: [self._comm(t)._recv_any(t, True, None, tag) for t in tensors])
+        return self._many(None, lambda: [self._comm(t)._recv_any(t, True, None, tag) for t in tensors])
 
     def _many(self, result, issue: Callable[[], List[Work]]) -> C10dWork:
-        """The ops ``issue()`` starts, as one c10d work; while held, one that fails is
+        """The ops ``issue()`` starts, as one c10d work whose ``result()`` is ``result``
+        (None: raises, where Gloo's work has none); while held, one that fails is
         reported to the hold's callback and its outputs are left as they are."""
         try:
             works = issue()
@@ -259,7 +264,7 @@ class CommslayerProcessGroup(dist.ProcessGroup):
                 raise
             self._held(exc)
             works = []
-        return C10dWork(works, list(result), self._held)
+        return C10dWork(works, None if result is None else list(result), self._held)
 
     # resilience: the group object outlives its communicators
     def hold(self, on_failure: Callable[[CommError], None]) -> None:

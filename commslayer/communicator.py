@@ -29,12 +29,14 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from . import backends
+from . import backends, config
+from .batch import BackendWorks, BatchSendRecv, Message
 from .check import CrossRankCheck, fingerprint
 from .errors import CollectiveMismatch, CommError, StoreUnreachable
 from .hooks import HookHandle, Hooks, OpIO, OpRecorder, created
 from .isolation import IsolatedBackend, StagedWork
 from .lifecycle import Lifecycle, Lineage, State
+from .nan_check import NanCheckHook
 from .reduce_op import ReduceOp
 from .validation import Checker, Timeout, timeout_seconds
 from .watchdog import WATCHDOG
@@ -99,7 +101,9 @@ class Communicator:
         self._seq = 0
         self._p2p_seq: Dict[Tuple[int, int], int] = {}
         self._splits: Set[str] = set()
+        self._batches = 0  # batch_p2p ops issued (their trace records' numbers)
         self._pre = Hooks("pre")
+        self._checks = Hooks("check", raising=True)
         self._post = Hooks("post")
         self._process_group: Optional[dist.ProcessGroup] = None
         self._checkers: Dict[str, Checker] = {}
@@ -114,6 +118,8 @@ class Communicator:
             op for op, backend_op in BACKEND_OPS.items() if backend_op in spec.untimed_waits) \
             if life.watched else frozenset()
         self.recorder: Optional[OpRecorder] = None  # set by tracing's flight recorder
+        if config.nan_check():
+            NanCheckHook().register_with_comm(self)
         created(self)
 
     # ---------------------------------------------------------------- identity
@@ -134,6 +140,19 @@ class Communicator:
 
     def get_timeout(self) -> timedelta:
         return timedelta(seconds=self._timeout_s)
+
+    def set_timeout(self, timeout: Timeout) -> None:
+        """Make ``timeout`` (a timedelta or seconds) the deadline of every later op
+        that names none; ops already issued keep theirs, splits made later inherit it."""
+        chk = self._checker("set_timeout")
+        if timeout is None:
+            raise chk.fail("timeout must be a timedelta or a number of seconds, got None")
+        self._timeout_s = timeout_seconds(timeout, self._timeout_s, chk)
+
+    def is_aborted(self) -> bool:
+        """Whether ``abort()`` (or a failed shrink) closed this communicator; one that a
+        failure broke is not aborted (see ``state``)."""
+        return self.lifecycle.state is State.ABORTED
 
     @property
     def state(self) -> str:
@@ -178,6 +197,12 @@ class Communicator:
         out or failed), with ``work.end_ns`` set. While one is registered, async ops
         settle from the backend's completion callback, so end times are exact."""
         return self.completion_hooks.add(fn)
+
+    def register_check_hook(self, fn: Callable[[str, OpIO], None]) -> HookHandle:
+        """``fn(op_name, io)`` runs before each op is issued, after its argument checks;
+        a ``CommError`` it raises fails the op (recorded, nothing sent) and breaks the
+        communicator, like any failed op (``commslayer.nan_check`` is one)."""
+        return self._checks.add(fn)
 
     def register_error_hook(self, fn: Callable[[CommError], None]) -> HookHandle:
         """``fn(error)`` runs once, on the first failure that breaks the communicator."""
@@ -245,6 +270,33 @@ class Communicator:
                          lambda: self._ops._allgather_base(wire(output), wire(input), opts), opts=opts,
                          fp=self._fp(chk.op, input), timeout=timeout, async_op=async_op)
 
+    def all_gather_v(self, tensor_list: List[torch.Tensor], tensor: torch.Tensor, *,
+                     async_op: bool = False, timeout: Timeout = None) -> Work:
+        """Gather every rank's ``tensor`` into ``tensor_list[rank]``, where the ranks'
+        tensors may differ in size (``tensor_list[j]`` holds rank j's). One all-to-all
+        on the wire (Gloo's all-gather takes equal sizes only): each rank sends a copy of
+        its tensor per rank, and the result is copied out of one receive buffer."""
+        chk = self._checker("all_gather_v")
+        chk.tensor(tensor, "tensor")
+        outs = chk.tensor_list(tensor_list, "tensor_list", tensor, uneven=True)
+        send = wire(tensor).reshape(-1)
+        counts = [wire(o).numel() for o in outs]
+        sends = [send.numel()] * self._size
+        fp = self._fp(chk.op, tensor, extra_shape=[])
+        if fp is not None:  # check mode compares what each rank sends with what its peers expect
+            fp["splits"] = [sends, counts]
+        received = torch.empty(sum(counts), dtype=send.dtype, device=send.device)
+        pieces = [wire(o).view(-1) for o in outs]
+
+        def finish() -> None:
+            for piece, part in zip(pieces, received.split(counts)):
+                piece.copy_(part)
+
+        opts = self._options.get(c10d.AllToAllOptions)
+        return self._run(chk, OpIO((tensor,), tuple(outs), None, None),
+                         lambda: self._ops.alltoall_base(received, send.repeat(self._size), counts, sends, opts),
+                         opts=opts, finish=finish, fp=fp, timeout=timeout, async_op=async_op)
+
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *,
                               async_op: bool = False, timeout: Timeout = None) -> Work:
         """Reduce ``input`` across ranks and leave this rank's slice in ``output``."""
@@ -265,8 +317,24 @@ class Communicator:
                           output_split_sizes: Optional[Sequence[int]] = None,
                           input_split_sizes: Optional[Sequence[int]] = None, *,
                           async_op: bool = False, timeout: Timeout = None) -> Work:
-        """Send slice j of ``input`` (dim 0, by ``input_split_sizes``) to rank j."""
-        chk = self._checker("all_to_all_single")
+        """Send slice j of ``input`` (dim 0, by ``input_split_sizes``, even when None) to rank j."""
+        return self._all_to_all(self._checker("all_to_all_single"), output, input, output_split_sizes,
+                                input_split_sizes, async_op, timeout)
+
+    def all_to_all_v_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],
+                            input_split_sizes: Sequence[int], *, async_op: bool = False,
+                            timeout: Timeout = None) -> Work:
+        """Send slice j of ``input`` (dim 0, by ``input_split_sizes``) to rank j, and
+        receive rank j's into slice j of ``output`` (by ``output_split_sizes``)."""
+        chk = self._checker("all_to_all_v_single")
+        for what, splits in (("output_split_sizes", output_split_sizes), ("input_split_sizes", input_split_sizes)):
+            if splits is None:
+                raise chk.fail(f"{what} is required (all_to_all_single splits evenly)")
+        return self._all_to_all(chk, output, input, output_split_sizes, input_split_sizes, async_op, timeout)
+
+    def _all_to_all(self, chk: Checker, output: torch.Tensor, input: torch.Tensor,
+                    output_split_sizes: Optional[Sequence[int]], input_split_sizes: Optional[Sequence[int]],
+                    async_op: bool, timeout: Timeout) -> Work:
         chk.tensor(output, "output")
         chk.tensor(input, "input")
         chk.same_dtype(output, input, "output and input")
@@ -308,12 +376,28 @@ class Communicator:
         chk.tensor(output, "output")
         ins = chk.tensor_list(input_list, "input_list", output)
         op = chk.reduce_op(op, output.dtype)
+        return self._reduce_scatter(chk, output, ins, op, self._fp(chk.op, output, op), async_op, timeout)
+
+    def reduce_scatter_v(self, output: torch.Tensor, input_list: List[torch.Tensor], op: ReduceOp = ReduceOp.SUM,
+                         *, async_op: bool = False, timeout: Timeout = None) -> Work:
+        """Reduce ``input_list[j]`` across ranks into rank j's ``output``, where the ranks'
+        outputs may differ in size (``input_list[j]`` is shaped like rank j's output)."""
+        chk = self._checker("reduce_scatter_v")
+        chk.tensor(output, "output")
+        ins = chk.tensor_list(input_list, "input_list", output, uneven=True)
+        op = chk.reduce_op(op, output.dtype)
+        fp = self._fp(chk.op, output, op, extra_shape=[])
+        if fp is not None:  # check mode compares what each rank sends with what its peers expect
+            fp["splits"] = [[t.numel() for t in ins], [output.numel()] * self._size]
+        return self._reduce_scatter(chk, output, ins, op, fp, async_op, timeout)
+
+    def _reduce_scatter(self, chk: Checker, output: torch.Tensor, ins: List[torch.Tensor], op: ReduceOp,
+                        fp: Optional[Dict[str, Any]], async_op: bool, timeout: Timeout) -> Work:
         ins = [premultiplied(t, op) for t in ins]
         opts = self._options.get(c10d.ReduceScatterOptions, op)
         return self._run(chk, OpIO(tuple(ins), (output,), op, None),
                          lambda: self._ops.reduce_scatter([wire(output)], [[wire(t) for t in ins]], opts), opts=opts,
-                         finish=averaging(output, op, self._size), fp=self._fp(chk.op, output, op),
-                         timeout=timeout, async_op=async_op)
+                         finish=averaging(output, op, self._size), fp=fp, timeout=timeout, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, root: int, *, async_op: bool = False, timeout: Timeout = None) -> Work:
         """Copy ``root``'s ``tensor`` into every rank's."""
@@ -350,6 +434,26 @@ class Communicator:
         return self._run(chk, OpIO((input_tensor,), tuple(outs), None, root),
                          lambda: self._ops.gather(wire_outs, [wire(input_tensor)], opts), opts=opts,
                          fp=self._fp(chk.op, input_tensor, root=root), timeout=timeout, async_op=async_op)
+
+    def gather_single(self, output: torch.Tensor, input: torch.Tensor, root: int, *,
+                      async_op: bool = False, timeout: Timeout = None) -> Work:
+        """Collect every rank's ``input`` into ``root``'s ``output`` (``size`` times as many
+        elements, rank j's in the j-th block); other ranks' ``output`` is not touched."""
+        chk = self._checker("gather_single")
+        chk.tensor(input, "input")
+        root = chk.rank_arg(root, "root")
+        wire_outs: List[List[torch.Tensor]] = []
+        outs: Tuple[torch.Tensor, ...] = ()
+        if root == self._rank:
+            chk.tensor(output, "output")
+            chk.same_dtype(output, input, "output and input")
+            chk.sized(output, input, "output input")
+            wire_outs = [list(wire(output).view(self._size, *wire(input).shape).unbind(0))]
+            outs = (output,)
+        opts = self._options.get(c10d.GatherOptions, root=root)
+        return self._run(chk, OpIO((input,), outs, None, root),
+                         lambda: self._ops.gather(wire_outs, [wire(input)], opts), opts=opts,
+                         fp=self._fp(chk.op, input, root=root), timeout=timeout, async_op=async_op)
 
     def scatter(self, output_tensor: torch.Tensor, input_tensor_list: Optional[List[torch.Tensor]], root: int, *,
                 async_op: bool = False, timeout: Timeout = None) -> Work:
@@ -419,6 +523,45 @@ class Communicator:
         io = OpIO((tensor,), (), None, None) if op == "send" else OpIO((), (tensor,), None, None)
         return self._run(chk, io, lambda: call([wire(tensor)], peer, tag), opts=None, fp=self._fp(op, tensor),
                          timeout=timeout, async_op=async_op, peer=peer, seq=n)
+
+    def batch_op_create(self) -> BatchSendRecv:
+        """An empty batch of sends and receives: queue them with its ``send``/``recv``,
+        then ``issue()`` them as one op (commslayer.batch). Gloo only for now: on NCCL
+        the messages would have to go out as one NCCL group, which is not built yet."""
+        if self._spec.name != "gloo":
+            raise self._checker("batch_p2p").fail(f"batched point-to-point runs on Gloo only, not {self._spec.name}")
+        return BatchSendRecv(self)
+
+    def _batch_p2p(self, ops: List[Message], async_op: bool, timeout: Timeout) -> Work:
+        """Issue a batch's messages (checked as they were queued), numbered in their pairs."""
+        chk = self._checker("batch_p2p")
+        timeout_s = timeout_seconds(timeout, self._timeout_s, chk)  # before the messages are numbered
+        numbered = []
+        for kind, tensor, peer in ops:
+            pair = (self._rank, peer) if kind == "send" else (peer, self._rank)
+            n = self._p2p_seq[pair] = self._p2p_seq.get(pair, 0) + 1
+            numbered.append((pair, n, kind, tensor, peer))
+        for pair, n, _, _, peer in numbered:
+            self.lifecycle.ensure_usable("batch_p2p", n, peer)
+        check = self._check
+
+        def issue() -> Any:
+            if check is not None:  # in one order on every rank, so that no two ranks wait on each other
+                for (src, dst), n, kind, tensor, _ in sorted(numbered, key=lambda m: (m[0], m[1])):
+                    check.p2p(fingerprint("batch_p2p", tensor), src, dst, n, timeout_s)
+            works, pairs = [], []
+            for _, _, kind, tensor, peer in numbered:
+                work = (self._ops.send if kind == "send" else self._ops.recv)([wire(tensor)], peer, 0)
+                if work.__class__ is StagedWork:
+                    pairs += work.pairs
+                    work = work.work
+                works.append(work)
+            both = BackendWorks(works)
+            return StagedWork(both, pairs) if self._ops is not self._backend else both
+
+        self._batches += 1
+        io = OpIO(tuple(t for k, t, _ in ops if k == "send"), tuple(t for k, t, _ in ops if k == "recv"), None, None)
+        return self._run(chk, io, issue, opts=None, fp=None, timeout=timeout_s, async_op=async_op, seq=self._batches)
 
     # ------------------------------------------------------------- management
     def split(self, ranks: Sequence[int], name: str, *, timeout: Timeout = None,
@@ -611,8 +754,9 @@ class Communicator:
         try:
             if collective and not self.lifecycle.clean:
                 self.lifecycle.ensure_usable(op, seq)  # refused, but recorded like any op that failed
-            if self._check is not None:
-                assert fp is not None  # built in check mode
+            if self._checks.fns:
+                self._checks(op, io)
+            if self._check is not None and fp is not None:  # a batch checks its messages as it issues them
                 if collective:
                     self._check.collective(fp, seq, timeout_s)
                 else:
@@ -625,7 +769,9 @@ class Communicator:
                 finish = c10d_work.finisher(finish)
             if op in self._waited_elsewhere:
                 c10d_work = self._waiter().wrap(c10d_work)
-            elif any_source and self.lifecycle.watched:
+            elif peer is None and not collective and self.lifecycle.watched:
+                # a recv from any source or a batch: a helper thread waits with the op's
+                # deadline (Gloo fails a point-to-point work at its first timed-out wait)
                 c10d_work = self._waiter().wrap(c10d_work, td)
         except (RuntimeError, CommError) as exc:
             err = self.lifecycle.error_from(exc, op, seq, timeout_s, (time.monotonic_ns() - start) / 1e9, peer)

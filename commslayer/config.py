@@ -111,6 +111,12 @@ def check_mode() -> bool:
     return _flag("COMMSLAYER_CHECK")
 
 
+def nan_check() -> bool:
+    """``COMMSLAYER_NAN_CHECK=1``: every communicator refuses to send a NaN
+    (``commslayer.nan_check``); off by default."""
+    return _flag("COMMSLAYER_NAN_CHECK")
+
+
 def route_c10d() -> bool:
     """``COMMSLAYER_ROUTE_C10D=1``: run ``init_process_group("gloo"|"nccl")`` and
     every later group through commslayer, without code changes."""
@@ -345,7 +351,7 @@ def faults_log() -> str:
 
 # What validate() reads: every accessor that can refuse a value.
 _CHECKED: Tuple[Callable[[], object], ...] = (
-    default_timeout, check_mode, route_c10d, trace_dir, job_rank, trace_buffer, trace_stack, trace_jsonl,
+    default_timeout, check_mode, nan_check, route_c10d, trace_dir, job_rank, trace_buffer, trace_stack, trace_jsonl,
     trace_otel, trace_sink_queue, heartbeat_s, peer_timeout_s, liveness_timing, liveness_host, isolate_writes,
     faults_log, trace_mode, replica_id, run_dir, store_timeout_s, average_after_backward, restart_unit, node,
     redundancy, refresh_every, reshard, resharded,

@@ -100,6 +100,12 @@ class CollectiveMismatch(CommError):
     """Ranks called different ops, shapes, dtypes or reduce ops at one sequence number."""
 
 
+class NanDetected(CommError):
+    """The NaN check (``commslayer.nan_check``, off by default) found a NaN in a tensor
+    an op was about to send: the message names the tensor and the element, ``ranks``
+    this rank. Nothing was sent; like any failed op it breaks the communicator."""
+
+
 class StoreUnreachable(CommError):
     """The store that decides membership and commits cannot be reached: the process
     that hosts it (torchrun's agent, rank 0, or a job's coordinator) is gone or cut off."""

@@ -1,7 +1,9 @@
 """How tracing and user code observe a communicator: hook lists and the recorder slot.
 
 A hook that raises is logged once and skipped: observing a collective must
-never break it.  Calling an empty list costs one truth test on the hot path.
+never break it (check hooks are the exception: they exist to refuse an op,
+e.g. ``commslayer.nan_check``).  Calling an empty list costs one truth test
+on the hot path.
 
 Hooks are general and cost a Python call each plus an argument dict per op.
 The flight recorder sees every op of every communicator, so it gets a
@@ -43,10 +45,12 @@ class HookHandle:
 
 
 class Hooks:
-    """An ordered list of callables of one kind (``pre``, ``post``, ``abort``, ``error``)."""
+    """An ordered list of callables of one kind (``pre``, ``post``, ``abort``, ``error``,
+    ``check``: the one kind whose exceptions propagate, ``raising``)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, *, raising: bool = False) -> None:
         self.kind = kind
+        self.raising = raising  # what a hook raises propagates (checks that refuse an op)
         self.fns: Tuple[Callable[..., Any], ...] = ()  # replaced, never mutated: safe to iterate
         self._lock = threading.Lock()
         self._warned: Set[int] = set()
@@ -66,6 +70,10 @@ class Hooks:
             self.fns = tuple(fns)
 
     def __call__(self, *args: Any) -> None:
+        if self.raising:
+            for fn in self.fns:
+                fn(*args)
+            return
         for fn in self.fns:
             try:
                 fn(*args)

@@ -101,7 +101,9 @@ class Checker:
             raise self.fail(f"{big_name} has {big.numel()} elements; needs {small_name}.numel() x size = "
                             f"{small.numel()} x {self.size}")
 
-    def tensor_list(self, ts: object, what: str, like: torch.Tensor) -> List[torch.Tensor]:
+    def tensor_list(self, ts: object, what: str, like: torch.Tensor, uneven: bool = False) -> List[torch.Tensor]:
+        """One tensor per rank, each of ``like``'s dtype and shape; with ``uneven`` (the
+        v ops) only this rank's own is shaped like ``like``, the others' sizes are free."""
         size = self.size
         if not isinstance(ts, (list, tuple)):
             raise self.fail(f"{what} must be a list of {size} tensors, got {type(ts).__name__}")
@@ -109,10 +111,11 @@ class Checker:
             raise self.fail(f"{what} has {len(ts)} tensors; the group has {size} ranks")
         for i, t in enumerate(ts):
             self.tensor(t, f"{what}[{i}]")
-            if t.dtype != like.dtype or t.shape != like.shape:
-                raise self.fail(
-                    f"{what}[{i}] is {t.dtype}{list(t.shape)}, expected {like.dtype}{list(like.shape)}"
-                )
+            free = uneven and i != self.rank
+            if t.dtype != like.dtype or not (free or t.shape == like.shape):
+                expected = f"{like.dtype}" + ("" if free else f"{list(like.shape)}")
+                raise self.fail(f"{what}[{i}] is {t.dtype}{list(t.shape)}, expected {expected}"
+                                + (" (this rank's own)" if uneven and not free else ""))
         return list(ts)
 
     def root_list(self, ts: object, what: str, root: int, like: torch.Tensor) -> List[torch.Tensor]:

@@ -25,6 +25,8 @@ BACKEND_OPS = {
     "all_gather": "allgather", "reduce_scatter": "reduce_scatter", "broadcast": "broadcast",
     "reduce": "reduce", "gather": "gather", "scatter": "scatter", "barrier": "barrier",
     "send": "send", "recv": "recv",
+    "all_gather_v": "alltoall_base", "reduce_scatter_v": "reduce_scatter", "all_to_all_v_single": "alltoall_base",
+    "gather_single": "gather", "batch_p2p": "send/recv",
 }
 
 

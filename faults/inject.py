@@ -195,7 +195,7 @@ class Injector:
             members=_members(table, err.ranks), what=err.what))
         for f in self.faults:
             if f.op is not None and f.comm in name:
-                for op in [o for o in BACKEND_OPS if o not in ("send", "recv")] if f.op == "*" else [f.op]:
+                for op in [o for o in BACKEND_OPS if o not in ("send", "recv", "batch_p2p")] if f.op == "*" else [f.op]:
                     setattr(comm, op, self._wrap(f, getattr(comm, op), name))
 
     def _wrap(self, f: Fault, call: Callable[..., Any], name: str) -> Callable[..., Any]:

@@ -27,7 +27,9 @@ With ``--tracing`` three more variants run beside them, each on its own
 communicator watched by its own flight recorder (``tracing.recorder``): the
 recorder alone (``recorder``), plus structlog JSON lines (``recorder+jsonl``),
 plus OpenTelemetry spans and metrics (``recorder+jsonl+otel``).  Their files
-go under ``--trace-dir``.
+go under ``--trace-dir``.  With ``--nan-check`` one more, ``nan-check``, runs
+commslayer with the NaN check on (``commslayer.NanCheckHook``), on a
+communicator of its own.
 
 Every op is synchronous.  Two numbers are taken around each call:
 
@@ -182,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tracing", action="store_true",
                    help="also measure commslayer with the flight recorder, + JSON lines, + OpenTelemetry "
                         "(one communicator and one recorder per variant)")
+    p.add_argument("--nan-check", action="store_true",
+                   help="also measure commslayer with the NaN check on (commslayer.NanCheckHook), on a "
+                        "communicator of its own")
     p.add_argument("--trace-dir", default="runs/bench-tracing",
                    help="where the traced variants write their files (default runs/bench-tracing; with --smoke "
                         "a temporary directory, removed at exit)")
@@ -192,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 SMOKE = {"sizes": [4], "warmup": 1, "min_reps": 1, "max_reps": 1, "verify_elements": 33, "tracing": True,
-         "trace_dir": None}
+         "trace_dir": None, "nan_check": True}
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -215,7 +220,7 @@ class Groups:
     comm: commslayer.Communicator  # B
     rank: int
     size: int
-    traced: Dict[str, commslayer.Communicator] = field(default_factory=dict)  # --tracing variants
+    traced: Dict[str, commslayer.Communicator] = field(default_factory=dict)  # --tracing, --nan-check variants
 
 
 def setup() -> Groups:
@@ -604,6 +609,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             atexit.register(shutil.rmtree, args.trace_dir, ignore_errors=True)
         VARIANTS = BASE_VARIANTS + TRACED_VARIANTS
         g.traced = traced_comms(args.trace_dir)
+    if args.nan_check:
+        VARIANTS = VARIANTS + ("nan-check",)
+        g.traced["nan-check"] = commslayer.new_comm("gloo", name="bench-nan-check")
+        commslayer.NanCheckHook().register_with_comm(g.traced["nan-check"])
     meta = metadata(g, args)
     results: List[Result] = []
     for op in args.ops:

@@ -32,6 +32,10 @@ def _smoke(rank, size, store):
         comm.all_reduce(torch.ones(2))  # a CPU tensor on the NCCL communicator
     except commslayer.InvalidArgument as err:
         bad = str(err)
+    try:
+        comm.batch_op_create()  # not on NCCL yet: it needs an NCCL group
+    except commslayer.InvalidArgument as err:
+        bad += " | " + str(err)
     comm.finalize()
     return t.cpu().tolist(), out.cpu().tolist(), rs.cpu().tolist(), bad
 
@@ -40,4 +44,4 @@ def _smoke(rank, size, store):
 def test_nccl_world_size_one():
     t, out, rs, bad = run_ranks(_smoke, 1, timeout=100)[0]
     assert t == out == rs == [float(i) for i in range(8)]
-    assert bad and "cuda" in bad
+    assert bad and "cuda" in bad and "Gloo only, not nccl" in bad

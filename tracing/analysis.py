@@ -31,7 +31,8 @@ RS_OPS = frozenset(("reduce_scatter_single", "reduce_scatter"))
 AG_OPS = frozenset(("all_gather_single", "all_gather"))
 RS_BACKEND_OPS = frozenset(("_reduce_scatter_base", "reduce_scatter", "reduce_scatter_tensor_coalesced"))
 AG_BACKEND_OPS = frozenset(("_allgather_base", "allgather", "allgather_into_tensor_coalesced"))
-P2P_OPS = frozenset(("send", "recv"))
+P2P_OPS = frozenset(("send", "recv", "batch_p2p"))  # not matched across ranks as collectives
+UNEVEN_OPS = frozenset(("all_to_all_single", "all_to_all_v_single", "all_gather_v"))  # bytes differ per rank
 
 SPAN_LIMIT = 1 << 62  # ns; a wait time beyond it (either sign) is corrupt and left out
 
@@ -198,7 +199,7 @@ def bus_factor(op: str, n: int) -> Optional[float]:
         return None
     if op in ("all_reduce", "all_reduce_coalesced"):
         return 2 * (n - 1) / n
-    if op in ("broadcast", "reduce", "send", "recv"):
+    if op in ("broadcast", "reduce", "send", "recv", "batch_p2p"):
         return 1.0
     return (n - 1) / n  # all_gather*, reduce_scatter*, all_to_all_single, gather, scatter
 
@@ -208,7 +209,7 @@ _OUT_SIZED = AG_OPS | {"scatter", "recv"}
 
 
 # What must agree across ranks at one sequence number (bytes: in_bytes; out_bytes for
-# scatter; none for all_to_all_single, whose uneven splits differ per rank legitimately).
+# scatter; none for UNEVEN_OPS, whose sizes differ per rank legitimately).
 FINGERPRINT_FIELDS = ("op", "dtype", "reduce_op", "bytes", "root")
 
 
@@ -416,7 +417,7 @@ class JobScan:
             order = (gen << 40) + seq
             ckey = (comm, gen, seq)
             fp = (op, dtype, reduce_op,
-                  None if op == "all_to_all_single" else out_bytes if op == "scatter" else in_bytes, root)
+                  None if op in UNEVEN_OPS else out_bytes if op == "scatter" else in_bytes, root)
             fid = fps.get(fp)
             if fid is None:
                 fid = fps[fp] = len(fps)
