@@ -1,9 +1,10 @@
 """Batched point-to-point: torchcomms' ``batch_op_create()``.
 
 A ``BatchSendRecv`` queues sends and receives and issues them as one op: one
-``Work``, one deadline, one trace record (op ``batch_p2p``). Gloo has no group
-call, so the messages go to the backend as separate sends and receives issued
-back to back, and the batch's work waits on all of them. Each message takes
+``Work``, one deadline, one trace record (op ``batch_p2p``). On NCCL the
+messages are one group call (the backend's coalescing); Gloo has none, so
+there they go to the backend as separate sends and receives issued back to
+back, and the batch's work waits on all of them (``BackendWorks``). Each message takes
 its number in its pair (sender, receiver), so batched and single messages
 between two ranks stay matched in order.
 """

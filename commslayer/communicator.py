@@ -526,10 +526,7 @@ class Communicator:
 
     def batch_op_create(self) -> BatchSendRecv:
         """An empty batch of sends and receives: queue them with its ``send``/``recv``,
-        then ``issue()`` them as one op (commslayer.batch). Gloo only for now: on NCCL
-        the messages would have to go out as one NCCL group, which is not built yet."""
-        if self._spec.name != "gloo":
-            raise self._checker("batch_p2p").fail(f"batched point-to-point runs on Gloo only, not {self._spec.name}")
+        then ``issue()`` them as one op (commslayer.batch)."""
         return BatchSendRecv(self)
 
     def _batch_p2p(self, ops: List[Message], async_op: bool, timeout: Timeout) -> Work:
@@ -550,13 +547,18 @@ class Communicator:
                 for (src, dst), n, kind, tensor, _ in sorted(numbered, key=lambda m: (m[0], m[1])):
                     check.p2p(fingerprint("batch_p2p", tensor), src, dst, n, timeout_s)
             works, pairs = [], []
-            for _, _, kind, tensor, peer in numbered:
-                work = (self._ops.send if kind == "send" else self._ops.recv)([wire(tensor)], peer, 0)
-                if work.__class__ is StagedWork:
-                    pairs += work.pairs
-                    work = work.work
-                works.append(work)
-            both = BackendWorks(works)
+            grouped = self._backend.supports_coalescing  # NCCL: one group call, one backend work
+            if grouped:
+                self._backend._start_coalescing(self._device)
+            try:
+                for _, _, kind, tensor, peer in numbered:
+                    work = (self._ops.send if kind == "send" else self._ops.recv)([wire(tensor)], peer, 0)
+                    if work.__class__ is StagedWork:
+                        pairs += work.pairs
+                        work = work.work
+                    works.append(work)
+            finally:
+                both = self._backend._end_coalescing(self._device) if grouped else BackendWorks(works)
             return StagedWork(both, pairs) if self._ops is not self._backend else both
 
         self._batches += 1

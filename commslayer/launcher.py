@@ -63,11 +63,14 @@ Exit status: 0 when every replica group (or rank) started here finished
 up, a rank wrote ``job/failed``, the coordinator was lost or the summary
 found a problem; 2 for bad arguments (options of the other mode included);
 130 when interrupted.  Anything but 0 comes with one line on stderr.
+SIGUSR1 prints the launcher's own threads' stacks to stderr (a launcher
+that seems stuck shows where).
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import math
 import os
 import signal
@@ -231,6 +234,7 @@ def _address(p: argparse.ArgumentParser, text: str) -> Tuple[str, int]:
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``commslayer-run`` console script."""
     a = parse(argv)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     become_subreaper()
     procs = ProcessSet(a.grace)
 

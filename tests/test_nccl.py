@@ -1,5 +1,5 @@
-"""The NCCL path: a world-size-1 smoke test. Skipped without CUDA (this
-project's CI has no GPU)."""
+"""The NCCL path: a world-size-1 smoke test, and a batch of point-to-point as one
+NCCL group on two GPUs. Skipped without CUDA (this project's CI has no GPU)."""
 
 from __future__ import annotations
 
@@ -32,10 +32,6 @@ def _smoke(rank, size, store):
         comm.all_reduce(torch.ones(2))  # a CPU tensor on the NCCL communicator
     except commslayer.InvalidArgument as err:
         bad = str(err)
-    try:
-        comm.batch_op_create()  # not on NCCL yet: it needs an NCCL group
-    except commslayer.InvalidArgument as err:
-        bad += " | " + str(err)
     comm.finalize()
     return t.cpu().tolist(), out.cpu().tolist(), rs.cpu().tolist(), bad
 
@@ -44,4 +40,31 @@ def _smoke(rank, size, store):
 def test_nccl_world_size_one():
     t, out, rs, bad = run_ranks(_smoke, 1, timeout=100)[0]
     assert t == out == rs == [float(i) for i in range(8)]
-    assert bad and "cuda" in bad and "Gloo only, not nccl" in bad
+    assert bad and "cuda" in bad
+
+
+def _batch(rank, size, store):
+    import commslayer
+
+    torch.cuda.set_device(rank)
+    comm = commslayer.new_comm("nccl", torch.device("cuda", rank), name="batch", store=store, rank=rank, size=size,
+                               timeout=30)
+    peer = 1 - rank
+    batch = comm.batch_op_create()
+    got = torch.empty(4, device="cuda")
+    batch.send(torch.full((4,), float(rank + 1), device="cuda"), peer)  # both send first: one NCCL group
+    batch.recv(got, peer)
+    work = batch.issue(async_op=True)
+    work.wait()
+    torch.cuda.synchronize()
+    comm.finalize()
+    return got.cpu().tolist(), work.op
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_nccl_batch_is_one_group_call():
+    """Two ranks each send before they receive: as separate NCCL calls that would
+    deadlock; as one group call (batch_op_create) both complete."""
+    (got0, op), (got1, _) = run_ranks(_batch, 2, timeout=100)
+    assert got0 == [2.0] * 4 and got1 == [1.0] * 4 and op == "batch_p2p"

@@ -163,6 +163,7 @@ def test_the_launcher_ends_every_process_it_started(tmp_path, sig):
     env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="")
     cmd = [*LAUNCHER, "--run-dir", str(tmp_path), TRAIN, *TINY[:-2], "--steps", "100000"]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    started: List[int] = []
     try:
         for line in proc.stdout:  # wait until the job is training
             if "step    2" in line:
@@ -170,8 +171,17 @@ def test_the_launcher_ends_every_process_it_started(tmp_path, sig):
         started = descendants(proc.pid)
         assert started, "no processes started"
         proc.send_signal(sig)
-        proc.communicate(timeout=30)
-        assert proc.returncode == 130
+        try:
+            out = proc.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # the launcher prints its stacks
+            time.sleep(1)
+            where = _where(proc.pid)
+            proc.kill()
+            out = proc.communicate()[0]
+            pytest.fail(f"the launcher had not ended 30 s after {sig.name}:\n{where}\n"
+                        f"its output ended with:\n{out[-6000:]}")
+        assert proc.returncode == 130, out[-2000:]
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and set(started) & set(descendants(1)):
             time.sleep(0.1)
@@ -179,7 +189,34 @@ def test_the_launcher_ends_every_process_it_started(tmp_path, sig):
         left = [p for p in started if p in alive]
         assert not left, left
     finally:
-        proc.kill()
+        for pid in {proc.pid, *descendants(proc.pid), *started}:  # nothing outlives a failed run
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+
+
+def _where(pid: int) -> str:
+    """What a process and those below it are doing: state and kernel wait channel
+    of each, and of each of the first one's threads."""
+    def line(path: str, name: str) -> str:
+        try:
+            with open(f"{path}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"{path}/wchan") as f:
+                return f"{name}: {state} {f.read() or '-'}"
+        except OSError:
+            return f"{name}: gone"
+    lines = [line(f"/proc/{pid}/task/{t}", f"launcher thread {t}") for t in sorted(os.listdir(f"/proc/{pid}/task"))]
+    for child in descendants(pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")[:120]
+        except OSError:
+            cmd = "?"
+        lines.append(line(f"/proc/{child}", f"{child} {cmd}"))
+    return "\n".join(lines)
 
 
 def test_fsdp_overlap_in_the_resilient_job(clean, tmp_path):
