@@ -241,7 +241,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     def on_signal(signum, frame):
         raise KeyboardInterrupt
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    # SIGINT too: a shell without job control starts a background launcher with
+    # SIGINT ignored, and `kill -INT` must still end the job (as torchrun does).
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, on_signal)
     try:
         store = _job_store(a)
