@@ -66,6 +66,12 @@ def _interfaces(value: object) -> str:
     return value
 
 
+def _algorithm(value: object) -> str:
+    if isinstance(value, str) and value.lower() in ("auto", "ring", "native"):
+        return value.lower()
+    raise ValueError("'auto', 'ring' or 'native' (the reduce-scatter algorithm: commslayer.ring)")
+
+
 def _switch(value: object) -> str:
     if isinstance(value, (int, str)) and value in (1, "1", 0, "0"):  # True and False are 1 and 0
         return str(int(value))
@@ -158,12 +164,12 @@ class GlooSpec(BackendSpec):
     # Gloo's reduce-scatter works ignore the timeout of wait() and block until the op ends
     # or fails (measured: a 50 ms wait returned after the op's 3 s deadline).
     untimed_waits = frozenset({"_reduce_scatter_base", "reduce_scatter"})
-    hint_checks = {"interface": _interfaces, "threads": _gloo_threads}
+    hint_checks = {"interface": _interfaces, "threads": _gloo_threads, "reduce_scatter": _algorithm}
 
     def create(self, store, rank, size, timeout, hints):
         # c10d reads GLOO_SOCKET_IFNAME for the groups it builds; so do we (several hosts).
         interface = hints.get("interface") or os.environ.get("GLOO_SOCKET_IFNAME") or None
-        threads = hints.get("threads")
+        threads = hints.get("threads")  # reduce_scatter is the communicator's (commslayer.ring)
         if interface is None and threads is None:
             return c10d.ProcessGroupGloo(store, rank, size, timeout)
         opts = c10d.ProcessGroupGloo._Options()

@@ -38,6 +38,7 @@ from .isolation import IsolatedBackend, StagedWork
 from .lifecycle import Lifecycle, Lineage, State
 from .nan_check import NanCheckHook
 from .reduce_op import ReduceOp
+from .ring import RingReduceScatter, ring_fits
 from .validation import Checker, Timeout, timeout_seconds
 from .watchdog import WATCHDOG
 from .wire import BACKEND_OPS, Options, averaging, in_place, premultiplied, wire
@@ -112,6 +113,11 @@ class Communicator:
         self.settle_lock = threading.Lock()  # shared by this communicator's Work objects
         self.completion_hooks = Hooks("completion")
         self._waiter_thread: Optional[Waiter] = None
+        self._ring_thread: Optional[Waiter] = None  # runs ring reduce-scatters in turn
+        # the input size from which a reduce-scatter takes the ring (None: never; commslayer.ring)
+        algorithm = hints.get("reduce_scatter") or config.reduce_scatter_algorithm()
+        self._ring_from = None if spec.name != "gloo" or algorithm == "native" else \
+            0 if algorithm == "ring" else config.ring_min_bytes()
         life.watch(store, timeout_s)
         # Our ops whose backend work ignores wait timeouts: a helper thread waits for them.
         self._waited_elsewhere = frozenset(
@@ -308,8 +314,10 @@ class Communicator:
         chk.sized(input, output, "input output")
         src = premultiplied(input, op)
         opts = self._options.get(c10d.ReduceScatterOptions, op)
-        return self._run(chk, OpIO((input,), (output,), op, None),
-                         lambda: self._ops._reduce_scatter_base(wire(output), wire(src), opts), opts=opts,
+        ring = self._takes_ring(op, output, input.numel() * input.element_size())
+        issue: Callable[[], Any] = (lambda: self._ring(list(wire(src).reshape(self._size, -1).unbind(0)), output)) \
+            if ring else (lambda: self._ops._reduce_scatter_base(wire(output), wire(src), opts))
+        return self._run(chk, OpIO((input,), (output,), op, None), issue, opts=opts,
                          finish=averaging(output, op, self._size), fp=self._fp(chk.op, output, op),
                          timeout=timeout, async_op=async_op)
 
@@ -376,7 +384,7 @@ class Communicator:
         chk.tensor(output, "output")
         ins = chk.tensor_list(input_list, "input_list", output)
         op = chk.reduce_op(op, output.dtype)
-        return self._reduce_scatter(chk, output, ins, op, self._fp(chk.op, output, op), async_op, timeout)
+        return self._reduce_scatter(chk, output, ins, op, self._fp(chk.op, output, op), async_op, timeout, False)
 
     def reduce_scatter_v(self, output: torch.Tensor, input_list: List[torch.Tensor], op: ReduceOp = ReduceOp.SUM,
                          *, async_op: bool = False, timeout: Timeout = None) -> Work:
@@ -389,15 +397,28 @@ class Communicator:
         fp = self._fp(chk.op, output, op, extra_shape=[])
         if fp is not None:  # check mode compares what each rank sends with what its peers expect
             fp["splits"] = [[t.numel() for t in ins], [output.numel()] * self._size]
-        return self._reduce_scatter(chk, output, ins, op, fp, async_op, timeout)
+        return self._reduce_scatter(chk, output, ins, op, fp, async_op, timeout, True)
 
     def _reduce_scatter(self, chk: Checker, output: torch.Tensor, ins: List[torch.Tensor], op: ReduceOp,
-                        fp: Optional[Dict[str, Any]], async_op: bool, timeout: Timeout) -> Work:
+                        fp: Optional[Dict[str, Any]], async_op: bool, timeout: Timeout, uneven: bool) -> Work:
+        """Both list forms: the ring where the blocks are even and it pays (``_takes_ring``)."""
         ins = [premultiplied(t, op) for t in ins]
         opts = self._options.get(c10d.ReduceScatterOptions, op)
-        return self._run(chk, OpIO(tuple(ins), (output,), op, None),
-                         lambda: self._ops.reduce_scatter([wire(output)], [[wire(t) for t in ins]], opts), opts=opts,
+        ring = not uneven and self._takes_ring(op, output, output.numel() * output.element_size() * self._size)
+        issue: Callable[[], Any] = (lambda: self._ring([wire(t).reshape(-1) for t in ins], output)) \
+            if ring else (lambda: self._ops.reduce_scatter([wire(output)], [[wire(t) for t in ins]], opts))
+        return self._run(chk, OpIO(tuple(ins), (output,), op, None), issue, opts=opts,
                          finish=averaging(output, op, self._size), fp=fp, timeout=timeout, async_op=async_op)
+
+    def _takes_ring(self, op: ReduceOp, output: torch.Tensor, input_bytes: int) -> bool:
+        """Whether this reduce-scatter runs as the ring (commslayer.ring) rather than Gloo's own."""
+        return self._ring_from is not None and input_bytes >= self._ring_from and ring_fits(op, output, self._size)
+
+    def _ring(self, blocks: List[torch.Tensor], output: torch.Tensor) -> RingReduceScatter:
+        """The ring reduce-scatter of ``blocks`` into ``output`` (run by ``_run`` on the ring thread);
+        with write isolation it reduces into a staging copy."""
+        return RingReduceScatter(self._backend, self._rank, self._size, blocks, wire(output).view(-1),
+                                 stage=self._ops is not self._backend)
 
     def broadcast(self, tensor: torch.Tensor, root: int, *, async_op: bool = False, timeout: Timeout = None) -> Work:
         """Copy ``root``'s ``tensor`` into every rank's."""
@@ -694,13 +715,19 @@ class Communicator:
             self._backend = self._ops = backends.Released()
 
     def _stop_waiter(self) -> None:
-        if self._waiter_thread is not None:
-            self._waiter_thread.stop()
+        for thread in (self._waiter_thread, self._ring_thread):
+            if thread is not None:
+                thread.stop()
 
     def _waiter(self) -> Waiter:
         if self._waiter_thread is None:
             self._waiter_thread = Waiter(f"{self._name}@g{self.generation}")
         return self._waiter_thread
+
+    def _ringer(self) -> Waiter:
+        if self._ring_thread is None:
+            self._ring_thread = Waiter(f"ring-{self._name}@g{self.generation}")
+        return self._ring_thread
 
     def _orphaned(self, c10d_work: Any) -> None:
         """An op failed while the backend still runs it: keep the backend until it ends."""
@@ -767,14 +794,18 @@ class Communicator:
                     self._check.p2p(fp, src, dst, seq, timeout_s)
             td = self._options.deadline(opts, timeout_s)
             c10d_work = issue()
-            if c10d_work.__class__ is StagedWork:
+            if c10d_work.__class__ is RingReduceScatter:
                 finish = c10d_work.finisher(finish)
-            if op in self._waited_elsewhere:
-                c10d_work = self._waiter().wrap(c10d_work)
-            elif peer is None and not collective and self.lifecycle.watched:
-                # a recv from any source or a batch: a helper thread waits with the op's
-                # deadline (Gloo fails a point-to-point work at its first timed-out wait)
-                c10d_work = self._waiter().wrap(c10d_work, td)
+                c10d_work = self._ringer().wrap(c10d_work, td)
+            else:
+                if c10d_work.__class__ is StagedWork:
+                    finish = c10d_work.finisher(finish)
+                if op in self._waited_elsewhere:
+                    c10d_work = self._waiter().wrap(c10d_work)
+                elif peer is None and not collective and self.lifecycle.watched:
+                    # a recv from any source or a batch: a helper thread waits with the op's
+                    # deadline (Gloo fails a point-to-point work at its first timed-out wait)
+                    c10d_work = self._waiter().wrap(c10d_work, td)
         except (RuntimeError, CommError) as exc:
             err = self.lifecycle.error_from(exc, op, seq, timeout_s, (time.monotonic_ns() - start) / 1e9, peer)
             failed = work_cls(self, op, seq, op_id, timeout_s, start, None, None, peer, record)

@@ -274,6 +274,26 @@ def isolate_writes() -> bool:
     return _flag("COMMSLAYER_ISOLATE_WRITES")
 
 
+REDUCE_SCATTER_ALGORITHMS = ("auto", "ring", "native")
+RING_MIN_BYTES = 65536  # measured: docs/benchmarks.md, "Reduce-scatter on Gloo"
+
+
+def reduce_scatter_algorithm() -> str:
+    """``COMMSLAYER_REDUCE_SCATTER``: how a Gloo communicator reduce-scatters a sum:
+    ``auto`` (the ring from ``COMMSLAYER_RING_MIN_BYTES`` of input up, Gloo's own
+    below), ``ring`` or ``native`` always (commslayer.ring). Every rank must agree."""
+    raw = os.environ.get("COMMSLAYER_REDUCE_SCATTER", "")
+    value = raw.strip().lower() or "auto"
+    if value not in REDUCE_SCATTER_ALGORITHMS:
+        raise _bad("COMMSLAYER_REDUCE_SCATTER", raw, "auto, ring or native (any case), or empty (auto)")
+    return value
+
+
+def ring_min_bytes() -> int:
+    """``COMMSLAYER_RING_MIN_BYTES``: the input size from which ``auto`` takes the ring."""
+    return _integer("COMMSLAYER_RING_MIN_BYTES", RING_MIN_BYTES, 0)
+
+
 def average_after_backward() -> bool:
     """``COMMSLAYER_AVERAGE_AFTER_BACKWARD=1``: a resilient job averages every gradient
     across replica groups after backward, in buckets, instead of beginning during
@@ -354,7 +374,7 @@ _CHECKED: Tuple[Callable[[], object], ...] = (
     default_timeout, check_mode, nan_check, route_c10d, trace_dir, job_rank, trace_buffer, trace_stack, trace_jsonl,
     trace_otel, trace_sink_queue, heartbeat_s, peer_timeout_s, liveness_timing, liveness_host, isolate_writes,
     faults_log, trace_mode, replica_id, run_dir, store_timeout_s, average_after_backward, restart_unit, node,
-    redundancy, refresh_every, reshard, resharded,
+    redundancy, refresh_every, reshard, resharded, reduce_scatter_algorithm, ring_min_bytes,
 )
 _valid: Set[Tuple[Tuple[str, str], ...]] = set()  # environments found valid (resolving a host costs)
 

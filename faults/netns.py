@@ -12,9 +12,11 @@ those of earlier runs whose process is gone.  Needs root and iproute2.
 from __future__ import annotations
 
 import atexit
+import json
 import os
+import re
 import subprocess
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -34,6 +36,23 @@ def remove_leftovers(prefix: str) -> None:
         pid = ns[len(prefix):].split("-", 1)[0]
         if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
             _ip("netns", "del", ns, check=False)
+
+
+def sent_bytes(devs: Sequence[str]) -> Dict[str, int]:
+    """Bytes sent so far on each of ``devs`` in the calling process's namespace (tc's counters)."""
+    out = {}
+    for dev in devs:
+        stats = json.loads(subprocess.run(["tc", "-s", "-j", "qdisc", "show", "dev", dev], check=True,
+                                          capture_output=True, text=True).stdout)
+        out[dev] = sum(q.get("bytes", 0) for q in stats)
+    return out
+
+
+def tcp_payload_sent() -> int:
+    """Payload bytes the TCP sockets of the calling process's namespace have had
+    acknowledged so far (``ss``'s ``bytes_acked``: no headers, no retransmissions)."""
+    out = subprocess.run(["ss", "-tinH"], check=True, capture_output=True, text=True).stdout
+    return sum(int(m) for m in re.findall(r"bytes_acked:(\d+)", out))
 
 
 class Network:

@@ -37,16 +37,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from faults.netns import Network, remove_leftovers
+from faults.netns import Network, sent_bytes
+from launch.workers import parse, prepare_testbed, report, run_workers
 
 PREFIX = "csov"  # namespace names: csov<pid>-hub, csov<pid>-r<rank>
 # command-line key -> the name in tables
@@ -71,26 +70,7 @@ def run_world(world: int, args: argparse.Namespace) -> List[dict]:
                        "--configs", *args.configs]
         if args.trace_dir:
             worker_args += ["--trace-dir", str(Path(args.trace_dir).resolve())]
-        logs = [open(Path(out, f"rank{r}.log"), "wb") for r in range(world)]
-        procs = [subprocess.Popen(["ip", "netns", "exec", ns, *worker_args], env={**env, "RANK": str(r)},
-                                  stdout=logs[r], stderr=subprocess.STDOUT)
-                 for r, ns in enumerate(bed.hosts)]
-        try:
-            deadline = time.monotonic() + args.timeout
-            while any(p.poll() is None for p in procs):
-                failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-                if failed or time.monotonic() > deadline:
-                    tail = Path(out, f"rank{failed[0] if failed else 0}.log").read_text(errors="replace")[-3000:]
-                    raise RuntimeError(f"{world} ranks: " + (f"rank(s) {failed} failed" if failed else
-                                                             f"no result within {args.timeout} s") + f"\n{tail}")
-                time.sleep(0.2)
-            return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(world)]
-        finally:
-            for p, log in zip(procs, logs):
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
-                log.close()
+        return run_workers([bed.run(r, worker_args) for r in range(world)], env, out, args.timeout)
 
 
 def summarize(world: int, ranks: List[dict]) -> Dict[str, dict]:
@@ -151,41 +131,21 @@ def main() -> None:
     p.add_argument("--json", help="write the raw results here")
     p.add_argument("--smoke", action="store_true", help="check that the benchmark works, in seconds: every "
                    "configuration, 2 ranks, 2 layers of 256, 1 repeat of 1 step; explicit options still apply")
-    p.add_argument("--worker", metavar="OUT_DIR", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.smoke:
-        p.set_defaults(**SMOKE)
-        args = p.parse_args()
+    args = parse(p, SMOKE)
     if args.worker:
         worker(args)
         return
-    if os.geteuid() != 0:
-        sys.exit("bench_overlap.py builds network namespaces: run it as root")
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # unwind through the testbed's cleanup
-        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
-    remove_leftovers(PREFIX)
-    results = {"args": {k: v for k, v in vars(args).items() if k != "worker"}, "worlds": {}}
-    for world in args.ranks:
+    prepare_testbed(PREFIX, "bench_overlap.py")
+
+    def measure(world: int) -> tuple:
         ranks = run_world(world, args)
         table = summarize(world, ranks)
-        results["worlds"][str(world)] = {"table": table, "ranks": ranks}
-        print(markdown(world, table) + "\n", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
-    print(f"command: python launch/bench_overlap.py {' '.join(sys.argv[1:])}")
+        return table, ranks, markdown(world, table)
+
+    report(args, "bench_overlap.py", measure)
 
 
 # ------------------------------------------------------------------ worker
-def _sent_bytes() -> Dict[str, int]:
-    """Bytes this namespace sent on each rail so far (tc's counters)."""
-    out = {}
-    for dev in ("ag", "rs"):
-        stats = json.loads(subprocess.run(["tc", "-s", "-j", "qdisc", "show", "dev", dev], check=True,
-                                          capture_output=True, text=True).stdout)
-        out[dev] = sum(q.get("bytes", 0) for q in stats)
-    return out
-
-
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -237,9 +197,9 @@ def worker(args: argparse.Namespace) -> None:
         for cfg in order:
             step(cfg)  # warm-up: the previous config's buffers are cold now
             dist.barrier()
-            before, first = _sent_bytes(), len(rec.records())
+            before, first = sent_bytes(("ag", "rs")), len(rec.records())
             times = [step(cfg) for _ in range(args.steps)]
-            after = _sent_bytes()
+            after = sent_bytes(("ag", "rs"))
             windows = [(t1, t2) for _, t1, t2, _ in times]
             backward = [{**r, "rank": rank} for r in rec.records()[first:]
                         if r["start_ns"] is not None and any(a <= r["start_ns"] < b for a, b in windows)]

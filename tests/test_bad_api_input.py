@@ -72,8 +72,10 @@ def _refused(call, cls=InvalidArgument) -> str:
     ("interface", "no-such-if0", "network interface of this host"),
     ("interface", "", "network interface of this host"),
     ("interface", "lo,", "network interface of this host"),
-    ("thread", "2", "it takes: interface, threads"),  # a typo is not dropped silently
-    ("high_priority_stream", "1", "it takes: interface, threads"),  # NCCL's, not Gloo's
+    ("reduce_scatter", "halving", "'auto', 'ring' or 'native'"),
+    ("reduce_scatter", 1, "'auto', 'ring' or 'native'"),
+    ("thread", "2", "it takes: interface, reduce_scatter, threads"),  # a typo is not dropped silently
+    ("high_priority_stream", "1", "it takes: interface, reduce_scatter, threads"),  # NCCL's, not Gloo's
 ])
 def test_a_bad_backend_hint_is_refused_before_the_group_is_built(hint, value, allowed):
     store = dist.HashStore()
@@ -243,6 +245,8 @@ def test_a_name_longer_than_the_cap_is_refused_and_the_shared_store_survives():
     ({"COMMSLAYER_TRACE_OTEL": "enable"}, ["COMMSLAYER_TRACE_OTEL='enable'"]),
     ({"COMMSLAYER_TRACE_STACK": "11"}, ["COMMSLAYER_TRACE_STACK='11'"]),
     ({"COMMSLAYER_ISOLATE_WRITES": "maybe"}, ["COMMSLAYER_ISOLATE_WRITES='maybe'"]),
+    ({"COMMSLAYER_REDUCE_SCATTER": "halving"}, ["COMMSLAYER_REDUCE_SCATTER='halving'", "auto, ring or native"]),
+    ({"COMMSLAYER_RING_MIN_BYTES": "-1"}, ["COMMSLAYER_RING_MIN_BYTES='-1'", "an integer >= 0"]),
     ({"COMMSLAYER_LIVENESS_HOST": "no-such-host.invalid"},
      ["COMMSLAYER_LIVENESS_HOST='no-such-host.invalid'", "resolves"]),
     ({"COMMSLAYER_TRACE_DIR": __file__}, ["COMMSLAYER_TRACE_DIR=", "a directory"]),
