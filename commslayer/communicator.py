@@ -38,7 +38,7 @@ from .isolation import IsolatedBackend, StagedWork
 from .lifecycle import Lifecycle, Lineage, State
 from .nan_check import NanCheckHook
 from .reduce_op import ReduceOp
-from .ring import RingReduceScatter, ring_fits
+from .ring import RingReduceScatter, ring_fits, ring_tag
 from .validation import Checker, Timeout, timeout_seconds
 from .watchdog import WATCHDOG
 from .wire import BACKEND_OPS, Options, averaging, in_place, premultiplied, wire
@@ -417,7 +417,8 @@ class Communicator:
     def _ring(self, blocks: List[torch.Tensor], output: torch.Tensor) -> RingReduceScatter:
         """The ring reduce-scatter of ``blocks`` into ``output`` (run by ``_run`` on the ring thread);
         with write isolation it reduces into a staging copy."""
-        return RingReduceScatter(self._backend, self._rank, self._size, blocks, wire(output).view(-1),
+        return RingReduceScatter(self._backend, ring_tag(self._seq), self._rank, self._size, blocks,
+                                 wire(output).view(-1),
                                  stage=self._ops is not self._backend)
 
     def broadcast(self, tensor: torch.Tensor, root: int, *, async_op: bool = False, timeout: Timeout = None) -> Work:

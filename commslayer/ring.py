@@ -28,9 +28,12 @@ import torch
 
 from .reduce_op import ReduceOp
 
-# The point-to-point tag of ring messages (Gloo matches messages by peer and
-# tag, in order); user send/recv through commslayer use tag 0.
-RING_TAG = 0x52494E47
+# Gloo matches point-to-point messages by peer and tag, in order.  Each ring op
+# has a tag of its own, from its collective number, so that what a failed op
+# left in flight is never taken by a later one; user send/recv keep theirs
+# below RING_TAGS_FROM (0 unless a c10d job picks one).
+RING_TAGS_FROM = 1 << 30
+_RING_TAGS = 1 << 30
 CHUNK_BYTES = 1 << 20  # a chunk is reduced while the next ones travel
 _WINDOW = 8  # receives posted ahead of the chunk being reduced
 # Additions run in pieces below ATen's grain size (32768 elements), so that they
@@ -39,6 +42,11 @@ _WINDOW = 8  # receives posted ahead of the chunk being reduced
 # took 6-8x as long with parallel additions).
 _PIECE = 16384
 RING_OPS = frozenset({"SUM", "AVG", "PREMUL_SUM"})  # elementwise sums: the ring adds
+
+
+def ring_tag(seq: int) -> int:
+    """The point-to-point tag of the ring op numbered ``seq`` on its communicator."""
+    return RING_TAGS_FROM + seq % _RING_TAGS
 
 
 def ring_fits(op: ReduceOp, output: torch.Tensor, size: int) -> bool:
@@ -50,13 +58,15 @@ def ring_fits(op: ReduceOp, output: torch.Tensor, size: int) -> bool:
 
 class RingReduceScatter:
     """One ring reduce-scatter of ``blocks`` (n flat tensors: block j is rank j's
-    share) into the flat ``out``, through ``backend``'s send/recv."""
+    share) into the flat ``out``, through ``backend``'s send/recv with ``tag``."""
 
-    __slots__ = ("_backend", "_rank", "_size", "_blocks", "_out", "_result", "_issued_ns", "_done", "_chunk")
+    __slots__ = ("_backend", "_tag", "_rank", "_size", "_blocks", "_out", "_result", "_issued_ns", "_done",
+                 "_error", "_chunk")
 
-    def __init__(self, backend: Any, rank: int, size: int, blocks: List[torch.Tensor], out: torch.Tensor,
+    def __init__(self, backend: Any, tag: int, rank: int, size: int, blocks: List[torch.Tensor], out: torch.Tensor,
                  stage: bool) -> None:
         self._backend = backend
+        self._tag = tag
         self._rank = rank
         self._size = size
         self._blocks = blocks
@@ -65,6 +75,7 @@ class RingReduceScatter:
         self._result = torch.empty_like(out) if stage else out
         self._issued_ns = time.monotonic_ns()
         self._done = False
+        self._error: Optional[BaseException] = None
         self._chunk = max(1, CHUNK_BYTES // max(out.element_size(), 1))
 
     def finisher(self, then: Optional[Callable[[], None]]) -> Optional[Callable[[], None]]:
@@ -84,14 +95,18 @@ class RingReduceScatter:
         return self._done
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        """Run the ring (once, on the ring thread) within ``timeout`` of its issue;
-        a backend failure or the deadline raises Gloo's ``RuntimeError``."""
-        limit_s = float("inf") if timeout is None else timeout.total_seconds()
-        deadline = self._issued_ns / 1e9 + limit_s
-        try:
-            self._run(deadline)
-        finally:
+        """Run the ring within ``timeout`` of its issue (the first call runs it; a later
+        one answers how it ended); a backend failure or the deadline raises Gloo's
+        ``RuntimeError``."""
+        if not self._done:
+            limit_s = float("inf") if timeout is None else timeout.total_seconds()
+            try:
+                self._run(self._issued_ns / 1e9 + limit_s)
+            except BaseException as exc:
+                self._error = exc
             self._done = True
+        if self._error is not None:
+            raise self._error
         return True
 
     def _chunks(self) -> List[Tuple[int, int]]:
@@ -99,7 +114,7 @@ class RingReduceScatter:
         return [(lo, min(lo + self._chunk, m)) for lo in range(0, m, self._chunk)]
 
     def _run(self, deadline: float) -> None:
-        n, r, backend = self._size, self._rank, self._backend
+        n, r, backend, tag = self._size, self._rank, self._backend, self._tag
         right, left = (r + 1) % n, (r - 1) % n
         chunks = self._chunks()
         k_count = len(chunks)
@@ -115,14 +130,14 @@ class RingReduceScatter:
             lo, hi = chunks[k]
             if s >= 2:  # the chunk of this buffer that step s-1 sent must be out first
                 _wait(sends.pop((s - 1, k)), deadline)
-            recvs[i] = backend.recv([bufs[s % 2, lo:hi]], left, RING_TAG)
+            recvs[i] = backend.recv([bufs[s % 2, lo:hi]], left, tag)
 
         # a receive into a reused buffer waits for the send posted two steps earlier: at most 2 steps ahead
         window = min(_WINDOW, 2 * k_count)
         for i in range(min(window, len(units))):  # receives first: the peer may send at once
             post(i)
         first = self._blocks[(r - 1) % n]
-        pending = [backend.send([first[lo:hi]], right, RING_TAG) for lo, hi in chunks]
+        pending = [backend.send([first[lo:hi]], right, tag) for lo, hi in chunks]
         for i, (s, k) in enumerate(units):
             _wait(recvs.pop(i), deadline)
             lo, hi = chunks[k]
@@ -130,7 +145,7 @@ class RingReduceScatter:
             own = self._blocks[(r - s - 2) % n][lo:hi]
             if s < n - 2:
                 _add(got, own, got)
-                sends[(s + 1, k)] = backend.send([got], right, RING_TAG)
+                sends[(s + 1, k)] = backend.send([got], right, tag)
             else:
                 _add(got, own, self._result[lo:hi])
             if i + window < len(units):
