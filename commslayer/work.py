@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from .backends import classify
-from .errors import CollectiveTimeout, CommError
+from .errors import CollectiveTimeout, CommError, first_line
 from .validation import Timeout, timeout_seconds
 
 if TYPE_CHECKING:
@@ -241,7 +241,8 @@ class Work:
 
     def _backend_failed(self, exc: RuntimeError) -> None:
         if classify(exc) is CollectiveTimeout:
-            self._expire(time.monotonic_ns())
+            now_ns = time.monotonic_ns()  # a backend's timeout before the op's deadline: keep its words
+            self._expire(now_ns, first_line(exc) if now_ns < self.deadline_ns else None)
         else:
             self._fail(self._error_from(exc), time.monotonic_ns())
 
@@ -263,9 +264,10 @@ class Work:
         if self.comm.completion_hooks.fns:
             self.comm.completion_hooks(self)
 
-    def _expire(self, now_ns: int) -> None:
+    def _expire(self, now_ns: int, backend: Optional[str] = None) -> None:
+        """The op ran out of time: its deadline passed, or the backend said so (``backend``: its words)."""
         err = CollectiveTimeout(
-            "collective timed out",
+            "collective timed out" if backend is None else f"collective timed out (backend: {backend})",
             comm=self.comm.get_name(),
             op=self.op,
             seq=self.seq,
