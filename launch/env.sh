@@ -1,5 +1,6 @@
 # Sourced by the README's two commands: create or reuse the project venv.
-# Reinstalls only when pyproject.toml changed since the last install.
+# Reinstalls only when pyproject.toml, or the checkout the venv's editable
+# install points at, changed since the last install.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${COMMSLAYER_VENV:-$ROOT/.venv}"
@@ -8,7 +9,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
 STAMP="$VENV/.commslayer-installed"
-WANT="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
+WANT="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1) $ROOT"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e "$ROOT[dev]"
     echo "$WANT" > "$STAMP"
