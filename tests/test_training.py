@@ -159,7 +159,8 @@ def test_soak_twenty_faults(tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_the_launcher_ends_every_process_it_started(tmp_path, sig):
-    """Ctrl-C (or SIGTERM) to the launcher mid-run: no torchrun agent or worker is left."""
+    """Ctrl-C (or SIGTERM) to the launcher mid-run: no torchrun agent or worker is left.
+    SIGUSR1 before it only prints the launcher's stacks."""
     env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="")
     cmd = [*LAUNCHER, "--run-dir", str(tmp_path), TRAIN, *TINY[:-2], "--steps", "100000"]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -170,6 +171,11 @@ def test_the_launcher_ends_every_process_it_started(tmp_path, sig):
                 break
         started = descendants(proc.pid)
         assert started, "no processes started"
+        proc.send_signal(signal.SIGUSR1)  # the launcher prints its stacks and goes on
+        for line in proc.stdout:
+            if line.rstrip().endswith(" in _supervise"):
+                break
+        assert proc.poll() is None
         proc.send_signal(sig)
         try:
             out = proc.communicate(timeout=30)[0]
