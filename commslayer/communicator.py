@@ -75,7 +75,7 @@ class Communicator:
         self._store = store
         self._rank = rank
         self._size = size
-        self._timeout_s = timeout_s
+        self._set_timeout_s(timeout_s)
         self._hints = hints
         self.uid = uid  # the same on every member, unique in the job
         # member i's rank in the job, where known: the default group's rank, unless the job is
@@ -103,15 +103,21 @@ class Communicator:
         self._p2p_seq: Dict[Tuple[int, int], int] = {}
         self._splits: Set[str] = set()
         self._batches = 0  # batch_p2p ops issued (their trace records' numbers)
-        self._pre = Hooks("pre")
-        self._checks = Hooks("check", raising=True)
-        self._post = Hooks("post")
+
+        def observed() -> None:  # a hook came or went
+            comm = me()
+            if comm is not None:
+                comm._update_direct()
+
+        self._pre = Hooks("pre", on_change=observed)
+        self._checks = Hooks("check", raising=True, on_change=observed)
+        self._post = Hooks("post", on_change=observed)
         self._process_group: Optional[dist.ProcessGroup] = None
         self._checkers: Dict[str, Checker] = {}
         self._options = Options()
         self._barrier_opts = spec.barrier_options(self._options.timedelta(timeout_s), device)
         self.settle_lock = threading.Lock()  # shared by this communicator's Work objects
-        self.completion_hooks = Hooks("completion")
+        self.completion_hooks = Hooks("completion", on_change=observed)
         self._waiter_thread: Optional[Waiter] = None
         self._ring_thread: Optional[Waiter] = None  # runs ring reduce-scatters in turn
         # the input size from which a reduce-scatter takes the ring (None: never; commslayer.ring)
@@ -124,6 +130,8 @@ class Communicator:
             op for op, backend_op in BACKEND_OPS.items() if backend_op in spec.untimed_waits) \
             if life.watched else frozenset()
         self.recorder: Optional[OpRecorder] = None  # set by tracing's flight recorder
+        self._dense = Checker(name, "direct", rank, size, spec.device_type, spec.dtypes).fits
+        self._update_direct()
         if config.nan_check():
             NanCheckHook().register_with_comm(self)
         created(self)
@@ -153,7 +161,7 @@ class Communicator:
         chk = self._checker("set_timeout")
         if timeout is None:
             raise chk.fail("timeout must be a timedelta or a number of seconds, got None")
-        self._timeout_s = timeout_seconds(timeout, self._timeout_s, chk)
+        self._set_timeout_s(timeout_seconds(timeout, self._timeout_s, chk))
 
     def is_aborted(self) -> bool:
         """Whether ``abort()`` (or a failed shrink) closed this communicator; one that a
@@ -218,6 +226,9 @@ class Communicator:
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *,
                    async_op: bool = False, timeout: Timeout = None) -> Work:
         """Reduce ``tensor`` across ranks, in place (a sparse COO one too: ``_all_reduce_sparse``)."""
+        if self._direct and op is ReduceOp.SUM and async_op is False and timeout is None and self._dense(tensor):
+            return self._direct_run("all_reduce", self._backend.allreduce, ([tensor], self._direct_opts[0]),
+                                    (tensor,), (tensor,), op)
         chk = self._checker("all_reduce")
         if getattr(tensor, "is_sparse", False):
             return self._all_reduce_sparse(chk, tensor, op, async_op, timeout)
@@ -266,6 +277,10 @@ class Communicator:
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, *,
                           async_op: bool = False, timeout: Timeout = None) -> Work:
         """Concatenate every rank's ``input`` into ``output`` (``size`` times larger)."""
+        if self._direct and async_op is False and timeout is None and self._dense(output) and self._dense(input) \
+                and output.dtype is input.dtype and output.numel() == input.numel() * self._size:
+            return self._direct_run("all_gather_single", self._backend._allgather_base,
+                                    (output, input, self._direct_opts[1]), (input,), (output,), None)
         chk = self._checker("all_gather_single")
         chk.tensor(output, "output")
         chk.tensor(input, "input")
@@ -306,6 +321,11 @@ class Communicator:
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *,
                               async_op: bool = False, timeout: Timeout = None) -> Work:
         """Reduce ``input`` across ranks and leave this rank's slice in ``output``."""
+        if self._direct and op is ReduceOp.SUM and async_op is False and timeout is None and self._dense(output) \
+                and self._dense(input) and input.dtype is output.dtype and input.numel() == output.numel() * self._size \
+                and (self._ring_from is None or input.numel() * input.element_size() < self._ring_from):
+            return self._direct_run("reduce_scatter_single", self._backend._reduce_scatter_base,
+                                    (output, input, self._direct_opts[2]), (input,), (output,), op)
         chk = self._checker("reduce_scatter_single")
         chk.tensor(output, "output")
         chk.tensor(input, "input")
@@ -743,6 +763,24 @@ class Communicator:
         return self._process_group
 
     # ---------------------------------------------------------------- machinery
+    def _set_timeout_s(self, timeout_s: float) -> None:
+        """The deadline of every op that names none, and the direct path's option
+        structs that carry it (its own: ``_options``' structs take each op's deadline)."""
+        self._timeout_s = timeout_s
+        structs = Options()
+        self._direct_td = structs.timedelta(timeout_s)
+        self._direct_opts = tuple(
+            structs.get(cls, op) for cls, op in ((c10d.AllreduceOptions, ReduceOp.SUM), (c10d.AllgatherOptions, None),
+                                                 (c10d.ReduceScatterOptions, ReduceOp.SUM)))
+        for opts in self._direct_opts:
+            structs.deadline(opts, timeout_s)
+
+    def _update_direct(self) -> None:
+        """Whether the direct path (``_direct_run``) is open: only while no hook
+        observes this communicator's ops, check mode is off and writes are not isolated."""
+        self._direct = self._check is None and self._ops is self._backend and not (
+            self._pre.fns or self._checks.fns or self._post.fns or self.completion_hooks.fns)
+
     def _checker(self, op: str) -> Checker:
         chk = self._checkers.get(op)
         if chk is None:
@@ -754,6 +792,46 @@ class Communicator:
             extra_shape: Optional[List[int]] = None) -> Optional[Dict[str, Any]]:
         """The op's cross-rank fingerprint in check mode, else None."""
         return None if self._check is None else fingerprint(op, t, reduce_op, root=root, extra_shape=extra_shape)
+
+    def _direct_run(self, op: str, call: Callable[..., Any], args: Tuple[Any, ...], inputs: Tuple[torch.Tensor, ...],
+                    outputs: Tuple[torch.Tensor, ...], reduce_op: Optional[ReduceOp]) -> Work:
+        """``_run`` for a synchronous collective on the communicator's deadline, with
+        arguments the caller has checked, while ``_direct`` holds: the same steps
+        without the branches for hooks, check mode, isolation and async ops, because
+        each line after a blocking wait on a transfer runs with cold caches
+        (docs/benchmarks.md, "Where the time goes")."""
+        self._seq = seq = self._seq + 1
+        op_id = next(_op_ids)
+        timeout_s = self._timeout_s
+        recorder = self.recorder
+        record = None if recorder is None else recorder.scheduled(
+            self, op, op_id, seq, OpIO(inputs, outputs, reduce_op, None), None, False, timeout_s)
+        start = time.monotonic_ns()
+        try:
+            if not self.lifecycle.clean:
+                self.lifecycle.ensure_usable(op, seq)
+            c10d_work = call(*args)
+        except (RuntimeError, CommError) as exc:
+            err = self._not_issued(exc, Work, op, seq, op_id, timeout_s, start, None, record)
+            raise err from (None if err is exc else exc)
+        if op in self._waited_elsewhere:
+            c10d_work = self._waiter().wrap(c10d_work)
+        work = Work(self, op, seq, op_id, timeout_s, start, c10d_work, None, None, record)
+        if record is not None:
+            record.started(start)
+        work.wait_issued(self._direct_td)
+        return work
+
+    def _not_issued(self, exc: Exception, work_cls: type, op: str, seq: int, op_id: int, timeout_s: float,
+                    start: int, peer: Optional[int], record: Any) -> CommError:
+        """The error of an op that failed before its backend work existed (refused,
+        or the backend call raised), recorded as that op's outcome."""
+        err = self.lifecycle.error_from(exc, op, seq, timeout_s, (time.monotonic_ns() - start) / 1e9, peer)
+        failed = work_cls(self, op, seq, op_id, timeout_s, start, None, None, peer, record)
+        # A mismatch found by check mode leaves the group usable: every rank raised
+        # at the same op and nothing was sent. Anything else breaks it.
+        failed.fail_before_issue(err, self._post, breaks=not isinstance(err, CollectiveMismatch))
+        return err
 
     def _run(self, chk: Checker, io: OpIO, issue: Callable[[], Any], *, opts: Any, fp: Optional[Dict[str, Any]],
              timeout: Timeout, async_op: bool, finish: Optional[Callable[[], None]] = None,
@@ -808,11 +886,7 @@ class Communicator:
                     # deadline (Gloo fails a point-to-point work at its first timed-out wait)
                     c10d_work = self._waiter().wrap(c10d_work, td)
         except (RuntimeError, CommError) as exc:
-            err = self.lifecycle.error_from(exc, op, seq, timeout_s, (time.monotonic_ns() - start) / 1e9, peer)
-            failed = work_cls(self, op, seq, op_id, timeout_s, start, None, None, peer, record)
-            # A mismatch found by check mode leaves the group usable: every rank raised
-            # at the same op and nothing was sent. Anything else breaks it.
-            failed.fail_before_issue(err, self._post, breaks=not isinstance(err, CollectiveMismatch))
+            err = self._not_issued(exc, work_cls, op, seq, op_id, timeout_s, start, peer, record)
             raise err from (None if err is exc else exc)
         work = work_cls(self, op, seq, op_id, timeout_s, start, c10d_work, finish, peer, record)
         if record is not None:

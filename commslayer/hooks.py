@@ -48,18 +48,21 @@ class Hooks:
     """An ordered list of callables of one kind (``pre``, ``post``, ``abort``, ``error``,
     ``check``: the one kind whose exceptions propagate, ``raising``)."""
 
-    def __init__(self, kind: str, *, raising: bool = False) -> None:
+    def __init__(self, kind: str, *, raising: bool = False, on_change: Optional[Callable[[], None]] = None) -> None:
         self.kind = kind
         self.raising = raising  # what a hook raises propagates (checks that refuse an op)
         self.fns: Tuple[Callable[..., Any], ...] = ()  # replaced, never mutated: safe to iterate
         self._lock = threading.Lock()
         self._warned: Set[int] = set()
+        self._on_change = on_change  # called after every add and remove
 
     def add(self, fn: Callable[..., Any]) -> HookHandle:
         if not callable(fn):
             raise TypeError(f"{self.kind} hook must be callable, got {fn!r}")
         with self._lock:
             self.fns = self.fns + (fn,)
+        if self._on_change is not None:
+            self._on_change()
         return HookHandle(self, fn)
 
     def _remove(self, fn: Callable[..., Any]) -> None:
@@ -68,6 +71,8 @@ class Hooks:
             if fn in fns:
                 fns.remove(fn)
             self.fns = tuple(fns)
+        if self._on_change is not None:
+            self._on_change()
 
     def __call__(self, *args: Any) -> None:
         if self.raising:

@@ -48,15 +48,21 @@ class Checker:
     def fail(self, what: str) -> InvalidArgument:
         return InvalidArgument(what, comm=self.comm, op=self.op, ranks=(self.rank,))
 
+    def fits(self, t: Any) -> bool:
+        """Whether ``t`` is a dense, contiguous tensor on the group's device type, of a
+        dtype the backend carries as it is (not complex): three attribute reads."""
+        device_type = self.device_type
+        try:
+            on_device = t.is_cpu if device_type == "cpu" else t.device.type == device_type
+            return bool(on_device and t.dtype in self.dtypes and t.is_contiguous())
+        except (AttributeError, RuntimeError):  # not a tensor, or a sparse one
+            return False
+
     def tensor(self, t: Any, what: str) -> None:
         """A dense, contiguous tensor on the group's device type, of a dtype it carries."""
+        if self.fits(t):
+            return
         device_type = self.device_type
-        try:  # the fast path: three attribute reads
-            on_device = t.is_cpu if device_type == "cpu" else t.device.type == device_type
-            if on_device and t.dtype in self.dtypes and t.is_contiguous():
-                return
-        except (AttributeError, RuntimeError):  # not a tensor, or a sparse one
-            pass
         if not isinstance(t, torch.Tensor):
             raise self.fail(f"{what} must be a torch.Tensor, got {type(t).__name__}")
         if t.device.type != device_type:

@@ -237,6 +237,28 @@ def _ops_job(rank: int, size: int, store: Any) -> Dict[str, Any]:
         store.wait(["tc-timed-out"], timedelta(seconds=30))
     short.abort()
     out["aborted"] = short.is_aborted()
+
+    # The direct path of synchronous ops (Communicator._direct_run) closes while a hook
+    # watches, opens again when it goes, and carries the deadline set_timeout gives.
+    direct = commslayer.new_comm("gloo", name="tc-direct", store=store, rank=rank, size=size, timeout=30)
+    seen: List[str] = []
+    direct.all_reduce(torch.ones(2))
+    handle = direct.register_pre_hook(lambda op, op_id, args: seen.append(op))
+    direct.all_reduce(torch.ones(2))
+    direct.all_gather_single(torch.zeros(2 * size), torch.ones(2))
+    direct.reduce_scatter_single(torch.zeros(1), torch.ones(size))
+    handle.remove()
+    direct.all_reduce(torch.ones(2))
+    out["hooked"] = seen
+    direct.set_timeout(1.5)
+    if rank == 0:  # nobody else joins: the all_reduce ends at the new deadline
+        began = time.monotonic()
+        err = _error(lambda: direct.all_reduce(torch.ones(2)))
+        out["direct deadline"] = (err and err[0], err and err[1], time.monotonic() - began)
+        store.set("tc-direct-timed-out", "1")
+    else:
+        store.wait(["tc-direct-timed-out"], timedelta(seconds=30))
+    direct.abort()
     return out
 
 
@@ -269,7 +291,10 @@ def test_torchcomms_ops_match_plain_c10d(size: int) -> None:
         assert out["nan env"][:3] == ("NanDetected", "gather_single", (rank,)), out["nan env"]
 
         assert out["timeout"] == 1.5 and out["aborted before"] is False and out["aborted"] is True
+        assert out["hooked"] == ["all_reduce", "all_gather_single", "reduce_scatter_single"], out["hooked"]
     ours = results[0]
+    kind, op, took = ours["direct deadline"]
+    assert (kind, op) == ("CollectiveTimeout", "all_reduce") and 1.4 < took < 4.0, ours["direct deadline"]
     kind, took = ours["deadline"]
     assert kind == "CollectiveTimeout" and 1.4 < took < 4.0 and ours["broken aborted"] is False, ours["deadline"]
     for rank in (0, 1):
