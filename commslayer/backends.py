@@ -85,6 +85,10 @@ class BackendSpec:
     device_type: str
     dtypes: FrozenSet[torch.dtype]
     untimed_waits: FrozenSet[str] = frozenset()  # backend ops whose work.wait(timeout) blocks anyway
+    # Backend ops whose work completes inside a wait and takes no second one (Gloo's
+    # send/recv: a second wait waits for another message and, timing out, closes
+    # every connection of the group, measured).
+    single_waits: FrozenSet[str] = frozenset()
     # The hints this backend takes, each with the check that turns a value into the string it uses
     # (raising ValueError that says what is allowed).
     hint_checks: Mapping[str, Callable[[object], str]] = {}
@@ -164,6 +168,7 @@ class GlooSpec(BackendSpec):
     # Gloo's reduce-scatter works ignore the timeout of wait() and block until the op ends
     # or fails (measured: a 50 ms wait returned after the op's 3 s deadline).
     untimed_waits = frozenset({"_reduce_scatter_base", "reduce_scatter"})
+    single_waits = frozenset({"send", "recv", "send/recv"})
     hint_checks = {"interface": _interfaces, "threads": _gloo_threads, "reduce_scatter": _algorithm}
 
     def create(self, store, rank, size, timeout, hints):

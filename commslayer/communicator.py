@@ -129,6 +129,8 @@ class Communicator:
         self._waited_elsewhere = frozenset(
             op for op, backend_op in BACKEND_OPS.items() if backend_op in spec.untimed_waits) \
             if life.watched else frozenset()
+        # Our ops whose backend work one thread waits on, once (Work.is_completed)
+        self.waited_once = frozenset(op for op, backend_op in BACKEND_OPS.items() if backend_op in spec.single_waits)
         self.recorder: Optional[OpRecorder] = None  # set by tracing's flight recorder
         self._dense = Checker(name, "direct", rank, size, spec.device_type, spec.dtypes).fits
         self._update_direct()

@@ -94,6 +94,10 @@ class Work:
         if self._status in _DONE:
             return True
         if self._c10d.is_completed():
+            if self.op in self.comm.waited_once and self._c10d.__class__ is not WaitedElsewhere:
+                # Such a work completes inside the wait of the thread that settles it; waiting
+                # on it again from here (the watchdog) would close the group's connections.
+                return True
             self._settle_from_backend(0.0)
             return True
         return False
@@ -318,23 +322,34 @@ class WaitedElsewhere:
     Exactly one thread waits on the real work: two waiters corrupted FSDP2's
     gradients (measured)."""
 
-    __slots__ = ("work", "timeout", "done", "error")
+    __slots__ = ("work", "timeout", "finished", "_held", "error")
 
     def __init__(self, work: Any, timeout: Optional[timedelta] = None) -> None:
         self.work = work
         self.timeout = timeout  # the op's deadline, for a backend work whose wait honours it
-        self.done = threading.Event()
+        self.finished = False
+        # Held until the work ends: a lock's timed acquire is one C call, where an
+        # Event's wait runs threading.Condition's Python after the op's transfer.
+        self._held = threading.Lock()
+        self._held.acquire()
         self.error: Optional[BaseException] = None
 
+    def set_finished(self) -> None:
+        """The waiter thread's call once the work ended (``error`` set before, if it failed)."""
+        self.finished = True
+        self._held.release()
+
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        if not self.done.wait(None if timeout is None else timeout.total_seconds()):
-            raise RuntimeError("Operation timed out!")
+        if not self.finished:
+            if not self._held.acquire(timeout=-1 if timeout is None else timeout.total_seconds()):
+                raise RuntimeError("Operation timed out!")
+            self._held.release()  # for any later wait
         if self.error is not None:
             raise self.error
         return True
 
     def is_completed(self) -> bool:
-        return self.done.is_set()
+        return self.finished
 
     def get_future(self) -> Any:
         raise RuntimeError("this work has no future")
@@ -365,7 +380,7 @@ class Waiter:
                 waited.work.wait() if waited.timeout is None else waited.work.wait(waited.timeout)
             except BaseException as exc:  # handed to the caller's wait
                 waited.error = exc
-            waited.done.set()
+            waited.set_finished()
             waited = None
 
     def stop(self) -> None:

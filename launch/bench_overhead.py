@@ -23,6 +23,13 @@ and each message size, three variants run the same op on the same tensors:
 * ``commslayer`` (B)  -- ``Communicator.all_reduce`` / ``all_gather_single`` /
   ``reduce_scatter_single`` on ``commslayer.new_comm("gloo", name="bench")``.
 
+With ``--breakdown`` two more show where commslayer's cost lies: ``backend``
+(the same op on the second plain group's Gloo backend object itself, its
+method and its wait with no Python layer above them: the floor every layer
+pays) and ``general`` (commslayer's general op path, ``Communicator._run``,
+taken by naming the communicator's own timeout; ``commslayer`` takes the
+direct path of a synchronous op that no hook observes).
+
 With ``--tracing`` three more variants run beside them, each on its own
 communicator watched by its own flight recorder (``tracing.recorder``): the
 recorder alone (``recorder``), plus structlog JSON lines (``recorder+jsonl``),
@@ -111,7 +118,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -122,6 +129,7 @@ from commslayer import config as cl_config
 OPS: Tuple[str, ...] = ("all_reduce", "all_gather_single", "reduce_scatter_single")
 BASE_VARIANTS: Tuple[str, ...] = ("plain", "plain2", "commslayer")
 TRACED_VARIANTS: Tuple[str, ...] = ("recorder", "recorder+jsonl", "recorder+jsonl+otel")
+BREAKDOWN_VARIANTS: Tuple[str, ...] = ("backend", "general")
 VARIANTS: Tuple[str, ...] = BASE_VARIANTS  # main() adds TRACED_VARIANTS with --tracing
 METRICS: Tuple[str, ...] = ("wall", "cpu")
 DEFAULT_SIZES: Tuple[int, ...] = tuple(4 ** k for k in range(1, 14))  # 4 B .. 64 MiB
@@ -184,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tracing", action="store_true",
                    help="also measure commslayer with the flight recorder, + JSON lines, + OpenTelemetry "
                         "(one communicator and one recorder per variant)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also measure the layers: 'backend' (the Gloo backend's own method and wait, no Python "
+                        "layer: the floor) and 'general' (commslayer's general op path, taken by naming a "
+                        "timeout, where 'commslayer' takes the direct path)")
     p.add_argument("--nan-check", action="store_true",
                    help="also measure commslayer with the NaN check on (commslayer.NanCheckHook), on a "
                         "communicator of its own")
@@ -197,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 SMOKE = {"sizes": [4], "warmup": 1, "min_reps": 1, "max_reps": 1, "verify_elements": 33, "tracing": True,
-         "trace_dir": None, "nan_check": True}
+         "trace_dir": None, "nan_check": True, "breakdown": True}
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -267,13 +279,24 @@ def plain_call(op: str, group: dist.ProcessGroup, inp: torch.Tensor, out: Option
         _reduce_scatter_single(out, inp, group=group)
 
 
-def comm_call(op: str, comm: commslayer.Communicator, inp: torch.Tensor, out: Optional[torch.Tensor]) -> None:
+def comm_call(op: str, comm: commslayer.Communicator, inp: torch.Tensor, out: Optional[torch.Tensor],
+              timeout: Optional[_dt.timedelta] = None) -> None:
     if op == "all_reduce":
-        comm.all_reduce(inp)
+        comm.all_reduce(inp, timeout=timeout)
     elif op == "all_gather_single":
-        comm.all_gather_single(out, inp)
+        comm.all_gather_single(out, inp, timeout=timeout)
     else:
-        comm.reduce_scatter_single(out, inp)
+        comm.reduce_scatter_single(out, inp, timeout=timeout)
+
+
+def backend_call(op: str, backend: Any, inp: torch.Tensor, out: Optional[torch.Tensor]) -> None:
+    """The op on a Gloo backend itself: its method and its wait, nothing above them."""
+    if op == "all_reduce":
+        backend.allreduce([inp]).wait()
+    elif op == "all_gather_single":
+        backend._allgather_base(out, inp).wait()
+    else:
+        backend._reduce_scatter_base(out, inp).wait()
 
 
 def variant_calls(op: str, g: Groups, b: Buffers) -> Dict[str, Op]:
@@ -284,6 +307,10 @@ def variant_calls(op: str, g: Groups, b: Buffers) -> Dict[str, Op]:
     }
     for name, comm in g.traced.items():
         calls[name] = lambda comm=comm: comm_call(op, comm, b.inp, b.out)
+    backend = g.plain2._get_backend(torch.device("cpu"))
+    calls["backend"] = lambda: backend_call(op, backend, b.inp, b.out)
+    general = g.comm.get_timeout()
+    calls["general"] = lambda: comm_call(op, g.comm, b.inp, b.out, timeout=general)
     return calls
 
 
@@ -609,6 +636,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             atexit.register(shutil.rmtree, args.trace_dir, ignore_errors=True)
         VARIANTS = BASE_VARIANTS + TRACED_VARIANTS
         g.traced = traced_comms(args.trace_dir)
+    if args.breakdown:
+        VARIANTS = VARIANTS + BREAKDOWN_VARIANTS
     if args.nan_check:
         VARIANTS = VARIANTS + ("nan-check",)
         g.traced["nan-check"] = commslayer.new_comm("gloo", name="bench-nan-check")

@@ -47,3 +47,44 @@ def test_async_ops_keep_tensors_and_complete_in_any_order():
         assert avg == [sum(r + i for r in range(size)) / size for i in range(8)]
         assert reused == sum(range(size))
         assert statuses == {"completed"}
+
+
+def _recv_polled(rank, size, store):
+    """Rank 0 waits on async recvs while a second thread polls each one, as the
+    watchdog does; an all_reduce after each message shows the group still works."""
+    import threading
+
+    import commslayer
+
+    comm = commslayer.new_comm("gloo", name="polled", store=store, rank=rank, size=size, timeout=30)
+    got = []
+    for i in range(100):
+        t = torch.zeros(256)
+        if rank == 0:
+            work = comm.recv(t, 1, async_op=True)
+            stop = threading.Event()
+
+            def poll(work=work, stop=stop):
+                while not stop.is_set():
+                    work.is_completed()
+
+            poller = threading.Thread(target=poll)
+            poller.start()
+            try:
+                work.wait()
+            finally:
+                stop.set()
+                poller.join()
+            got.append(t[0].item())
+        else:
+            comm.send(torch.full((256,), float(i)), 0)
+        comm.all_reduce(torch.ones(1))
+    return got
+
+
+@pytest.mark.timeout(120)
+def test_a_recv_polled_while_waited_leaves_the_group_working():
+    # A Gloo recv completes inside its wait; polling it from another thread must not wait
+    # on it again, which waited for a message that never came and closed the connections.
+    got, _ = run_ranks(_recv_polled, 2, timeout=100)
+    assert got == [float(i) for i in range(100)]

@@ -84,8 +84,11 @@ def median_in_range(cell: str) -> float:
 
 
 @pytest.mark.timeout(60)
-def test_hotpath_smoke():
-    out = run_bench("launch/bench_hotpath.py", "--smoke", timeout=50)
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_hotpath_smoke(ranks):
+    launch = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())] \
+        if ranks > 1 else []
+    out = run_bench(*launch, "launch/bench_hotpath.py", "--smoke", timeout=50)
     header = ["variant", "CPU µs/op, median of rounds", "min–max over rounds", "minus plain c10d"]
     found = table(out, header, "variant")
     assert list(found) == ["plain c10d", "commslayer", "commslayer + recorder", "commslayer, isolate_writes",
@@ -101,7 +104,7 @@ def test_hotpath_smoke():
 def test_overhead_smoke(tmp_path):
     out = run_bench("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
                     "launch/bench_overhead.py", "--smoke", timeout=80, env={"TMPDIR": str(tmp_path)})
-    traced = ["recorder", "recorder+jsonl", "recorder+jsonl+otel", "nan-check"]
+    traced = ["recorder", "recorder+jsonl", "recorder+jsonl+otel", "backend", "general", "nan-check"]
     header = ["op", "size", "reps", "plain (A)", "plain2 (A')", "commslayer (B)", "B/A", "A'/A", "B−A"]
     header += [col for v in traced for col in (v, "/A", "−A")]
     medians = [header.index(v) for v in ("plain (A)", "plain2 (A')", "commslayer (B)", *traced)]

@@ -17,6 +17,7 @@ ending), and whenever ``dump()`` is called.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
@@ -28,7 +29,7 @@ import time
 import traceback
 import weakref
 from collections import deque
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import orjson
@@ -94,7 +95,7 @@ class Record:
     end_ns: Optional[int]
     duration_ms: Optional[float]
     thread: int  # the thread's ident until to_dict
-    call_site: Optional[Tuple[str, int]]
+    call_site: Optional[Tuple[CodeType, int]]  # the caller's code and instruction offset until to_dict
     stack: Optional[List[str]]
     wait_ns: Optional[int]
     wait_end_ns: Optional[int]
@@ -145,8 +146,16 @@ class Record:
         d["out_bytes"] = sum(s.numel() for s in self.out_sizes) * itemsize
         d["reduce_op"] = None if self.reduce_op is None else repr(self.reduce_op).replace("ReduceOp.", "")
         d["thread"] = _thread_names.get(self.thread, str(self.thread))
-        d["call_site"] = "?" if self.call_site is None else "%s:%d" % self.call_site
+        d["call_site"] = "?" if self.call_site is None else _site(*self.call_site)
         return d
+
+
+@functools.lru_cache(maxsize=4096)
+def _site(code: CodeType, lasti: int) -> str:
+    """"file:line" of the instruction at byte offset ``lasti`` of ``code`` (what ``f_lineno`` says)."""
+    line = next((ln for start, end, ln in code.co_lines() if start <= lasti < end and ln is not None),
+                code.co_firstlineno)
+    return f"{code.co_filename}:{line}"
 
 
 def _caller(frame: Optional[FrameType]) -> Optional[FrameType]:
@@ -240,7 +249,7 @@ class FlightRecorder:
         # Frame 3 is the caller of the op's method (scheduled <- _run <- the method): each
         # frame looked at becomes a frame object, which costs microseconds after a transfer.
         frame = _caller(sys._getframe(3))
-        r.call_site = None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
+        r.call_site = None if frame is None else (frame.f_code, frame.f_lasti)  # f_lineno decodes a line table
         r.stack = [f"{f.filename}:{f.lineno} in {f.name}" for f in traceback.extract_stack(frame)] \
             if self.stack and frame is not None else None
         self._ring[self._count % self.capacity] = r
