@@ -56,6 +56,19 @@ def ring_fits(op: ReduceOp, output: torch.Tensor, size: int) -> bool:
         and output.numel() > 0
 
 
+def in_ring_order(inputs: List[torch.Tensor], rank: int) -> torch.Tensor:
+    """Rank ``rank``'s block of the sum of ``inputs`` (every rank's whole input, flat,
+    in rank order), added as the ring adds it: ``((x[b+1] + x[b+2]) + ...) + x[b]``,
+    ranks modulo their number (docs/api.md); what the ring leaves in that rank's output."""
+    size = len(inputs)
+    n = inputs[0].numel() // size
+    parts = [inputs[(rank + 1 + i) % size][rank * n:(rank + 1) * n] for i in range(size)]
+    acc = parts[0].clone()
+    for part in parts[1:]:
+        acc = acc + part
+    return acc
+
+
 class RingReduceScatter:
     """One ring reduce-scatter of ``blocks`` (n flat tensors: block j is rank j's
     share) into the flat ``out``, through ``backend``'s send/recv with ``tag``."""

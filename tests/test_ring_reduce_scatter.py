@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from commslayer.ring import in_ring_order
 from tests.harness import run_ranks
 
 # (elements per rank's share, dtype): odd counts, a share of several chunks, an empty one
@@ -40,15 +41,6 @@ def _close(a, b, inputs):
                 for x in inputs)
     eps = torch.finfo(inputs[0].real.dtype if inputs[0].is_complex() else inputs[0].dtype).eps
     return torch.allclose(a, b, rtol=0, atol=4 * len(inputs) * eps * scale)
-
-
-def _in_ring_order(inputs, rank, size, n):
-    """Block ``rank`` summed as the ring does: ((x[b+1] + x[b+2]) + ...) + x[b]."""
-    parts = [inputs[(rank + 1 + i) % size][rank * n:(rank + 1) * n] for i in range(size)]
-    acc = parts[0].clone()
-    for p in parts[1:]:
-        acc = acc + p
-    return acc
 
 
 def _compare(rank, size, store):
@@ -79,7 +71,7 @@ def _compare(rank, size, store):
                                     [torch.empty(0, dtype=dtype) for _ in range(size)], op)
                 outs[label] = (out, again, listed)
             r, nat, st = outs["ring"][0], outs["native"][0], outs["staged"][0]
-            expected = _in_ring_order(everyone, rank, size, n) if op.name == "SUM" else None
+            expected = in_ring_order(everyone, rank) if op.name == "SUM" else None
             report.append({
                 "case": f"{dtype} n={n} {op}",
                 "bitwise_native": torch.equal(r, nat),
