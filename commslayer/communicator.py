@@ -4,7 +4,10 @@ It validates a call (``validation``), optionally compares it across ranks
 (``check``), issues it on the c10d backend built by ``backends`` (the
 tensors and option structs as ``wire`` prepares them, the op's deadline in
 the struct), and hands back a ``Work`` whose
-deadline the caller's ``wait`` or the ``watchdog`` enforces.  Whether it may
+deadline the caller's ``wait`` or the ``watchdog`` enforces.  A synchronous
+all_reduce, all_gather_single or reduce_scatter_single that no hook observes
+takes ``_direct_run``: the same steps without the branches only hooks, check
+mode, isolation and async ops need.  Whether it may
 issue at all is its ``lifecycle``'s business (commslayer.lifecycle: the state
 machine, lost and departed peers, fencing, shrink, reconfigure, votes, the
 liveness callbacks): after any failure the backend group is unusable (Gloo
@@ -801,7 +804,7 @@ class Communicator:
         arguments the caller has checked, while ``_direct`` holds: the same steps
         without the branches for hooks, check mode, isolation and async ops, because
         each line after a blocking wait on a transfer runs with cold caches
-        (docs/benchmarks.md, "Where the time goes")."""
+        (docs/benchmarks.md, "The direct path")."""
         self._seq = seq = self._seq + 1
         op_id = next(_op_ids)
         timeout_s = self._timeout_s

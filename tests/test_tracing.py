@@ -74,6 +74,12 @@ def test_records_complete_ordered_and_states_right(tmp_path):
             assert r["duration_ms"] >= 0 and "tests/test_tracing.py:" in r["call_site"] and r["thread"]
         for seqs in by_comm.values():
             assert seqs == list(range(1, len(seqs) + 1))  # gapless, in order
+        # the exact line, for an op on the direct path (synchronous, unobserved) and one off it
+        source = open(__file__).read().splitlines()
+        line = source.index("        comm.all_reduce(t)") + 1
+        assert records[0]["op"] == "all_reduce" and records[0]["call_site"].endswith(f"test_tracing.py:{line}")
+        line = source.index("        w = comm.all_gather_single(torch.empty(64 * size), t, async_op=True)") + 1
+        assert records[1]["op"] == "all_gather_single" and records[1]["call_site"].endswith(f"test_tracing.py:{line}")
         ops = [r["op_id"] for r in records]
         assert ops == sorted(ops)
     ok = [r for r in r0 if r["state"] == "completed"]
