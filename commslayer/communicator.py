@@ -135,7 +135,8 @@ class Communicator:
         # Our ops whose backend work one thread waits on, once (Work.is_completed)
         self.waited_once = frozenset(op for op, backend_op in BACKEND_OPS.items() if backend_op in spec.single_waits)
         self.recorder: Optional[OpRecorder] = None  # set by tracing's flight recorder
-        self._dense = Checker(name, "direct", rank, size, spec.device_type, spec.dtypes).fits
+        direct = Checker(name, "direct", rank, size, spec.device_type, spec.dtypes)
+        self._dense, self._dense_sized = direct.fits, direct.fits_sized
         self._update_direct()
         if config.nan_check():
             NanCheckHook().register_with_comm(self)
@@ -282,8 +283,7 @@ class Communicator:
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, *,
                           async_op: bool = False, timeout: Timeout = None) -> Work:
         """Concatenate every rank's ``input`` into ``output`` (``size`` times larger)."""
-        if self._direct and async_op is False and timeout is None and self._dense(output) and self._dense(input) \
-                and output.dtype is input.dtype and output.numel() == input.numel() * self._size:
+        if self._direct and async_op is False and timeout is None and self._dense_sized(output, input):
             return self._direct_run("all_gather_single", self._backend._allgather_base,
                                     (output, input, self._direct_opts[1]), (input,), (output,), None)
         chk = self._checker("all_gather_single")
@@ -326,9 +326,9 @@ class Communicator:
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *,
                               async_op: bool = False, timeout: Timeout = None) -> Work:
         """Reduce ``input`` across ranks and leave this rank's slice in ``output``."""
-        if self._direct and op is ReduceOp.SUM and async_op is False and timeout is None and self._dense(output) \
-                and self._dense(input) and input.dtype is output.dtype and input.numel() == output.numel() * self._size \
-                and (self._ring_from is None or input.numel() * input.element_size() < self._ring_from):
+        if self._direct and op is ReduceOp.SUM and async_op is False and timeout is None \
+                and self._dense_sized(input, output) \
+                and not self._takes_ring(op, output, input.numel() * input.element_size()):
             return self._direct_run("reduce_scatter_single", self._backend._reduce_scatter_base,
                                     (output, input, self._direct_opts[2]), (input,), (output,), op)
         chk = self._checker("reduce_scatter_single")

@@ -58,6 +58,12 @@ class Checker:
         except (AttributeError, RuntimeError):  # not a tensor, or a sparse one
             return False
 
+    def fits_sized(self, big: Any, small: Any) -> bool:
+        """Whether ``big`` and ``small`` both ``fit``, share a dtype, and ``big`` holds
+        the group's size times ``small``'s elements (what ``sized`` checks)."""
+        return self.fits(big) and self.fits(small) and big.dtype is small.dtype \
+            and big.numel() == small.numel() * self.size
+
     def tensor(self, t: Any, what: str) -> None:
         """A dense, contiguous tensor on the group's device type, of a dtype it carries."""
         if self.fits(t):
