@@ -231,6 +231,20 @@ def peer_timeout_s() -> float:
     return _seconds("COMMSLAYER_PEER_TIMEOUT_S", 3.0)
 
 
+def watch_peers() -> int:
+    """``COMMSLAYER_WATCH_PEERS``: how many peers each member watches once a member
+    set is larger than ``COMMSLAYER_FULL_MESH_MAX`` (default 3): each member then
+    has this many watchers and at most twice this many liveness connections."""
+    return _integer("COMMSLAYER_WATCH_PEERS", 3, 1, 64)
+
+
+def full_mesh_max() -> int:
+    """``COMMSLAYER_FULL_MESH_MAX``: the largest member set in which every member
+    watches every other (default 16); larger sets use the watch topology of
+    ``COMMSLAYER_WATCH_PEERS`` (see docs/recovery.md)."""
+    return _integer("COMMSLAYER_FULL_MESH_MAX", 16, 1)
+
+
 def liveness_timing() -> Tuple[float, float]:
     """(heartbeat, peer timeout) in seconds, checked together: with liveness on, the
     peer timeout must exceed two heartbeat periods, or a healthy peer whose beat is
@@ -372,9 +386,10 @@ def faults_log() -> str:
 # What validate() reads: every accessor that can refuse a value.
 _CHECKED: Tuple[Callable[[], object], ...] = (
     default_timeout, check_mode, nan_check, route_c10d, trace_dir, job_rank, trace_buffer, trace_stack, trace_jsonl,
-    trace_otel, trace_sink_queue, heartbeat_s, peer_timeout_s, liveness_timing, liveness_host, isolate_writes,
-    faults_log, trace_mode, replica_id, run_dir, store_timeout_s, average_after_backward, restart_unit, node,
-    redundancy, refresh_every, reshard, resharded, reduce_scatter_algorithm, ring_min_bytes,
+    trace_otel, trace_sink_queue, heartbeat_s, peer_timeout_s, liveness_timing, liveness_host, watch_peers,
+    full_mesh_max, isolate_writes, faults_log, trace_mode, replica_id, run_dir, store_timeout_s,
+    average_after_backward, restart_unit, node, redundancy, refresh_every, reshard, resharded,
+    reduce_scatter_algorithm, ring_min_bytes,
 )
 _valid: Set[Tuple[Tuple[str, str], ...]] = set()  # environments found valid (resolving a host costs)
 

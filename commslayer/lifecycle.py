@@ -362,7 +362,8 @@ class Lifecycle:
 
         self._liveness = Liveness(store, self._rank, self._size, heartbeat_s=lineage.heartbeat_s,
                                   peer_timeout_s=lineage.peer_timeout_s, connect_timeout_s=connect_timeout_s,
-                                  on_lost=on_lost, on_left=on_left, label=f"{self._name}@g{self.generation}")
+                                  on_lost=on_lost, on_left=on_left, label=f"{self._name}@g{self.generation}",
+                                  watch_peers=config.watch_peers(), mesh_max=config.full_mesh_max())
         self.watched = True
 
     def stop_watching(self) -> None:

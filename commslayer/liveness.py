@@ -1,9 +1,10 @@
-"""Liveness: every member of a communicator watches every other over its own TCP mesh.
+"""Liveness: the members of a communicator watch each other over their own TCP
+connections, and agree on who is lost (the rules: ``commslayer.watch``).
 
 Why a side channel: Gloo tells a survivor about a dead peer only when that
 survivor happens to be talking to it, and a stopped (SIGSTOP) or deadlocked
-peer costs everyone the whole op timeout.  So each member keeps one TCP
-connection to every other member, independent of the backend:
+peer costs everyone the whole op timeout.  So members keep TCP connections
+to each other, independent of the backend, and send heartbeats over them:
 
 * a peer whose process dies (SIGKILL, exit, crash) is noticed at once: its
   kernel closes the socket and the reader sees EOF or a reset;
@@ -14,21 +15,27 @@ connection to every other member, independent of the backend:
   rank that never calls the next collective) is *not* liveness: the op's
   deadline catches it.
 
+In a small member set every member connects to every other (the full mesh);
+in a large one each member connects only to the few it watches and that
+watch it, and what one member sees spreads over those connections
+(``commslayer.watch``, which also decides when evidence is enough).
+
 One ``Liveness`` serves one member set (a communicator of one generation
 and the communicators split from it); one daemon thread runs it, reading all
-sockets with a selector and sending a one-byte heartbeat every
-``heartbeat_s``.
+sockets with a selector, feeding the protocol what arrives and sending what
+it says, when it says.
 
 Set-up goes through the communicator's store: each member listens on its
 own advertised address (``commslayer.addresses``: the interface towards the
 store, or the one ``GLOO_SOCKET_IFNAME`` or ``COMMSLAYER_LIVENESS_HOST``
-names; never every interface) and publishes it with a fresh random key.  A
-connection counts only once its hello (sender, receiver) carries the HMAC of
-the receiver's key, so a process that cannot read the store cannot join,
-pose as a rank or stall the set-up: junk, forged hellos and silent sockets
-are logged and dropped (a silent one after ``HELLO_TIMEOUT_S``) while the
-real peers connect.  The listener closes once every peer is in.  Set-up
-failures are ``PeerLost`` naming the peer.
+names; never every interface) and publishes it with a fresh random key; it
+dials its higher-ranked neighbours and accepts its lower-ranked ones, so it
+reads only its neighbours' keys.  A connection counts only once its hello
+(sender, receiver) carries the HMAC of the receiver's key, so a process that
+cannot read the store cannot join, pose as a rank or stall the set-up: junk,
+forged hellos and silent sockets are logged and dropped (a silent one after
+``HELLO_TIMEOUT_S``) while the real peers connect.  The listener closes once
+every neighbour is in.  Set-up failures are ``PeerLost`` naming the peer.
 ``close()`` (``finalize``, and every monitor at normal interpreter exit)
 says goodbye first, so a member that leaves on purpose is not reported as
 lost; the communicator still fails an op that needs a member that left.  A
@@ -52,19 +59,20 @@ import sys
 import threading
 import time
 import weakref
-from typing import Callable, Dict, Set, Tuple
+import zlib
+from typing import Callable, Dict, Optional, Sequence, Set, Tuple
 
 import torch.distributed as dist
 
 from .addresses import advertised_host
 from .errors import PeerLost
+from .watch import BEAT, BROKEN, HUNG_UP, Topology, Watch
 
 log = logging.getLogger("commslayer")
 
 _MAGIC = b"CLhb"
 _HELLO = struct.Struct("!4sII32s")  # magic, sender's rank, receiver's rank, HMAC-SHA256 of the three
-_BEAT = b"."
-_BYE = b"B"
+_OUT_MAX = 1 << 20  # bytes queued for a peer that is not reading, beyond which frames to it are dropped
 HELLO_TIMEOUT_S = 2.0  # a connection that has not said a valid hello by then is dropped
 
 _open: "weakref.WeakSet[Liveness]" = weakref.WeakSet()
@@ -93,25 +101,29 @@ def check_hello(key: bytes, receiver: int, data: bytes) -> int:
 
 
 class Liveness:
-    """The heartbeat mesh of one member set. On its thread, ``on_lost(ranks, why)``
+    """The liveness monitor of one member set. On its thread, ``on_lost(ranks, why)``
     runs when peers die or stop, ``on_left(ranks)`` when peers close it on purpose.
 
+    ``watch_peers`` and ``mesh_max`` choose the topology (``Topology.choose``);
+    ``hosts`` (a label per rank), where known, puts watchers on other hosts.
     Set-up failures raise ``PeerLost`` naming the peer that could not be reached."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, *, heartbeat_s: float, peer_timeout_s: float,
-                 connect_timeout_s: float, on_lost: LostCallback, on_left: LeftCallback, label: str) -> None:
+                 connect_timeout_s: float, on_lost: LostCallback, on_left: LeftCallback, label: str,
+                 watch_peers: int = 3, mesh_max: int = 16, hosts: Optional[Sequence[object]] = None) -> None:
         self.rank = rank
         self.size = size
         self.heartbeat_s = heartbeat_s
         self.peer_timeout_s = peer_timeout_s
+        self.topology = Topology.choose(size, k=watch_peers, mesh_max=mesh_max, seed=zlib.crc32(label.encode()),
+                                        hosts=hosts)
         self._on_lost = on_lost
         self._on_left = on_left
         self._label = label
         self._socks: Dict[int, socket.socket] = {}
-        self._last_seen: Dict[int, float] = {}
-        self._lost: Set[int] = set()
-        self._left: Set[int] = set()
+        self._out: Dict[int, bytearray] = {}
         self._closing = False
+        self._goodbye = True
         self._wake_r, self._wake_w = socket.socketpair()  # close() wakes the thread through it
         try:
             self._connect(store, connect_timeout_s)
@@ -119,6 +131,8 @@ class Liveness:
             for s in list(self._socks.values()) + [self._wake_r, self._wake_w]:
                 s.close()
             raise
+        self._watch = Watch(rank, self.topology, heartbeat_s=heartbeat_s, peer_timeout_s=peer_timeout_s,
+                            now=time.monotonic())
         _open.add(self)
         self._thread = threading.Thread(target=self._run, name=f"commslayer-liveness-{label}", daemon=True)
         self._thread.start()
@@ -126,7 +140,8 @@ class Liveness:
     # ------------------------------------------------------------- set-up
     def _connect(self, store: dist.Store, timeout_s: float) -> None:
         """Listen on this host's advertised address, publish it with a fresh key, dial the
-        higher ranks, and accept the lower ones (only hellos signed with the key count)."""
+        higher-ranked neighbours, and accept the lower ones (only hellos signed with the
+        key count)."""
         host = advertised_host(store)
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -137,13 +152,14 @@ class Liveness:
                 log.warning("commslayer %s: cannot listen on %s (%s); listening on every interface",
                             self._label, host, exc.strerror or exc)
                 listener.bind(("0.0.0.0", 0))
-            listener.listen(max(self.size, 16))
+            neighbours = self.topology.neighbours(self.rank)
+            listener.listen(max(len(neighbours), 16))
             key = secrets.token_bytes(32)
             deadline = time.monotonic() + timeout_s
             store.set(f"liveness/{self.rank}", f"{host}:{listener.getsockname()[1]}:{key.hex()}")
-            for peer in range(self.rank + 1, self.size):
+            for peer in sorted(p for p in neighbours if p > self.rank):
                 self._dial(peer, store.get(f"liveness/{peer}").decode(), deadline)
-            self._accept(listener, key, deadline)
+            self._accept(listener, key, {p for p in neighbours if p < self.rank}, deadline)
         finally:
             listener.close()
 
@@ -170,11 +186,10 @@ class Liveness:
                                              f"({exc.strerror or exc})") from None
         self._adopt(peer, s)
 
-    def _accept(self, listener: socket.socket, key: bytes, deadline: float) -> None:
-        """Accept until every lower rank has said a valid hello. Anything else that
-        connects (junk, a forged hello, a silent socket) is logged and dropped without
-        holding up the others."""
-        wanted = set(range(self.rank))
+    def _accept(self, listener: socket.socket, key: bytes, wanted: Set[int], deadline: float) -> None:
+        """Accept until every rank in ``wanted`` has said a valid hello. Anything else
+        that connects (junk, a forged hello, a silent socket) is logged and dropped
+        without holding up the others."""
         pending: Dict[socket.socket, Tuple[bytes, float, str]] = {}  # bytes read, since, where from
         listener.setblocking(False)
         sel = selectors.DefaultSelector()
@@ -232,7 +247,8 @@ class Liveness:
         try:
             peer = check_hello(key, self.rank, got)
             if peer not in wanted:
-                raise ValueError(f"rank {peer} is not one this rank waits for (connected already, or not lower)")
+                raise ValueError(f"rank {peer} is not one this rank waits for (connected already, or not a "
+                                 "lower-ranked neighbour)")
         except ValueError as exc:
             self._reject(sel, pending, s, who, str(exc))
             return None
@@ -251,24 +267,26 @@ class Liveness:
         s.setblocking(False)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._socks[peer] = s
-        self._last_seen[peer] = time.monotonic()
+        self._out[peer] = bytearray()
 
     # ------------------------------------------------------------ running
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception:  # a bug here must not pass for silence: say so, loudly, and hang up
+            log.exception("commslayer %s: the liveness monitor failed; peers will take this rank as lost",
+                          self._label)
+            self._goodbye = False
+            self._hang_up()
+
+    def _serve(self) -> None:
         sel = selectors.DefaultSelector()
         sel.register(self._wake_r, selectors.EVENT_READ, None)
         for peer, s in self._socks.items():
             sel.register(s, selectors.EVENT_READ, peer)
-        next_beat = 0.0
-        tick = min(self.heartbeat_s, self.peer_timeout_s / 4)
+        watch = self._watch
         while not self._closing:
-            now = time.monotonic()
-            if now >= next_beat:
-                self._send_all(_BEAT)
-                next_beat = now + self.heartbeat_s
-            dead: Dict[int, str] = {}
-            left: Set[int] = set()
-            for key, _ in sel.select(timeout=min(tick, max(0.0, next_beat - now))):
+            for key, _ in sel.select(timeout=max(0.0, watch.due() - time.monotonic())):
                 peer = key.data
                 if peer is None:
                     continue  # woken by close()
@@ -277,56 +295,48 @@ class Liveness:
                 except (BlockingIOError, InterruptedError):
                     continue
                 except OSError as exc:
-                    data, why = b"", f"connection error ({exc.strerror or exc})"
-                else:
-                    why = "its process exited (connection closed)"
-                if _BYE in data and peer not in self._left:
-                    self._left.add(peer)
-                    left.add(peer)
+                    log.info("commslayer %s: connection error from rank %d (%s)", self._label, peer,
+                             exc.strerror or exc)
+                    sel.unregister(key.fileobj)
+                    watch.hung_up(peer, time.monotonic(), BROKEN)
+                    continue
                 if not data:
                     sel.unregister(key.fileobj)
-                    if peer not in self._left:
-                        dead[peer] = why
-                    continue
-                self._last_seen[peer] = time.monotonic()
-            started, now = now, time.monotonic()
-            if now - started > tick + self.peer_timeout_s / 2:
-                # This process was stopped itself (or starved): the silence is ours, not the peers'.
-                for peer in self._last_seen:
-                    self._last_seen[peer] = now
-            for peer, seen in self._last_seen.items():
-                if peer not in dead and peer not in self._left and now - seen > self.peer_timeout_s:
-                    dead[peer] = f"no heartbeat for {now - seen:.2f}s (stopped or hung)"
-            self._declare(dead)
-            if left:
-                self._callback(self._on_left, left)
+                    watch.hung_up(peer, time.monotonic(), HUNG_UP)
+                else:
+                    watch.received(peer, data, time.monotonic())
+            watch.tick(time.monotonic())
+            self._act()
         sel.close()
+        if self._goodbye:
+            watch.goodbye()
+            self._act()
+        self._hang_up()
 
-    def _send_all(self, msg: bytes) -> None:
-        # Lost peers get the goodbye too: a stopped one reads it when it resumes, and so learns
-        # that it was left behind.
-        for peer, s in list(self._socks.items()):
-            if peer in self._left or (msg is _BEAT and peer in self._lost):
-                continue
-            try:
-                s.send(msg)
-            except (BlockingIOError, InterruptedError):
-                pass  # a full buffer means the peer is not reading: its silence will tell
-            except OSError:
-                pass  # the reader sees the same failure
-
-    def _declare(self, dead: Dict[int, str]) -> None:
+    def _act(self) -> None:
+        """Send what the protocol queued, and tell the owner who was lost or left."""
+        out, lost, left = self._watch.take()
+        for peer, frame in out:
+            buf = self._out.get(peer)
+            if buf is None or (frame is BEAT and buf) or len(buf) > _OUT_MAX:
+                continue  # a peer not reading gets no more heartbeats: its silence will tell
+            buf += frame
+        for peer, buf in self._out.items():
+            if buf:
+                try:
+                    del buf[:self._socks[peer].send(buf)]
+                except (BlockingIOError, InterruptedError):
+                    pass
+                except OSError:
+                    buf.clear()  # the reader sees the same failure
         if self._closing:
-            return
-        new = {p: why for p, why in dead.items() if p not in self._lost}  # only this thread writes _lost
-        self._lost.update(new)
-        if not new:
-            return
-        for p in new:
-            self._last_seen.pop(p, None)
-        why = "; ".join(f"rank {p}: {w}" for p, w in sorted(new.items()))
-        log.warning("commslayer %s: lost %s", self._label, why)
-        self._callback(self._on_lost, set(new), why)
+            return  # a peer seen to go from now on is no news (it ended too, or we do)
+        if lost:
+            why = "; ".join(f"rank {p}: {w}" for p, w in sorted(lost.items()))
+            log.warning("commslayer %s: lost %s", self._label, why)
+            self._callback(self._on_lost, set(lost), why)
+        if left:
+            self._callback(self._on_left, left)
 
     def _callback(self, fn: Callable[..., None], *args) -> None:
         try:
@@ -334,20 +344,7 @@ class Liveness:
         except Exception:
             log.exception("commslayer %s: handling a peer's change failed", self._label)
 
-    def close(self, goodbye: bool = True) -> None:
-        """Say goodbye to every peer and stop (idempotent). ``goodbye=False`` hangs up
-        without it: the peers take this process as lost at once."""
-        if self._closing:
-            return
-        self._closing = True  # first: a peer seen to go from now on is no news (it ended too, or we do)
-        if goodbye:
-            self._send_all(_BYE)
-        try:
-            self._wake_w.send(b"x")
-        except OSError:
-            pass
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * self.heartbeat_s + 1.0)
+    def _hang_up(self) -> None:
         for s in self._socks.values():
             _drain(s)
         for s in list(self._socks.values()) + [self._wake_r, self._wake_w]:
@@ -355,6 +352,23 @@ class Liveness:
                 s.close()
             except OSError:
                 pass
+
+    def close(self, goodbye: bool = True) -> None:
+        """Say goodbye to every peer and stop (idempotent). ``goodbye=False`` hangs up
+        without it: the peers take this process as lost at once."""
+        if self._closing:
+            return
+        self._goodbye = goodbye
+        self._closing = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        if self._thread is threading.current_thread():
+            return  # the thread says goodbye and hangs up once the callback that closed it returns
+        self._thread.join(timeout=2 * self.heartbeat_s + 1.0)
+        if self._thread.is_alive():
+            self._hang_up()
 
 
 def _drain(s: socket.socket) -> None:

@@ -237,6 +237,20 @@ def test_viewer_smoke():
         assert all(median_in_range(row[i]) > 0 for i in (3, 4, 5)), row
 
 
+@pytest.mark.timeout(120)
+def test_watch_simulation_smoke():
+    out = run_bench("launch/simulate_watch.py", "--smoke", timeout=110)
+    header = ["members", "topology", "jitter ms", "kill median / p99 / max ms", "stop median / p99 / max ms",
+              "missed", "frames/member/s median (max)", "heartbeats/member/s", "false positives", "sim wall s"]
+    sparse, mesh = rows(out, header)
+    assert sparse[:3] == ["200", "k=3", "50"] and mesh[:3] == ["16", "full mesh", "50"]
+    for row in (sparse, mesh):
+        kill, stop = ([float(x) for x in row[i].split(" / ")] for i in (3, 4))
+        assert row[5] == "0" and row[8] == "0", row  # every member saw both faults; no healthy one declared
+        assert kill[0] <= kill[1] <= kill[2] < 500 and 3000 - 250 <= stop[0] <= stop[2] < 3000 + 500, row
+    assert sparse[7] == "12.0 (12.0)" and mesh[7] == "60.0 (60.0)"  # k or N - 1 heartbeats per 0.25 s
+
+
 def pair(row: List[str], i: int) -> float:
     """The median in cell ``i`` of a row whose next cell is its min–max, checked to lie in it."""
     return median_in_range(f"{row[i]} {row[i + 1]}")
