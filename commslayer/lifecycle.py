@@ -366,6 +366,11 @@ class Lifecycle:
                                   watch_peers=config.watch_peers(), mesh_max=config.full_mesh_max())
         self.watched = True
 
+    @property
+    def monitor(self) -> Optional[Liveness]:
+        """This generation's liveness monitor (None when it has none)."""
+        return self._liveness
+
     def stop_watching(self) -> None:
         """Close the liveness monitor and the owner's waiter thread."""
         if self._liveness is not None:

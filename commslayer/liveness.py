@@ -137,6 +137,11 @@ class Liveness:
         self._thread = threading.Thread(target=self._run, name=f"commslayer-liveness-{label}", daemon=True)
         self._thread.start()
 
+    @property
+    def frames_sent(self) -> int:
+        """Frames this member sent so far (heartbeats, reports, forwarding), one per peer."""
+        return self._watch.sent
+
     # ------------------------------------------------------------- set-up
     def _connect(self, store: dist.Store, timeout_s: float) -> None:
         """Listen on this host's advertised address, publish it with a fresh key, dial the

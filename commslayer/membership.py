@@ -8,15 +8,22 @@ of the generation (``CommAborted`` naming it) and can never take part in its
 collectives: the new group is built under a prefix that carries the
 generation, and only the decided ranks are in it.
 
-Shrinking after a loss: each survivor posts what it suspects and that it is
-alive ("joined"), then waits until every member it does not suspect has
-joined, or ``join_window_s`` has passed; the members that joined and that
-nobody suspects are proposed.  So a rank that is alive but slow to notice the
-loss still gets in, and a rank that cannot reach the store (the other side of
-a partition) cannot be in any later generation: with the store outside the
-ranks, the side that holds the store is the job and a minority cut off from
-it gets errors, never a group of its own.  ``min_size`` refuses a decision
-with fewer members (the caller gets the error, nothing is built).
+Shrinking after a loss: each survivor posts that it is alive ("joined") and
+what it suspects.  One survivor proposes: the lowest-ranked member this
+survivor does not suspect, so every survivor names the same one once their
+monitors agree, and the next one takes over when the proposer is lost in
+turn.  The proposer waits until every member nobody suspects has joined, or
+``join_window_s`` has passed, and writes the members that joined and that
+nobody suspects.  The others wait for that one key, polling it ever less
+often: a survivor costs the store a few requests per decision, whatever the
+size (the proposer reads the joined and suspects lists, O(N) bytes, the
+others never do).  So
+a rank that is alive but slow to notice the loss still gets in, and a rank
+that cannot reach the store (the other side of a partition) cannot be in
+any later generation: with the store outside the ranks, the side that holds
+the store is the job and a minority cut off from it gets errors, never a
+group of its own.  ``min_size`` refuses a decision with fewer members (the
+caller gets the error, nothing is built).
 
 Growing: a restarted or new rank announces itself (``announce``) and waits
 for a decision that includes it; members see it in ``pending`` and include it
@@ -50,6 +57,12 @@ import torch.distributed as dist
 
 from .errors import CollectiveTimeout, CommAborted, CommError
 from .store import POLL_S, wait_for_keys
+
+_AWAIT_POLL_MAX_S = 0.05  # the longest pause of a survivor waiting for the proposer's decision
+
+
+class _LookAgain(Exception):
+    """A survivor's wait for the decision ends early: its view of who is lost changed."""
 
 
 class Membership:
@@ -90,15 +103,39 @@ class Membership:
         """The members of ``generation`` after a loss in the previous one (see the module
         doc); ``suspects()`` is what this rank's monitor names as lost, asked again while
         waiting, since another member can be lost during the agreement itself."""
-        posted: Optional[Set[int]] = None
-        self._store.append(f"g{generation}/joined", f"{me},")
         start = time.monotonic()
+        self._store.append(f"g{generation}/joined", f"{me},")
+        posted: Set[int] = set()
         while True:
-            new = suspects() - (posted or set())
-            if new or posted is None:
+            new = suspects() - posted
+            if new:
                 self._store.append(f"g{generation}/suspects", ",".join(map(str, sorted(new))) + ";")
-                posted = (posted or set()) | new
-            decision = self.decided(generation)
+                posted |= new
+            waited = time.monotonic() - start
+            if waited >= timeout_s:
+                raise CommError(f"no agreement on generation {generation} within {timeout_s:g}s",
+                                comm=self._name, op="shrink", timeout_s=timeout_s, elapsed_s=waited)
+            # The proposer; or this rank, once the proposer had twice its join window (it may
+            # be alive to its peers but cut off from the store: it cannot hold the others up).
+            if min(m for m in members if m not in posted) == me or waited >= 2 * join_window_s:
+                return self._propose(generation, members, me, suspects, posted, start, join_window_s, timeout_s,
+                                     min_size)
+            until = min(timeout_s, 2 * join_window_s) - waited
+            if self._await(f"g{generation}/decision", until, lambda: bool(suspects() - posted)):
+                decision = self.decided(generation)
+                assert decision is not None
+                return self._check_in(decision, generation, me)
+
+    def _propose(self, generation: int, members: Sequence[int], me: int, suspects: Callable[[], Set[int]],
+                 posted: Set[int], start: float, join_window_s: float, timeout_s: float, min_size: int) -> List[int]:
+        """The proposer's part: wait for every unsuspected member to join (or the join
+        window), then decide on those that joined and that nobody suspects."""
+        while True:
+            new = suspects() - posted
+            if new:
+                self._store.append(f"g{generation}/suspects", ",".join(map(str, sorted(new))) + ";")
+                posted |= new
+            decision = self.decided(generation)  # another proposer (one that suspected us) won
             if decision is not None:
                 return self._check_in(decision, generation, me)
             joined = set(self._entries(f"g{generation}/joined"))
@@ -115,6 +152,16 @@ class Membership:
                 raise CommError(f"no agreement on generation {generation} within {timeout_s:g}s",
                                 comm=self._name, op="shrink", timeout_s=timeout_s, elapsed_s=waited)
             time.sleep(POLL_S)
+
+    def _await(self, key: str, timeout_s: float, look_again: Callable[[], bool]) -> bool:
+        """Whether ``key`` exists, waited for until ``timeout_s`` passes or ``look_again()``
+        (the caller's view changed), polling one key ever less often (up to every
+        ``_AWAIT_POLL_MAX_S``): a decision usually comes within milliseconds."""
+        try:
+            return wait_for_keys(self._store, [key], lambda: _LookAgain() if look_again() else None, timeout_s,
+                                 max_pause_s=_AWAIT_POLL_MAX_S)
+        except _LookAgain:
+            return False
 
     def agree_on(self, generation: int, members: Sequence[int], me: int, previous: Sequence[int]) -> List[int]:
         """The members of ``generation`` when the callers name them (``reconfigure``):

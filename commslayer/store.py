@@ -106,12 +106,13 @@ def env_store(timeout: timedelta) -> Tuple[dist.Store, int, int]:
 
 
 def wait_for_keys(store: dist.Store, keys: Sequence[str], interrupted: Callable[[], Optional[Exception]],
-                  timeout_s: float) -> bool:
+                  timeout_s: float, max_pause_s: float = POLL_S) -> bool:
     """Wait until every key of ``keys`` exists (True), or ``timeout_s`` passes (False).
 
     Polls rather than blocking in ``store.wait``, so that a wait on a member that
     died ends as soon as the communicator knows: ``interrupted()`` is asked
-    between polls and what it returns (an error) is raised."""
+    between polls and what it returns (an error) is raised.  The pause between
+    polls doubles up to ``max_pause_s``."""
     keys = list(keys)
     start = time.monotonic()
     pause = _FIRST_POLL_S
@@ -122,7 +123,7 @@ def wait_for_keys(store: dist.Store, keys: Sequence[str], interrupted: Callable[
         if time.monotonic() - start >= timeout_s:
             return False
         time.sleep(pause)
-        pause = min(pause * 2, POLL_S)
+        pause = min(pause * 2, max_pause_s)
     return True
 
 

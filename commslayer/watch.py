@@ -39,7 +39,8 @@ watcher cannot get a healthy member declared lost: its report waits for a
 second, and the peer's other watchers refute it.
 
 **Spreading.**  Reports, refutations and departures (a member's goodbye)
-are flooded: each member forwards each one once to its neighbours.  Every
+are flooded: each member forwards each one once to its neighbours (in the
+full mesh its author sends it to everyone, and nobody forwards).  Every
 member thus sees the same evidence and comes to the same conclusion, with
 ``O(k)`` messages per member per event.  Heartbeats go from each member to its
 watchers only: ``k / heartbeat_s`` messages a second per member.
@@ -260,8 +261,9 @@ class Watch:
     def hung_up(self, peer: int, now: float, how: int = HUNG_UP) -> None:
         """The connection to neighbour ``peer`` ended."""
         self._buffers.pop(peer, None)
-        if peer not in self.left and peer not in self.lost and peer not in self._reported:
-            self._report(peer, how, 0, now)
+        mine = self._reports.get(peer, {}).get(self.me)
+        if peer not in self.left and peer not in self.lost and (mine is None or mine[0] != HUNG_UP):
+            self._report(peer, how, 0, now)  # a hang-up after a report of silence is news: it is stronger
 
     def tick(self, now: float) -> None:
         """Send the heartbeats due; report watched peers silent for the peer timeout;
@@ -312,6 +314,8 @@ class Watch:
         self.sent += 1
 
     def _flood(self, frame: bytes, source: Optional[int]) -> None:
+        if source is not None and self.topology.full_mesh:
+            return  # its author sent it to every member already
         for p in self.neighbours:
             if p != source and p not in self.lost and p not in self.left:
                 self._send(p, frame)

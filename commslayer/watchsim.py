@@ -127,14 +127,17 @@ class Simulation:
         while queue and queue[0][0] <= until:
             t, _, kind, a, b, data = pop(queue)
             self.now = t
-            if kind == _DELIVER:
+            if kind == _DELIVER or kind == _HANGUP:  # from a to b
                 if b in dead:
                     continue
                 if b in stopped:
                     stopped[b].append((kind, a, b, data))
                     continue
                 watch = members[b]
-                watch.received(a, data, offset[b] + t * rate[b])
+                if kind == _HANGUP:
+                    watch.hung_up(a, offset[b] + t * rate[b])
+                else:
+                    watch.received(a, data, offset[b] + t * rate[b])
                 if data is not BEAT or watch.outbox or watch.news_lost or watch.news_left:
                     self._after(b, rescheduling=True)
             elif kind == _TICK:
@@ -142,14 +145,6 @@ class Simulation:
                     continue  # stale (rescheduled since), or stopped: the resume ticks
                 members[a].tick(offset[a] + t * rate[a])
                 self._after(a, rescheduling=True, ticked=True)
-            elif kind == _HANGUP:
-                if b in dead:
-                    continue
-                if b in stopped:
-                    stopped[b].append((kind, a, b, data))
-                    continue
-                members[b].hung_up(a, offset[b] + t * rate[b])
-                self._after(b, rescheduling=True)
             else:
                 self._fault(kind, a, b, data, t)
         self.now = until
@@ -162,8 +157,11 @@ class Simulation:
             self.dead.add(a)
             self.stopped.pop(a, None)
             for n in self.topology.neighbours(a):  # the kernel hangs up after what was already sent
-                self._push(max(t + self.delay_s, self._link_free.get(a * self.size + n, 0.0)) + 1e-9, _HANGUP, a, n,
-                           b"")
+                if a * self.size + n in self._cut:
+                    self._held.setdefault(a * self.size + n, []).append(b"")  # a cut link: when it heals
+                    continue
+                at = t + self.delay_s + self.rng.random() * self.jitter_s
+                self._push(max(at, self._link_free.get(a * self.size + n, 0.0)) + 1e-9, _HANGUP, a, n, b"")
         elif kind == _STOP:
             self.stopped[a] = []
         elif kind == _RESUME:
@@ -177,7 +175,10 @@ class Simulation:
             self._cut -= {a * self.size + b, b * self.size + a}
             for x, y in ((a, b), (b, a)):
                 for frame in self._held.pop(x * self.size + y, []):
-                    self._send(x, y, frame)
+                    if frame:
+                        self._send(x, y, frame)
+                    else:
+                        self._push(t + self.delay_s, _HANGUP, x, y, b"")
 
     def _after(self, m: int, rescheduling: bool, ticked: bool = False) -> None:
         watch = self.members[m]

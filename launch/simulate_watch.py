@@ -22,7 +22,7 @@ where it fits (``--mesh-sizes``); at larger sizes its load is the formula
 ``(N - 1) / heartbeat_s`` frames a second, which the simulated sizes check.
 
     python launch/simulate_watch.py --sizes 1000 10000 --jitter 0 0.05 --trials 3
-    python launch/simulate_watch.py --false-positive-hours 10000 --sizes 1000 --jitter 0.05
+    python launch/simulate_watch.py --false-positive-hours 5000 --sizes 1000 --jitter 0.05 --seed 1
 
 ``--smoke`` runs 200 members for one trial in seconds.
 """
@@ -106,6 +106,7 @@ def main() -> None:
     p.add_argument("--peer-timeout", type=float, default=3.0)
     p.add_argument("--heartbeat", type=float, default=0.25)
     p.add_argument("--false-positive-hours", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=1, help="of the false-positive run")
     p.add_argument("--json", help="write the rows here too")
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
@@ -115,7 +116,7 @@ def main() -> None:
     if args.false_positive_hours:
         for size in args.sizes:
             for jitter in args.jitter:
-                row = false_positive_run(size, args.k, 16, jitter, args.false_positive_hours, 1,
+                row = false_positive_run(size, args.k, 16, jitter, args.false_positive_hours, args.seed,
                                          args.peer_timeout, args.heartbeat)
                 print(json.dumps(row), flush=True)
                 rows.append(row)

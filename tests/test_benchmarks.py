@@ -251,6 +251,33 @@ def test_watch_simulation_smoke():
     assert sparse[7] == "12.0 (12.0)" and mesh[7] == "60.0 (60.0)"  # k or N - 1 heartbeats per 0.25 s
 
 
+@pytest.mark.timeout(240)
+def test_watch_processes_smoke():
+    out = run_bench("launch/bench_watch.py", "--smoke", timeout=230)
+    header = ["run", "members", "topology", "kill → declared, median / max ms", "stop → declared, median / max s",
+              "frames/member/s, median / max", "survivors' declarations of healthy ranks"]
+    real, sim = rows(out, header)
+    assert real[:3] == ["real processes", "8", "k=3"] and sim[:3] == ["simulator", "8", "k=3"]
+    for row in (real, sim):
+        kill, stop, frames = ([float(x) for x in row[i].split(" / ")] for i in (3, 4, 5))
+        assert row[6] == "0", row  # no healthy rank declared lost
+        assert 0 < kill[0] <= kill[1] < 3000 and 1.0 - 0.2 <= stop[0] <= stop[1] < 1.0 + 1.5, row
+        assert 3 * 10 <= frames[0] < 3 * 10 * 2, row  # k heartbeats per 0.1 s, plus the two losses' reports
+
+
+@pytest.mark.timeout(120)
+def test_agreement_smoke():
+    out = run_bench("launch/bench_agreement.py", "--smoke", timeout=110)
+    header = ["members", "requests per survivor: median (max)", "requests per decision", "agree s: median (min–max)"]
+    four, eight = rows(out, header)
+    assert four[0] == "4" and eight[0] == "8"
+    for row in (four, eight):
+        median, most = re.fullmatch(r"(\d+) \((\d+)\)", row[1]).groups()
+        # join, read the decision and poll it a few times; the proposer reads the lists too
+        assert 2 <= int(median) <= 40 and int(median) <= int(most), row
+        assert 0 < median_in_range(row[3]) < 10, row
+
+
 def pair(row: List[str], i: int) -> float:
     """The median in cell ``i`` of a row whose next cell is its min–max, checked to lie in it."""
     return median_in_range(f"{row[i]} {row[i + 1]}")

@@ -184,3 +184,19 @@ def test_the_simulator_holds_a_thousand_members(size):
     assert kill.missing == stop.missing == 0
     assert kill.quantile(0.5) < 0.5 and stop.quantile(0.99) < 3.0 + 0.5
     assert sim.false_positives() == []
+
+
+def test_a_member_reported_silent_and_then_killed_is_declared_at_the_hang_up():
+    """A ring of 4 (one watcher each): member 2's watcher (1) reports its silence, and with
+    the link to its other neighbour (3) cut nobody seconds it, so the grace would take half
+    the peer timeout; the hang-up when it dies ends the wait at once."""
+    sim = Simulation(4, k=1, mesh_max=1, peer_timeout_s=2.0, seed=3)
+    assert sim.topology.watchers(2) == (1,) and set(sim.topology.neighbours(2)) == {1, 3}
+    sim.run(0.5)
+    sim.stop(2, at=0.5)
+    sim.cut(2, 3, at=0.5)
+    sim.run(2.6)  # silent for 2 s by now: reported, not yet confirmed (the grace ends near 3.5 s)
+    assert sim.declared == {}
+    sim.kill(2, at=2.6)
+    sim.run(2.7)
+    assert sorted(sim.declared.get(2, {})) == [0, 1, 3]
