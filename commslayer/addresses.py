@@ -1,4 +1,4 @@
-"""Which address of this host its peers should dial.
+"""Which address of this host its peers should dial, and which host each rank is on.
 
 A rank's liveness listener (and a launcher's replica groups) must be reached
 from other hosts, so the address it advertises must be one of *its own*
@@ -15,6 +15,11 @@ is given decides:
 
 Using the store's own address (``MASTER_ADDR``) for every rank was the old
 rule: right on one host, and wrong for every rank not on the store's host.
+
+Which host each rank is on (``torchrun_hosts``), for placing a rank's
+liveness watchers on other hosts, costs nothing: torchrun gives each node a
+block of ``LOCAL_WORLD_SIZE`` consecutive ranks, which this process checks
+holds for itself (``RANK = GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK``).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import fcntl
 import os
 import socket
 import struct
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from . import config
 from .errors import InvalidArgument
@@ -89,3 +94,17 @@ def advertised_host(store: Any = None) -> str:
         return address_towards(*target)
     except OSError:  # no route to the store from here: only loopback can be right
         return LOOPBACK
+
+
+def torchrun_hosts(members: Sequence[int]) -> Optional[List[int]]:
+    """The node of each member (a global rank) under torchrun's layout of equal
+    nodes; None where this process was not started that way."""
+    try:
+        rank, node = int(os.environ["RANK"]), int(os.environ["GROUP_RANK"])
+        local, per_node = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+        world = int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+    if per_node < 1 or rank != node * per_node + local or any(not 0 <= m < world for m in members):
+        return None
+    return [m // per_node for m in members]

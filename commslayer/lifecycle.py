@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, List, Optional, Set
 import torch.distributed as dist
 
 from . import config
+from .addresses import torchrun_hosts
 from .backends import classify
 from .errors import CollectiveTimeout, CommAborted, CommError, PeerLost, StoreUnreachable, first_line
 from .hooks import Hooks
@@ -363,7 +364,8 @@ class Lifecycle:
         self._liveness = Liveness(store, self._rank, self._size, heartbeat_s=lineage.heartbeat_s,
                                   peer_timeout_s=lineage.peer_timeout_s, connect_timeout_s=connect_timeout_s,
                                   on_lost=on_lost, on_left=on_left, label=f"{self._name}@g{self.generation}",
-                                  watch_peers=config.watch_peers(), mesh_max=config.full_mesh_max())
+                                  watch_peers=config.watch_peers(), mesh_max=config.full_mesh_max(),
+                                  hosts=torchrun_hosts(self.members))
         self.watched = True
 
     @property

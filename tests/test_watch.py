@@ -200,3 +200,18 @@ def test_a_member_reported_silent_and_then_killed_is_declared_at_the_hang_up():
     sim.kill(2, at=2.6)
     sim.run(2.7)
     assert sorted(sim.declared.get(2, {})) == [0, 1, 3]
+
+
+def test_torchrun_layout_gives_each_member_its_node(monkeypatch):
+    from commslayer.addresses import torchrun_hosts
+
+    for name in ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert torchrun_hosts([0, 1]) is None  # not started by torchrun
+    env = {"RANK": "5", "GROUP_RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "16"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert torchrun_hosts([0, 3, 4, 15]) == [0, 0, 1, 3]
+    assert torchrun_hosts([0, 16]) is None  # not global ranks of this job
+    monkeypatch.setenv("GROUP_RANK", "0")  # rank 5 is not in node 0's block: not that layout
+    assert torchrun_hosts([0, 1]) is None
