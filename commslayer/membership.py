@@ -14,10 +14,10 @@ survivor does not suspect, so every survivor names the same one once their
 monitors agree, and the next one takes over when the proposer is lost in
 turn.  The proposer waits until every member nobody suspects has joined, or
 ``join_window_s`` has passed, and writes the members that joined and that
-nobody suspects.  The others wait for that one key, polling it ever less
-often: a survivor costs the store a few requests per decision, whatever the
-size (the proposer reads the joined and suspects lists, O(N) bytes, the
-others never do).  So
+nobody suspects.  The others poll only that one key (at the usual rate for
+0.1 s, then ever less often): a survivor costs the store a few requests per
+decision, whatever the size (the proposer reads the joined and suspects
+lists, O(N) bytes; the others never do).  So
 a rank that is alive but slow to notice the loss still gets in, and a rank
 that cannot reach the store (the other side of a partition) cannot be in
 any later generation: with the store outside the ranks, the side that holds
@@ -58,7 +58,8 @@ import torch.distributed as dist
 from .errors import CollectiveTimeout, CommAborted, CommError
 from .store import POLL_S, wait_for_keys
 
-_AWAIT_POLL_MAX_S = 0.05  # the longest pause of a survivor waiting for the proposer's decision
+_AWAIT_FAST_S = 0.1  # a survivor waiting for the proposer's decision polls at the usual rate this long,
+_AWAIT_POLL_MAX_S = 0.05  # and then ever less often, up to this pause
 
 
 class _LookAgain(Exception):
@@ -155,11 +156,12 @@ class Membership:
 
     def _await(self, key: str, timeout_s: float, look_again: Callable[[], bool]) -> bool:
         """Whether ``key`` exists, waited for until ``timeout_s`` passes or ``look_again()``
-        (the caller's view changed), polling one key ever less often (up to every
-        ``_AWAIT_POLL_MAX_S``): a decision usually comes within milliseconds."""
+        (the caller's view changed), polling one key: as often as any store wait for
+        ``_AWAIT_FAST_S`` (a decision usually comes within it, and a late look would
+        stall the job), then ever less often, up to every ``_AWAIT_POLL_MAX_S``."""
         try:
             return wait_for_keys(self._store, [key], lambda: _LookAgain() if look_again() else None, timeout_s,
-                                 max_pause_s=_AWAIT_POLL_MAX_S)
+                                 slow_after_s=_AWAIT_FAST_S, slow_pause_s=_AWAIT_POLL_MAX_S)
         except _LookAgain:
             return False
 

@@ -106,13 +106,14 @@ def env_store(timeout: timedelta) -> Tuple[dist.Store, int, int]:
 
 
 def wait_for_keys(store: dist.Store, keys: Sequence[str], interrupted: Callable[[], Optional[Exception]],
-                  timeout_s: float, max_pause_s: float = POLL_S) -> bool:
+                  timeout_s: float, slow_after_s: float = float("inf"), slow_pause_s: float = POLL_S) -> bool:
     """Wait until every key of ``keys`` exists (True), or ``timeout_s`` passes (False).
 
     Polls rather than blocking in ``store.wait``, so that a wait on a member that
     died ends as soon as the communicator knows: ``interrupted()`` is asked
     between polls and what it returns (an error) is raised.  The pause between
-    polls doubles up to ``max_pause_s``."""
+    polls doubles up to ``POLL_S``, and after ``slow_after_s`` on up to
+    ``slow_pause_s`` (a long wait costs the store fewer requests)."""
     keys = list(keys)
     start = time.monotonic()
     pause = _FIRST_POLL_S
@@ -120,10 +121,11 @@ def wait_for_keys(store: dist.Store, keys: Sequence[str], interrupted: Callable[
         err = interrupted()
         if err is not None:
             raise err
-        if time.monotonic() - start >= timeout_s:
+        waited = time.monotonic() - start
+        if waited >= timeout_s:
             return False
         time.sleep(pause)
-        pause = min(pause * 2, max_pause_s)
+        pause = min(pause * 2, slow_pause_s if waited >= slow_after_s else POLL_S)
     return True
 
 
