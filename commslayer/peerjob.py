@@ -294,12 +294,15 @@ class PeerJob(Job):
                 recovery_hooks("admitted", {"step": step, "replicas": [], "generation": full.generation,
                                             "members": list(full.members), "seconds": self._admissions[-1].heal_s})
                 return full
-            gone = [self._launched[r] for r in lost if self.store.check([f"rank/{self._launched[r]}/gone"])]
+            gone = self._gone(lost)
             give_up = torch.tensor([int(bool(gone) or time.monotonic() > deadline)])
             survivors.all_reduce(give_up, ReduceOp.MAX)  # all decide together
             if int(give_up) and config.reshard():
                 self._reshard(survivors, lost, step, detected)
             if int(give_up):
+                # Asked again: another survivor may have seen the launcher's word after this one
+                # looked, and every survivor must say the same.
+                gone = self._gone(lost)
                 self._fail(ReplacementMissing(
                     f"rank(s) {[self._launched[r] for r in lost]} lost at step {step} got no replacement ("
                     + (f"the launcher's restarts ran out for {gone}" if gone else
@@ -307,6 +310,10 @@ class PeerJob(Job):
                     f"{self._committed}: resume from a checkpoint taken at or before it",
                     comm=survivors.get_name(), op="recover", ranks=lost))
             time.sleep(POLL_S)
+
+    def _gone(self, lost: List[int]) -> List[int]:
+        """The lost ranks whose launcher said their restarts ran out."""
+        return [self._launched[r] for r in lost if self.store.check([f"rank/{self._launched[r]}/gone"])]
 
     # ------------------------------------------------------------ resharding
     def _reshard(self, survivors: Communicator, lost: List[int], step: int, detected: float) -> NoReturn:
