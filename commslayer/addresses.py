@@ -16,16 +16,29 @@ is given decides:
 Using the store's own address (``MASTER_ADDR``) for every rank was the old
 rule: right on one host, and wrong for every rank not on the store's host.
 
-Which host each rank is on (``torchrun_hosts``), for placing a rank's
-liveness watchers on other hosts, costs nothing: torchrun gives each node a
-block of ``LOCAL_WORLD_SIZE`` consecutive ranks, which this process checks
-holds for itself (``RANK = GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK``).
+Which node each rank is on (``rank_hosts``), for placing a rank's liveness
+watchers on other hosts, costs nothing and must come out the same on every
+rank (each one chooses the watch topology from it), so it is read only from
+what the launcher gives every rank alike, in blocks of consecutive ranks:
+
+1. ``COMMSLAYER_NODE_SIZES``: the ranks on each node, in rank order (set by
+   ``commslayer-run`` when it lays out the survivors of a resharding, or by
+   the user for another launcher);
+2. torchrun's layout: ``LOCAL_WORLD_SIZE`` ranks a node, which this process
+   checks holds for itself (``RANK = GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK``);
+3. Slurm's ``SLURM_TASKS_PER_NODE`` (``4(x2),3``) under its default block
+   distribution, checked against ``SLURM_NODEID`` of this process.
+
+Anything else: no layout, and watchers are chosen without regard to hosts.
 """
 
 from __future__ import annotations
 
+import bisect
 import fcntl
+import itertools
 import os
+import re
 import socket
 import struct
 from typing import Any, List, Optional, Sequence, Tuple
@@ -96,15 +109,46 @@ def advertised_host(store: Any = None) -> str:
         return LOOPBACK
 
 
-def torchrun_hosts(members: Sequence[int]) -> Optional[List[int]]:
-    """The node of each member (a global rank) under torchrun's layout of equal
-    nodes; None where this process was not started that way."""
+def rank_hosts(members: Sequence[int]) -> Optional[List[int]]:
+    """The node of each member (a global rank of the job) in the launcher's layout
+    (see the module doc); None where no layout is given or it does not hold."""
+    sizes = config.node_sizes() or _torchrun_layout() or _slurm_layout()
+    if sizes is None or any(not 0 <= m < sum(sizes) for m in members):
+        return None
+    starts = list(itertools.accumulate(sizes))
+    return [bisect.bisect_right(starts, m) for m in members]
+
+
+def _torchrun_layout() -> Optional[List[int]]:
     try:
         rank, node = int(os.environ["RANK"]), int(os.environ["GROUP_RANK"])
         local, per_node = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
         world = int(os.environ["WORLD_SIZE"])
     except (KeyError, ValueError):
         return None
-    if per_node < 1 or rank != node * per_node + local or any(not 0 <= m < world for m in members):
+    if per_node < 1 or world < 1 or rank != node * per_node + local:
         return None
-    return [m // per_node for m in members]
+    return [per_node] * (world // per_node) + ([world % per_node] if world % per_node else [])
+
+
+def _slurm_layout() -> Optional[List[int]]:
+    """Ranks per node from ``SLURM_TASKS_PER_NODE`` (``2(x3),1`` is 2, 2, 2, 1) when
+    Slurm placed the tasks in blocks and this task sits where the layout says."""
+    raw = os.environ.get("SLURM_TASKS_PER_NODE", "")
+    if not raw or not os.environ.get("SLURM_DISTRIBUTION", "block").startswith("block"):
+        return None
+    sizes: List[int] = []
+    for part in raw.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None or int(match.group(1)) < 1:
+            return None
+        sizes += [int(match.group(1))] * int(match.group(2) or 1)
+    try:
+        rank = int(os.environ.get("RANK") or os.environ["SLURM_PROCID"])
+        node = int(os.environ["SLURM_NODEID"])
+    except (KeyError, ValueError):
+        return None
+    starts = list(itertools.accumulate(sizes))
+    if not 0 <= rank < starts[-1] or bisect.bisect_right(starts, rank) != node:
+        return None
+    return sizes

@@ -17,7 +17,7 @@ import json
 import os
 import socket
 from datetime import timedelta
-from typing import Any, Callable, Dict, Optional, Set, Tuple, overload
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, overload
 
 from .errors import ConfigError
 
@@ -245,6 +245,24 @@ def full_mesh_max() -> int:
     return _integer("COMMSLAYER_FULL_MESH_MAX", 16, 1)
 
 
+def node_sizes() -> Optional[List[int]]:
+    """``COMMSLAYER_NODE_SIZES``: how many ranks each node holds, in rank order, for
+    a launcher that lays ranks out in blocks per node but is neither torchrun nor
+    Slurm (``8,8,8,7``: ranks 0-7 on the first node, 24-30 on the last); every rank
+    must be given the same value.  Unset: the layout comes from torchrun's or
+    Slurm's variables, where they give one (``commslayer.addresses.rank_hosts``)."""
+    raw = os.environ.get("COMMSLAYER_NODE_SIZES", "")
+    if not raw.strip():
+        return None
+    try:
+        sizes = [int(x) for x in raw.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise _bad("COMMSLAYER_NODE_SIZES", raw, "positive integers separated by commas, one per node")
+    return sizes
+
+
 def liveness_timing() -> Tuple[float, float]:
     """(heartbeat, peer timeout) in seconds, checked together: with liveness on, the
     peer timeout must exceed two heartbeat periods, or a healthy peer whose beat is
@@ -389,7 +407,7 @@ _CHECKED: Tuple[Callable[[], object], ...] = (
     trace_otel, trace_sink_queue, heartbeat_s, peer_timeout_s, liveness_timing, liveness_host, watch_peers,
     full_mesh_max, isolate_writes, faults_log, trace_mode, replica_id, run_dir, store_timeout_s,
     average_after_backward, restart_unit, node, redundancy, refresh_every, reshard, resharded,
-    reduce_scatter_algorithm, ring_min_bytes,
+    reduce_scatter_algorithm, ring_min_bytes, node_sizes,
 )
 _valid: Set[Tuple[Tuple[str, str], ...]] = set()  # environments found valid (resolving a host costs)
 

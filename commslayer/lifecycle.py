@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, List, Optional, Set
 import torch.distributed as dist
 
 from . import config
-from .addresses import torchrun_hosts
+from .addresses import rank_hosts
 from .backends import classify
 from .errors import CollectiveTimeout, CommAborted, CommError, PeerLost, StoreUnreachable, first_line
 from .hooks import Hooks
@@ -365,7 +365,7 @@ class Lifecycle:
                                   peer_timeout_s=lineage.peer_timeout_s, connect_timeout_s=connect_timeout_s,
                                   on_lost=on_lost, on_left=on_left, label=f"{self._name}@g{self.generation}",
                                   watch_peers=config.watch_peers(), mesh_max=config.full_mesh_max(),
-                                  hosts=torchrun_hosts(self.members))
+                                  hosts=rank_hosts(self.members))
         self.watched = True
 
     @property

@@ -31,11 +31,14 @@ store, or the one ``GLOO_SOCKET_IFNAME`` or ``COMMSLAYER_LIVENESS_HOST``
 names; never every interface) and publishes it with a fresh random key; it
 dials its higher-ranked neighbours and accepts its lower-ranked ones, so it
 reads only its neighbours' keys.  A connection counts only once its hello
-(sender, receiver) carries the HMAC of the receiver's key, so a process that
-cannot read the store cannot join, pose as a rank or stall the set-up: junk,
+(sender, receiver, the topology's checksum) carries the HMAC of the
+receiver's key, so a process that cannot read the store cannot join, pose
+as a rank or stall the set-up: junk,
 forged hellos and silent sockets are logged and dropped (a silent one after
 ``HELLO_TIMEOUT_S``) while the real peers connect.  The listener closes once
-every neighbour is in.  Set-up failures are ``PeerLost`` naming the peer.
+every neighbour is in.  Set-up failures are ``PeerLost`` naming the peer; a
+peer that chose another topology (a setting or a host layout that differs
+between ranks, which would leave members unwatched) is a ``ConfigError``.
 ``close()`` (``finalize``, and every monitor at normal interpreter exit)
 says goodbye first, so a member that leaves on purpose is not reported as
 lost; the communicator still fails an op that needs a member that left.  A
@@ -65,13 +68,13 @@ from typing import Callable, Dict, Optional, Sequence, Set, Tuple
 import torch.distributed as dist
 
 from .addresses import advertised_host
-from .errors import PeerLost
+from .errors import ConfigError, PeerLost
 from .watch import BEAT, BROKEN, HUNG_UP, Topology, Watch
 
 log = logging.getLogger("commslayer")
 
 _MAGIC = b"CLhb"
-_HELLO = struct.Struct("!4sII32s")  # magic, sender's rank, receiver's rank, HMAC-SHA256 of the three
+_HELLO = struct.Struct("!4sIII32s")  # magic, sender's rank, receiver's rank, topology digest, HMAC-SHA256 of the four
 _OUT_MAX = 1 << 20  # bytes queued for a peer that is not reading, beyond which frames to it are dropped
 HELLO_TIMEOUT_S = 2.0  # a connection that has not said a valid hello by then is dropped
 
@@ -81,22 +84,32 @@ LostCallback = Callable[[Set[int], str], None]
 LeftCallback = Callable[[Set[int]], None]
 
 
-def hello(key: bytes, sender: int, receiver: int) -> bytes:
-    """The first message on a liveness connection: who dials whom, signed with the
-    receiver's key (which only readers of the communicator's store know)."""
-    head = _MAGIC + struct.pack("!II", sender, receiver)
-    return _HELLO.pack(_MAGIC, sender, receiver, hmac.new(key, head, hashlib.sha256).digest())
+def hello(key: bytes, sender: int, receiver: int, topology: int) -> bytes:
+    """The first message on a liveness connection: who dials whom and the topology
+    the sender chose (``Topology.digest``), signed with the receiver's key (which
+    only readers of the communicator's store know)."""
+    head = _MAGIC + struct.pack("!III", sender, receiver, topology)
+    return _HELLO.pack(_MAGIC, sender, receiver, topology, hmac.new(key, head, hashlib.sha256).digest())
 
 
-def check_hello(key: bytes, receiver: int, data: bytes) -> int:
+class TopologyMismatch(ValueError):
+    """A validly signed hello from a member that chose another watch topology."""
+
+
+def check_hello(key: bytes, receiver: int, data: bytes, topology: int) -> int:
     """The sender's rank of a valid hello for ``receiver``; ``ValueError`` saying why not."""
-    magic, sender, to, mac = _HELLO.unpack(data)
+    magic, sender, to, theirs, mac = _HELLO.unpack(data)
     if magic != _MAGIC:
         raise ValueError("not a liveness hello")
-    if not hmac.compare_digest(mac, hello(key, sender, to)[-32:]):
+    if not hmac.compare_digest(mac, hello(key, sender, to, theirs)[-32:]):
         raise ValueError(f"hello claiming rank {sender} carries a wrong signature")
     if to != receiver:
         raise ValueError(f"hello from rank {sender} is meant for rank {to}")
+    if theirs != topology:
+        raise TopologyMismatch(f"rank {sender} chose another watch topology than rank {receiver} "
+                               f"(checksum {theirs:08x}, not {topology:08x}): COMMSLAYER_WATCH_PEERS, "
+                               "COMMSLAYER_FULL_MESH_MAX or the host layout (COMMSLAYER_NODE_SIZES, torchrun's "
+                               "or Slurm's variables) differ between ranks")
     return sender
 
 
@@ -117,6 +130,7 @@ class Liveness:
         self.peer_timeout_s = peer_timeout_s
         self.topology = Topology.choose(size, k=watch_peers, mesh_max=mesh_max, seed=zlib.crc32(label.encode()),
                                         hosts=hosts)
+        self._digest = self.topology.digest
         self._on_lost = on_lost
         self._on_left = on_left
         self._label = label
@@ -184,7 +198,7 @@ class Liveness:
             raise self._setup_failed({peer}, f"cannot reach rank {peer}'s liveness listener at {h}:{p} "
                                              f"({exc.strerror or exc})") from None
         try:
-            s.sendall(hello(key_bytes, self.rank, peer))
+            s.sendall(hello(key_bytes, self.rank, peer, self._digest))
         except OSError as exc:
             s.close()
             raise self._setup_failed({peer}, f"rank {peer}'s liveness listener at {h}:{p} hung up "
@@ -250,10 +264,12 @@ class Liveness:
             pending[s] = (got, since, who)
             return None
         try:
-            peer = check_hello(key, self.rank, got)
+            peer = check_hello(key, self.rank, got, self._digest)
             if peer not in wanted:
                 raise ValueError(f"rank {peer} is not one this rank waits for (connected already, or not a "
                                  "lower-ranked neighbour)")
+        except TopologyMismatch as exc:  # a peer in good faith, set up differently: no liveness is possible
+            raise ConfigError(f"liveness set-up: {exc}", comm=self._label, op="new_comm") from None
         except ValueError as exc:
             self._reject(sel, pending, s, who, str(exc))
             return None

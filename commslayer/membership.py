@@ -9,15 +9,22 @@ collectives: the new group is built under a prefix that carries the
 generation, and only the decided ranks are in it.
 
 Shrinking after a loss: each survivor posts that it is alive ("joined") and
-what it suspects.  One survivor proposes: the lowest-ranked member this
-survivor does not suspect, so every survivor names the same one once their
-monitors agree, and the next one takes over when the proposer is lost in
-turn.  The proposer waits until every member nobody suspects has joined, or
-``join_window_s`` has passed, and writes the members that joined and that
-nobody suspects.  The others poll only that one key (at the usual rate for
-0.1 s, then ever less often): a survivor costs the store a few requests per
-decision, whatever the size (the proposer reads the joined and suspects
-lists, O(N) bytes; the others never do).  So
+what it suspects, in one append (and appends again if it suspects more).
+One survivor proposes: the lowest-ranked member this survivor does not
+suspect, so every survivor names the same one once their monitors agree, and
+the next one takes over when the proposer is lost in turn.  The proposer
+waits until every member nobody suspects has joined, or ``join_window_s`` has
+passed, and writes the members that joined and that nobody suspects.  The
+others wait for ``g<g>/decided``, which the proposer writes next, naming
+the members the decision leaves out (a few bytes, where the member list is
+O(N): N survivors reading it would move O(N^2) bytes through the store): one
+request that the server answers when the key is written
+(``store.WaitConnection``), or, where the store cannot do that, polls of it
+(at the usual rate for 0.1 s, then ever less often); then one read of it.
+A survivor costs the store three requests per decision, whatever the size
+(the proposer reads the joined list, O(N) bytes; the others never do).  These rules are ``commslayer.agreement``'s, written
+without I/O so that the simulator runs them too; this module carries them
+out on the store.  So
 a rank that is alive but slow to notice the loss still gets in, and a rank
 that cannot reach the store (the other side of a partition) cannot be in
 any later generation: with the store outside the ranks, the side that holds
@@ -30,10 +37,11 @@ for a decision that includes it; members see it in ``pending`` and include it
 in their next ``reconfigure``.
 
 Keys live under ``membership/`` of the communicator's root store prefix:
-``g<g>/joined``, ``g<g>/suspects`` (appended lists), ``g<g>/decision``
-(the member list), ``current`` (the newest decided generation), ``wanted``
-(one entry per announcement of a joiner) and ``admitted`` (one entry per
-admission), so a rank killed again after joining must announce again.
+``g<g>/joined`` (an appended list of ``member:suspect.suspect,``),
+``g<g>/decision`` (the member list), ``g<g>/decided`` (the members it left
+out), ``current`` (the newest decided generation), ``wanted`` (one entry per
+announcement of a joiner) and ``admitted`` (one entry per admission), so a
+rank killed again after joining must announce again.
 
 Committing a step: the last op of a step can succeed on some members and
 fail on others (a ring all-reduce ends on a rank once it has every piece it
@@ -51,15 +59,16 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
 import torch.distributed as dist
 
-from .errors import CollectiveTimeout, CommAborted, CommError
-from .store import POLL_S, wait_for_keys
+from . import agreement
+from .errors import CollectiveTimeout, CommError
+from .store import POLL_S, BoundedStore, WaitConnection, bounded, wait_for_keys
 
-_AWAIT_FAST_S = 0.1  # a survivor waiting for the proposer's decision polls at the usual rate this long,
-_AWAIT_POLL_MAX_S = 0.05  # and then ever less often, up to this pause
+AWAIT_FAST_S = 0.1  # a survivor polling for the proposer's decision polls at the usual rate this long,
+AWAIT_POLL_MAX_S = 0.05  # and then ever less often, up to this pause
 
 
 class _LookAgain(Exception):
@@ -69,34 +78,66 @@ class _LookAgain(Exception):
 class Membership:
     """The membership keys of one root communicator (every generation of it)."""
 
-    def __init__(self, store: dist.Store, name: str) -> None:
-        self._store = dist.PrefixStore("membership/", store)
+    def __init__(self, store: dist.Store, name: str, blocking_waits: bool = True) -> None:
         self._name = name
+        self._store: dist.Store
+        self._waits: Optional[WaitConnection] = None
+        if isinstance(store, BoundedStore):
+            self._store = bounded(store, "membership/", store._comm, store.deadline_s)
+            if blocking_waits:  # a survivor's wait for a decision blocks on the server where the store allows it
+                self._waits = WaitConnection(store, "membership/")
+        else:
+            self._store = dist.PrefixStore("membership/", store)
+
+    @property
+    def waits(self) -> Optional[WaitConnection]:
+        """The connection a survivor's wait for a decision blocks on (None: it polls)."""
+        return self._waits
 
     def _entries(self, key: str) -> List[int]:
-        """The member ids appended to ``key`` (``1,2,`` or ``1;2,3;``), in order."""
-        if not self._store.check([key]):
-            return []
-        return [int(x) for x in self._store.get(key).decode().replace(";", ",").split(",") if x.strip()]
+        """The member ids appended to ``key`` (``1,2,``), in order."""
+        raw = self._read(key)
+        return [] if raw is None else [int(x) for x in raw.decode().split(",") if x.strip()]
+
+    def _read(self, key: str) -> Optional[bytes]:
+        if isinstance(self._store, BoundedStore):
+            return self._store.get_if_set(key)
+        return self._store.get(key) if self._store.check([key]) else None
 
     def decided(self, generation: int) -> Optional[List[int]]:
-        key = f"g{generation}/decision"
-        return json.loads(self._store.get(key)) if self._store.check([key]) else None
+        raw = self._read(f"g{generation}/decision")
+        return None if raw is None else json.loads(raw)
 
     def current(self) -> int:
-        key = "current"
-        return int(self._store.get(key)) if self._store.check([key]) else 0
+        raw = self._read("current")
+        return 0 if raw is None else int(raw)
 
-    def _decide(self, generation: int, members: Sequence[int], previous: Sequence[int]) -> List[int]:
-        won = self._store.compare_set(f"g{generation}/decision", "", json.dumps(list(members)))
-        decision = json.loads(won)
-        # Several callers may propose the same list; exactly one records the outcome.
-        if self._store.add(f"g{generation}/recorded", 1) == 1:
-            joined = [m for m in decision if m not in previous]
-            if joined:
-                self._store.append("admitted", "".join(f"{m}," for m in joined))
-            self._store.set("current", str(generation))
-        return decision
+    def _carry_out(self, steps: agreement.Steps) -> List[int]:
+        """Run an agreement (``commslayer.agreement``) on this store: each request it
+        yields made here, its answer sent back."""
+        answer: Any = None
+        store = self._store
+        try:
+            while True:
+                request = steps.send(answer)
+                if isinstance(request, agreement.Read):
+                    answer = self._read(request.key)
+                elif isinstance(request, agreement.Get):
+                    answer = store.get_written(request.key) if isinstance(store, BoundedStore) else store.get(request.key)
+                elif isinstance(request, agreement.WaitFor):
+                    answer = self._await(request.key, request.timeout_s, request.look_again)
+                elif isinstance(request, agreement.Append):
+                    answer = store.append(request.key, request.value)
+                elif isinstance(request, agreement.CompareSet):
+                    answer = store.compare_set(request.key, request.expected, request.desired)
+                elif isinstance(request, agreement.Add):
+                    answer = store.add(request.key, request.amount)
+                elif isinstance(request, agreement.Write):
+                    answer = store.set(request.key, request.value)
+                else:
+                    answer = time.sleep(request.seconds)
+        except StopIteration as done:
+            return done.value
 
     def agree_after_loss(self, generation: int, members: Sequence[int], me: int,
                          suspects: Callable[[], Set[int]], *, join_window_s: float, timeout_s: float,
@@ -104,77 +145,31 @@ class Membership:
         """The members of ``generation`` after a loss in the previous one (see the module
         doc); ``suspects()`` is what this rank's monitor names as lost, asked again while
         waiting, since another member can be lost during the agreement itself."""
-        start = time.monotonic()
-        self._store.append(f"g{generation}/joined", f"{me},")
-        posted: Set[int] = set()
-        while True:
-            new = suspects() - posted
-            if new:
-                self._store.append(f"g{generation}/suspects", ",".join(map(str, sorted(new))) + ";")
-                posted |= new
-            waited = time.monotonic() - start
-            if waited >= timeout_s:
-                raise CommError(f"no agreement on generation {generation} within {timeout_s:g}s",
-                                comm=self._name, op="shrink", timeout_s=timeout_s, elapsed_s=waited)
-            # The proposer; or this rank, once the proposer had twice its join window (it may
-            # be alive to its peers but cut off from the store: it cannot hold the others up).
-            if min(m for m in members if m not in posted) == me or waited >= 2 * join_window_s:
-                return self._propose(generation, members, me, suspects, posted, start, join_window_s, timeout_s,
-                                     min_size)
-            until = min(timeout_s, 2 * join_window_s) - waited
-            if self._await(f"g{generation}/decision", until, lambda: bool(suspects() - posted)):
-                decision = self.decided(generation)
-                assert decision is not None
-                return self._check_in(decision, generation, me)
-
-    def _propose(self, generation: int, members: Sequence[int], me: int, suspects: Callable[[], Set[int]],
-                 posted: Set[int], start: float, join_window_s: float, timeout_s: float, min_size: int) -> List[int]:
-        """The proposer's part: wait for every unsuspected member to join (or the join
-        window), then decide on those that joined and that nobody suspects."""
-        while True:
-            new = suspects() - posted
-            if new:
-                self._store.append(f"g{generation}/suspects", ",".join(map(str, sorted(new))) + ";")
-                posted |= new
-            decision = self.decided(generation)  # another proposer (one that suspected us) won
-            if decision is not None:
-                return self._check_in(decision, generation, me)
-            joined = set(self._entries(f"g{generation}/joined"))
-            suspected = set(self._entries(f"g{generation}/suspects"))
-            expected = [m for m in members if m not in suspected]
-            waited = time.monotonic() - start
-            if set(expected) <= joined or waited >= join_window_s:
-                proposal = [m for m in expected if m in joined]
-                if len(proposal) < min_size:
-                    raise CommError(f"only {len(proposal)} member(s) {proposal} survived; min_size is {min_size}",
-                                    comm=self._name, op="shrink", elapsed_s=waited)
-                return self._check_in(self._decide(generation, proposal, members), generation, me)
-            if waited >= timeout_s:
-                raise CommError(f"no agreement on generation {generation} within {timeout_s:g}s",
-                                comm=self._name, op="shrink", timeout_s=timeout_s, elapsed_s=waited)
-            time.sleep(POLL_S)
+        return self._carry_out(agreement.after_loss(self._name, generation, members, me, suspects, time.monotonic,
+                                                    join_window_s=join_window_s, timeout_s=timeout_s,
+                                                    min_size=min_size))
 
     def _await(self, key: str, timeout_s: float, look_again: Callable[[], bool]) -> bool:
         """Whether ``key`` exists, waited for until ``timeout_s`` passes or ``look_again()``
-        (the caller's view changed), polling one key: as often as any store wait for
-        ``_AWAIT_FAST_S`` (a decision usually comes within it, and a late look would
-        stall the job), then ever less often, up to every ``_AWAIT_POLL_MAX_S``."""
+        (the caller's view changed): one blocking request where the store allows it;
+        else polling one key, as often as any store wait for ``_AWAIT_FAST_S`` (a
+        decision usually comes within it, and a late look would stall the job), then
+        ever less often, up to every ``_AWAIT_POLL_MAX_S``."""
+        if self._waits is not None:
+            blocked = self._waits.wait(key, timeout_s, look_again)
+            if blocked is not None:
+                return blocked
         try:
             return wait_for_keys(self._store, [key], lambda: _LookAgain() if look_again() else None, timeout_s,
-                                 slow_after_s=_AWAIT_FAST_S, slow_pause_s=_AWAIT_POLL_MAX_S)
+                                 slow_after_s=AWAIT_FAST_S, slow_pause_s=AWAIT_POLL_MAX_S)
         except _LookAgain:
             return False
 
     def agree_on(self, generation: int, members: Sequence[int], me: int, previous: Sequence[int]) -> List[int]:
         """The members of ``generation`` when the callers name them (``reconfigure``):
         the first caller's list wins; ``previous`` are the members before it."""
-        return self._check_in(self._decide(generation, members, previous), generation, me)
-
-    def _check_in(self, decision: List[int], generation: int, me: int) -> List[int]:
-        if me not in decision:
-            raise CommAborted(f"fenced out of generation {generation}: the survivors decided on members {decision}",
-                              comm=self._name, op="membership")
-        return decision
+        return agreement.check_in(self._name, self._carry_out(agreement.decide(generation, members, previous)),
+                                  generation, me)
 
     # ------------------------------------------------------------- growing
     def announce(self, me: int) -> int:

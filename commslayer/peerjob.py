@@ -40,6 +40,7 @@ How a step survives a lost rank:
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import sys
@@ -344,9 +345,12 @@ class PeerJob(Job):
                   f"{_whole_digest(whole):016x}", flush=True)
         rank = survivors.get_rank()
         nodes = [int(self.store.get(f"rank/{r}/node")) for r in kept]
+        # The nodes no longer hold equal blocks: every rank is given the same layout explicitly
+        # (commslayer.addresses.rank_hosts), runs of consecutive ranks on one node.
+        runs = [len(list(group)) for _, group in itertools.groupby(nodes)]
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(len(kept)), COMMSLAYER_JOB_RANK=str(rank),
                    LOCAL_RANK=str(sum(1 for r in range(rank) if nodes[r] == nodes[rank])),
-                   LOCAL_WORLD_SIZE=str(nodes.count(nodes[rank])),
+                   LOCAL_WORLD_SIZE=str(nodes.count(nodes[rank])), COMMSLAYER_NODE_SIZES=",".join(map(str, runs)),
                    COMMSLAYER_RESHARDED=json.dumps({"epoch": epoch, "ranks": kept, "from": path, "step": step,
                                                     "lost": lost_launched, "detected": detected}))
         if config.trace_dir():  # the new layout's trace files must not overwrite this one's

@@ -43,6 +43,7 @@ A C++ reference does not keep the Python object alive, so whoever builds
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -56,10 +57,14 @@ import torch.distributed as dist
 from . import config
 from .errors import StoreUnreachable, first_line
 
+log = logging.getLogger("commslayer")
+
 POLL_S = 0.005  # the longest pause between polls of a store wait
-_FIRST_POLL_S = 0.0002  # waits that usually end within a millisecond start polling this fast
+FIRST_POLL_S = 0.0002  # waits that usually end within a millisecond start polling this fast
 _SLICE_S = 0.5  # a caller waits for the worker in slices: time this process spends stopped does not count
 _KEY_SHOWN = 120  # longest key shown whole in a message
+WAIT_SLICE_S = 1.0  # a blocking wait asks the server again after this long: at most one request per slice
+_INTERRUPTED = object()  # what a call answers when the caller stopped waiting for it
 _lock = threading.Lock()
 _env_store: Optional[Tuple[dist.Store, int, int]] = None
 _connections: "weakref.WeakValueDictionary[int, _Connection]" = weakref.WeakValueDictionary()
@@ -111,12 +116,11 @@ def wait_for_keys(store: dist.Store, keys: Sequence[str], interrupted: Callable[
 
     Polls rather than blocking in ``store.wait``, so that a wait on a member that
     died ends as soon as the communicator knows: ``interrupted()`` is asked
-    between polls and what it returns (an error) is raised.  The pause between
-    polls doubles up to ``POLL_S``, and after ``slow_after_s`` on up to
-    ``slow_pause_s`` (a long wait costs the store fewer requests)."""
+    between polls and what it returns (an error) is raised.  The pauses are
+    ``next_pause``'s."""
     keys = list(keys)
     start = time.monotonic()
-    pause = _FIRST_POLL_S
+    pause = FIRST_POLL_S
     while not store.check(keys):
         err = interrupted()
         if err is not None:
@@ -125,8 +129,15 @@ def wait_for_keys(store: dist.Store, keys: Sequence[str], interrupted: Callable[
         if waited >= timeout_s:
             return False
         time.sleep(pause)
-        pause = min(pause * 2, slow_pause_s if waited >= slow_after_s else POLL_S)
+        pause = next_pause(pause, waited, slow_after_s, slow_pause_s)
     return True
+
+
+def next_pause(pause: float, waited_s: float, slow_after_s: float = float("inf"), slow_pause_s: float = POLL_S) -> float:
+    """The pause after ``pause`` in a poll that has waited ``waited_s``: the first is
+    ``FIRST_POLL_S``, each one doubles, up to ``POLL_S``, and after ``slow_after_s``
+    on up to ``slow_pause_s`` (a long wait costs the store fewer requests)."""
+    return min(pause * 2, slow_pause_s if waited_s >= slow_after_s else POLL_S)
 
 
 def bounded(store: dist.Store, prefix: str = "", comm: Optional[str] = None,
@@ -213,21 +224,33 @@ class BoundedStore(dist.Store):
         return self._target
 
     def _call(self, op: str, fn: Callable[..., Any], *args: Any) -> Any:
-        conn = self._connection
-        if conn.broken is not None:
+        if self._connection.broken is not None:
             raise self._unusable(op, args)
+        return self._finish(op, args, *self._submit(fn, args), self.deadline_s)
+
+    def _submit(self, fn: Callable[..., Any], args: tuple) -> Tuple[List[Tuple[bool, Any]], threading.Lock, float]:
+        """Hand ``fn(*args)`` to the connection's worker: (where the answer goes, released
+        when it is there, when it was handed over)."""
         answer: List[Tuple[bool, Any]] = []
         done = threading.Lock()
         done.acquire()
-        start = time.monotonic()
-        conn.calls.put((fn, args, answer, done))
+        self._connection.calls.put((fn, args, answer, done))
+        return answer, done, time.monotonic()
+
+    def _finish(self, op: str, args: tuple, answer: List[Tuple[bool, Any]], done: threading.Lock, start: float,
+                deadline_s: float, interrupted: Callable[[], bool] = lambda: False, step_s: float = _SLICE_S) -> Any:
+        """The answer to a call handed over at ``start``: waited for until ``deadline_s``,
+        asking ``interrupted()`` every ``step_s`` (``_INTERRUPTED`` when it says so)."""
+        conn = self._connection
         waited = 0.0
-        while not done.acquire(timeout=min(_SLICE_S, self.deadline_s - waited)):
-            waited += _SLICE_S
+        while not done.acquire(timeout=min(step_s, deadline_s - waited)):
+            waited += step_s
             if conn.broken is not None:  # queued behind a call that failed
                 raise self._unusable(op, args)
-            if waited >= self.deadline_s:
-                raise self._overrun(op, args, time.monotonic() - start)
+            if interrupted():
+                return _INTERRUPTED
+            if waited >= deadline_s:
+                raise self._overrun(op, args, time.monotonic() - start, deadline_s)
         ok, value = answer[0]
         if ok:
             return value
@@ -244,13 +267,13 @@ class BoundedStore(dist.Store):
         return StoreUnreachable(f"the store at {conn.address} is not used any more: {conn.broken}", comm=self._comm,
                                 op=self._describe(op, args))
 
-    def _overrun(self, op: str, args: tuple, elapsed_s: float) -> StoreUnreachable:
+    def _overrun(self, op: str, args: tuple, elapsed_s: float, deadline_s: float) -> StoreUnreachable:
         conn = self._connection
         call = self._describe(op, args)
-        conn.broken = conn.broken or f"{call} got no answer within {self.deadline_s:g}s"
-        return StoreUnreachable(f"the store at {conn.address} did not answer within {self.deadline_s:g}s: the process "
+        conn.broken = conn.broken or f"{call} got no answer within {deadline_s:g}s"
+        return StoreUnreachable(f"the store at {conn.address} did not answer within {deadline_s:g}s: the process "
                                "holding it is stopped, hung or cut off (COMMSLAYER_STORE_TIMEOUT_S)",
-                               comm=self._comm, op=call, timeout_s=self.deadline_s, elapsed_s=elapsed_s)
+                               comm=self._comm, op=call, timeout_s=deadline_s, elapsed_s=elapsed_s)
 
     def _describe(self, op: str, args: tuple) -> str:
         return f"store.{op}({_keys(self._full(args[0]))})"
@@ -290,7 +313,7 @@ class BoundedStore(dist.Store):
 
     # --------------------------------------------- waits for another rank
     def get(self, key: str) -> bytes:
-        value = self._call("get", self._get_if_set, key)
+        value = self.get_if_set(key)
         if value is None:
             self.wait([key])
             value = self._call("get", self._target.get, key)
@@ -311,8 +334,110 @@ class BoundedStore(dist.Store):
             raise dist.DistStoreError(f"wait timeout after {timeout.total_seconds() * 1000:.0f}ms, keys: "
                                       f"{_keys(self._full(list(keys)))}")
 
+    def get_written(self, key: str) -> bytes:
+        """The value of ``key``, known to exist: one request (``get`` checks first)."""
+        return self._call("get", self._target.get, key)
+
+    def get_if_set(self, key: str) -> Optional[bytes]:
+        """The value of ``key``, or None if nobody wrote it (never waits for it)."""
+        return self._call("get", self._get_if_set, key)
+
     def _get_if_set(self, key: str) -> Optional[bytes]:
         return self._target.get(key) if self._target.check([key]) else None
 
     def _multi_get_if_set(self, keys: List[str]) -> Optional[List[bytes]]:
         return self._target.multi_get(keys) if self._target.check(keys) else None
+
+
+class WaitConnection:
+    """Waits that block on the server, on a connection of their own: one request,
+    answered when the key is written (TCPStore's ``wait``), where a poll costs the
+    store a request every few milliseconds.  For the waits that many ranks make
+    at once (every survivor of a loss waiting for one decision).
+
+    Why a connection of its own: a blocking call holds its connection (see the
+    module doc), and nothing else of the process may queue behind it.  It is
+    opened in the background, since a recovery must never wait for it to open
+    (opening one took up to 5 s here when the resolver was slow); until it is
+    open, for a store that cannot open a second connection, and while a wait
+    the caller gave up on still holds it, ``wait`` answers None: the caller polls.
+    Keys are those of ``PrefixStore(prefix, store)``."""
+
+    def __init__(self, store: BoundedStore, prefix: str = "") -> None:
+        self._open: Optional[BoundedStore] = None
+        self._free = threading.Lock()  # held while a wait uses the connection
+        self._lock = threading.Lock()  # hands the connection over between a caller who gave up and the worker
+        self._pid = os.getpid()
+        threading.Thread(target=self._connect, args=(store, prefix), name="commslayer-store-waits",
+                         daemon=True).start()
+
+    def _connect(self, store: BoundedStore, prefix: str) -> None:
+        try:
+            target = store.underlying_store.clone()
+        except Exception as exc:  # a store that cannot open a second connection: its waits poll
+            log.debug("commslayer: waits on a %s poll (%s)", type(store.underlying_store).__name__, first_line(exc))
+            return
+        bottom = target
+        while isinstance(bottom, dist.PrefixStore):
+            bottom = bottom.underlying_store
+        self._open = BoundedStore(dist.PrefixStore(prefix, target) if prefix else target, _Connection(bottom),
+                                  store.deadline_s, "/".join(p for p in (store._prefix, prefix) if p), store._comm)
+
+    def opened(self, timeout_s: float) -> bool:
+        """Whether the connection is open, waiting up to ``timeout_s`` for it."""
+        deadline = time.monotonic() + timeout_s
+        while self._open is None and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        return self._open is not None
+
+    def wait(self, key: str, timeout_s: float, look_again: Callable[[], bool]) -> Optional[bool]:
+        """Whether ``key`` was written within ``timeout_s``, False as soon as
+        ``look_again()`` is true (asked every ``POLL_S``, here, at no cost to the
+        store); None when this connection cannot wait now (the class doc says when)."""
+        store = self._open
+        if store is None or os.getpid() != self._pid or not self._free.acquire(blocking=False):
+            return None
+        call = _SliceCall()
+        try:
+            start = time.monotonic()
+            while True:
+                left = timeout_s - (time.monotonic() - start)
+                if left < 0.001:  # c10d counts milliseconds, and a zero timeout is its "the default"
+                    return False
+                slice_s = min(WAIT_SLICE_S, left)
+                if store._connection.broken is not None:
+                    raise store._unusable("wait", ([key],))
+                call.running = True
+                handed = store._submit(self._wait_once, (store._target, key, slice_s, call))
+                got = store._finish("wait", ([key],), *handed, slice_s + store.deadline_s, look_again, POLL_S)
+                if got is _INTERRUPTED:
+                    with self._lock:
+                        call.abandoned = call.running  # then the worker frees the connection when it is done
+                    return False
+                if got:
+                    return True
+                if look_again():
+                    return False
+        finally:
+            with self._lock:
+                if not call.abandoned:
+                    self._free.release()
+
+    def _wait_once(self, target: dist.Store, key: str, slice_s: float, call: "_SliceCall") -> bool:
+        """One slice of a wait, on the worker thread."""
+        try:
+            target.wait([key], timedelta(seconds=slice_s))
+            return True
+        except dist.DistStoreError:  # the slice ended
+            return False
+        finally:
+            with self._lock:
+                call.running = False
+                if call.abandoned:
+                    self._free.release()
+
+
+class _SliceCall:
+    """A wait's call in progress: ``running`` on the worker, ``abandoned`` by its caller."""
+    running = False
+    abandoned = False

@@ -51,6 +51,7 @@ from __future__ import annotations
 import logging
 import random
 import struct
+import zlib
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 log = logging.getLogger("commslayer")
@@ -99,6 +100,16 @@ class Topology:
     @property
     def full_mesh(self) -> bool:
         return self.cycles is None
+
+    @property
+    def digest(self) -> int:
+        """A checksum of who watches whom: members that chose differently (their
+        ``COMMSLAYER_WATCH_PEERS``, ``COMMSLAYER_FULL_MESH_MAX`` or host layouts
+        differ) find out when they connect (``commslayer.liveness``)."""
+        if self.cycles is None:
+            return zlib.crc32(struct.pack("!I", self.size))
+        return zlib.crc32(struct.pack(f"!{self.size * len(self.cycles) + 1}I", self.size,
+                                      *(m for cycle in self.cycles for m in cycle)))
 
     @property
     def degree(self) -> int:

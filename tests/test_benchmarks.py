@@ -268,14 +268,32 @@ def test_watch_processes_smoke():
 @pytest.mark.timeout(120)
 def test_agreement_smoke():
     out = run_bench("launch/bench_agreement.py", "--smoke", timeout=110)
-    header = ["members", "requests per survivor: median (max)", "requests per decision", "agree s: median (min–max)"]
-    four, eight = rows(out, header)
-    assert four[0] == "4" and eight[0] == "8"
-    for row in (four, eight):
-        median, most = re.fullmatch(r"(\d+) \((\d+)\)", row[1]).groups()
-        # join, read the decision and poll it a few times; the proposer reads the lists too
-        assert 2 <= int(median) <= 40 and int(median) <= int(most), row
-        assert 0 < median_in_range(row[3]) < 10, row
+    header = ["members", "waits", "requests per survivor: median (max)", "requests per decision",
+              "agree s: median (min–max)"]
+    got = rows(out, header)
+    assert [r[:2] for r in got] == [["4", "blocking"], ["4", "polling"], ["8", "blocking"], ["8", "polling"]]
+    for blocking, polling in (got[0:2], got[2:4]):
+        (b, b_most), (p, _) = (map(int, re.fullmatch(r"(\d+) \((\d+)\)", r[2]).groups()) for r in (blocking, polling))
+        # join (with what it suspects), one wait, one read of the decision; the proposer reads the list too
+        assert b == 3 <= b_most, blocking
+        assert b < p <= 40, polling  # a poll of the decision every few milliseconds costs more
+        for row in (blocking, polling):
+            assert 0 < median_in_range(row[4]) < 10, row
+
+
+@pytest.mark.timeout(60)
+def test_agreement_simulation_smoke():
+    out = run_bench("launch/simulate_agreement.py", "--smoke", timeout=50)
+    header = ["members", "fault", "waits", "decision written s", "last survivor has it s: median (max)",
+              "agreement's own s", "requests per survivor: median (max)", "requests per decision", "server busy s",
+              "sim wall s"]
+    got = rows(out, header)
+    assert [r[:3] for r in got] == [["200", f, w] for f in ("kill", "stop") for w in ("blocking", "polling")]
+    for row in got:
+        decided, last, own = float(row[3]), float(row[4].split()[0]), float(row[5])
+        assert 0 < decided <= last and 0 < own < 1.0, row  # within 1 s of the last detection
+        assert (decided < 0.5) if row[1] == "kill" else (2.0 < decided < 3.5), row
+    assert got[0][6].startswith("3 ") and got[2][6].startswith("3 "), got  # one wait per survivor
 
 
 def pair(row: List[str], i: int) -> float:

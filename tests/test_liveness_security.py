@@ -37,7 +37,7 @@ def _member_or_attacker(rank, size, store):
         junk = socket.create_connection(addr)
         junk.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"x" * 64)
         forged = socket.create_connection(addr)
-        forged.sendall(b"CLhb" + struct.pack("!II", 0, 1) + os.urandom(32))
+        forged.sendall(b"CLhb" + struct.pack("!III", 0, 1, 0) + os.urandom(32))
         short = socket.create_connection(addr)
         short.sendall(b"CLhb\x00")
         short.close()
@@ -93,3 +93,28 @@ def test_attackers_are_dropped_and_the_mesh_comes_up():
     assert "wrong signature" in reasons
     assert "closed before a whole hello" in reasons
     assert dropped0 == []
+
+
+@pytest.mark.timeout(60)
+def test_a_member_that_chose_another_topology_is_a_config_error_not_an_unwatched_member():
+    """Rank 0 watches everyone (the full mesh); ranks 1 and 2 were told to watch one
+    peer each (a ring): set up that way, some member would be watched by nobody."""
+    from commslayer.errors import ConfigError
+    from commslayer.liveness import Liveness
+    from tests.harness import on_threads
+
+    store = dist.HashStore()
+
+    def member(rank):
+        ring = {} if rank == 0 else {"watch_peers": 1, "mesh_max": 1}
+        return Liveness(dist.PrefixStore("mix", store), rank, 3, heartbeat_s=0.1, peer_timeout_s=1.0,
+                        connect_timeout_s=5, on_lost=lambda ranks, why: None, on_left=lambda ranks: None,
+                        label="mix", **ring)
+
+    got = on_threads(*(lambda r=r: member(r) for r in range(3)))
+    mismatch = [g for g in got if isinstance(g, ConfigError)]
+    assert mismatch and "chose another watch topology" in str(mismatch[0]), got
+    assert "COMMSLAYER_WATCH_PEERS" in str(mismatch[0])
+    for g in got:
+        if isinstance(g, Liveness):
+            g.close()

@@ -1,22 +1,41 @@
 """The membership protocol (commslayer.membership) in process: threads as members over one
-c10d ``HashStore``, milliseconds a test, for its corner cases. The same protocol with
+store, milliseconds a test, for its corner cases: a c10d ``HashStore`` (waits poll) and a
+TCPStore as a job's store is wrapped (waits block on the server). The same protocol with
 real processes, sockets and kills is tested in test_recovery.py and test_resilience.py."""
 
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
 from commslayer.errors import CollectiveTimeout, CommAborted, CommError, PeerLost
 from commslayer.membership import Membership
+from commslayer.store import bounded
+from launch.bench_agreement import CountingStore
 
 from harness import on_threads
 
 
-@pytest.fixture
-def m():
-    return Membership(dist.HashStore(), "proto")
+def _tcp_store(counter=None):
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    return bounded(server if counter is None else CountingStore(server, counter)), server
+
+
+def _ready(m):
+    """``m`` once its connection for blocking waits is open."""
+    assert m.waits.opened(5.0), "the connection for waits did not open"
+    return m
+
+
+@pytest.fixture(params=["polled", "blocking"])
+def m(request):
+    if request.param == "polled":
+        return Membership(dist.HashStore(), "proto")
+    store, server = _tcp_store()
+    request.addfinalizer(lambda: server)  # the server lives as long as the test
+    return _ready(Membership(store, "proto"))
 
 
 def _shrink(m, me, suspects=(), members=(0, 1, 2, 3), window_s=2.0, min_size=1):
@@ -36,6 +55,33 @@ def test_survivors_agree_without_waiting_out_the_window_once_every_unsuspected_m
 def test_a_survivor_slow_to_notice_the_loss_still_gets_in(m):
     got = on_threads(_shrink(m, 0, suspects={3}), _shrink(m, 1, suspects={3}), _shrink(m, 2), stagger_s=0.05)
     assert got == [[0, 1, 2]] * 3
+
+
+def test_a_survivor_waiting_for_the_decision_costs_the_store_one_wait_not_a_poll_every_few_ms():
+    counts = {"proposer": [0], "waiter": [0]}
+    proposer_store, server = _tcp_store(counts["proposer"])
+    waiter_store, _ = _tcp_store(counts["waiter"])  # its own server, unused: the counts stay apart
+    waiter_store = bounded(CountingStore(dist.TCPStore("127.0.0.1", server.port, is_master=False,
+                                                       timeout=timedelta(seconds=10)), counts["waiter"]))
+    proposer, waiter = Membership(proposer_store, "proto"), _ready(Membership(waiter_store, "proto"))
+    # Member 2 never joins: the proposer (0) waits out its 0.4 s join window, member 1 waits for it.
+    got = on_threads(lambda: proposer.agree_after_loss(1, [0, 1, 2], 0, set, join_window_s=0.4, timeout_s=5.0),
+                     lambda: waiter.agree_after_loss(1, [0, 1, 2], 1, set, join_window_s=0.4, timeout_s=5.0))
+    assert got == [[0, 1]] * 2
+    # join (with what it suspects), one wait, one read of the decision; polling would have cost about 28
+    assert counts["waiter"][0] == 3, counts
+
+
+def test_survivors_waiting_on_a_proposer_that_is_lost_take_over_at_once(m):
+    lost_at = time.monotonic() + 0.2  # the proposer (0) never joins; the monitors name it 0.2 s in
+
+    def suspects():
+        return {0} if time.monotonic() >= lost_at else set()
+
+    shrink = [lambda me=me: m.agree_after_loss(1, [0, 1, 2], me, suspects, join_window_s=2.0, timeout_s=5.0)
+              for me in (1, 2)]
+    assert on_threads(*shrink) == [[1, 2]] * 2
+    assert time.monotonic() - lost_at < 1.0  # not after twice the join window (4 s)
 
 
 def test_a_member_that_never_joins_is_left_out_after_the_join_window(m):

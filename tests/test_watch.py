@@ -202,16 +202,46 @@ def test_a_member_reported_silent_and_then_killed_is_declared_at_the_hang_up():
     assert sorted(sim.declared.get(2, {})) == [0, 1, 3]
 
 
-def test_torchrun_layout_gives_each_member_its_node(monkeypatch):
-    from commslayer.addresses import torchrun_hosts
+_LAYOUT_VARS = ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "COMMSLAYER_NODE_SIZES",
+                "SLURM_TASKS_PER_NODE", "SLURM_DISTRIBUTION", "SLURM_PROCID", "SLURM_NODEID")
 
-    for name in ("RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+
+def _layout(monkeypatch, **env):
+    for name in _LAYOUT_VARS:
         monkeypatch.delenv(name, raising=False)
-    assert torchrun_hosts([0, 1]) is None  # not started by torchrun
-    env = {"RANK": "5", "GROUP_RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "16"}
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert torchrun_hosts([0, 3, 4, 15]) == [0, 0, 1, 3]
-    assert torchrun_hosts([0, 16]) is None  # not global ranks of this job
+
+
+def test_torchrun_layout_gives_each_member_its_node(monkeypatch):
+    from commslayer.addresses import rank_hosts
+
+    _layout(monkeypatch)
+    assert rank_hosts([0, 1]) is None  # not started by torchrun
+    _layout(monkeypatch, RANK="5", GROUP_RANK="1", LOCAL_RANK="1", LOCAL_WORLD_SIZE="4", WORLD_SIZE="16")
+    assert rank_hosts([0, 3, 4, 15]) == [0, 0, 1, 3]
+    assert rank_hosts([0, 16]) is None  # not global ranks of this job
     monkeypatch.setenv("GROUP_RANK", "0")  # rank 5 is not in node 0's block: not that layout
-    assert torchrun_hosts([0, 1]) is None
+    assert rank_hosts([0, 1]) is None
+
+
+def test_slurm_and_explicit_layouts_give_each_member_its_node(monkeypatch):
+    from commslayer.addresses import rank_hosts
+    from commslayer.errors import ConfigError
+
+    _layout(monkeypatch, SLURM_TASKS_PER_NODE="2(x3),1", SLURM_PROCID="4", SLURM_NODEID="2")
+    assert rank_hosts([0, 1, 2, 5, 6]) == [0, 0, 1, 2, 3]
+    assert rank_hosts([7]) is None  # 7 tasks in all
+    monkeypatch.setenv("SLURM_NODEID", "1")  # this task is not where the layout puts it
+    assert rank_hosts([0]) is None
+    _layout(monkeypatch, SLURM_TASKS_PER_NODE="2(x3),1", SLURM_PROCID="4", SLURM_NODEID="2",
+            SLURM_DISTRIBUTION="cyclic")
+    assert rank_hosts([0]) is None  # not in blocks: no layout
+    # the explicit layout wins over torchrun's (commslayer-run sets it after a resharding)
+    _layout(monkeypatch, COMMSLAYER_NODE_SIZES="2,1,3", RANK="1", GROUP_RANK="1", LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1", WORLD_SIZE="6")
+    assert rank_hosts([0, 1, 2, 3, 5]) == [0, 0, 1, 2, 2]
+    for bad in ("2,,1", "0,2", "x"):
+        monkeypatch.setenv("COMMSLAYER_NODE_SIZES", bad)
+        with pytest.raises(ConfigError, match="COMMSLAYER_NODE_SIZES"):
+            rank_hosts([0])
