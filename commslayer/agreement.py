@@ -21,7 +21,7 @@ from typing import Any, Callable, Generator, List, Optional, Sequence, Set, Tupl
 
 from .errors import CommAborted, CommError
 
-PROPOSER_POLL_S = 0.005  # the proposer reads the joined and suspects lists this often
+PROPOSER_POLL_S = 0.005  # the proposer reads the joined list this often
 
 
 @dataclass(frozen=True)

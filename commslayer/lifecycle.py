@@ -95,7 +95,8 @@ class Lineage:
 def watched_lineage(store: dist.Store, uid: str, name: str) -> Lineage:
     """The lineage of a communicator whose membership is fixed (a c10d group): its
     members watch each other (``COMMSLAYER_HEARTBEAT_S``), nothing more."""
-    return Lineage(store, uid, Membership(store, name), *config.liveness_timing(), isolate=False, resizable=False)
+    return Lineage(store, uid, Membership(store, name, blocking_waits=False), *config.liveness_timing(), isolate=False,
+                   resizable=False)
 
 
 def in_child(ranks: Set[int], child_ranks: List[int]) -> Set[int]:

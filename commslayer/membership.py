@@ -104,6 +104,10 @@ class Membership:
             return self._store.get_if_set(key)
         return self._store.get(key) if self._store.check([key]) else None
 
+    def _get_written(self, key: str) -> bytes:
+        """The value of ``key``, known to exist (one request)."""
+        return self._store.get_written(key) if isinstance(self._store, BoundedStore) else self._store.get(key)
+
     def decided(self, generation: int) -> Optional[List[int]]:
         raw = self._read(f"g{generation}/decision")
         return None if raw is None else json.loads(raw)
@@ -123,7 +127,7 @@ class Membership:
                 if isinstance(request, agreement.Read):
                     answer = self._read(request.key)
                 elif isinstance(request, agreement.Get):
-                    answer = store.get_written(request.key) if isinstance(store, BoundedStore) else store.get(request.key)
+                    answer = self._get_written(request.key)
                 elif isinstance(request, agreement.WaitFor):
                     answer = self._await(request.key, request.timeout_s, request.look_again)
                 elif isinstance(request, agreement.Append):
@@ -150,20 +154,38 @@ class Membership:
                                                     min_size=min_size))
 
     def _await(self, key: str, timeout_s: float, look_again: Callable[[], bool]) -> bool:
-        """Whether ``key`` exists, waited for until ``timeout_s`` passes or ``look_again()``
-        (the caller's view changed): one blocking request where the store allows it;
-        else polling one key, as often as any store wait for ``_AWAIT_FAST_S`` (a
-        decision usually comes within it, and a late look would stall the job), then
-        ever less often, up to every ``_AWAIT_POLL_MAX_S``."""
-        if self._waits is not None:
-            blocked = self._waits.wait(key, timeout_s, look_again)
-            if blocked is not None:
-                return blocked
+        """Whether the decision key ``key`` exists, waited for until ``timeout_s`` passes or
+        ``look_again()`` (the survivor's view changed).  Where a wait cannot block, its
+        polls go at the usual rate for ``AWAIT_FAST_S`` (a decision usually comes
+        within it, and a late look would stall the job), then ever less often, up to
+        every ``AWAIT_POLL_MAX_S``."""
         try:
-            return wait_for_keys(self._store, [key], lambda: _LookAgain() if look_again() else None, timeout_s,
-                                 slow_after_s=AWAIT_FAST_S, slow_pause_s=AWAIT_POLL_MAX_S)
+            return self._wait(key, lambda: _LookAgain() if look_again() else None, timeout_s,
+                              slow_after_s=AWAIT_FAST_S, slow_pause_s=AWAIT_POLL_MAX_S)
         except _LookAgain:
             return False
+
+    def _wait(self, key: str, interrupted: Callable[[], Optional[Exception]], timeout_s: float,
+              **polling: float) -> bool:
+        """Whether ``key`` exists within ``timeout_s``, raising what ``interrupted()``
+        returns once it returns something: one request that blocks on the server
+        where the store allows it (``store.WaitConnection``), else polls
+        (``store.wait_for_keys``, with ``polling``'s pauses)."""
+        if self._waits is not None:
+            stopped: List[Exception] = []
+
+            def look_again() -> bool:
+                err = interrupted()
+                if err is not None:
+                    stopped.append(err)
+                return err is not None
+
+            written = self._waits.wait(key, timeout_s, look_again)
+            if stopped:
+                raise stopped[0]
+            if written is not None:
+                return written
+        return wait_for_keys(self._store, [key], interrupted, timeout_s, **polling)
 
     def agree_on(self, generation: int, members: Sequence[int], me: int, previous: Sequence[int]) -> List[int]:
         """The members of ``generation`` when the callers name them (``reconfigure``):
@@ -192,7 +214,7 @@ class Membership:
             self._store.set(key, json.dumps(seen))
             return seen
         self._wait_for(key, interrupted, timeout_s, "pending_members")
-        return json.loads(self._store.get(key))
+        return json.loads(self._get_written(key))
 
     def vote(self, generation: int, call: int, size: int, ok: bool,
              interrupted: Callable[[], Optional[CommError]], timeout_s: float) -> bool:
@@ -211,7 +233,7 @@ class Membership:
             raise
         except CommError:  # a member was lost before everyone voted: too late to commit
             return self._settle(key, "abort")
-        return self._store.get(f"{key}/outcome") == b"commit"
+        return self._get_written(f"{key}/outcome") == b"commit"
 
     def _settle(self, key: str, outcome: str) -> bool:
         return self._store.compare_set(f"{key}/outcome", "", outcome) == b"commit"
@@ -220,7 +242,7 @@ class Membership:
                   op: str) -> None:
         """Wait until ``key`` exists; raise what ``interrupted()`` returns once the
         communicator breaks (a member lost), or ``CollectiveTimeout``."""
-        if not wait_for_keys(self._store, [key], interrupted, timeout_s):
+        if not self._wait(key, interrupted, timeout_s):
             raise CollectiveTimeout(f"{key!r} was not written within {timeout_s:g}s", comm=self._name,
                                     op=op, timeout_s=timeout_s, elapsed_s=timeout_s)
 

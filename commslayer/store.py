@@ -32,7 +32,11 @@ may legitimately take long.  The wrapper turns them into polls of ``check``
 (each one bounded) followed by the read; a key that never comes ends with
 torch's ``DistStoreError`` after the store's own timeout, as before.  A
 ``get`` therefore costs a ``check`` more than on the bare store, plus the
-hand-over to the worker thread (measured in docs/recovery.md).
+hand-over to the worker thread (measured in docs/recovery.md).  Waits that
+many ranks make at once (every survivor waiting for one decision, every
+member for a vote's outcome) cost a poll every few milliseconds each; they
+block on the server instead, one request each, on a second connection
+(``WaitConnection``), bounded by their own timeout plus the deadline.
 
 The wrapper is a ``torch.distributed.Store``, so everything built on it uses
 it too: ``PrefixStore``s, and the C++ rendezvous of the Gloo and NCCL groups.
