@@ -392,7 +392,7 @@ class PeerJob(Job):
                             comm=self._shards.get_name(), op="reshard")
         if self.rank == 0:
             print(f"resharded: {self.world_size} rank(s) at step {step}, whole state fingerprint {after:016x}, the "
-                  "same as before", flush=True)
+                  f"same as before; ranks per node {os.environ.get('COMMSLAYER_NODE_SIZES')}", flush=True)
 
     def _restore(self, *, joined: bool) -> Tuple[int, bytes]:
         """Agree on the boundary to go back to and get this rank's state there; every

@@ -175,6 +175,7 @@ def test_without_a_replacement_the_survivors_reshard_and_go_on(tmp_path):
     [left] = [x for x in run.stdout.splitlines() if "resharding: rank(s) [3] lost" in x]
     [came] = [x for x in run.stdout.splitlines() if "resharded: 3 rank(s) at step" in x]
     assert left.split("fingerprint ")[1] == came.split("fingerprint ")[1].split(",")[0], (left, came)
+    assert came.endswith("ranks per node 3"), came  # one host: the layout the watch topology reads
     assert "rank(s) [3] retired" in run.stdout
     results = by_rank(tmp_path)
     assert sorted(results) == [0, 1, 2], log[-4000:]
