@@ -44,8 +44,10 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from faults.netns import Network, sent_bytes
-from launch.workers import parse, prepare_testbed, report, run_workers
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from faults.netns import Network, sent_bytes  # noqa: E402
+from launch.workers import parse, prepare_testbed, report, run_workers  # noqa: E402
 
 PREFIX = "csov"  # namespace names: csov<pid>-hub, csov<pid>-r<rank>
 # command-line key -> the name in tables

@@ -39,9 +39,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Dict, List
 
-from commslayer.processes import free_port
-from faults.netns import Network, sent_bytes, tcp_payload_sent
-from launch.workers import parse, prepare_testbed, report, run_workers
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from commslayer.processes import free_port  # noqa: E402
+from faults.netns import Network, sent_bytes, tcp_payload_sent  # noqa: E402
+from launch.workers import parse, prepare_testbed, report, run_workers  # noqa: E402
 
 PREFIX = "csrs"  # namespace names: csrs<pid>-hub, csrs<pid>-r<rank>
 CONFIGS = {"native": "native", "native (A/A)": "native", "ring": "ring"}  # name -> the reduce_scatter hint
