@@ -173,8 +173,8 @@ class _Connection:
         self.bottom = bottom  # keeps its id, the registry's key, from being reused
         if isinstance(bottom, dist.TCPStore):
             self.address = f"{bottom.host}:{bottom.port}"
-        else:
-            self.address = f"a {type(bottom).__name__}"
+        else:  # an EtcdStore names its cluster
+            self.address = getattr(bottom, "address", None) or f"a {type(bottom).__name__}"
         self.broken: Optional[str] = None
         calls: "queue.SimpleQueue" = queue.SimpleQueue()
         self.calls = calls
