@@ -14,6 +14,7 @@ their ranks here.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import signal
@@ -43,6 +44,7 @@ class RankDied:
 
 
 def _child(fn, rank, size, port, args, conn, env) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for the stacks of a rank that hangs
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port), "LOCAL_RANK": str(rank)})
@@ -120,6 +122,11 @@ def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 60
                     missing.add(rank)
                     start(rank)
     finally:
+        if missing:  # every thread's stack of the ranks that hang, on stderr, before they are killed
+            for rank in sorted(missing):
+                if procs[rank].is_alive():
+                    os.kill(procs[rank].pid, signal.SIGUSR1)
+                    time.sleep(0.5)  # one rank's stacks at a time
         for p in procs + old_procs:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
