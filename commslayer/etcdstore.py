@@ -98,11 +98,8 @@ class EtcdStore(dist.Store):
         """One request, to the first endpoint (from the last good one) that answers, on a
         kept-alive connection of this thread (a fresh one if the kept one went stale)."""
         failures = []
-        n = len(self.endpoints)
         kept: Dict[int, http.client.HTTPConnection] = self._local.__dict__.setdefault("conns", {})
-        for i in range(n):
-            index = (self._good + i) % n
-            host, port = self.endpoints[index]
+        for index, host, port in self._in_turn():
             for fresh in (index not in kept, True):
                 conn = kept.pop(index, None) if not fresh else None
                 if conn is None:
@@ -125,6 +122,11 @@ class EtcdStore(dist.Store):
                 self._good = index
                 return data
         raise dist.DistNetworkError(f"etcd at {self.address} did not serve {path}: " + "; ".join(failures))
+
+    def _in_turn(self) -> List[Tuple[int, str, int]]:
+        """(index, host, port) of every endpoint, from the one that answered last."""
+        n = len(self.endpoints)
+        return [((self._good + i) % n, *self.endpoints[(self._good + i) % n]) for i in range(n)]
 
     def _key(self, key: str) -> str:
         return _b64(self.prefix + key.encode())
@@ -234,10 +236,7 @@ class EtcdStore(dist.Store):
     def _watch(self, key: str, from_revision: int, timeout_s: float) -> bool:
         """Whether ``key`` was written at or after ``from_revision`` within ``timeout_s``."""
         failures = []
-        n = len(self.endpoints)
-        for i in range(n):
-            index = (self._good + i) % n
-            host, port = self.endpoints[index]
+        for _, host, port in self._in_turn():
             conn = http.client.HTTPConnection(host, port, timeout=min(timeout_s, self.request_timeout_s))
             try:
                 conn.request("POST", "/v3/watch", json.dumps(

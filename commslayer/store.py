@@ -228,8 +228,7 @@ class BoundedStore(dist.Store):
         return self._target
 
     def _call(self, op: str, fn: Callable[..., Any], *args: Any) -> Any:
-        if self._connection.broken is not None:
-            raise self._unusable(op, args)
+        self._check_usable(op, args)
         return self._finish(op, args, *self._submit(fn, args), self.deadline_s)
 
     def _submit(self, fn: Callable[..., Any], args: tuple) -> Tuple[List[Tuple[bool, Any]], threading.Lock, float]:
@@ -265,6 +264,10 @@ class BoundedStore(dist.Store):
                                    "the process holding it is gone, or it refused the request",
                                    comm=self._comm, op=call, elapsed_s=time.monotonic() - start) from None
         raise value
+
+    def _check_usable(self, op: str, args: tuple) -> None:
+        if self._connection.broken is not None:
+            raise self._unusable(op, args)
 
     def _unusable(self, op: str, args: tuple) -> StoreUnreachable:
         conn = self._connection
@@ -409,8 +412,7 @@ class WaitConnection:
                 if left < 0.001:  # c10d counts milliseconds, and a zero timeout is its "the default"
                     return False
                 slice_s = min(WAIT_SLICE_S, left)
-                if store._connection.broken is not None:
-                    raise store._unusable("wait", ([key],))
+                store._check_usable("wait", ([key],))
                 call.running = True
                 handed = store._submit(self._wait_once, (store._target, key, slice_s, call))
                 got = store._finish("wait", ([key],), *handed, slice_s + store.deadline_s, look_again, POLL_S)
