@@ -15,6 +15,7 @@ their ranks here.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -44,6 +45,9 @@ class RankDied:
 
 
 def _child(fn, rank, size, port, args, conn, env) -> None:
+    # What the parent left to the garbage collector stays uncollected here: a TCPStore server in it
+    # (a test's, in a cycle) joins its server thread when freed, and a forked child has no such thread.
+    gc.freeze()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for the stacks of a rank that hangs
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1",
