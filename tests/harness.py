@@ -1,6 +1,7 @@
-"""The tests' helpers: ranks on real processes (``faults.ranks``), a free port, and calls
-on real threads (``on_threads``)."""
+"""The tests' helpers: ranks on real processes (``faults.ranks``), a free port, calls
+on real threads (``on_threads``), and a failed job's output cut to its story (``job_story``)."""
 
+import re
 import threading
 import time
 from typing import Any, Callable, List
@@ -8,7 +9,7 @@ from typing import Any, Callable, List
 from commslayer.processes import free_port
 from faults.ranks import RankDied, run_ranks
 
-__all__ = ["RankDied", "free_port", "on_threads", "run_ranks"]
+__all__ = ["RankDied", "free_port", "job_story", "on_threads", "run_ranks"]
 
 
 def on_threads(*calls: Callable[[], Any], stagger_s: float = 0.0) -> List[Any]:
@@ -34,3 +35,15 @@ def on_threads(*calls: Callable[[], Any], stagger_s: float = 0.0) -> List[Any]:
         t.join(10)
     assert not any(t.is_alive() for t in threads), "a call did not return within 10 s"
     return results
+
+
+_STORY = re.compile(r"lost|leaving|recovered|restarted|admitted|healed|gave up|timed out|Error|error:|done:")
+_BOILERPLATE = re.compile(r"elastic|error_file|traceback :|File \"|^\s*\S*\s*raise |ChildFailedError")
+
+
+def job_story(log: str, lines: int = 80, tail: int = 1500) -> str:
+    """What a failed job printed, short enough to survive a CI log's cuts: its lines
+    that tell what happened (losses, exits, recoveries, restarts, admissions,
+    errors; not torchrun's boilerplate), then its last ``tail`` characters."""
+    told = [line for line in log.splitlines() if _STORY.search(line) and not _BOILERPLATE.search(line)]
+    return "\n".join(["--- the story ---", *told[:lines], "--- the end of the output ---", log[-tail:]])

@@ -17,6 +17,7 @@ import pytest
 
 from commslayer.redundancy import holders
 from commslayer.runs import RankResult, load_results
+from tests.harness import job_story
 from tests.viewer_traces import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,7 +47,7 @@ def by_rank(run_dir: Path) -> Dict[int, RankResult]:
 def clean(tmp_path_factory) -> Dict[int, RankResult]:
     run_dir = tmp_path_factory.mktemp("clean")
     run = launch(run_dir, [])
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.returncode == 0, job_story(run.stdout + run.stderr)
     results = by_rank(run_dir)
     assert sorted(results) == list(range(RANKS))
     return results
@@ -86,7 +87,7 @@ def test_a_lost_rank_is_replaced_and_nothing_is_lost(clean, tmp_path, where, tar
     env = {"COMMSLAYER_TRACE_DIR": str(traces)} if where == "backward" else {}
     run = launch(tmp_path, [{"action": "sigkill", "rank": target, **KILLS[where]}], env=env)
     log = run.stdout[-4000:] + run.stderr[-4000:]
-    assert run.returncode == 0, log
+    assert run.returncode == 0, job_story(run.stdout + run.stderr)
     results = by_rank(tmp_path)
     assert_same_as_clean(results, clean, log)
     replaced = results[target]
@@ -110,7 +111,7 @@ def test_refresh_every_k_steps_goes_back_at_most_k_steps(clean, tmp_path):
     run = launch(tmp_path, [{"action": "sigkill", "rank": 2, "step": FAULT_STEP + 3, "phase": "backward"}],
                  env={"COMMSLAYER_REFRESH_EVERY": "5"})
     log = run.stdout[-4000:] + run.stderr[-4000:]
-    assert run.returncode == 0, log
+    assert run.returncode == 0, job_story(run.stdout + run.stderr)
     results = by_rank(tmp_path)
     assert_same_as_clean(results, clean, log)
     assert results[2].start_step == FAULT_STEP  # the last refresh before step 23 was at step 20
@@ -121,7 +122,7 @@ def test_a_stopped_rank_is_replaced_and_fenced_when_it_resumes(clean, tmp_path):
     run = launch(tmp_path, [{"action": "sigstop", "rank": 2, "step": FAULT_STEP, "phase": "forward",
                              "seconds": 5.0}])
     log = run.stdout[-4000:] + run.stderr[-4000:]
-    assert run.returncode == 0, log
+    assert run.returncode == 0, job_story(run.stdout + run.stderr)
     results = by_rank(tmp_path)
     assert_same_as_clean(results, clean, log)  # nothing the stopped process did after SIGCONT got in
     assert results[2].restart == 1
@@ -158,7 +159,7 @@ def test_two_copies_survive_the_loss_of_a_rank_and_its_first_holder(clean, tmp_p
               for r in (1, 2)]
     run = launch(tmp_path, faults, env={"COMMSLAYER_REDUNDANCY": "2"})
     log = run.stdout[-4000:] + run.stderr[-4000:]
-    assert run.returncode == 0, log
+    assert run.returncode == 0, job_story(run.stdout + run.stderr)
     results = by_rank(tmp_path)
     assert_same_as_clean(results, clean, log)
     assert results[1].restart == 1 and results[2].restart == 1

@@ -14,6 +14,7 @@ import pytest
 
 from commslayer.runs import RankResult, load_results, longest
 from faults.harness import Layout, state_checks
+from tests.harness import job_story
 
 ROOT = Path(__file__).resolve().parent.parent
 MISUSE = ROOT / "tests" / "jobs" / "misuse_job.py"
@@ -44,7 +45,7 @@ def clean(tmp_path_factory) -> Dict[str, List[RankResult]]:
     for name, script in EXAMPLES.items():
         run_dir = tmp_path_factory.mktemp(f"clean-{name}")
         run = launch(script, "--steps", str(CLEAN_STEPS), per_replica=2, restarts=2, run_dir=str(run_dir))
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        assert run.returncode == 0, job_story(run.stdout + run.stderr)
         out[name] = load_results(str(run_dir))
     return out
 
@@ -63,7 +64,7 @@ def test_a_users_script_survives_a_killed_replica_group(clean, tmp_path, example
     run = launch(EXAMPLES[example], "--steps", str(STEPS), per_replica=2, restarts=2, run_dir=str(tmp_path),
                  env={"COMMSLAYER_FAULTS": json.dumps(fault)}, timeout=200)
     log = run.stdout[-4000:] + run.stderr[-4000:]
-    assert run.returncode == 0, log
+    assert run.returncode == 0, job_story(run.stdout + run.stderr)
     done = load_results(str(tmp_path))
     failed = [c for c in state_checks(done, STEPS, Layout(2, 2)) if not c.ok]
     assert not failed, (failed, log)  # every rank at the end, each step applied once, replicas bitwise equal
@@ -88,7 +89,7 @@ def test_the_average_begun_during_backward_equals_the_one_after_it(clean, tmp_pa
     steps = 40
     run = launch(EXAMPLES[example], "--steps", str(steps), per_replica=2, run_dir=str(tmp_path),
                  env={"COMMSLAYER_AVERAGE_AFTER_BACKWARD": "1"})
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.returncode == 0, job_story(run.stdout + run.stderr)
     after = load_results(str(tmp_path))
     assert all(r.overlapped == ["model"] for r in clean[example])
     assert all(r.overlapped == [] for r in after)
@@ -123,7 +124,7 @@ def test_the_same_script_runs_under_plain_torchrun(tmp_path):
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           str(EXAMPLES["ddp"]), "--steps", "20"], env=env, cwd="/", capture_output=True,
                          text=True, timeout=100)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.returncode == 0, job_story(run.stdout + run.stderr)
     done = load_results(str(tmp_path))
     assert sorted(r.member for r in done) == [0, 1]
     assert all(r.live == [0] and sorted(r.losses) == list(range(20)) and set(r.optimizer_steps) == {20}

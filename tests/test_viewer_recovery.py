@@ -21,6 +21,7 @@ from typing import Any, Dict, List
 
 import pytest
 
+from tests.harness import job_story
 from tests.test_viewer import CHROMIUM, _chromium
 from tests.viewer_traces import run_cli
 
@@ -59,7 +60,7 @@ def recovered(tmp_path_factory) -> Dict[str, Any]:
             if TMUX:
                 panes.append(_tmux(socket, "capture-pane", "-p", "-t", "w").stdout)
         log = job.stdout.read()
-        assert job.returncode == 0, log[-4000:]
+        assert job.returncode == 0, job_story(log)
         stopped = ""
         if TMUX:
             time.sleep(1.5)  # a last look after the job ended
