@@ -69,6 +69,14 @@ def interface_address(name: str) -> str:
                                   f"this host ({exc.strerror or exc})") from None
 
 
+def host_port(text: str) -> Tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) as (host, port); ``ValueError`` saying what is expected."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"{text!r}: expected HOST:PORT, PORT in 1..65535")
+    return host.strip("[]"), int(port)
+
+
 def address_towards(host: str, port: int) -> str:
     """This host's address on its route to ``host:port``."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:

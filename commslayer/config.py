@@ -245,6 +245,23 @@ def full_mesh_max() -> int:
     return _integer("COMMSLAYER_FULL_MESH_MAX", 16, 1)
 
 
+def job_store() -> Optional[str]:
+    """``COMMSLAYER_JOB_STORE``: the job's store, which ``commslayer-run`` gives its ranks:
+    ``host:port`` of its TCPStore, or ``etcd://h1:2379,h2:2379/job`` (keys under ``job/``
+    of an etcd cluster); None when unset (plain torchrun: torchrun's store)."""
+    raw = os.environ.get("COMMSLAYER_JOB_STORE", "")
+    if not raw.strip():
+        return None
+    from .addresses import host_port
+    from .etcdstore import parse_url
+
+    try:
+        parse_url(raw.strip()) if raw.strip().startswith("etcd://") else host_port(raw)
+    except ValueError as exc:
+        raise _bad("COMMSLAYER_JOB_STORE", raw, f"host:port or etcd://host:port,.../job ({exc})") from None
+    return raw.strip()
+
+
 def node_sizes() -> Optional[List[int]]:
     """``COMMSLAYER_NODE_SIZES``: how many ranks each node holds, in rank order, for
     a launcher that lays ranks out in blocks per node but is neither torchrun nor
@@ -407,7 +424,7 @@ _CHECKED: Tuple[Callable[[], object], ...] = (
     trace_otel, trace_sink_queue, heartbeat_s, peer_timeout_s, liveness_timing, liveness_host, watch_peers,
     full_mesh_max, isolate_writes, faults_log, trace_mode, replica_id, run_dir, store_timeout_s,
     average_after_backward, restart_unit, node, redundancy, refresh_every, reshard, resharded,
-    reduce_scatter_algorithm, ring_min_bytes, node_sizes,
+    reduce_scatter_algorithm, ring_min_bytes, node_sizes, job_store,
 )
 _valid: Set[Tuple[Tuple[str, str], ...]] = set()  # environments found valid (resolving a host costs)
 

@@ -13,24 +13,36 @@ stack comes into the job.  Which etcd primitive does what:
   ``expected`` that is not empty is left alone and ``expected`` answered;
 * ``add`` and ``append``: a read, then a transaction that writes only if the
   key's modification revision is still the one read, repeated on a race;
+  exactly once, even when an answer is lost: the transaction also writes a
+  receipt (its own key, outside the prefix, under a lease that ends it after
+  ``RECEIPT_TTL_S``) and applies only where that receipt does not exist, so
+  the same transaction is simply sent again, and either applies or answers
+  with the receipt;
 * ``wait`` (and ``get`` of a key not written yet): a watch from the revision
   at which the key was seen missing, so the server answers when it is
-  written; one request, no polling.
+  written; one request, no polling;
+* ``claim``: a key under a lease that a thread renews, gone soon after its
+  holder (the launcher that started a job holds the job this way).
 
-Every key lives under ``prefix``.  Endpoints are tried in order, starting
-from the last one that answered; when none answers, or the cluster cannot
-serve (no quorum: etcd answers with an error), the call raises
-``DistNetworkError``, which ``commslayer.store.bounded`` turns into
-``StoreUnreachable``.
+Every key lives under ``prefix``.  Losing a member, the leader included, is
+survived: each request goes to the member that served last, which gets
+``ATTEMPT_S`` to answer (a member that is stopped, or that waits for a new
+leader, answers nothing), then to the next, round after round, for up to
+``request_timeout_s``.  A member that refuses the connection is left at once.
+When no member serves within that time (no quorum: the members answer with
+errors, or nothing), the call raises ``DistNetworkError``, which
+``commslayer.store.bounded`` turns into ``StoreUnreachable``.
 """
 
 from __future__ import annotations
 
 import base64
 import http.client
+import itertools
 import json
 import threading
 import time
+import uuid
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from urllib.parse import urlsplit
@@ -38,7 +50,14 @@ from urllib.parse import urlsplit
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)  # c10d's default store timeout: how long get and wait wait for a key
-REQUEST_TIMEOUT_S = 5.0  # one HTTP request to one endpoint
+REQUEST_TIMEOUT_S = 8.0  # one call, tried on every endpoint in turn until one serves it (below the store deadline)
+ATTEMPT_S = 1.0  # one request to one endpoint: a member that is stopped, or waits for a leader, is left after this
+RECEIPT_TTL_S = 60  # how long the receipt of an add or append outlives it (its retries end well before)
+RECEIPTS = b"commslayer-receipts/"  # where receipts live: outside every prefix, so no job's keys count them
+
+
+class _NotServed(Exception):
+    """One endpoint did not serve a request (refused, reset, silent, or an error answer)."""
 
 
 def _b64(data: bytes) -> str:
@@ -53,41 +72,66 @@ def _bytes(value: Any) -> bytes:
     return bytes(value)  # c10d hands over lists of ints for std::vector<uint8_t>
 
 
-def endpoints_from_url(url: str) -> List[Tuple[str, int]]:
-    """``etcd://h1:2379,h2:2379`` as (host, port) pairs; ``ValueError`` saying why not."""
+def parse_url(url: str) -> Tuple[List[Tuple[str, int]], str]:
+    """``etcd://h1:2379,h2:2379/job`` as ((host, port) pairs, key prefix ``job/``; none
+    without a path); ``ValueError`` saying why not."""
     if not url.startswith("etcd://"):
         raise ValueError(f"{url!r} is not an etcd:// address")
+    hosts, _, path = url[len("etcd://"):].partition("/")
+    path = path.strip("/")
+    if any(c.isspace() or not c.isprintable() for c in path):
+        raise ValueError(f"the path {path!r} of {url!r} is not a plain key prefix")
     out = []
-    for part in url[len("etcd://"):].rstrip("/").split(","):
+    for part in hosts.split(","):
         parsed = urlsplit(f"//{part}")
-        if not parsed.hostname or parsed.port is None:
+        try:
+            port = parsed.port
+        except ValueError:
+            port = None
+        if not parsed.hostname or port is None:
             raise ValueError(f"{part!r} in {url!r} is not host:port")
-        out.append((parsed.hostname, parsed.port))
-    return out
+        out.append((parsed.hostname, port))
+    return out, f"{path}/" if path else ""
 
 
 class EtcdStore(dist.Store):
     """The keys under ``prefix`` of the etcd cluster at ``endpoints`` ((host, port)
-    pairs, or an ``etcd://h1:2379,h2:2379`` address), as a c10d store."""
+    pairs), as a c10d store; ``EtcdStore.at(url)`` for an ``etcd://`` address."""
 
-    def __init__(self, endpoints: "Sequence[Tuple[str, int]] | str", prefix: str = "",
+    def __init__(self, endpoints: Sequence[Tuple[str, int]], prefix: str = "",
                  timeout: timedelta = DEFAULT_TIMEOUT, request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
         super().__init__()
-        self.endpoints = endpoints_from_url(endpoints) if isinstance(endpoints, str) else list(endpoints)
+        self.endpoints = list(endpoints)
         if not self.endpoints:
             raise ValueError("an etcd store needs at least one endpoint")
         self.prefix = prefix.encode()
         self.request_timeout_s = request_timeout_s
         self._good = 0  # the endpoint that answered last
         self._local = threading.local()  # each thread's kept-alive connections, by endpoint
+        self._id = uuid.uuid4().hex  # names this store's receipts
+        self._receipts = itertools.count(1)
+        self._lease: Optional[Tuple[str, float]] = None  # the receipts' lease, and when it was granted
+        self._clones: List[EtcdStore] = []
         self.set_timeout(timeout)
+
+    @classmethod
+    def at(cls, url: str, timeout: timedelta = DEFAULT_TIMEOUT,
+           request_timeout_s: float = REQUEST_TIMEOUT_S) -> "EtcdStore":
+        """The store at ``etcd://h1:2379,h2:2379/job`` (keys under ``job/``)."""
+        endpoints, prefix = parse_url(url)
+        return cls(endpoints, prefix, timeout, request_timeout_s)
 
     @property
     def address(self) -> str:
-        return "etcd://" + ",".join(f"{h}:{p}" for h, p in self.endpoints)
+        path = self.prefix.decode().rstrip("/")
+        return "etcd://" + ",".join(f"{h}:{p}" for h, p in self.endpoints) + (f"/{path}" if path else "")
 
     def clone(self) -> "EtcdStore":
-        return EtcdStore(self.endpoints, self.prefix.decode(), self._store_timeout(), self.request_timeout_s)
+        twin = EtcdStore(self.endpoints, self.prefix.decode(), self._store_timeout(), self.request_timeout_s)
+        # c10d's PrefixStore.clone keeps only a C++ reference to what this returns; without a Python
+        # one the object goes, and its methods with it ("Tried to call pure virtual function")
+        self._clones.append(twin)
+        return twin
 
     def _store_timeout(self) -> timedelta:
         """How long ``get`` and ``wait`` wait (``set_timeout``'s, kept by c10d)."""
@@ -95,33 +139,57 @@ class EtcdStore(dist.Store):
 
     # ------------------------------------------------------------- transport
     def _post(self, path: str, body: Dict[str, Any]) -> Dict[str, Any]:
-        """One request, to the first endpoint (from the last good one) that answers, on a
-        kept-alive connection of this thread (a fresh one if the kept one went stale)."""
-        failures = []
-        kept: Dict[int, http.client.HTTPConnection] = self._local.__dict__.setdefault("conns", {})
-        for index, host, port in self._in_turn():
-            for fresh in (index not in kept, True):
-                conn = kept.pop(index, None) if not fresh else None
-                if conn is None:
-                    conn = http.client.HTTPConnection(host, port, timeout=self.request_timeout_s)
-                try:
-                    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-                    response = conn.getresponse()
-                    data: Dict[str, Any] = json.loads(response.read() or b"{}")
-                except (OSError, http.client.HTTPException, ValueError) as exc:
-                    conn.close()
-                    if fresh:
-                        failures.append(f"{host}:{port}: {exc}")
-                        break
-                    continue  # a kept connection the server closed meanwhile: once more on a fresh one
-                kept[index] = conn
-                if response.status != 200:  # the cluster answered but cannot serve (no leader, no quorum)
-                    failures.append(f"{host}:{port}: HTTP {response.status} "
-                                    f"{data.get('error') or data.get('message')}")
+        """One call: its request to the endpoints in turn, from the one that served last,
+        each given ``ATTEMPT_S``, round after round until one serves it or
+        ``request_timeout_s`` passes (``DistNetworkError``).  A request that got no
+        answer may have been applied, so every request made here must be one that
+        can be applied twice (``_update`` makes add and append so)."""
+        deadline = time.monotonic() + self.request_timeout_s
+        failures: List[str] = []
+        while True:
+            for index, host, port in self._in_turn():
+                left = deadline - time.monotonic()
+                if left <= 0:
                     break
+                try:
+                    data = self._attempt(index, host, port, path, body, min(ATTEMPT_S, left))
+                except _NotServed as exc:
+                    failures.append(f"{host}:{port}: {exc}")
+                    continue
                 self._good = index
                 return data
-        raise dist.DistNetworkError(f"etcd at {self.address} did not serve {path}: " + "; ".join(failures))
+            if time.monotonic() >= deadline:
+                raise dist.DistNetworkError(f"etcd at {self.address} did not serve {path} within "
+                                            f"{self.request_timeout_s:g}s: " + "; ".join(failures[-len(self.endpoints):]))
+            time.sleep(0.05)  # every endpoint failed at once (none up yet): pace the next round
+
+    def _attempt(self, index: int, host: str, port: int, path: str, body: Dict[str, Any],
+                 timeout_s: float) -> Dict[str, Any]:
+        """The request to one endpoint, on this thread's kept-alive connection to it (a
+        fresh one if there is none, or if the kept one had been closed before the
+        request went out); ``_NotServed`` saying why not."""
+        kept: Dict[int, http.client.HTTPConnection] = self._local.__dict__.setdefault("conns", {})
+        conn = kept.pop(index, None)
+        for fresh in (conn is None, True):
+            if conn is None:
+                conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+            elif conn.sock is not None:
+                conn.sock.settimeout(timeout_s)
+            try:
+                conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+                response = conn.getresponse()
+                data: Dict[str, Any] = json.loads(response.read() or b"{}")
+            except (OSError, http.client.HTTPException, ValueError) as exc:
+                conn.close()
+                conn = None
+                if fresh or isinstance(exc, TimeoutError):
+                    raise _NotServed(str(exc) or type(exc).__name__) from None
+                continue  # the server had closed the kept connection: once more on a fresh one
+            kept[index] = conn
+            if response.status != 200:  # the member cannot serve now (no leader, no quorum, timed out)
+                raise _NotServed(f"HTTP {response.status} {data.get('error') or data.get('message')}")
+            return data
+        raise AssertionError("unreachable")
 
     def _in_turn(self) -> List[Tuple[int, str, int]]:
         """(index, host, port) of every endpoint, from the one that answered last."""
@@ -179,9 +247,46 @@ class EtcdStore(dist.Store):
         return int(self._post("/v3/kv/deleterange", {"key": self._key(key)}).get("deleted", 0)) > 0
 
     def num_keys(self) -> int:
-        end = _b64(self.prefix + b"\xff") if self.prefix else _b64(b"\0")
-        data = self._post("/v3/kv/range", {"key": _b64(self.prefix or b"\0"), "range_end": end, "count_only": True})
+        data = self._post("/v3/kv/range", {**self._everything(), "count_only": True})
         return int(data.get("count", 0))
+
+    def delete_all(self, keep: str = "") -> int:
+        """Delete every key under the prefix but ``keep`` (a job starting afresh on a
+        cluster that keeps what earlier jobs wrote); how many there were. Refused
+        without a prefix."""
+        if not self.prefix:
+            raise ValueError("delete_all needs a prefix: it would empty the whole cluster")
+        everything = self._everything()
+        if not keep:
+            return int(self._post("/v3/kv/deleterange", everything).get("deleted", 0))
+        kept = self._key(keep)
+        after = _b64(self.prefix + keep.encode() + b"\0")
+        data = self._txn([], [{"request_delete_range": {"key": everything["key"], "range_end": kept}},
+                              {"request_delete_range": {"key": after, "range_end": everything["range_end"]}}], [])
+        return sum(int(r["response_delete_range"].get("deleted", 0)) for r in data.get("responses", []))
+
+    def _everything(self) -> Dict[str, str]:
+        """The range of every key under the prefix (the whole key space without one)."""
+        if not self.prefix:
+            return {"key": _b64(b"\0"), "range_end": _b64(b"\0")}
+        end = self.prefix.rstrip(b"\xff")
+        return {"key": _b64(self.prefix), "range_end": _b64(end[:-1] + bytes([end[-1] + 1]))}
+
+    def claim(self, key: str, value: Any, ttl_s: float) -> Optional["Claim"]:
+        """Write ``key`` if nobody holds it, under a lease of ``ttl_s`` seconds that a
+        thread renews (``Claim``): the key disappears at most ``ttl_s`` after this
+        process ends or loses the cluster. None if the key exists (someone holds it)."""
+        lease = self._post("/v3/lease/grant", {"TTL": max(1, round(ttl_s))})["ID"]
+        compare = {"key": self._key(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+        put = {"request_put": {"key": self._key(key), "value": _b64(_bytes(value)), "lease": lease}}
+        data = self._txn([compare], [put], [self._get_op(key)])
+        holder = None if data.get("succeeded") else (data["responses"][0]["response_range"].get("kvs") or [{}])[0]
+        if holder is None or holder.get("lease") == lease:  # ours, perhaps from a try that was applied
+            # renewed on a store of its own, whose calls give up in time for the next renewal
+            return Claim(EtcdStore(self.endpoints, self.prefix.decode(), self._store_timeout(), ttl_s / 3),
+                         lease, ttl_s)
+        self._post("/v3/lease/revoke", {"ID": lease})
+        return None
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
         expected_b, desired_b = _bytes(expected), _bytes(desired)
@@ -203,18 +308,40 @@ class EtcdStore(dist.Store):
         self._update(key, lambda old: (old or b"") + tail)
 
     def _update(self, key: str, change: Callable[[Optional[bytes]], bytes]) -> bytes:
-        """Write ``change(old value or None)`` if nobody wrote the key in between; again if they did."""
+        """Write ``change(old value or None)`` if nobody wrote the key in between (again,
+        from the new value, if somebody did), exactly once: the transaction also writes
+        a receipt of its own, and applies only where that receipt does not exist, so
+        one that may have been applied is sent again as it was, and either applies
+        now or answers with its receipt."""
+        receipt = self._receipt()
+        kv, _ = self._range(key)
         while True:
-            kv, _ = self._range(key)
-            if kv is None:
-                compare = {"key": self._key(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
-                new = change(None)
-            else:
-                compare = {"key": self._key(key), "target": "MOD", "result": "EQUAL",
-                           "mod_revision": kv["mod_revision"]}
-                new = change(self._value(kv))
-            if self._txn([compare], [self._put(key, new)], []).get("succeeded"):
+            new = change(None if kv is None else self._value(kv))
+            compare = [{"key": _b64(receipt), "target": "CREATE", "result": "EQUAL", "create_revision": "0"},
+                       {"key": self._key(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+                       if kv is None else
+                       {"key": self._key(key), "target": "MOD", "result": "EQUAL", "mod_revision": kv["mod_revision"]}]
+            success = [self._put(key, new),
+                       {"request_put": {"key": _b64(receipt), "value": _b64(new), "lease": self._receipt_lease()}}]
+            data = self._txn(compare, success, [{"request_range": {"key": _b64(receipt)}}, self._get_op(key)])
+            if data.get("succeeded"):
                 return new
+            mine, theirs = (r["response_range"].get("kvs") for r in data["responses"])
+            if mine:  # an earlier try was applied
+                return self._value(mine[0])
+            kv = theirs[0] if theirs else None
+
+    def _receipt(self) -> bytes:
+        """A key no other call, of this store or any other, ever uses."""
+        return RECEIPTS + f"{self._id}/{next(self._receipts)}".encode()
+
+    def _receipt_lease(self) -> str:
+        """A lease that ends receipts ``RECEIPT_TTL_S`` after they were written at the
+        earliest (a new one each half of that)."""
+        now = time.monotonic()
+        if self._lease is None or now - self._lease[1] > RECEIPT_TTL_S / 2:
+            self._lease = (self._post("/v3/lease/grant", {"TTL": RECEIPT_TTL_S})["ID"], now)
+        return self._lease[0]
 
     def has_extended_api(self) -> bool:
         return True
@@ -237,7 +364,7 @@ class EtcdStore(dist.Store):
         """Whether ``key`` was written at or after ``from_revision`` within ``timeout_s``."""
         failures = []
         for _, host, port in self._in_turn():
-            conn = http.client.HTTPConnection(host, port, timeout=min(timeout_s, self.request_timeout_s))
+            conn = http.client.HTTPConnection(host, port, timeout=min(timeout_s, ATTEMPT_S))
             try:
                 conn.request("POST", "/v3/watch", json.dumps(
                     {"create_request": {"key": self._key(key), "start_revision": str(from_revision)}}))
@@ -266,3 +393,41 @@ class EtcdStore(dist.Store):
             finally:
                 conn.close()
         raise dist.DistNetworkError(f"etcd at {self.address} could not watch {key!r}: " + "; ".join(failures))
+
+
+class Claim:
+    """A key held under a lease (``EtcdStore.claim``), renewed every third of its
+    time to live until ``release``; ``lost`` says why renewing stopped working.
+    Other keys can be put under the same lease (``put``)."""
+
+    def __init__(self, store: EtcdStore, lease: str, ttl_s: float) -> None:
+        self._store, self._lease, self._ttl_s = store, lease, ttl_s
+        self.lost: Optional[str] = None
+        self._released = threading.Event()
+        threading.Thread(target=self._renew, name="commslayer-etcd-lease", daemon=True).start()
+
+    def _renew(self) -> None:
+        while not self._released.wait(self._ttl_s / 3):
+            try:
+                left = int(self._store._post("/v3/lease/keepalive", {"ID": self._lease}).get("result", {})
+                           .get("TTL", 0))
+            except dist.DistNetworkError as exc:
+                self.lost = str(exc)
+                continue  # the lease may still be alive: try again while it can be
+            if left <= 0:
+                self.lost = "the lease expired"
+                return
+            self.lost = None
+
+    def put(self, key: str, value: Any) -> None:
+        """Write ``key`` under this claim's lease: it goes when the claim does."""
+        self._store._post("/v3/kv/put", {"key": self._store._key(key), "value": _b64(_bytes(value)),
+                                         "lease": self._lease})
+
+    def release(self) -> None:
+        """Stop renewing and delete the keys now (the lease revoked)."""
+        self._released.set()
+        try:
+            self._store._post("/v3/lease/revoke", {"ID": self._lease})
+        except dist.DistNetworkError:
+            pass  # it expires on its own

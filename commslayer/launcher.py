@@ -39,8 +39,21 @@ use)::
     commslayer-run --nnodes 2 --nproc-per-node 4 --host 10.0.0.1 --port 29600 fsdp2.py
     commslayer-run --nnodes 2 --nproc-per-node 4 --node-rank 1 --coordinator 10.0.0.1:29600 fsdp2.py
 
+The job's store on etcd (``--store etcd://h1:2379,h2:2379,h3:2379/JOB``): no
+process of the job holds its state, so losing the coordinator's host, or any
+one etcd member, is survivable.  The launcher that starts the job holds the
+key ``JOB/launcher`` under a lease it renews (a second launcher of the same
+job is refused; one that died frees it within 10 s), deletes what an earlier
+job of that name left, and writes ``JOB/launcher/started`` under the same
+lease; launchers on other hosts join with ``--coordinator`` and the same
+address, once that key exists::
+
+    commslayer-run --replicas 2 --store etcd://10.0.0.5:2379,10.0.0.6:2379,10.0.0.7:2379/run7 train.py
+    commslayer-run --replicas 2 --replica-ids 1 \
+        --coordinator etcd://10.0.0.5:2379,10.0.0.6:2379,10.0.0.7:2379/run7 train.py
+
 The workers run in the caller's working directory and get
-``COMMSLAYER_JOB_STORE`` (the coordinator's host:port) and, with
+``COMMSLAYER_JOB_STORE`` (the coordinator's host:port, or the etcd address) and, with
 ``--run-dir``, ``COMMSLAYER_RUN_DIR``,
 ``COMMSLAYER_FAULTS_LOG=<run-dir>/faults.jsonl`` and
 ``COMMSLAYER_TRACE_DIR=<run-dir>/traces`` unless they are set already (set
@@ -60,7 +73,7 @@ replicas' state matches; also in ``<run-dir>/summary.json``) and
 
 Exit status: 0 when every replica group (or rank) started here finished
 (and, with ``--run-dir``, the summary found nothing wrong); 1 when one gave
-up, a rank wrote ``job/failed``, the coordinator was lost or the summary
+up, a rank wrote ``job/failed``, the job's store was lost (the coordinator, or etcd's quorum) or the summary
 found a problem; 2 for bad arguments (options of the other mode included);
 130 when interrupted.  Anything but 0 comes with one line on stderr.
 SIGUSR1 prints the launcher's own threads' stacks to stderr (a launcher
@@ -74,6 +87,7 @@ import faulthandler
 import math
 import os
 import signal
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -82,14 +96,18 @@ from typing import Dict, List, NoReturn, Optional, Tuple
 import torch.distributed as dist
 
 from . import config, runs
+from .addresses import host_port
 from .errors import first_line
+from .etcdstore import Claim, EtcdStore, parse_url
 from .processes import ProcessSet, become_subreaper, free_port
-from .store import bounded
+from .store import bounded, connect
 from .supervisor import Failed, RankJob, all_ended, check_reachable, echo, supervise_ranks
 
 PROG = "commslayer-run"
 GRACE_S = 5.0  # default --grace: SIGTERM to SIGKILL when the launcher ends its processes
 STORE_TIMEOUT = timedelta(seconds=60)
+CLAIM_TTL_S = 10.0  # a job on etcd whose launcher is gone can be started again this long after
+LAUNCHER, STARTED = "launcher", "launcher/started"  # the keys on etcd that the launcher starting a job holds
 
 
 class _Parser(argparse.ArgumentParser):
@@ -112,7 +130,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--node-rank", type=int,
                    help="per-rank mode: this host's place (default 0, the coordinator's): it runs ranks "
                         "node-rank * nproc-per-node and up")
-    p.add_argument("--coordinator", metavar="HOST:PORT", help="a running coordinator (default: be the coordinator)")
+    p.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="join a running job: its coordinator's HOST:PORT, or the etcd:// address its --store names "
+                        "(default: be the coordinator)")
+    p.add_argument("--store", metavar="etcd://HOST:PORT,.../JOB",
+                   help="keep the job's store on an etcd cluster, under the key prefix JOB/, instead of in this "
+                        "launcher (default): the job then outlives this host")
     p.add_argument("--host", help="the address the coordinator listens on (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="the coordinator's port (default: a free one)")
     p.add_argument("--max-restarts", type=int, default=3, help="restarts of each replica group (torchrun's) or, in per-rank mode, of each rank (default 3)")
@@ -140,9 +163,17 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if not 0 <= a.loss_tolerance < math.inf:
         p.error(f"--loss-tolerance {a.loss_tolerance}: must be a finite number >= 0")
     if a.coordinator is not None:
+        if a.host is not None or a.port is not None or a.store is not None:
+            p.error("--coordinator joins a running job; --host, --port and --store start one: give one or the other")
+        if a.coordinator.startswith("etcd://"):
+            _etcd_address(p, "--coordinator", a.coordinator)
+        else:
+            a.coordinator_host, a.coordinator_port = _address(p, a.coordinator)
+    elif a.store is not None:
         if a.host is not None or a.port is not None:
-            p.error("--coordinator joins a running coordinator; --host and --port start one: give one or the other")
-        a.coordinator_host, a.coordinator_port = _address(p, a.coordinator)
+            p.error("--store keeps the job's store on etcd; --host and --port start this launcher's own: give one "
+                    "or the other")
+        _etcd_address(p, "--store", a.store)
     elif a.port is not None and not 0 <= a.port <= 65535:
         p.error(f"--port {a.port}: a TCP port is 0..65535")
     a.per_rank = a.replicas is None
@@ -224,11 +255,22 @@ def _replica_ids(p: argparse.ArgumentParser, spec: str, replicas: int) -> List[i
     return ids
 
 
+def _etcd_address(p: argparse.ArgumentParser, option: str, url: str) -> None:
+    try:
+        _, prefix = parse_url(url)
+    except ValueError as exc:
+        p.error(f"{option} {exc}")
+    if not prefix:
+        why = ", and a job starting there deletes what an earlier one left" if option == "--store" else ""
+        p.error(f"{option} {url!r}: name the job after the endpoints (etcd://HOST:PORT,.../JOB): its keys live "
+                f"under JOB/{why}")
+
+
 def _address(p: argparse.ArgumentParser, text: str) -> Tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-        p.error(f"--coordinator {text!r}: expected HOST:PORT, PORT in 1..65535")
-    return host.strip("[]"), int(port)
+    try:
+        return host_port(text)
+    except ValueError as exc:
+        p.error(f"--coordinator {exc}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -265,6 +307,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second Ctrl-C must not cut the ending short
             signal.signal(sig, signal.SIG_IGN)
         procs.stop()
+        if getattr(a, "claim", None) is not None:
+            a.claim.release()
     if a.per_rank:
         if gone:
             print(f"{PROG}: rank(s) {gone} gave up (no restart left after --max-restarts {a.max_restarts} per "
@@ -287,31 +331,74 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _job_store(a: argparse.Namespace):
-    """The job's store: a client of ``--coordinator``, or this process's own (it is the coordinator)."""
+    """The job's store: a client of ``--coordinator`` (a running job's), the etcd cluster of
+    ``--store`` (this launcher starts the job there), or this process's own TCPStore (it is
+    the coordinator)."""
+    a.claim = None
     if a.coordinator:
-        try:
-            store = dist.TCPStore(a.coordinator_host, a.coordinator_port, is_master=False, timeout=STORE_TIMEOUT,
-                                  use_libuv=True)
-        except (RuntimeError, OSError) as exc:
-            raise Failed(f"cannot reach the coordinator at {a.coordinator}: {first_line(exc)}") from None
+        store = _joined_store(a.coordinator)
         # A stopped coordinator answers nothing: give up on it after twice the ranks' store deadline, so
         # that a rank, which talks to the store at least once a deadline (every step does), raises
         # StoreUnreachable itself, naming the call, before this launcher ends it.
         return bounded(store, deadline_s=2 * config.store_timeout_s())
-    host, port = a.host or "127.0.0.1", a.port or 0
-    try:
-        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT,
-                              use_libuv=True)
-    except (RuntimeError, OSError) as exc:
-        raise Failed(f"cannot start the coordinator's store at {host}:{port}: {first_line(exc)}") from None
-    a.address = f"{host if host != '0.0.0.0' else '127.0.0.1'}:{store.port}"
-    if a.per_rank:
-        print(f"coordinator: job store at {host}:{store.port} for {a.world_size} rank(s), {a.nproc_per_node} on each "
-              f"of {a.nnodes} host(s), each rank its own restart unit", flush=True)
+    if a.store:
+        # etcd gone (no quorum): the ranks, whose calls give up after the store deadline, raise
+        # StoreUnreachable themselves before this launcher, whose calls wait longer, ends them.
+        store = EtcdStore.at(a.store, STORE_TIMEOUT, request_timeout_s=1.5 * config.store_timeout_s())
+        a.claim = _start_on_etcd(store)
+        a.address = a.store
+        held = "the job's store on etcd at " + a.store
     else:
-        print(f"coordinator: job store at {host}:{store.port} for {a.replicas} replica group(s) of "
-              f"{a.nproc_per_replica}", flush=True)
+        host, port = a.host or "127.0.0.1", a.port or 0
+        try:
+            store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT,
+                                  use_libuv=True)
+        except (RuntimeError, OSError) as exc:
+            raise Failed(f"cannot start the coordinator's store at {host}:{port}: {first_line(exc)}") from None
+        a.address = f"{host if host != '0.0.0.0' else '127.0.0.1'}:{store.port}"
+        held = f"job store at {host}:{store.port}"
+    if a.per_rank:
+        print(f"coordinator: {held} for {a.world_size} rank(s), {a.nproc_per_node} on each of {a.nnodes} host(s), "
+              "each rank its own restart unit", flush=True)
+    else:
+        print(f"coordinator: {held} for {a.replicas} replica group(s) of {a.nproc_per_replica}", flush=True)
+    return bounded(store, deadline_s=2 * config.store_timeout_s()) if a.store else store
+
+
+def _joined_store(address: str) -> dist.Store:
+    """A client of a running job's store; on etcd, once the launcher that started the job
+    holds it (``STARTED``, which goes with that launcher)."""
+    try:
+        store = connect(address, STORE_TIMEOUT)
+        if isinstance(store, EtcdStore):
+            store.wait([STARTED], STORE_TIMEOUT)
+    except dist.DistStoreError:
+        raise Failed(f"no job is running at {address}: none was started there (commslayer-run --store "
+                     f"{address}) within {STORE_TIMEOUT.total_seconds():g}s") from None
+    except (RuntimeError, OSError) as exc:
+        raise Failed(f"cannot reach the job's store at {address}: {first_line(exc)}") from None
     return store
+
+
+def _start_on_etcd(store: EtcdStore) -> Claim:
+    """Hold the job (its ``LAUNCHER`` key, under a lease this process renews), then delete
+    what an earlier job of the same name left, then say that the job started
+    (``STARTED``, under the same lease, for launchers that join it). A job held by a
+    launcher that is gone is free once its lease expires (``CLAIM_TTL_S``)."""
+    me = f"{socket.gethostname()} pid {os.getpid()}"
+    deadline = time.monotonic() + CLAIM_TTL_S + 1
+    try:
+        while (claim := store.claim(LAUNCHER, me, CLAIM_TTL_S)) is None:
+            if time.monotonic() > deadline:
+                holder = store.get(LAUNCHER).decode(errors="replace") if store.check([LAUNCHER]) else "?"
+                raise Failed(f"the job at {store.address} is running: its launcher ({holder}) holds it; name another "
+                             "job, or stop that one")
+            time.sleep(0.5)
+        store.delete_all(keep=LAUNCHER)
+        claim.put(STARTED, me)
+    except dist.DistNetworkError as exc:
+        raise Failed(f"cannot start the job on etcd: {first_line(exc)}") from None
+    return claim
 
 
 def _worker_env(a: argparse.Namespace) -> Dict[str, str]:
@@ -345,9 +432,9 @@ def _supervise(a: argparse.Namespace, store, procs: ProcessSet) -> Dict[int, int
     codes: Dict[int, int] = {}
     watched = time.monotonic()
     while len(codes) < len(a.ids) or (not a.ids and not all_ended(store, "replica", a.replicas)):
-        if a.coordinator and time.monotonic() - watched > 0.5:
+        if (a.coordinator or a.store) and time.monotonic() - watched > 0.5:
             watched = time.monotonic()
-            check_reachable(store, a.coordinator)
+            check_reachable(store, a.coordinator or a.store)
         for r, proc in procs.procs.items():
             if r not in codes and proc.poll() is not None:
                 codes[r] = proc.returncode

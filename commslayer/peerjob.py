@@ -65,7 +65,7 @@ from .reduce_op import ReduceOp
 from .replicas import Admission, Recovery
 from .reshard import merge
 from .resilience import Job, digest
-from .store import bounded
+from .store import bounded, connect
 from .supervisor import RESHARDED
 
 COMM_NAME = "shards"
@@ -101,8 +101,7 @@ class PeerJob(Job):
 
     # ------------------------------------------------------------ start-up
     def _connect(self, timeout: timedelta) -> Tuple[dist.Store, int, int]:
-        host, port = os.environ["COMMSLAYER_JOB_STORE"].rsplit(":", 1)
-        raw = dist.TCPStore(host, int(port), is_master=False, timeout=timeout, use_libuv=True)
+        raw = connect(os.environ["COMMSLAYER_JOB_STORE"], timeout)
         store = bounded(raw)
         me = int(os.environ.get("COMMSLAYER_JOB_RANK", self.rank)) if self._resharded is None else \
             self._resharded["ranks"][self.rank]  # the launcher's rank

@@ -70,7 +70,7 @@ from .hooks import phase_hooks as _phase_hooks
 from .hooks import register_phase_hook  # noqa: F401  (public here: where a user looks)
 from .replicas import Admission, Recovery, ReplicaBroken, Replicas, fingerprint
 from .reshard import piece
-from .store import bounded
+from .store import bounded, connect
 
 BUCKET_BYTES = 4 << 20  # gradient bytes per bucket of the cross-replica average
 
@@ -308,14 +308,12 @@ class Job:
     def _job_store(self, timeout: timedelta) -> Tuple[dist.Store, int, int]:
         """The launcher's job store (``COMMSLAYER_JOB_STORE``) with this replica's id and the
         count; under plain torchrun, this torchrun's store as the one replica group."""
-        address = os.environ.get("COMMSLAYER_JOB_STORE")
+        address = config.job_store()
         if not address:
             from torch.distributed.distributed_c10d import _get_default_store
 
             return bounded(_get_default_store(), f"job{self.restart}/"), 0, 1
-        host, port = address.rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout, use_libuv=True)
-        return bounded(store), config.replica_id() or 0, int(os.environ["COMMSLAYER_REPLICAS"])
+        return bounded(connect(address, timeout)), config.replica_id() or 0, int(os.environ["COMMSLAYER_REPLICAS"])
 
     # ---------------------------------------------------------------- state
     def register(self, **state: Any) -> None:

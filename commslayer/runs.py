@@ -22,8 +22,9 @@ from __future__ import annotations
 import glob
 import json
 import os
+import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from .replicas import Admission, Recovery
 
@@ -60,6 +61,13 @@ class RankResult:
     def end_step(self) -> int:
         """The step after its last one."""
         return self.start_step + len(self.step_s)
+
+    def slowest_step(self, first: int, last: Optional[int] = None) -> Tuple[float, float]:
+        """(its longest step time among steps ``first`` up to ``last`` (exclusive; to the
+        end without one), its median step time): what something that happened at step
+        ``first`` cost it."""
+        span = self.step_s[max(0, first - self.start_step):None if last is None else last - self.start_step]
+        return max(span, default=0.0), statistics.median(self.step_s) if self.step_s else 0.0
 
     @classmethod
     def from_json(cls, data: Dict[str, Any]) -> "RankResult":

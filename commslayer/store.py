@@ -114,6 +114,22 @@ def env_store(timeout: timedelta) -> Tuple[dist.Store, int, int]:
         return _env_store
 
 
+def connect(address: str, timeout: timedelta) -> dist.Store:
+    """A client of the job's store at ``address`` (``COMMSLAYER_JOB_STORE``, ``--store``):
+    ``host:port``, a TCPStore server (the launcher's), or ``etcd://h1:2379,h2:2379/job``,
+    the keys under ``job/`` of an etcd cluster (``commslayer.etcdstore``).  ``ValueError``
+    for anything else; what the store raises when it cannot be reached."""
+    if address.startswith("etcd://"):
+        from .etcdstore import EtcdStore
+
+        # its own retries (on the next member) end before the deadline that ``bounded`` keeps
+        return EtcdStore.at(address, timeout, request_timeout_s=0.8 * config.store_timeout_s())
+    from .addresses import host_port
+
+    host, port = host_port(address)
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout, use_libuv=True)
+
+
 def wait_for_keys(store: dist.Store, keys: Sequence[str], interrupted: Callable[[], Optional[Exception]],
                   timeout_s: float, slow_after_s: float = float("inf"), slow_pause_s: float = POLL_S) -> bool:
     """Wait until every key of ``keys`` exists (True), or ``timeout_s`` passes (False).
@@ -259,10 +275,14 @@ class BoundedStore(dist.Store):
             return value
         if isinstance(value, dist.DistNetworkError):
             call = self._describe(op, args)
-            conn.broken = conn.broken or f"it closed the connection during {call} ({first_line(value)})"
-            raise StoreUnreachable(f"the store at {conn.address} closed the connection ({first_line(value)}): "
-                                   "the process holding it is gone, or it refused the request",
-                                   comm=self._comm, op=call, elapsed_s=time.monotonic() - start) from None
+            if conn.address.startswith("etcd://"):  # no member served the call within its own time
+                conn.broken = conn.broken or f"no etcd member served {call} ({first_line(value)})"
+                message = first_line(value)  # "etcd at <address> did not serve <call> within <time>: why"
+            else:
+                conn.broken = conn.broken or f"it closed the connection during {call} ({first_line(value)})"
+                message = (f"the store at {conn.address} closed the connection ({first_line(value)}): the process "
+                           "holding it is gone, or it refused the request")
+            raise StoreUnreachable(message, comm=self._comm, op=call, elapsed_s=time.monotonic() - start) from None
         raise value
 
     def _check_usable(self, op: str, args: tuple) -> None:

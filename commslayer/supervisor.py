@@ -8,7 +8,7 @@ torchrun cannot do this: its agent ends every worker of its group when one
 dies, and restarts them all.
 
 What a rank and this module tell each other goes through the job's store
-(the coordinator's TCPStore); these keys are the whole contract:
+(the coordinator's TCPStore, or etcd); these keys are the whole contract:
 
 - ``rank/<r>/life`` = ``n``: written here before life ``n`` of rank ``r``
   starts (its ``TORCHELASTIC_RESTART_COUNT``).
@@ -64,7 +64,7 @@ class RankJob:
 
     command: List[str]  # the script and its arguments, run by this interpreter
     env: Dict[str, str]  # every rank's environment, before the per-rank variables
-    store_address: str  # the job's store, host:port
+    store_address: str  # the job's store: host:port, or etcd://...
     world_size: int
     node: int  # this host's node rank: it runs ranks node * per_node .. node * per_node + per_node - 1
     per_node: int
@@ -79,14 +79,15 @@ class RankJob:
 
 def rank_env(job: RankJob, rank: int, life: int) -> Dict[str, str]:
     """The environment of life ``life`` of ``rank``: what torchrun would set, and commslayer's."""
-    host, _, port = job.store_address.rpartition(":")
     env = dict(job.env, RANK=str(rank), LOCAL_RANK=str(rank - job.node * job.per_node),
                WORLD_SIZE=str(job.world_size), LOCAL_WORLD_SIZE=str(job.per_node), GROUP_RANK=str(job.node),
-               MASTER_ADDR=host, MASTER_PORT=port, TORCHELASTIC_RESTART_COUNT=str(life),
+               TORCHELASTIC_RESTART_COUNT=str(life),
                COMMSLAYER_JOB_STORE=job.store_address, COMMSLAYER_RESTART_UNIT="rank",
                COMMSLAYER_NODE=str(job.node), COMMSLAYER_JOB_RANK=str(rank))
     for name in ("COMMSLAYER_REPLICA", "COMMSLAYER_REPLICAS"):  # replica mode's
         env.pop(name, None)
+    if not job.store_address.startswith("etcd://"):  # the coordinator's TCPStore, where torchrun's would be
+        env["MASTER_ADDR"], _, env["MASTER_PORT"] = job.store_address.rpartition(":")
     return env
 
 
@@ -178,7 +179,7 @@ def echo(line: str) -> None:
 
 
 def check_reachable(store: Any, address: str) -> None:
-    """Raise ``Failed`` if the coordinator no longer answers (this host's processes are then
+    """Raise ``Failed`` if the job's store no longer answers (this host's processes are then
     ended: without the job's store no step can commit, and a replacement could not rejoin)."""
     try:
         store.check(["job/finished"])
@@ -187,9 +188,9 @@ def check_reachable(store: Any, address: str) -> None:
 
 
 def _unreachable(address: str, exc: StoreUnreachable) -> str:
-    """The launcher's line for a coordinator that stopped answering."""
-    return (f"the coordinator (the job's store at {address}) is unreachable ({exc.what}); "
-            "ended the processes started here")
+    """The launcher's line for a job's store that stopped answering."""
+    holder = "etcd" if address.startswith("etcd://") else "the coordinator"
+    return f"{holder} (the job's store at {address}) is unreachable ({exc.what}); ended the processes started here"
 
 
 def all_ended(store: Any, unit: str, count: int) -> bool:

@@ -11,7 +11,8 @@ and writes ``report.json`` and ``report.md``.  From Python::
 Modules: ``scenarios`` (what each scenario injects and promises),
 ``inject`` (faults fired from inside the job's processes, the fault log),
 ``harness`` (running a scenario, the invariants, the reports), ``netns``
-(hosts made of network namespaces), ``cli``, ``autoload`` (the injector
+(hosts made of network namespaces), ``etcd`` (a local etcd cluster whose
+members can be killed and stopped), ``cli``, ``autoload`` (the injector
 starts when torch is imported), ``wake`` (the helper that ends a
 ``sigstop`` fault).  What a run leaves (result files, the fault log,
 the summary) is read through ``commslayer.runs``, the definition the

@@ -40,14 +40,19 @@ from commslayer.runs import FAULT_LOG, RankResult, load_results, load_summary, l
 from tracing import analysis
 from tracing.traceio import TraceFileError, read_dump
 
+from .etcd import EtcdCluster
+from .etcd import available as etcd_available
 from .inject import Fault, Log, encode
-from .scenarios import BY_NAME, FAULT_STEP, Layout, Scenario
+from .scenarios import BY_NAME, ETCD_STOP_S, FAULT_STEP, Layout, Scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_JOB = str(ROOT / "launch" / "train.py")
 
 # fired by the harness at the fault step
-EXTERNAL = ("coordinator-kill", "coordinator-stop", "link-cut", "bandwidth-cap")
+EXTERNAL = ("coordinator-kill", "coordinator-stop", "link-cut", "bandwidth-cap", "etcd-leader-kill", "etcd-leader-stop",
+            "etcd-quorum-loss")
+NOT_A_RANK = ("coordinator", "link", "cap", "etcd")  # faults whose target is not a rank's process
+UNANSWERED = ("coordinator-stop", "etcd-quorum-loss")  # store faults found by the deadline, not a closed socket
 LINK_CUT_S = 8.0
 CAP_RATE = "200mbit"
 STEP_LINE = re.compile(r"\] step\s+(\d+)\s")
@@ -162,6 +167,8 @@ class _Job:
 
 
 def _requirements(scenario: Scenario) -> None:
+    if scenario.family == "etcd" and not etcd_available():
+        raise Skipped(f"{scenario.name}: needs etcd (Debian's etcd-server; tests/run.sh installs it)")
     if not scenario.needs_root:
         return
     if os.geteuid() != 0:
@@ -202,7 +209,7 @@ def run(name: str, out_dir: str, options: Optional[Options] = None) -> Dict[str,
     deadline = time.monotonic() + options.timeout_s
     notes: List[str] = []
     leftovers: Dict[str, List[str]] = {}
-    net, coordinator_proc = None, None  # the network hosts, the coordinator's own launcher (if any)
+    net, coordinator_proc, cluster = None, None, None  # the network hosts, the coordinator's own launcher, etcd
     with ExitStack() as stack:
         job = _Job(run_dir)
         stack.callback(job.close)
@@ -224,6 +231,10 @@ def run(name: str, out_dir: str, options: Optional[Options] = None) -> Dict[str,
             for r in range(layout.replicas):
                 job.start(net.run(r + 1, [*base, "--replica-ids", str(r), "--coordinator", coordinator, *job_args]),
                           env, f"host {r + 1}")
+        elif scenario.family == "etcd":
+            cluster = EtcdCluster(Path(run_dir) / "etcd")
+            stack.callback(cluster.close)
+            job.start([*base, "--store", cluster.url("job"), *job_args], env, "launcher")
         elif scenario.external in ("coordinator-kill", "coordinator-stop"):
             port = free_port()
             coordinator_proc = job.start([*base, "--replica-ids", "none", "--port", str(port)], env, "coordinator")
@@ -232,7 +243,7 @@ def run(name: str, out_dir: str, options: Optional[Options] = None) -> Dict[str,
             job.start([*base, *job_args], env, "launcher")
         if scenario.external in EXTERNAL:
             if job.wait_step(layout.step, deadline):
-                _inject_external(scenario.external, log, job, layout, net, coordinator_proc)
+                _inject_external(scenario.external, log, job, layout, net, coordinator_proc, cluster)
             else:
                 notes.append(f"the job never reached step {layout.step}: the external fault was not injected")
         if scenario.external == "coordinator-stop":  # the job ends without its stopped coordinator
@@ -245,6 +256,8 @@ def run(name: str, out_dir: str, options: Optional[Options] = None) -> Dict[str,
         if not finished:
             notes.append(f"the job did not end within {options.timeout_s:.0f}s: ended by the harness")
         codes = [p.poll() for p in job.procs]
+        if cluster is not None:  # the job's store goes with the job
+            cluster.close()
         time.sleep(0.5)  # a torchrun's last workers are being reaped
         left = [pid for pid in descendants(os.getpid()) if pid not in before]
         leftovers["processes"] = [_describe_pid(pid) for pid in left]
@@ -288,8 +301,25 @@ def reference_fingerprints(options: Options, layout: Layout, out_dir: str, job_a
 
 
 def _inject_external(kind: str, log: Log, job: _Job, layout: Layout, net: Any,
-                     coordinator: Optional[subprocess.Popen]) -> None:
+                     coordinator: Optional[subprocess.Popen], cluster: Optional[EtcdCluster]) -> None:
     """Fire a fault the ranks cannot fire themselves, and log it like theirs."""
+    if kind.startswith("etcd-"):
+        assert cluster is not None
+        leader = cluster.leader()
+        victims = [leader, (leader + 1) % cluster.size] if kind == "etcd-quorum-loss" else [leader]
+        pids = [cluster.procs[i].pid for i in victims]  # type: ignore[union-attr]
+        what = {"etcd-leader-kill": "SIGKILL of the etcd leader",
+                "etcd-leader-stop": f"SIGSTOP of the etcd leader for {ETCD_STOP_S:g} s",
+                "etcd-quorum-loss": "SIGKILL of 2 of the 3 etcd members, the leader first"}[kind]
+        log.write("injected", fault="etcd", action="sigstop" if kind == "etcd-leader-stop" else "sigkill", what=what,
+                  step=job.step, member=-1, target=pids[0])
+        for i in victims:
+            if kind == "etcd-leader-stop":
+                cluster.stop(i)
+                threading.Timer(ETCD_STOP_S, cluster.resume, args=(i,)).start()
+            else:
+                cluster.kill(i)
+        return
     if kind == "coordinator-kill":
         log.write("injected", fault="coordinator", action="sigkill", what="SIGKILL of the coordinator",
                   step=job.step, member=-1, target=coordinator.pid)
@@ -365,11 +395,11 @@ def evaluate(scenario: Scenario, layout: Layout, options: Options, run_dir: str,
     wanted = len(options.faults(scenario, layout)) + (scenario.external in EXTERNAL)
     checks.append(Check("faults injected", len(injected) == wanted,
                         f"{len(injected)} of {wanted}: " + "; ".join(e["what"] for e in injected)))
-    target_pids = {e["pid"] for e in injected if e["member"] == layout.target and e["fault"] not in
-                   ("coordinator", "link", "cap")}
-    killed = sorted({e["member"] for e in injected if e["fault"] not in ("coordinator", "link", "cap")})
+    target_pids = {e["pid"] for e in injected if e["member"] == layout.target and e["fault"] not in NOT_A_RANK}
+    killed = sorted({e["member"] for e in injected if e["fault"] not in NOT_A_RANK})
     detection = _detection(events, injected, layout, {r.pid: r.started for r in results})
-    recovery = recovery_of(recoveries, injected, results)
+    outside = [e for e in injected if e["fault"] == "etcd"]  # the job's store's faults: nothing to recover from
+    recovery = recovery_of(recoveries, [e for e in injected if e not in outside], results)
     if scenario.expect == "survive":
         checks += state_checks(results, options.steps, layout, reference)
         checks.append(Check("job finished", ended_at is not None and all(c == 0 for c in codes),
@@ -391,6 +421,8 @@ def evaluate(scenario: Scenario, layout: Layout, options: Options, run_dir: str,
             notes.append(f"{late} communicator failure(s) logged after the first rank had finished the run "
                          "(a peer that finished was seen to go; see faults.jsonl)")
     elif scenario.expect == "survive":
+        if outside:
+            checks.append(_store_fault_ridden_out(outside[0], injected, events, recoveries, results))
         stalls = [f["stall_s"] for f in recovery["per_fault"]]
         checks.append(Check("survivors recovered from every fault", bool(stalls) and None not in stalls,
                             "fault to next committed step: " + ", ".join(f"{x}s" for x in stalls)))
@@ -513,6 +545,26 @@ def recovery_of(recoveries: List[Recovery], injected: List[dict], results: List[
     }
 
 
+def _store_fault_ridden_out(fault: dict, injected: List[dict], events: List[dict], recoveries: List[Recovery],
+                            results: List[RankResult]) -> Check:
+    """The job's store lost a member (the etcd leader): until the next fault nobody may be
+    declared dead and nothing recovered; what it cost is the longest step after it
+    (world rank 0's), against the median step."""
+    later = [e["t"] for e in injected if e["t"] > fault["t"]]
+    until = min(later, default=float("inf"))
+    failures = [e for e in events if e["event"] == "failure" and fault["t"] <= e["t"] < until]
+    recovered = [r for r in recoveries if fault["t"] <= r.detected_at < until]
+    cost = ""
+    first = [r for r in results if r.member == 0 and r.start_step <= fault["step"]]
+    if first:
+        then = [int(e["step"]) for e in injected if e["t"] > fault["t"] and e.get("step") is not None]
+        longest_s, median_s = first[0].slowest_step(fault["step"], min(then, default=None))
+        cost = f"; the longest step after it {longest_s:.3f} s, the median step {median_s:.3f} s"
+    return Check("the store's fault was ridden out", not failures and not recovered,
+                 f"{fault['what']} at step {fault['step']}: {len(failures)} communicator failures and "
+                 f"{len(recovered)} recoveries before the next fault{cost}")
+
+
 def _dump_path(trace_dir: str, result: RankResult) -> str:
     sub = "" if not result.restart else f"replica{result.replica}-restart{result.restart}"
     return os.path.join(trace_dir, sub, f"rank{result.member}.json")
@@ -556,7 +608,7 @@ def _stop_checks(scenario: Scenario, t: Optional[float], layout: Layout, codes: 
         return [Check("job ended with the cause named", False, "no fault was injected")]
     took = None if ended_at is None else ended_at - t
     # the job's settings, inherited from this environment
-    stopped = scenario.external == "coordinator-stop"
+    stopped = scenario.external in UNANSWERED
     bound_s = 2 * config.store_timeout_s() + 0.5 + GRACE_S if stopped else config.peer_timeout_s()
     out = [Check(f"job ended (non-zero) within {bound_s:g}s", took is not None and took <= bound_s
                  and any(c not in (0, None) for c in codes),
@@ -571,7 +623,7 @@ def _stop_checks(scenario: Scenario, t: Optional[float], layout: Layout, codes: 
             pass
     named = sorted(m for m, why in reasons.items() if "StoreUnreachable" in why)
     out.append(Check("the cause is named", said > 0 or bool(named),
-                     f"launcher: 'the coordinator ... is unreachable': {'yes' if said else 'no'}; ranks that raised "
+                     f"launcher: '... the job's store ... is unreachable': {'yes' if said else 'no'}; ranks that raised "
                      f"StoreUnreachable themselves: {named}"))
     out.append(Check("every rank dumped its trace, saying why it ended", sorted(reasons) == list(range(layout.ranks)),
                      "; ".join(f"rank {m}: {why[:120]}" for m, why in sorted(reasons.items())) or "no dumps"))

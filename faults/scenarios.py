@@ -2,7 +2,8 @@
 
 A scenario is data.  Its faults fired from inside the job (``faults.inject``)
 are built from the job's layout; a fault that must come from outside the
-ranks (the coordinator killed, a link cut, a bandwidth cap, a full disk) is
+ranks (the coordinator killed, a link cut, a bandwidth cap, a full disk, an
+etcd member killed or stopped) is
 named by ``external`` and carried out by ``faults.harness``.  ``expect``
 says what the job promises: ``survive`` (the survivors go on, the lost
 replica group is restarted and heals, nothing is lost) or ``stop`` (the job
@@ -23,6 +24,8 @@ from commslayer.redundancy import holders
 
 from .inject import Fault
 
+ETCD_THEN = 10  # the etcd scenarios' rank fault: this many steps after the etcd fault
+ETCD_STOP_S = 5.0  # how long etcd-leader-stop keeps the leader stopped
 FAULT_STEP = 10  # step faults fire here (or at the first step after it at which the job can survive them)
 
 
@@ -68,6 +71,7 @@ class Scenario:
     promise: str
     faults: Callable[[Layout], List[Fault]] = lambda layout: []
     external: Optional[str] = None           # coordinator-kill | -stop | link-cut | bandwidth-cap | disk-full
+    #                                          | etcd-leader-kill | etcd-leader-stop | etcd-quorum-loss
     expect: str = "survive"                  # survive | stop
     fast: bool = True                        # in the default test suite
     needs_root: bool = False
@@ -83,6 +87,11 @@ class Scenario:
 
 def _at_step(action: str, phase: str, **kw) -> Callable[[Layout], List[Fault]]:
     return lambda layout: [Fault(action, layout.target, step=layout.step, phase=phase, **kw)]
+
+
+def _later(action: str, phase: str) -> Callable[[Layout], List[Fault]]:
+    """A rank fault ``ETCD_THEN`` steps after the step of the scenario's external fault."""
+    return lambda layout: [Fault(action, layout.target, step=layout.step + ETCD_THEN, phase=phase)]
 
 
 def _at_op(action: str, op: str, comm: str, nth: Callable[[Layout], int], **kw) -> Callable[[Layout], List[Fault]]:
@@ -134,7 +143,7 @@ SCENARIOS: List[Scenario] = [
              _at_step("exit", "optimizer")),
     Scenario("exception", "process-death", f"a Python exception in a rank's backward at step {FAULT_STEP}",
              "the exception ends the rank's process; survived and healed as a death",
-             _at_step("raise", "backward")),
+             _at_step("raise", "backward"), fast=False),  # as exit, for the default suite
     Scenario("sigstop", "hang", f"SIGSTOP of a rank for 5 s at step {FAULT_STEP} (then SIGCONT)",
              "the stopped rank is declared lost after the peer timeout (3 s), the survivors go on without it; "
              "when it resumes it is fenced (its group was dropped; it never commits another step) and its "
@@ -169,6 +178,23 @@ SCENARIOS: List[Scenario] = [
              "launcher finds the coordinator unreachable too (after twice the deadline) and ends the job (exit 1); "
              "nothing is left behind",
              external="coordinator-stop", expect="stop"),
+    Scenario("etcd-leader-kill", "etcd", f"the job's store on a 3-member etcd cluster (--store etcd://); its "
+             f"leader SIGKILLed at step {FAULT_STEP}; a rank SIGKILLed {ETCD_THEN} steps later",
+             "the store's calls go to another member, served once the two left elect a leader (about 1 s): "
+             "training goes on, nobody is declared dead for it; the rank's loss later is survived and healed "
+             "as in kill-step, on the two members left", _later("sigkill", "forward"),
+             external="etcd-leader-kill"),
+    Scenario("etcd-leader-stop", "etcd", f"the job's store on a 3-member etcd cluster; its leader SIGSTOPped "
+             f"for {ETCD_STOP_S:g} s at step {FAULT_STEP}; a rank SIGKILLed {ETCD_THEN} steps later",
+             "as etcd-leader-kill: a call that gets no answer from the stopped member goes to another one after "
+             "1 s; the resumed member catches up and follows", _later("sigkill", "forward"),
+             external="etcd-leader-stop", fast=False),  # the default suite stops a leader in tests/test_etcd_store.py
+    Scenario("etcd-quorum-loss", "etcd", f"the job's store on a 3-member etcd cluster; 2 of its 3 members "
+             f"SIGKILLed at step {FAULT_STEP}",
+             "no quorum, no store: every rank's next store call goes unserved until the store deadline "
+             "(COMMSLAYER_STORE_TIMEOUT_S, 10 s), and it raises StoreUnreachable naming etcd (a rank waiting in "
+             "a collective on one that left gets PeerLost); every rank dumps its trace; the launcher ends the "
+             "job (exit 1) naming etcd; no hang", external="etcd-quorum-loss", expect="stop"),
     Scenario("trace-disk-full", "storage", "the trace directory on a full filesystem (a 2 MiB tmpfs, filled); "
              f"SIGKILL of a rank at step {FAULT_STEP}",
              "tracing never fails the job: each rank logs once that it cannot write, training survives and "

@@ -87,6 +87,7 @@ def _fail(what: str, log_path: str) -> None:
 class Bench:
     def __init__(self, args: argparse.Namespace, work: str) -> None:
         self.args, self.work = args, work
+        self.launcher_options: List[str] = []  # given to commslayer-run before --run-dir
 
     def _script(self, name: str) -> Tuple[List[str], int, int]:
         path, options, steps, fault = SCRIPTS[name]
@@ -96,7 +97,7 @@ class Bench:
 
     def _launch(self, script: List[str], run_dir: str, env: Dict[str, str], log_path: str) -> int:
         cmd = [sys.executable, "-m", "commslayer.launcher", "--replicas", str(REPLICAS), "--nproc-per-replica",
-               str(RANKS), "--max-restarts", "1", "--run-dir", run_dir, *script]
+               str(RANKS), "--max-restarts", "1", *self.launcher_options, "--run-dir", run_dir, *script]
         return _run(cmd, env, log_path)
 
     def fault_free(self, name: str, config: str, run: str) -> dict:

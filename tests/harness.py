@@ -12,10 +12,10 @@ from faults.ranks import RankDied, run_ranks
 __all__ = ["RankDied", "free_port", "job_story", "on_threads", "run_ranks"]
 
 
-def on_threads(*calls: Callable[[], Any], stagger_s: float = 0.0) -> List[Any]:
-    """Run each call on a thread of its own and return each one's result or exception.
-    With no ``stagger_s`` the threads are released at the same instant (a barrier);
-    otherwise they start ``stagger_s`` apart."""
+def on_threads(*calls: Callable[[], Any], stagger_s: float = 0.0, timeout_s: float = 10.0) -> List[Any]:
+    """Run each call on a thread of its own and return each one's result or exception,
+    all within ``timeout_s``. With no ``stagger_s`` the threads are released at the
+    same instant (a barrier); otherwise they start ``stagger_s`` apart."""
     start = threading.Barrier(len(calls)) if not stagger_s else None
     results: List[Any] = [None] * len(calls)
 
@@ -31,9 +31,10 @@ def on_threads(*calls: Callable[[], Any], stagger_s: float = 0.0) -> List[Any]:
     for t in threads:
         t.start()
         time.sleep(stagger_s)
+    deadline = time.monotonic() + timeout_s
     for t in threads:
-        t.join(10)
-    assert not any(t.is_alive() for t in threads), "a call did not return within 10 s"
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), f"a call did not return within {timeout_s:g} s"
     return results
 
 

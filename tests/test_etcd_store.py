@@ -4,9 +4,6 @@ calls; waits that end when another client writes; the membership protocol and a 
 communicator on it; and a server that is gone is ``StoreUnreachable``, not a hang.
 tests/run.sh installs etcd (Debian's etcd-server) where it may; without it these skip."""
 
-import shutil
-import signal
-import subprocess
 import threading
 import time
 from datetime import timedelta
@@ -16,38 +13,30 @@ import torch
 import torch.distributed as dist
 
 from commslayer.errors import StoreUnreachable
-from commslayer.etcdstore import EtcdStore, endpoints_from_url
+from commslayer.etcdstore import EtcdStore, parse_url
 from commslayer.membership import Membership
-from commslayer.processes import free_port
 from commslayer.store import bounded
+from faults.etcd import EtcdCluster, available
 
 from harness import on_threads
 
-pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (Debian's etcd-server)")
+pytestmark = pytest.mark.skipif(not available(), reason="etcd is not installed (Debian's etcd-server)")
 
 
 @pytest.fixture
 def etcd(tmp_path):
-    """A one-member etcd cluster on loopback: its client (host, port)."""
-    client, peer = free_port(), free_port()
-    proc = subprocess.Popen(
-        ["etcd", "--name", "t", "--data-dir", str(tmp_path / "data"),
-         "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
-         "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-cluster", f"t=http://127.0.0.1:{peer}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    store = EtcdStore([("127.0.0.1", client)], request_timeout_s=2.0)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            store.set("up", "1")
-            break
-        except dist.DistNetworkError:
-            assert time.monotonic() < deadline and proc.poll() is None, "etcd did not start"
-            time.sleep(0.05)
-    yield proc, ("127.0.0.1", client)
-    proc.kill()
-    proc.wait()
+    """A one-member etcd cluster on loopback: (the cluster, its client (host, port))."""
+    cluster = EtcdCluster(tmp_path, size=1)
+    yield cluster, cluster.endpoints[0]
+    cluster.close()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """A three-member etcd cluster on loopback."""
+    cluster = EtcdCluster(tmp_path, size=3)
+    yield cluster
+    cluster.close()
 
 
 def _calls(store):
@@ -127,19 +116,79 @@ def test_a_communicator_runs_on_etcd_and_matches_plain_results(etcd):
 
 
 def test_an_etcd_that_is_gone_is_store_unreachable_within_the_deadline(etcd):
-    proc, endpoint = etcd
+    cluster, endpoint = etcd
     store = bounded(EtcdStore([endpoint], prefix="gone/", request_timeout_s=1.0), deadline_s=3.0)
     store.set("k", "v")
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    cluster.kill(0)
     start = time.monotonic()
-    with pytest.raises(StoreUnreachable, match=r"etcd://127\.0\.0\.1:\d+"):
+    with pytest.raises(StoreUnreachable, match=r"etcd://127\.0\.0\.1:\d+/gone"):
         store.set("k", "w")
     assert time.monotonic() - start < 3.5
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_adds_and_appends_are_exactly_once_while_the_leader_is_lost(cluster, fault):
+    """Four clients add and append while the leader is SIGKILLed (or SIGSTOPped, when the
+    requests in flight to it get no answer at all): every one of them counted once."""
+    stores = [EtcdStore(cluster.endpoints, prefix="once/") for _ in range(4)]
+    leader = cluster.leader()
+    for s in stores:
+        s._good = leader  # every client starts on the leader: the loss hits requests in flight
+    rounds, slowest = 60, []
+
+    def client(i, s):
+        for n in range(rounds):
+            start = time.monotonic()
+            s.add("count", 1)
+            s.append("log", f"{i}.{n},")
+            slowest.append(time.monotonic() - start)
+    threading.Timer(0.3, lambda: getattr(cluster, fault)(leader)).start()
+    results = on_threads(*(lambda i=i, s=s: client(i, s) for i, s in enumerate(stores)), timeout_s=60)
+    assert results == [None] * 4, results
+    assert int(stores[0].get("count")) == 4 * rounds
+    log = stores[0].get("log").decode().split(",")[:-1]
+    assert sorted(log) == sorted(f"{i}.{n}" for i in range(4) for n in range(rounds))
+    assert cluster.leader() != leader and max(slowest) < 8.0, max(slowest)  # served again, by a new leader
+    if fault == "stop":
+        cluster.resume(leader)
+
+
+@pytest.mark.timeout(120)
+def test_a_lost_quorum_is_store_unreachable_within_the_deadline_and_a_restored_one_serves(cluster):
+    store = bounded(EtcdStore(cluster.endpoints, prefix="q/", request_timeout_s=4.0), deadline_s=6.0)
+    store.set("k", "v")
+    leader = cluster.leader()
+    others = [i for i in range(3) if i != leader]
+    cluster.kill(others[0])
+    cluster.kill(leader)  # one member of three left: no quorum
+    start = time.monotonic()
+    with pytest.raises(StoreUnreachable, match=r"etcd://.*/q.*did not serve"):
+        store.set("k", "w")
+    assert 3.5 < time.monotonic() - start < 6.5
+    restored = bounded(EtcdStore(cluster.endpoints, prefix="q/", request_timeout_s=8.0), deadline_s=10.0)
+    threading.Timer(1.0, lambda: cluster.start(leader)).start()  # back before the deadline
+    start = time.monotonic()
+    restored.set("k", "x")
+    assert restored.get("k") == b"x" and time.monotonic() - start < 8.0
+
+
 def test_etcd_addresses_parse_or_say_why_not():
-    assert endpoints_from_url("etcd://h1:2379,10.0.0.2:2380") == [("h1", 2379), ("10.0.0.2", 2380)]
-    for bad in ("http://h:1", "etcd://h1", "etcd://:2379"):
+    assert parse_url("etcd://h1:2379,10.0.0.2:2380") == ([("h1", 2379), ("10.0.0.2", 2380)], "")
+    assert parse_url("etcd://h1:2379/run7/") == ([("h1", 2379)], "run7/")
+    for bad in ("http://h:1", "etcd://h1", "etcd://:2379", "etcd://h:99999/x", "etcd://h:1/a b"):
         with pytest.raises(ValueError):
-            endpoints_from_url(bad)
+            parse_url(bad)
+
+
+def test_a_clone_made_through_a_prefix_store_keeps_working(etcd):
+    """c10d's PrefixStore.clone clones the store under it from C++ (the waits' second
+    connection does so): the clone must outlive the Python call that made it."""
+    import gc
+
+    _, endpoint = etcd
+    store = EtcdStore([endpoint], prefix="c/")  # kept, as every store that commslayer wraps is
+    clone = dist.PrefixStore("p", store).clone()
+    gc.collect()
+    clone.set("k", "v")
+    assert clone.get("k") == b"v" and clone.check(["k"])
