@@ -48,9 +48,9 @@ job of that name left, and writes ``JOB/launcher/started`` under the same
 lease; launchers on other hosts join with ``--coordinator`` and the same
 address, once that key exists::
 
-    commslayer-run --replicas 2 --store etcd://10.0.0.5:2379,10.0.0.6:2379,10.0.0.7:2379/run7 train.py
-    commslayer-run --replicas 2 --replica-ids 1 \
-        --coordinator etcd://10.0.0.5:2379,10.0.0.6:2379,10.0.0.7:2379/run7 train.py
+    commslayer-run --replicas 2 --replica-ids none --store etcd://10.0.0.5:2379,10.0.0.6:2379/run7 --run-dir /shared/x
+    commslayer-run --replicas 2 --replica-ids 0 --coordinator etcd://10.0.0.5:2379,10.0.0.6:2379/run7 \
+        --run-dir /shared/x train.py --steps 40
 
 The workers run in the caller's working directory and get
 ``COMMSLAYER_JOB_STORE`` (the coordinator's host:port, or the etcd address) and, with

@@ -140,10 +140,10 @@ SCENARIOS: List[Scenario] = [
              _at_op("sigkill", "all_gather_single", "c10d", _all_gathers, during=True), culprit=True),
     Scenario("exit", "process-death", f"a rank calls sys.exit(1) at step {FAULT_STEP}, before the optimizer step",
              "a clean exit is a loss like any other: seen at once (the connection closes), survived, healed",
-             _at_step("exit", "optimizer")),
+             _at_step("exit", "optimizer"), fast=False),  # a rank that exits 0 is a loss in tests/test_lifecycle.py
     Scenario("exception", "process-death", f"a Python exception in a rank's backward at step {FAULT_STEP}",
              "the exception ends the rank's process; survived and healed as a death",
-             _at_step("raise", "backward"), fast=False),  # as exit, for the default suite
+             _at_step("raise", "backward"), fast=False),  # ends the process as exit does
     Scenario("sigstop", "hang", f"SIGSTOP of a rank for 5 s at step {FAULT_STEP} (then SIGCONT)",
              "the stopped rank is declared lost after the peer timeout (3 s), the survivors go on without it; "
              "when it resumes it is fenced (its group was dropped; it never commits another step) and its "

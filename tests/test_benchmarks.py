@@ -19,6 +19,7 @@ from typing import Dict, List, Optional
 import pytest
 
 from commslayer.processes import free_port
+from faults.etcd import available as etcd_available
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "docs" / "data"
@@ -344,3 +345,21 @@ def test_reduce_scatter_smoke():
         assert median_in_range(row[2]) > 0 and numbers(row[3])[0] > 0
         assert row[4] == row[5] == "–"  # loopback: no link counters
     assert "command: python launch/bench_reduce_scatter.py --smoke" in out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not etcd_available(), reason="etcd is not installed (Debian's etcd-server)")
+def test_etcd_smoke():
+    out = run_bench("launch/bench_etcd.py", "--smoke", timeout=230)
+    header = ["store", "step time, median (ms)", "min–max (ms)", "vs TCPStore, median", "min–max"]
+    free = rows(out, header)
+    assert [r[0] for r in free] == ["TCPStore", "TCPStore (A/A)", "etcd"]
+    assert free[0][3:] == ["–", "–"] and all(pair(r, 1) > 0 for r in free)
+    assert all(numbers(r[3]) and numbers(r[4]) for r in free[1:])
+    header = ["store", "kill → the step committed (stall)", "min–max", "heal (join + state transfer)", "min–max"]
+    killed = rows(out, header)
+    assert [r[0] for r in killed] == ["TCPStore", "etcd"] and all(pair(r, 1) > 0 and pair(r, 3) > 0 for r in killed)
+    header = ["fault", "stall", "min–max", "longest step", "min–max"]
+    leader = rows(out, header)
+    assert [r[0] for r in leader] == ["leader SIGKILL", "leader SIGSTOP"]
+    assert all(0 < pair(r, 3) < 8 for r in leader)  # the job went on, each step within the store deadline

@@ -192,3 +192,32 @@ def test_a_clone_made_through_a_prefix_store_keeps_working(etcd):
     gc.collect()
     clone.set("k", "v")
     assert clone.get("k") == b"v" and clone.check(["k"])
+
+
+def test_a_claim_is_exclusive_and_goes_with_its_holder(etcd):
+    """The launcher that starts a job holds it this way: a second claim is refused while the
+    holder lives, and the key goes within its time to live once the holder is SIGKILLed."""
+    import subprocess
+    import sys
+
+    _, (host, port) = etcd
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import time\nfrom commslayer.etcdstore import EtcdStore\n"
+         f"claim = EtcdStore([({host!r}, {port})], 'cl/').claim('job', 'first', 2.0)\n"
+         "print('held' if claim else 'refused', flush=True)\ntime.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        store = EtcdStore([(host, port)], prefix="cl/")
+        time.sleep(3.0)  # longer than the time to live: the holder's renewals keep it
+        assert store.claim("job", "second", 2.0) is None and store.get("job") == b"first"
+    finally:
+        holder.kill()
+        holder.wait()
+    start = time.monotonic()
+    while (mine := store.claim("job", "second", 2.0)) is None:
+        assert time.monotonic() - start < 5.0, "the dead holder's claim did not expire"
+        time.sleep(0.1)
+    assert store.get("job") == b"second"
+    mine.release()
+    assert not store.check(["job"])
