@@ -353,12 +353,12 @@ def test_etcd_smoke():
     out = run_bench("launch/bench_etcd.py", "--smoke", timeout=230)
     header = ["store", "step time, median (ms)", "min–max (ms)", "vs TCPStore, median", "min–max"]
     free = rows(out, header)
-    assert [r[0] for r in free] == ["TCPStore", "TCPStore (A/A)", "etcd"]
+    assert [r[0] for r in free] == ["TCPStore", "etcd"]  # the smoke leaves out the A/A
     assert free[0][3:] == ["–", "–"] and all(pair(r, 1) > 0 for r in free)
-    assert all(numbers(r[3]) and numbers(r[4]) for r in free[1:])
+    assert numbers(free[1][3]) and numbers(free[1][4])
     header = ["store", "kill → the step committed (stall)", "min–max", "heal (join + state transfer)", "min–max"]
     killed = rows(out, header)
-    assert [r[0] for r in killed] == ["TCPStore", "etcd"] and all(pair(r, 1) > 0 and pair(r, 3) > 0 for r in killed)
+    assert [r[0] for r in killed] == ["etcd"] and pair(killed[0], 1) > 0 and pair(killed[0], 3) > 0
     header = ["fault", "stall", "min–max", "longest step", "min–max"]
     leader = rows(out, header)
     assert [r[0] for r in leader] == ["leader SIGKILL", "leader SIGSTOP"]
