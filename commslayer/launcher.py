@@ -91,7 +91,7 @@ import socket
 import sys
 import time
 from datetime import timedelta
-from typing import Dict, List, NoReturn, Optional, Tuple
+from typing import Dict, List, NoReturn, Optional
 
 import torch.distributed as dist
 
@@ -168,7 +168,7 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
         if a.coordinator.startswith("etcd://"):
             _etcd_address(p, "--coordinator", a.coordinator)
         else:
-            a.coordinator_host, a.coordinator_port = _address(p, a.coordinator)
+            _address(p, a.coordinator)
     elif a.store is not None:
         if a.host is not None or a.port is not None:
             p.error("--store keeps the job's store on etcd; --host and --port start this launcher's own: give one "
@@ -266,9 +266,9 @@ def _etcd_address(p: argparse.ArgumentParser, option: str, url: str) -> None:
                 f"under JOB/{why}")
 
 
-def _address(p: argparse.ArgumentParser, text: str) -> Tuple[str, int]:
+def _address(p: argparse.ArgumentParser, text: str) -> None:
     try:
-        return host_port(text)
+        host_port(text)
     except ValueError as exc:
         p.error(f"--coordinator {exc}")
 
