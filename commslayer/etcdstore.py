@@ -45,9 +45,10 @@ import time
 import uuid
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
-from urllib.parse import urlsplit
 
 import torch.distributed as dist
+
+from .addresses import host_port
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)  # c10d's default store timeout: how long get and wait wait for a key
 REQUEST_TIMEOUT_S = 8.0  # one call, tried on every endpoint in turn until one serves it (below the store deadline)
@@ -62,6 +63,22 @@ class _NotServed(Exception):
 
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
+
+
+def _absent(key: str) -> Dict[str, Any]:
+    """A transaction's condition that the key (base64, as sent) does not exist."""
+    return {"key": key, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+
+
+def _read(key: str) -> Dict[str, Any]:
+    """A transaction's read of the key (base64, as sent)."""
+    return {"request_range": {"key": key}}
+
+
+def _write(key: str, value: bytes, lease: str = "") -> Dict[str, Any]:
+    """A transaction's write of the key (base64, as sent), under ``lease`` if given."""
+    put = {"key": key, "value": _b64(value)}
+    return {"request_put": {**put, "lease": lease} if lease else put}
 
 
 def _bytes(value: Any) -> bytes:
@@ -83,14 +100,10 @@ def parse_url(url: str) -> Tuple[List[Tuple[str, int]], str]:
         raise ValueError(f"the path {path!r} of {url!r} is not a plain key prefix")
     out = []
     for part in hosts.split(","):
-        parsed = urlsplit(f"//{part}")
         try:
-            port = parsed.port
+            out.append(host_port(part))
         except ValueError:
-            port = None
-        if not parsed.hostname or port is None:
-            raise ValueError(f"{part!r} in {url!r} is not host:port")
-        out.append((parsed.hostname, port))
+            raise ValueError(f"{part!r} in {url!r} is not host:port") from None
     return out, f"{path}/" if path else ""
 
 
@@ -159,8 +172,9 @@ class EtcdStore(dist.Store):
                 self._good = index
                 return data
             if time.monotonic() >= deadline:
+                last = "; ".join(failures[-len(self.endpoints):])  # the last round's
                 raise dist.DistNetworkError(f"etcd at {self.address} did not serve {path} within "
-                                            f"{self.request_timeout_s:g}s: " + "; ".join(failures[-len(self.endpoints):]))
+                                            f"{self.request_timeout_s:g}s: {last}")
             time.sleep(0.05)  # every endpoint failed at once (none up yet): pace the next round
 
     def _attempt(self, index: int, host: str, port: int, path: str, body: Dict[str, Any],
@@ -209,19 +223,13 @@ class EtcdStore(dist.Store):
              failure: List[Dict[str, Any]]) -> Dict[str, Any]:
         return self._post("/v3/kv/txn", {"compare": compare, "success": success, "failure": failure})
 
-    def _put(self, key: str, value: bytes) -> Dict[str, Any]:
-        return {"request_put": {"key": self._key(key), "value": _b64(value)}}
-
-    def _get_op(self, key: str) -> Dict[str, Any]:
-        return {"request_range": {"key": self._key(key)}}
-
     @staticmethod
     def _value(kv: Dict[str, Any]) -> bytes:
         return base64.b64decode(kv.get("value", ""))
 
     # ------------------------------------------------------------- requests
     def set(self, key: str, value: Any) -> None:
-        self._post("/v3/kv/put", {"key": self._key(key), "value": _b64(_bytes(value))})
+        self._post("/v3/kv/put", _write(self._key(key), _bytes(value))["request_put"])
 
     def get(self, key: str) -> bytes:
         kv, _ = self._range(key)
@@ -232,16 +240,16 @@ class EtcdStore(dist.Store):
         return self._value(kv)
 
     def check(self, keys: List[str]) -> bool:
-        data = self._txn([], [self._get_op(k) for k in keys], [])
+        data = self._txn([], [_read(self._key(k)) for k in keys], [])
         return all(r["response_range"].get("kvs") for r in data.get("responses", []))
 
     def multi_get(self, keys: List[str]) -> List[bytes]:
         self.wait(list(keys))
-        data = self._txn([], [self._get_op(k) for k in keys], [])
+        data = self._txn([], [_read(self._key(k)) for k in keys], [])
         return [self._value(r["response_range"]["kvs"][0]) for r in data["responses"]]
 
     def multi_set(self, keys: List[str], values: List[Any]) -> None:
-        self._txn([], [self._put(k, _bytes(v)) for k, v in zip(keys, values)], [])
+        self._txn([], [_write(self._key(k), _bytes(v)) for k, v in zip(keys, values)], [])
 
     def delete_key(self, key: str) -> bool:
         return int(self._post("/v3/kv/deleterange", {"key": self._key(key)}).get("deleted", 0)) > 0
@@ -277,9 +285,8 @@ class EtcdStore(dist.Store):
         thread renews (``Claim``): the key disappears at most ``ttl_s`` after this
         process ends or loses the cluster. None if the key exists (someone holds it)."""
         lease = self._post("/v3/lease/grant", {"TTL": max(1, round(ttl_s))})["ID"]
-        compare = {"key": self._key(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
-        put = {"request_put": {"key": self._key(key), "value": _b64(_bytes(value)), "lease": lease}}
-        data = self._txn([compare], [put], [self._get_op(key)])
+        data = self._txn([_absent(self._key(key))], [_write(self._key(key), _bytes(value), lease)],
+                         [_read(self._key(key))])
         holder = None if data.get("succeeded") else (data["responses"][0]["response_range"].get("kvs") or [{}])[0]
         if holder is None or holder.get("lease") == lease:  # ours, perhaps from a try that was applied
             # renewed on a store of its own, whose calls give up in time for the next renewal
@@ -293,8 +300,8 @@ class EtcdStore(dist.Store):
         if expected_b:
             compare = {"key": self._key(key), "target": "VALUE", "result": "EQUAL", "value": _b64(expected_b)}
         else:
-            compare = {"key": self._key(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
-        data = self._txn([compare], [self._put(key, desired_b)], [self._get_op(key)])
+            compare = _absent(self._key(key))
+        data = self._txn([compare], [_write(self._key(key), desired_b)], [_read(self._key(key))])
         if data.get("succeeded"):
             return desired_b
         kvs = data["responses"][0]["response_range"].get("kvs")
@@ -313,17 +320,15 @@ class EtcdStore(dist.Store):
         a receipt of its own, and applies only where that receipt does not exist, so
         one that may have been applied is sent again as it was, and either applies
         now or answers with its receipt."""
-        receipt = self._receipt()
+        receipt, target = _b64(self._receipt()), self._key(key)
         kv, _ = self._range(key)
         while True:
             new = change(None if kv is None else self._value(kv))
-            compare = [{"key": _b64(receipt), "target": "CREATE", "result": "EQUAL", "create_revision": "0"},
-                       {"key": self._key(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
-                       if kv is None else
-                       {"key": self._key(key), "target": "MOD", "result": "EQUAL", "mod_revision": kv["mod_revision"]}]
-            success = [self._put(key, new),
-                       {"request_put": {"key": _b64(receipt), "value": _b64(new), "lease": self._receipt_lease()}}]
-            data = self._txn(compare, success, [{"request_range": {"key": _b64(receipt)}}, self._get_op(key)])
+            unchanged = _absent(target) if kv is None else \
+                {"key": target, "target": "MOD", "result": "EQUAL", "mod_revision": kv["mod_revision"]}
+            data = self._txn([_absent(receipt), unchanged],
+                             [_write(target, new), _write(receipt, new, self._receipt_lease())],
+                             [_read(receipt), _read(target)])
             if data.get("succeeded"):
                 return new
             mine, theirs = (r["response_range"].get("kvs") for r in data["responses"])
@@ -351,7 +356,7 @@ class EtcdStore(dist.Store):
             timeout = self._store_timeout()
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
-            data = self._txn([], [self._get_op(k) for k in keys], [])
+            data = self._txn([], [_read(self._key(k)) for k in keys], [])
             missing = [k for k, r in zip(keys, data.get("responses", [])) if not r["response_range"].get("kvs")]
             if not missing:
                 return
@@ -421,8 +426,7 @@ class Claim:
 
     def put(self, key: str, value: Any) -> None:
         """Write ``key`` under this claim's lease: it goes when the claim does."""
-        self._store._post("/v3/kv/put", {"key": self._store._key(key), "value": _b64(_bytes(value)),
-                                         "lease": self._lease})
+        self._store._post("/v3/kv/put", _write(self._store._key(key), _bytes(value), self._lease)["request_put"])
 
     def release(self) -> None:
         """Stop renewing and delete the keys now (the lease revoked)."""

@@ -187,7 +187,10 @@ class _Connection:
 
     def __init__(self, bottom: dist.Store) -> None:
         self.bottom = bottom  # keeps its id, the registry's key, from being reused
-        if isinstance(bottom, dist.TCPStore):
+        # A TCPStore's network error is its server closing the connection; another store's (an
+        # EtcdStore's: no member served the call in time) says itself what failed.
+        self.tcp = isinstance(bottom, dist.TCPStore)
+        if self.tcp:
             self.address = f"{bottom.host}:{bottom.port}"
         else:  # an EtcdStore names its cluster
             self.address = getattr(bottom, "address", None) or f"a {type(bottom).__name__}"
@@ -275,13 +278,13 @@ class BoundedStore(dist.Store):
             return value
         if isinstance(value, dist.DistNetworkError):
             call = self._describe(op, args)
-            if conn.address.startswith("etcd://"):  # no member served the call within its own time
-                conn.broken = conn.broken or f"no etcd member served {call} ({first_line(value)})"
-                message = first_line(value)  # "etcd at <address> did not serve <call> within <time>: why"
-            else:
+            if conn.tcp:
                 conn.broken = conn.broken or f"it closed the connection during {call} ({first_line(value)})"
                 message = (f"the store at {conn.address} closed the connection ({first_line(value)}): the process "
                            "holding it is gone, or it refused the request")
+            else:
+                conn.broken = conn.broken or f"{call} failed ({first_line(value)})"
+                message = first_line(value)
             raise StoreUnreachable(message, comm=self._comm, op=call, elapsed_s=time.monotonic() - start) from None
         raise value
 

@@ -53,7 +53,7 @@ class EtcdCluster:
         atexit.register(self.close)
         for i in range(size):
             self.start(i)
-        self.wait_ready()
+        self.wait_healthy()
 
     @property
     def endpoints(self) -> List[Tuple[str, int]]:
@@ -119,9 +119,6 @@ class EtcdCluster:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no etcd member leads within {timeout_s:g}s (logs in {self.workdir})")
             time.sleep(0.05)
-
-    def wait_ready(self) -> None:
-        self.leader(READY_S)
 
     def wait_healthy(self, timeout_s: float = READY_S) -> None:
         """Until every running member answers and one of them leads."""

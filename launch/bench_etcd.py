@@ -76,13 +76,12 @@ class EtcdBench(Bench):
         self.on("etcd", run)
         script, steps, _ = self._script(SCRIPT)
         run_dir, log_path = os.path.join(self.work, run), os.path.join(self.work, run + ".log")
-        cmd = [sys.executable, "-m", "commslayer.launcher", "--replicas", str(REPLICAS), "--nproc-per-replica",
-               str(RANKS), "--max-restarts", "1", *self.launcher_options, "--run-dir", run_dir, *script]
         at = SMOKE_FAULT_STEP if self.args.smoke else FAULT_STEP
         lost: Dict[str, float] = {}
         with open(log_path, "w") as log:
-            job = subprocess.Popen(cmd, env=launcher_env(trace=False), stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+            job = subprocess.Popen(self.command(script, run_dir), env=launcher_env(trace=False),
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   text=True)
             assert job.stdout is not None
             for line in job.stdout:
                 log.write(line)

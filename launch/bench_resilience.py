@@ -95,10 +95,13 @@ class Bench:
             (steps, fault), options = SMOKE_STEPS[name], SMOKE_OPTIONS.get(name, [])
         return [path, *options, "--steps", str(steps)], steps, fault
 
+    def command(self, script: List[str], run_dir: str) -> List[str]:
+        """``commslayer-run`` on ``script`` (path and arguments) into ``run_dir``."""
+        return [sys.executable, "-m", "commslayer.launcher", "--replicas", str(REPLICAS), "--nproc-per-replica",
+                str(RANKS), "--max-restarts", "1", *self.launcher_options, "--run-dir", run_dir, *script]
+
     def _launch(self, script: List[str], run_dir: str, env: Dict[str, str], log_path: str) -> int:
-        cmd = [sys.executable, "-m", "commslayer.launcher", "--replicas", str(REPLICAS), "--nproc-per-replica",
-               str(RANKS), "--max-restarts", "1", *self.launcher_options, "--run-dir", run_dir, *script]
-        return _run(cmd, env, log_path)
+        return _run(self.command(script, run_dir), env, log_path)
 
     def fault_free(self, name: str, config: str, run: str) -> dict:
         script, steps, _ = self._script(name)
