@@ -687,13 +687,17 @@ class Communicator:
 
     def pending_members(self, *, timeout: Timeout = None) -> List[int]:
         """Member ids that announced themselves (``commslayer.join``) and are not in
-        yet; the same list on every member (a collective: every member calls it)."""
+        yet; the same list on every member (a collective: every member calls it).
+
+        Rank 0 reads the announcements on a thread of its own while this is being
+        called and shares what it last saw over the backend: one small collective,
+        no store request, while nobody is waiting (commslayer.membership). Raises
+        ``StoreUnreachable`` on every member once rank 0's read got no answer.
+        """
         chk = self._checker("pending_members")
         timeout_s = timeout_seconds(timeout, self._timeout_s, chk)
         self._check_resizable(chk)
-        self._seq = seq = self._seq + 1
-        self.lifecycle.ensure_usable("pending_members", seq)
-        return self.lifecycle.pending(seq, timeout_s)
+        return self.lifecycle.pending(timeout_s, lambda values, t: self._agree(chk, values, t, smallest=False))
 
     def should_commit(self, ok: bool = True, *, timeout: Timeout = None) -> bool:
         """Whether every member's part of a step succeeded: the same answer on every member.
@@ -707,12 +711,29 @@ class Communicator:
         casting that vote). Raises ``CollectiveTimeout`` when a member neither
         votes nor is found lost within the timeout, ``StoreUnreachable`` when the
         store does not answer (``COMMSLAYER_STORE_TIMEOUT_S``); either breaks the
-        communicator.
+        communicator. The votes are tallied over the backend: a step that every
+        member votes for costs one small all-reduce and no store request; the
+        store settles a round only once something failed (commslayer.membership).
         """
         chk = self._checker("should_commit")
         timeout_s = timeout_seconds(timeout, self._timeout_s, chk)
         self._check_resizable(chk)
-        return self.lifecycle.vote(ok, timeout_s)
+        return self.lifecycle.vote(ok, timeout_s, lambda yes, t: self._agree(chk, [int(yes)], t, smallest=True)[0] == 1)
+
+    def _agree(self, chk: Checker, values: List[int], timeout_s: float, *, smallest: bool) -> List[int]:
+        """``values`` (as many on every member) as every member gets them, over the backend:
+        each the smallest of the members' (an all-reduce), else rank 0's (a broadcast).
+        Recorded and hooked as op ``chk.op``, like any collective."""
+        t = torch.tensor(values, dtype=torch.int64, device=self._device)
+        if smallest:
+            opts = self._options.get(c10d.AllreduceOptions, ReduceOp.MIN)
+            self._run(chk, OpIO((t,), (t,), ReduceOp.MIN, None), lambda: self._ops.allreduce([t], opts), opts=opts,
+                      fp=None, timeout=timeout_s, async_op=False)
+        else:
+            opts = self._options.get(c10d.BroadcastOptions, root=0)
+            self._run(chk, OpIO((t,), (t,), None, 0), lambda: self._ops.broadcast([t], opts), opts=opts, fp=None,
+                      timeout=timeout_s, async_op=False)
+        return [int(v) for v in t.tolist()]
 
     def _check_resizable(self, chk: Checker) -> None:
         if self.lifecycle.resizable() is None:

@@ -57,6 +57,7 @@ class State(enum.Enum):
 
 
 OPEN: FrozenSet[State] = frozenset({State.ACTIVE, State.BROKEN})
+GOODBYE_CONFIRM_S = 2.0  # how long a goodbye waits for the last round's confirmation to reach the store
 
 # The legal moves; every other one raises CommAborted naming the state.
 TRANSITIONS: Dict[State, FrozenSet[State]] = {
@@ -135,6 +136,8 @@ class Lifecycle:
         self._liveness: Optional[Liveness] = None
         self.watched: bool = parent is not None and parent.watched  # a liveness monitor covers this group
         self._commits = 0  # should_commit rounds of this generation
+        self._unconfirmed: Optional[int] = None  # a round this member committed on the tally alone
+        self._confirm_lock = threading.Lock()
 
     # ------------------------------------------------------------------ state
     def describe(self) -> str:
@@ -172,6 +175,9 @@ class Lifecycle:
                 return False
             self.failure = err
             self._move(State.BROKEN, "")
+        if self._unconfirmed is not None:  # a member unsure of that round may wait for it: not on this thread
+            threading.Thread(target=self._confirm_quietly, name=f"commslayer-confirm-{self._name}",
+                             daemon=True).start()
         self.error_hooks(err)
         return True
 
@@ -253,6 +259,7 @@ class Lifecycle:
         """Agree with the other survivors on the next generation and ``build`` it (see
         ``Communicator.shrink``)."""
         lineage = self._resizable()
+        self.confirm_commit()
         # Close this generation's backend first: a survivor still blocked inside it on this
         # group (Gloo's reduce-scatter waits in the caller) is let go at once. The liveness
         # monitor keeps watching until the agreement is over, so that a member that dies
@@ -284,6 +291,7 @@ class Lifecycle:
     def reconfigure(self, members: List[int], build: Callable[[int, List[int]], "Communicator"]) -> "Communicator":
         """The next generation with ``members`` (the first list to reach the store wins)."""
         lineage = self._resizable()
+        self.confirm_commit()
         self.refuse_closed("reconfigure")
         generation = self.generation + 1
         decided = lineage.membership.agree_on(generation, members, self.members[self._rank], self.members)
@@ -296,28 +304,105 @@ class Lifecycle:
         self.retire(State.REPLACED, f"replaced by generation {generation} (members {members})")
         return nxt
 
-    def pending(self, seq: int, timeout_s: float) -> List[int]:
-        """Joiners not in yet, the same list on every member (``Communicator.pending_members``)."""
+    def pending(self, timeout_s: float, share: Callable[[List[int], float], List[int]]) -> List[int]:
+        """Joiners not in yet, the same list on every member (``Communicator.pending_members``):
+        the leader's view (``Membership.joiners``), which ``share(values, timeout_s)``
+        hands to every member over the backend, first their number (-1: the leader
+        could not reach the store), then, if any, the joiners."""
         lineage = self._resizable()
+        self.refuse_closed("pending_members")
+        membership = lineage.membership
+        seen: List[int] = []
+        failure: Optional[CommError] = None
+        leader = self._rank == 0
         try:
-            return lineage.membership.pending(self.generation, seq, self.members, self._rank == 0,
-                                              lambda: self.interruption("pending_members", seq), timeout_s)
+            if leader:
+                try:
+                    seen = membership.joiners(self.members, fresh=False)
+                    if seen:  # seen a moment ago: read again before anyone acts on it
+                        seen = membership.joiners(self.members)
+                except StoreUnreachable as err:
+                    failure = err
+            count = share([-1 if failure is not None else len(seen)], timeout_s)[0]
+            if count < 0:
+                if failure is not None:
+                    raise failure
+                raise StoreUnreachable(f"the store at {membership.store_address} did not answer the leader's "
+                                       f"(member {self.members[0]}'s) read of the joiners", comm=self._name,
+                                       op="pending_members")
+            return share(seen if leader else [0] * count, timeout_s) if count else []
         except StoreUnreachable as err:  # no member can be let in, and no step committed, any more
             self.fail(err)
             raise
 
-    def vote(self, ok: bool, timeout_s: float) -> bool:
-        """This member's ``should_commit`` vote; the outcome every member gets."""
+    def vote(self, ok: bool, timeout_s: float, tally: Callable[[bool, float], bool]) -> bool:
+        """This member's ``should_commit`` vote; the outcome every member gets (the protocol:
+        commslayer.membership). ``tally(ok, timeout_s)``: whether every member voted yes,
+        over the backend; it raises ``CommError`` when it fails."""
         lineage = self._resizable()
         self.refuse_closed("should_commit")
         self._commits += 1
         call = self._commits
+        membership = lineage.membership
+        generation = self.generation
+        began = time.monotonic()
         try:
-            return lineage.membership.vote(self.generation, call, self._size, ok and self.failure is None,
-                                           lambda: self.interruption("should_commit", call), timeout_s)
+            if not self.watched:
+                return membership.vote(generation, call, self._size, ok and self.failure is None,
+                                       lambda: self.interruption("should_commit", call), timeout_s)
+            if self.failure is not None:  # it cannot take part in the tally, so nobody's ends
+                return membership.settle(generation, call, "abort")
+            if not ok:
+                membership.settle(generation, call, "abort")
+            try:
+                everyone = tally(ok, timeout_s)
+            except CommAborted:
+                raise
+            except CommError:
+                if not ok:
+                    return False
+                me = self.members[self._rank]
+                left = max(timeout_s - (time.monotonic() - began), lineage.peer_timeout_s)
+                return membership.unsure(generation, call, me, self.members, self._gone,
+                                         lambda: self.refuse_closed("should_commit"), left)
+            if not ok:
+                return False
+            if everyone:
+                self._unconfirmed = call
+                if self.failure is not None:  # it broke during the tally: ``fail`` may have missed this round
+                    self.confirm_commit()
+                    self.refuse_closed("should_commit")  # fenced: the others aborted it
+                return True
+            return membership.settle(generation, call, "abort")
         except (CollectiveTimeout, StoreUnreachable) as err:  # no step can commit on this communicator any more
             self.fail(err)
             raise
+
+    def _gone(self) -> Set[int]:
+        """Members lost, or that left (after settling what they knew: ``confirm_commit``)."""
+        with self._lock:
+            return {self.members[r] for r in self.lost_ranks | set(self.departed)}
+
+    def confirm_commit(self) -> None:
+        """Write the round this member committed on the tally alone as committed, where a
+        member unsure of it looks; if the others settled it as aborted meanwhile (they
+        went on without this member), this member is fenced out."""
+        with self._confirm_lock:
+            call = self._unconfirmed
+            if call is None:
+                return
+            lineage = self._resizable()
+            committed = lineage.membership.settle(self.generation, call, "commit")
+            self._unconfirmed = None
+        if not committed:
+            self.retire(State.FENCED, f"fenced out: the others aborted commit round {call} of generation "
+                                      f"{self.generation}, which this member had committed")
+
+    def _confirm_quietly(self) -> None:
+        try:
+            self.confirm_commit()
+        except CommError:  # the store is gone too: whoever needs the outcome finds that out itself
+            pass
 
     def resizable(self) -> Optional[Lineage]:
         """The lineage, if this communicator may change its membership (made by new_comm
@@ -362,9 +447,18 @@ class Lifecycle:
             if life is not None and not life.check_fenced():
                 life.peers_left(ranks)
 
+        def before_goodbye() -> None:  # a member unsure of the last round waits for what this one knows
+            life = ref()
+            if life is not None and life._unconfirmed is not None:
+                # bounded: a process must not hang at its exit on a store that stopped answering
+                confirming = threading.Thread(target=life._confirm_quietly, name=f"commslayer-confirm-{self._name}",
+                                              daemon=True)
+                confirming.start()
+                confirming.join(GOODBYE_CONFIRM_S)
+
         self._liveness = Liveness(store, self._rank, self._size, heartbeat_s=lineage.heartbeat_s,
                                   peer_timeout_s=lineage.peer_timeout_s, connect_timeout_s=connect_timeout_s,
-                                  on_lost=on_lost, on_left=on_left, label=f"{self._name}@g{self.generation}",
+                                  on_lost=on_lost, on_left=on_left, before_goodbye=before_goodbye, label=f"{self._name}@g{self.generation}",
                                   watch_peers=config.watch_peers(), mesh_max=config.full_mesh_max(),
                                   hosts=rank_hosts(self.members))
         self.watched = True

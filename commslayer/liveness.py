@@ -123,7 +123,8 @@ class Liveness:
 
     def __init__(self, store: dist.Store, rank: int, size: int, *, heartbeat_s: float, peer_timeout_s: float,
                  connect_timeout_s: float, on_lost: LostCallback, on_left: LeftCallback, label: str,
-                 watch_peers: int = 3, mesh_max: int = 16, hosts: Optional[Sequence[object]] = None) -> None:
+                 watch_peers: int = 3, mesh_max: int = 16, hosts: Optional[Sequence[object]] = None,
+                 before_goodbye: Callable[[], None] = lambda: None) -> None:
         self.rank = rank
         self.size = size
         self.heartbeat_s = heartbeat_s
@@ -133,6 +134,7 @@ class Liveness:
         self._digest = self.topology.digest
         self._on_lost = on_lost
         self._on_left = on_left
+        self._before_goodbye = before_goodbye
         self._label = label
         self._socks: Dict[int, socket.socket] = {}
         self._out: Dict[int, bytearray] = {}
@@ -375,10 +377,12 @@ class Liveness:
                 pass
 
     def close(self, goodbye: bool = True) -> None:
-        """Say goodbye to every peer and stop (idempotent). ``goodbye=False`` hangs up
-        without it: the peers take this process as lost at once."""
+        """Say goodbye to every peer and stop (idempotent); ``before_goodbye`` runs first.
+        ``goodbye=False`` hangs up without it: the peers take this process as lost at once."""
         if self._closing:
             return
+        if goodbye:  # the peers take what this member knew as settled once it said goodbye
+            self._before_goodbye()
         self._goodbye = goodbye
         self._closing = True
         try:

@@ -33,8 +33,12 @@ group of its own.  ``min_size`` refuses a decision with fewer members (the
 caller gets the error, nothing is built).
 
 Growing: a restarted or new rank announces itself (``announce``) and waits
-for a decision that includes it; members see it in ``pending`` and include it
-in their next ``reconfigure``.
+for a decision that includes it; members see it in ``joiners`` and include it
+in their next ``reconfigure``.  ``Communicator.pending_members`` asks the
+leader's (rank 0's) view and shares it over the backend: the leader reads the
+announcements on a thread of its own every ``JOINERS_POLL_S`` while it is
+being asked, so that a step costs one small collective and no store request
+(a joiner it sees is read again, fresh, before anyone acts on it).
 
 Keys live under ``membership/`` of the communicator's root store prefix:
 ``g<g>/joined`` (an appended list of ``member:suspect.suspect,``),
@@ -46,20 +50,41 @@ rank killed again after joining must announce again.
 Committing a step: the last op of a step can succeed on some members and
 fail on others (a ring all-reduce ends on a rank once it has every piece it
 needs, while a peer that died later leaves another rank waiting), so "my op
-succeeded" does not mean "the step happened everywhere".  ``vote`` settles it
-in the store: each member that succeeded adds one to ``g<g>/commit/<n>/yes``;
-the member that brings it to the generation's size writes ``commit`` into the
-outcome key, a member that failed or saw a loss writes ``abort`` there, both
-with compare-and-set, so the first outcome written is everyone's answer.  A
-member that dies after voting yes cannot undo a commit, and one fenced out
-later cannot turn an abort into a commit.
+succeeded" does not mean "the step happened everywhere".  Round ``n`` of a
+generation settles it, with one outcome key ``g<g>/commit/<n>/outcome``
+written by compare-and-set, so the first outcome written is everyone's:
+
+- On a communicator with a liveness monitor, the members first tally their
+  votes over the backend (``Communicator.should_commit``: an all-reduce of
+  the votes, the smallest wins).  A member whose tally ends with a yes knows
+  that every member voted yes: it commits with no store request, and keeps
+  the round as unconfirmed.  A tally that ends with a no: its member writes
+  ``abort``.  A member whose tally failed (a member was lost during it)
+  cannot know whether another's ended: it appends itself to
+  ``g<g>/commit/<n>/unsure`` and waits (``unsure``) for the outcome, or until
+  every member is unsure or gone, when nobody can have committed: ``abort``.
+  A member that committed on the tally writes ``commit`` (``settle``) as
+  soon as anything fails, and before it leaves or the membership changes; if
+  it finds ``abort`` there, the others went on without it, and it is fenced.
+  So a fault-free step costs no store request; the store is asked only once
+  something went wrong.
+- Without a monitor a lost member cannot be told from a slow one, so the
+  votes are counted in the store (``vote``): each member that succeeded adds
+  one to ``g<g>/commit/<n>/yes``; the member that brings it to the
+  generation's size writes ``commit``, a member that failed or saw a loss
+  writes ``abort``.
+
+Either way a member that dies after voting yes cannot undo a commit, and one
+fenced out later cannot turn an abort into a commit.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch.distributed as dist
 
@@ -69,6 +94,20 @@ from .store import POLL_S, BoundedStore, WaitConnection, bounded, wait_for_keys
 
 AWAIT_FAST_S = 0.1  # a survivor polling for the proposer's decision polls at the usual rate this long,
 AWAIT_POLL_MAX_S = 0.05  # and then ever less often, up to this pause
+JOINERS_POLL_S = 0.25  # the leader's background read of the announcements, while pending_members is called,
+JOINERS_IDLE_S = 5.0  # stops this long after the last call
+UNSURE_LOOK_S = 0.05  # a member unsure of a commit round looks at who else is unsure this often
+
+
+def _poll(ref: "weakref.ReferenceType[Membership]") -> None:
+    """The leader's background read of the joiners, until nobody asks or the membership
+    is gone (the thread must not keep it, and its store, alive)."""
+    while True:
+        membership = ref()
+        if membership is None or not membership._poll_once():
+            return
+        del membership
+        time.sleep(JOINERS_POLL_S)
 
 
 class _LookAgain(Exception):
@@ -88,6 +127,12 @@ class Membership:
                 self._waits = WaitConnection(store, "membership/")
         else:
             self._store = dist.PrefixStore("membership/", store)
+        # the leader's background read of the joiners (``joiners``)
+        self._poll_lock = threading.Lock()
+        self._poller: Optional[threading.Thread] = None
+        self._poll_seen: Optional[Tuple[Dict[int, int], Dict[int, int]]] = None
+        self._poll_failure: Optional[Exception] = None
+        self._asked = 0.0
 
     @property
     def waits(self) -> Optional[WaitConnection]:
@@ -201,42 +246,105 @@ class Membership:
         self._store.append("wanted", f"{me},")
         return before
 
-    def pending(self, generation: int, call: int, members: Sequence[int], leader: bool,
-                interrupted: Callable[[], Optional[CommError]], timeout_s: float) -> List[int]:
-        """Joiners whose latest announcement has not been admitted yet, in announcement
-        order, the same list on every member: the leader reads it and publishes it as
-        call ``call``."""
-        key = f"g{generation}/pending/{call}"
-        if leader:
-            announced = self._counts("wanted")
-            admitted = self._counts("admitted")
-            seen = [m for m in announced if announced[m] > admitted.get(m, 0) and m not in members]
-            self._store.set(key, json.dumps(seen))
-            return seen
-        self._wait_for(key, interrupted, timeout_s, "pending_members")
-        return json.loads(self._get_written(key))
+    def joiners(self, members: Sequence[int], *, fresh: bool = True) -> List[int]:
+        """Joiners whose latest announcement has not been admitted yet and who are not
+        among ``members``, in announcement order: read from the store now (``fresh``),
+        or as the background read last saw them (at most ``JOINERS_POLL_S`` old; the
+        first call reads now).  The background read runs while someone asks (it stops
+        ``JOINERS_IDLE_S`` after the last call); a store failure it met is raised here."""
+        announced, admitted = self._announcements() if fresh else self._polled()
+        return [m for m in announced if announced[m] > admitted.get(m, 0) and m not in members]
+
+    def _announcements(self) -> Tuple[Dict[int, int], Dict[int, int]]:
+        return self._counts("wanted"), self._counts("admitted")
+
+    def _polled(self) -> Tuple[Dict[int, int], Dict[int, int]]:
+        with self._poll_lock:
+            self._asked = time.monotonic()
+            failure, self._poll_failure = self._poll_failure, None
+            seen = self._poll_seen
+            if self._poller is None or not self._poller.is_alive():  # (a forked child has no thread)
+                self._poller = threading.Thread(target=_poll, args=(weakref.ref(self),),
+                                                name=f"commslayer-joiners-{self._name}", daemon=True)
+                self._poller.start()
+        if failure is not None:
+            raise failure
+        return self._announcements() if seen is None else seen
+
+    def _poll_once(self) -> bool:
+        """One background read of the announcements; whether to go on."""
+        with self._poll_lock:
+            if time.monotonic() - self._asked > JOINERS_IDLE_S:
+                self._poller, self._poll_seen = None, None
+                return False
+        try:
+            seen = self._announcements()
+        except Exception as err:  # StoreUnreachable, say: the next call raises it
+            with self._poll_lock:
+                self._poll_failure = err
+            return False
+        with self._poll_lock:
+            self._poll_seen = seen
+        return True
+
+    @property
+    def store_address(self) -> str:
+        """Where the store is, for a message."""
+        return self._store.address if isinstance(self._store, BoundedStore) else "the job's store"
 
     def vote(self, generation: int, call: int, size: int, ok: bool,
              interrupted: Callable[[], Optional[CommError]], timeout_s: float) -> bool:
         """Whether every one of the ``size`` members of ``generation`` voted yes in commit
-        round ``call`` (see the module doc); the same answer on every member."""
+        round ``call``, counted in the store (see the module doc); the same answer on
+        every member."""
         key = f"g{generation}/commit/{call}"
         if not ok:
-            return self._settle(key, "abort")
+            return self.settle(generation, call, "abort")
         if self._store.add(f"{key}/yes", 1) == size:
-            return self._settle(key, "commit")
+            return self.settle(generation, call, "commit")
         try:
             self._wait_for(f"{key}/outcome", interrupted, timeout_s, "should_commit")
         except CollectiveTimeout:
-            if self._settle(key, "abort"):  # the last vote came in as we gave up
+            if self.settle(generation, call, "abort"):  # the last vote came in as we gave up
                 return True
             raise
         except CommError:  # a member was lost before everyone voted: too late to commit
-            return self._settle(key, "abort")
+            return self.settle(generation, call, "abort")
         return self._get_written(f"{key}/outcome") == b"commit"
 
-    def _settle(self, key: str, outcome: str) -> bool:
-        return self._store.compare_set(f"{key}/outcome", "", outcome) == b"commit"
+    def settle(self, generation: int, call: int, outcome: str) -> bool:
+        """Write ``outcome`` ("commit" or "abort") as commit round ``call``'s unless one is
+        written already; whether the round's outcome is commit."""
+        return self._store.compare_set(f"g{generation}/commit/{call}/outcome", "", outcome) == b"commit"
+
+    def unsure(self, generation: int, call: int, me: int, members: Sequence[int], gone: Callable[[], Set[int]],
+               still_open: Callable[[], None], timeout_s: float) -> bool:
+        """Commit round ``call`` for a member whose tally failed (see the module doc): it
+        says so, then waits until the round is settled, or until every member is unsure
+        or ``gone()`` (lost, or left after settling what it knew), when nobody can have
+        committed: abort.  ``still_open()`` raises once this member's communicator is
+        closed; ``CollectiveTimeout`` after ``timeout_s``."""
+        key = f"g{generation}/commit/{call}"
+        self._store.append(f"{key}/unsure", f"{me},")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            away = gone()  # before the outcome: who left had settled what it knew before leaving
+            outcome = self._read(f"{key}/outcome")
+            if outcome is not None:
+                return outcome == b"commit"
+            if set(members) <= away | set(self._entries(f"{key}/unsure")):
+                return self.settle(generation, call, "abort")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if self.settle(generation, call, "abort"):
+                    return True
+                raise CollectiveTimeout(f"commit round {call} of generation {generation} was not settled within "
+                                        f"{timeout_s:g}s, and members "
+                                        f"{sorted(set(members) - away - set(self._entries(f'{key}/unsure')))} "
+                                        "neither said they were unsure nor were lost", comm=self._name,
+                                        op="should_commit", timeout_s=timeout_s, elapsed_s=timeout_s)
+            still_open()
+            self._wait(f"{key}/outcome", lambda: None, min(UNSURE_LOOK_S, left))
 
     def _wait_for(self, key: str, interrupted: Callable[[], Optional[CommError]], timeout_s: float,
                   op: str) -> None:

@@ -242,6 +242,11 @@ class BoundedStore(dist.Store):
         self.set_timeout(target.timeout)
 
     @property
+    def address(self) -> str:
+        """Where the store is (host:port, or an etcd:// address), for messages."""
+        return self._connection.address
+
+    @property
     def underlying_store(self) -> dist.Store:
         """The store this one bounds (what ``commslayer.addresses`` follows to find the host)."""
         return self._target

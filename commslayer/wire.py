@@ -27,6 +27,7 @@ BACKEND_OPS = {
     "send": "send", "recv": "recv",
     "all_gather_v": "alltoall_base", "reduce_scatter_v": "reduce_scatter", "all_to_all_v_single": "alltoall_base",
     "gather_single": "gather", "batch_p2p": "send/recv",
+    "should_commit": "allreduce", "pending_members": "broadcast",  # the membership's own collectives
 }
 
 

@@ -172,9 +172,11 @@ SCENARIOS: List[Scenario] = [
              external="coordinator-kill", expect="stop"),
     Scenario("coordinator-stop", "coordinator", f"the coordinator process (the job's store) SIGSTOPped at step "
              f"{FAULT_STEP}, and never resumed",
-             "a store that stops answering is found by its deadline (COMMSLAYER_STORE_TIMEOUT_S, 10 s): every rank "
-             "waiting on the store raises StoreUnreachable naming the store and the call that got no answer, one "
-             "waiting on such a rank in a collective gets PeerLost when it leaves; every rank dumps its trace; the "
+             "a store that stops answering is found by its deadline (COMMSLAYER_STORE_TIMEOUT_S, 10 s); training "
+             "goes on meanwhile (a fault-free step asks nothing of the store) until a call that needs it (world rank "
+             "0's background read of the joiners, the end of the job) raises StoreUnreachable naming the store and "
+             "the call that got no answer; a rank waiting on such a rank in a collective gets PeerLost when it "
+             "leaves, one that had finished exits; every rank dumps its trace; the "
              "launcher finds the coordinator unreachable too (after twice the deadline) and ends the job (exit 1); "
              "nothing is left behind",
              external="coordinator-stop", expect="stop"),
@@ -191,10 +193,11 @@ SCENARIOS: List[Scenario] = [
              external="etcd-leader-stop", fast=False),  # the default suite stops a leader in tests/test_etcd_store.py
     Scenario("etcd-quorum-loss", "etcd", f"the job's store on a 3-member etcd cluster; 2 of its 3 members "
              f"SIGKILLed at step {FAULT_STEP}",
-             "no quorum, no store: every rank's next store call goes unserved until the store deadline "
-             "(COMMSLAYER_STORE_TIMEOUT_S, 10 s), and it raises StoreUnreachable naming etcd (a rank waiting in "
-             "a collective on one that left gets PeerLost); every rank dumps its trace; the launcher ends the "
-             "job (exit 1) naming etcd; no hang", external="etcd-quorum-loss", expect="stop"),
+             "no quorum, no store: training goes on (a fault-free step asks nothing of the store) until a call "
+             "that needs it goes unserved until the store deadline (COMMSLAYER_STORE_TIMEOUT_S, 10 s) and raises "
+             "StoreUnreachable naming etcd (a rank waiting in a collective on one that left gets PeerLost, one "
+             "that had finished exits); every rank dumps its trace; the launcher ends the job (exit 1) naming "
+             "etcd; no hang", external="etcd-quorum-loss", expect="stop"),
     Scenario("trace-disk-full", "storage", "the trace directory on a full filesystem (a 2 MiB tmpfs, filled); "
              f"SIGKILL of a rank at step {FAULT_STEP}",
              "tracing never fails the job: each rank logs once that it cannot write, training survives and "

@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from commslayer.errors import CollectiveTimeout, CommAborted, CommError, PeerLost
-from commslayer.membership import Membership
+from commslayer.membership import JOINERS_POLL_S, Membership
 from commslayer.store import bounded
 from launch.bench_agreement import CountingStore
 
@@ -111,20 +111,28 @@ def test_concurrent_reconfigures_adopt_the_first_list(m):
 
 
 def test_a_joiner_is_pending_until_admitted_and_then_not_again(m):
-    none = lambda: None  # noqa: E731
     joined = {}
     before = m.announce(2)
     joiner = threading.Thread(target=lambda: joined.update(got=m.wait_for_admission(2, before, 5.0)))
     joiner.start()
-    assert on_threads(lambda: m.pending(0, 1, [0, 1], True, none, 5.0),
-                    lambda: m.pending(0, 1, [0, 1], False, none, 5.0)) == [[2], [2]]
+    assert m.joiners([0, 1]) == [2]
+    assert m.joiners([0, 1], fresh=False) == [2]  # the first call reads at once
     assert on_threads(lambda: m.agree_on(1, [0, 1, 2], 0, [0, 1]),
-                    lambda: m.agree_on(1, [0, 1, 2], 1, [0, 1])) == [[0, 1, 2]] * 2
+                      lambda: m.agree_on(1, [0, 1, 2], 1, [0, 1])) == [[0, 1, 2]] * 2
     joiner.join(5)
     assert joined["got"] == (1, [0, 1, 2])
-    assert m.pending(1, 1, [0, 1, 2], True, none, 5.0) == []
+    assert m.joiners([0, 1, 2]) == []
     m.announce(2)  # killed again after joining: it must announce again, and is pending again
-    assert m.pending(1, 2, [0, 1], True, none, 5.0) == [2]
+    assert m.joiners([0, 1]) == [2]
+
+
+def test_the_background_read_sees_an_announcement_within_a_few_periods(m):
+    assert m.joiners([0, 1], fresh=False) == []  # starts the background read
+    m.announce(3)
+    start = time.monotonic()
+    while m.joiners([0, 1], fresh=False) != [3]:
+        assert time.monotonic() - start < 10 * JOINERS_POLL_S, "the background read did not see the joiner"
+        time.sleep(0.01)
 
 
 def test_a_joiner_skips_decisions_that_do_not_name_it(m):
@@ -134,7 +142,30 @@ def test_a_joiner_skips_decisions_that_do_not_name_it(m):
     assert m.wait_for_admission(5, before, 1.0) == (2, [0, 1, 5])
 
 
-# ------------------------------------------------------------------ votes
+# ------------------------------------------------------------------ rounds whose tally failed
+def _unsure(m, call, me, members=(0, 1, 2), gone=(), timeout_s=5.0):
+    return lambda: m.unsure(0, call, me, list(members), lambda: set(gone), lambda: None, timeout_s)
+
+
+def test_members_unsure_of_a_round_commit_once_a_member_that_committed_confirms_it(m):
+    def confirm_later():  # member 2's tally ended (every member voted yes); it confirms once it sees the loss
+        time.sleep(0.2)
+        return m.settle(0, 1, "commit")
+
+    assert on_threads(_unsure(m, 1, 0), _unsure(m, 1, 1), confirm_later) == [True] * 3
+
+
+def test_when_every_member_is_unsure_or_gone_nobody_committed_and_the_round_aborts(m):
+    assert on_threads(_unsure(m, 1, 0, gone={2}), _unsure(m, 1, 1, gone={2})) == [False, False]
+    assert m.settle(0, 1, "commit") is False  # a member that committed and was counted gone is fenced
+
+
+def test_an_unsure_member_times_out_when_another_neither_settles_nor_is_lost(m):
+    got = on_threads(_unsure(m, 1, 0, members=(0, 1), timeout_s=0.1))[0]
+    assert isinstance(got, CollectiveTimeout) and "should_commit" in str(got) and "members [1]" in str(got), got
+
+
+# ------------------------------------------------------------------ votes counted in the store
 def _vote(m, call, ok, interrupted=lambda: None, size=3, timeout_s=5.0):
     return lambda: m.vote(0, call, size, ok, interrupted, timeout_s)
 

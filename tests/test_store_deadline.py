@@ -57,7 +57,8 @@ def _client(port: int, timeout_s: float = 60) -> dist.TCPStore:
 
 def _call_with_store_stopped(rank, size, _harness_store, port, server, op):
     """Build a communicator on the stoppable store, stop the store, then ``op``:
-    (seconds until it raised, its message, seconds a later new_comm took to raise)."""
+    (seconds until it raised, its message, seconds a later new_comm took to raise,
+    whether a step's commit vote went through meanwhile)."""
     store = _client(port)
     comm = commslayer.new_comm("gloo", name="w", store=store, rank=rank, size=size, timeout=60)
     assert comm.should_commit()
@@ -65,10 +66,11 @@ def _call_with_store_stopped(rank, size, _harness_store, port, server, op):
     if rank == 0:
         os.kill(server, signal.SIGSTOP)
     comm.barrier()  # Gloo does not use the store: everyone knows it is stopped now
+    committed = comm.should_commit()  # every member voted yes: tallied over Gloo, no store request
     start = time.monotonic()
     try:
-        if op == "should_commit":
-            comm.should_commit()
+        if op == "pending_members":
+            comm.pending_members()
         elif op == "shrink":
             comm.shrink()
         else:
@@ -77,25 +79,31 @@ def _call_with_store_stopped(rank, size, _harness_store, port, server, op):
         took, message = time.monotonic() - start, str(exc)
     else:
         raise AssertionError(f"{op} returned with the store stopped")
+    if op == "pending_members" and rank != 0:  # it learnt the leader's failure; its own connection is fine
+        return took, message, 0.0, committed
     start = time.monotonic()
     with pytest.raises(commslayer.StoreUnreachable, match="not used any more"):
         commslayer.new_comm("gloo", name="later", store=store, rank=rank, size=size, timeout=60)
-    return took, message, time.monotonic() - start
+    return took, message, time.monotonic() - start, committed
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("op,call", [
-    ("should_commit", "store.add('commslayer/w/0//membership//g0/commit/2/yes')"),
-    ("shrink", "//membership//g1/"),
-    ("new_comm", "commslayer/w2/"),
+@pytest.mark.parametrize("op,calls", [
+    # rank 0 reads the joiners and gets no answer; it tells rank 1 over Gloo
+    ("pending_members", ("store.get('commslayer/w/0//membership//wanted')",
+                         "read of the joiners [communicator 'w'; op pending_members")),
+    # a shrink first writes down the round this member committed on the tally alone
+    ("shrink", ("store.compare_set('commslayer/w/0//membership//g0/commit/2/outcome')",) * 2),
+    ("new_comm", ("commslayer/w2/",) * 2),
 ])
-def test_a_stopped_store_ends_the_call_with_store_unreachable(op, call):
+def test_a_stopped_store_ends_the_call_with_store_unreachable(op, calls):
     with store_server() as (port, pid):
         results = run_ranks(_call_with_store_stopped, 2, port, pid, op, env=ENV, timeout=45)
-    for took, message, later in results:
+    for (took, message, later, committed), call in zip(results, calls):
         assert took < BOUND_S, results
         assert f"127.0.0.1:{port}" in message and "[communicator 'w" in message and call in message, message
         assert later < FAST_S, results
+        assert committed, results
 
 
 def test_a_store_that_drops_the_connection_is_store_unreachable_not_peer_lost():

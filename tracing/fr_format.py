@@ -131,6 +131,8 @@ FR_OP_NAMES: Dict[str, str] = {
     "barrier": "barrier",
     "send": "send",
     "recv": "recv",
+    "should_commit": "all_reduce",
+    "pending_members": "broadcast",
 }
 P2P_OPS = ("send", "recv")
 

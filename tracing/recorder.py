@@ -40,7 +40,7 @@ import commslayer
 from commslayer import config
 from commslayer.wire import BACKEND_OPS
 from commslayer.work import WorkStatus
-from commslayer.exits import before_exit, exit_now, register_before_exit
+from commslayer.exits import before_exit, exit_now, exiting_here, register_before_exit
 from commslayer.hooks import OpIO, register_phase_hook, register_recovery_hook
 
 from . import fr_format
@@ -508,7 +508,7 @@ def _install_signal_handlers(rec: FlightRecorder) -> None:
         dump_for_term()
         if callable(previous_term):
             previous_term(signum, frame)
-        else:
+        elif not exiting_here():  # else this thread is ending the process already: its dump comes next
             die_of_term()
 
     signal.signal(signal.SIGTERM, on_term)
