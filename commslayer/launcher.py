@@ -338,8 +338,8 @@ def _job_store(a: argparse.Namespace):
     if a.coordinator:
         store = _joined_store(a.coordinator)
         # A stopped coordinator answers nothing: give up on it after twice the ranks' store deadline, so
-        # that a rank, which talks to the store at least once a deadline (every step does), raises
-        # StoreUnreachable itself, naming the call, before this launcher ends it.
+        # that a rank, which talks to the store at least once a deadline (world rank 0 reads the joiners
+        # every 0.25 s), raises StoreUnreachable itself, naming the call, before this launcher ends it.
         return bounded(store, deadline_s=2 * config.store_timeout_s())
     if a.store:
         # etcd gone (no quorum): the ranks, whose calls give up after the store deadline, raise

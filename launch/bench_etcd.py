@@ -4,7 +4,7 @@ either the launcher's own TCPStore (the default) or a three-member etcd cluster 
 host (``faults/etcd.py``: etcd's default timing, 100 ms heartbeats and a 1 s election
 timeout, its data on local disk), side by side in one run.
 
-    python launch/bench_etcd.py --repeats 3 --json docs/data/etcd.json
+    python launch/bench_etcd.py --repeats 5 --json docs/data/etcd.json
 
 Configurations (untraced):
 

@@ -17,6 +17,8 @@ import pytest
 
 from commslayer.redundancy import holders
 from commslayer.runs import RankResult, load_results
+from faults.etcd import EtcdCluster
+from faults.etcd import available as etcd_available
 from tests.harness import job_story
 from tests.viewer_traces import run_cli
 
@@ -26,10 +28,11 @@ RANKS, STEPS, FAULT_STEP = 4, 120, 20
 
 
 def launch(run_dir: Path, faults: List[dict], *, restarts: int = 2, env: Dict[str, str] = None,
-           timeout: float = 150) -> subprocess.CompletedProcess:
-    """``commslayer-run --nproc-per-node 4`` on the FSDP2 example, from outside the repository."""
+           timeout: float = 150, store: List[str] = ()) -> subprocess.CompletedProcess:
+    """``commslayer-run --nproc-per-node 4`` on the FSDP2 example, from outside the repository
+    (``store``: the launcher's options that put the job's store elsewhere)."""
     cmd = [sys.executable, "-m", "commslayer.launcher", "--nproc-per-node", str(RANKS), "--max-restarts",
-           str(restarts), "--grace", "3", "--run-dir", str(run_dir), str(EXAMPLE), "--steps", str(STEPS)]
+           str(restarts), "--grace", "3", "--run-dir", str(run_dir), *store, str(EXAMPLE), "--steps", str(STEPS)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "COMMSLAYER_TRACE_DIR": "",
                 "COMMSLAYER_FAULTS": json.dumps(faults), **(env or {})}
     return subprocess.run(cmd, env=full_env, cwd="/", capture_output=True, text=True, timeout=timeout)
@@ -102,6 +105,23 @@ def test_a_lost_rank_is_replaced_and_nothing_is_lost(clean, tmp_path, where, tar
         assert code == 0, out + err  # a recovered job: nothing is wrong
         assert f"The job lost rank {target} at step {FAULT_STEP} and recovered" in out, out
         assert f"rank {target} (restarted) healed from rank {(target + 1) % RANKS}" in out, out  # its holder
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.skipif(not etcd_available(), reason="etcd is not installed (Debian's etcd-server)")
+def test_a_lost_rank_is_replaced_with_the_jobs_store_on_etcd(clean, tmp_path):
+    """The same job, its store on a three-member etcd cluster (``--store etcd://``): the
+    recovery's agreement and the replacement's admission go through etcd."""
+    cluster = EtcdCluster(tmp_path / "etcd", size=3)
+    try:
+        run = launch(tmp_path / "run", [{"action": "sigkill", "rank": 1, **KILLS["forward"]}],
+                     store=["--store", cluster.url("perrank")])
+    finally:
+        cluster.close()
+    assert run.returncode == 0, job_story(run.stdout + run.stderr)
+    results = by_rank(tmp_path / "run")
+    assert_same_as_clean(results, clean, run.stdout[-4000:] + run.stderr[-4000:])
+    assert results[1].restart == 1 and [r.lost_replicas for r in results[2].recoveries] == [[1]]
 
 
 @pytest.mark.timeout(200)
