@@ -19,6 +19,9 @@ are called after the lock is let go, never under it.
 What every generation of one communicator shares is its ``Lineage`` (the root
 store, the uid, the ``Membership`` keys, liveness timing); generation g+1 is
 decided through the store (commslayer.membership) and built by the owner.
+A generation also keeps the commit round this member committed on the
+backend's tally alone, and writes it into the store once anything fails,
+before the membership changes and before a goodbye (``confirm_commit``).
 """
 
 from __future__ import annotations
@@ -176,8 +179,7 @@ class Lifecycle:
             self.failure = err
             self._move(State.BROKEN, "")
         if self._unconfirmed is not None:  # a member unsure of that round may wait for it: not on this thread
-            threading.Thread(target=self._confirm_quietly, name=f"commslayer-confirm-{self._name}",
-                             daemon=True).start()
+            self.confirm_in_background()
         self.error_hooks(err)
         return True
 
@@ -188,6 +190,8 @@ class Lifecycle:
             if self.state not in OPEN:
                 return False
             self._move(to, to.value)
+        if to is State.ABORTED:  # now: a member unsure of the last round takes this one as gone
+            self._unconfirmed = None
         self.stop_watching()
         if to is State.ABORTED:
             self.abort_hooks()
@@ -398,11 +402,18 @@ class Lifecycle:
             self.retire(State.FENCED, f"fenced out: the others aborted commit round {call} of generation "
                                       f"{self.generation}, which this member had committed")
 
-    def _confirm_quietly(self) -> None:
-        try:
-            self.confirm_commit()
-        except CommError:  # the store is gone too: whoever needs the outcome finds that out itself
-            pass
+    def confirm_in_background(self) -> threading.Thread:
+        """``confirm_commit`` on a thread of its own (started); a store failure it meets
+        is left to whoever needs the outcome."""
+        def confirm() -> None:
+            try:
+                self.confirm_commit()
+            except CommError:
+                pass
+
+        thread = threading.Thread(target=confirm, name=f"commslayer-confirm-{self._name}", daemon=True)
+        thread.start()
+        return thread
 
     def resizable(self) -> Optional[Lineage]:
         """The lineage, if this communicator may change its membership (made by new_comm
@@ -451,14 +462,12 @@ class Lifecycle:
             life = ref()
             if life is not None and life._unconfirmed is not None:
                 # bounded: a process must not hang at its exit on a store that stopped answering
-                confirming = threading.Thread(target=life._confirm_quietly, name=f"commslayer-confirm-{self._name}",
-                                              daemon=True)
-                confirming.start()
-                confirming.join(GOODBYE_CONFIRM_S)
+                life.confirm_in_background().join(GOODBYE_CONFIRM_S)
 
         self._liveness = Liveness(store, self._rank, self._size, heartbeat_s=lineage.heartbeat_s,
                                   peer_timeout_s=lineage.peer_timeout_s, connect_timeout_s=connect_timeout_s,
-                                  on_lost=on_lost, on_left=on_left, before_goodbye=before_goodbye, label=f"{self._name}@g{self.generation}",
+                                  on_lost=on_lost, on_left=on_left, before_goodbye=before_goodbye,
+                                  label=f"{self._name}@g{self.generation}",
                                   watch_peers=config.watch_peers(), mesh_max=config.full_mesh_max(),
                                   hosts=rank_hosts(self.members))
         self.watched = True
