@@ -727,12 +727,11 @@ class Communicator:
         t = torch.tensor(values, dtype=torch.int64, device=self._device)
         if smallest:
             opts = self._options.get(c10d.AllreduceOptions, ReduceOp.MIN)
-            self._run(chk, OpIO((t,), (t,), ReduceOp.MIN, None), lambda: self._ops.allreduce([t], opts), opts=opts,
-                      fp=None, timeout=timeout_s, async_op=False)
+            io, issue = OpIO((t,), (t,), ReduceOp.MIN, None), lambda: self._ops.allreduce([t], opts)
         else:
             opts = self._options.get(c10d.BroadcastOptions, root=0)
-            self._run(chk, OpIO((t,), (t,), None, 0), lambda: self._ops.broadcast([t], opts), opts=opts, fp=None,
-                      timeout=timeout_s, async_op=False)
+            io, issue = OpIO((t,), (t,), None, 0), lambda: self._ops.broadcast([t], opts)
+        self._run(chk, io, issue, opts=opts, fp=None, timeout=timeout_s, async_op=False)
         return [int(v) for v in t.tolist()]
 
     def _check_resizable(self, chk: Checker) -> None:

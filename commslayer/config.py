@@ -253,10 +253,10 @@ def job_store() -> Optional[str]:
     if not raw.strip():
         return None
     from .addresses import host_port
-    from .etcdstore import parse_url
+    from .etcdstore import is_etcd, parse_url
 
     try:
-        parse_url(raw.strip()) if raw.strip().startswith("etcd://") else host_port(raw)
+        parse_url(raw.strip()) if is_etcd(raw.strip()) else host_port(raw)
     except ValueError as exc:
         raise _bad("COMMSLAYER_JOB_STORE", raw, f"host:port or etcd://host:port,.../job ({exc})") from None
     return raw.strip()

@@ -54,6 +54,7 @@ DEFAULT_TIMEOUT = timedelta(seconds=300)  # c10d's default store timeout: how lo
 REQUEST_TIMEOUT_S = 8.0  # one call, tried on every endpoint in turn until one serves it (below the store deadline)
 ATTEMPT_S = 1.0  # one request to one endpoint: a member that is stopped, or waits for a leader, is left after this
 RECEIPT_TTL_S = 60  # how long the receipt of an add or append outlives it (its retries end well before)
+SCHEME = "etcd://"  # how an address of the job's store on etcd begins (``--store``, ``COMMSLAYER_JOB_STORE``)
 RECEIPTS = b"commslayer-receipts/"  # where receipts live: outside every prefix, so no job's keys count them
 
 
@@ -89,12 +90,17 @@ def _bytes(value: Any) -> bytes:
     return bytes(value)  # c10d hands over lists of ints for std::vector<uint8_t>
 
 
+def is_etcd(address: str) -> bool:
+    """Whether ``address`` names a store on etcd (else it is a TCPStore's ``host:port``)."""
+    return address.startswith(SCHEME)
+
+
 def parse_url(url: str) -> Tuple[List[Tuple[str, int]], str]:
     """``etcd://h1:2379,h2:2379/job`` as ((host, port) pairs, key prefix ``job/``; none
     without a path); ``ValueError`` saying why not."""
-    if not url.startswith("etcd://"):
+    if not is_etcd(url):
         raise ValueError(f"{url!r} is not an etcd:// address")
-    hosts, _, path = url[len("etcd://"):].partition("/")
+    hosts, _, path = url[len(SCHEME):].partition("/")
     path = path.strip("/")
     if any(c.isspace() or not c.isprintable() for c in path):
         raise ValueError(f"the path {path!r} of {url!r} is not a plain key prefix")
@@ -137,7 +143,7 @@ class EtcdStore(dist.Store):
     @property
     def address(self) -> str:
         path = self.prefix.decode().rstrip("/")
-        return "etcd://" + ",".join(f"{h}:{p}" for h, p in self.endpoints) + (f"/{path}" if path else "")
+        return SCHEME + ",".join(f"{h}:{p}" for h, p in self.endpoints) + (f"/{path}" if path else "")
 
     def clone(self) -> "EtcdStore":
         twin = EtcdStore(self.endpoints, self.prefix.decode(), self._store_timeout(), self.request_timeout_s)
@@ -239,14 +245,19 @@ class EtcdStore(dist.Store):
             assert kv is not None  # keys are never deleted under a waiter in commslayer's use
         return self._value(kv)
 
-    def check(self, keys: List[str]) -> bool:
+    def _kvs(self, keys: Sequence[str]) -> Tuple[List[List[Dict[str, Any]]], int]:
+        """(each key's kvs, empty where it does not exist; the store's revision), read in
+        one transaction."""
         data = self._txn([], [_read(self._key(k)) for k in keys], [])
-        return all(r["response_range"].get("kvs") for r in data.get("responses", []))
+        return [r["response_range"].get("kvs") or [] for r in data.get("responses", [])], \
+            int(data["header"]["revision"])
+
+    def check(self, keys: List[str]) -> bool:
+        return all(self._kvs(keys)[0])
 
     def multi_get(self, keys: List[str]) -> List[bytes]:
         self.wait(list(keys))
-        data = self._txn([], [_read(self._key(k)) for k in keys], [])
-        return [self._value(r["response_range"]["kvs"][0]) for r in data["responses"]]
+        return [self._value(kvs[0]) for kvs in self._kvs(keys)[0]]
 
     def multi_set(self, keys: List[str], values: List[Any]) -> None:
         self._txn([], [_write(self._key(k), _bytes(v)) for k, v in zip(keys, values)], [])
@@ -356,12 +367,12 @@ class EtcdStore(dist.Store):
             timeout = self._store_timeout()
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
-            data = self._txn([], [_read(self._key(k)) for k in keys], [])
-            missing = [k for k, r in zip(keys, data.get("responses", [])) if not r["response_range"].get("kvs")]
+            found, revision = self._kvs(keys)
+            missing = [k for k, kvs in zip(keys, found) if not kvs]
             if not missing:
                 return
             left = deadline - time.monotonic()
-            if left <= 0 or not self._watch(missing[0], int(data["header"]["revision"]) + 1, left):
+            if left <= 0 or not self._watch(missing[0], revision + 1, left):
                 raise dist.DistStoreError(f"wait timeout after {timeout.total_seconds() * 1000:.0f}ms, keys: "
                                           + ", ".join(self.prefix.decode() + k for k in keys))
 

@@ -98,7 +98,7 @@ import torch.distributed as dist
 from . import config, runs
 from .addresses import host_port
 from .errors import first_line
-from .etcdstore import Claim, EtcdStore, parse_url
+from .etcdstore import Claim, EtcdStore, is_etcd, parse_url
 from .processes import ProcessSet, become_subreaper, free_port
 from .store import bounded, connect
 from .supervisor import Failed, RankJob, all_ended, check_reachable, echo, supervise_ranks
@@ -165,7 +165,7 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if a.coordinator is not None:
         if a.host is not None or a.port is not None or a.store is not None:
             p.error("--coordinator joins a running job; --host, --port and --store start one: give one or the other")
-        if a.coordinator.startswith("etcd://"):
+        if is_etcd(a.coordinator):
             _etcd_address(p, "--coordinator", a.coordinator)
         else:
             _address(p, a.coordinator)

@@ -332,17 +332,17 @@ class Membership:
             outcome = self._read(f"{key}/outcome")
             if outcome is not None:
                 return outcome == b"commit"
-            if set(members) <= away | set(self._entries(f"{key}/unsure")):
+            silent = set(members) - away - set(self._entries(f"{key}/unsure"))
+            if not silent:
                 return self.settle(generation, call, "abort")
             left = deadline - time.monotonic()
             if left <= 0:
                 if self.settle(generation, call, "abort"):
                     return True
                 raise CollectiveTimeout(f"commit round {call} of generation {generation} was not settled within "
-                                        f"{timeout_s:g}s, and members "
-                                        f"{sorted(set(members) - away - set(self._entries(f'{key}/unsure')))} "
-                                        "neither said they were unsure nor were lost", comm=self._name,
-                                        op="should_commit", timeout_s=timeout_s, elapsed_s=timeout_s)
+                                        f"{timeout_s:g}s, and members {sorted(silent)} neither said they were "
+                                        "unsure nor were lost", comm=self._name, op="should_commit",
+                                        timeout_s=timeout_s, elapsed_s=timeout_s)
             still_open()
             self._wait(f"{key}/outcome", lambda: None, min(UNSURE_LOOK_S, left))
 

@@ -119,9 +119,9 @@ def connect(address: str, timeout: timedelta) -> dist.Store:
     ``host:port``, a TCPStore server (the launcher's), or ``etcd://h1:2379,h2:2379/job``,
     the keys under ``job/`` of an etcd cluster (``commslayer.etcdstore``).  ``ValueError``
     for anything else; what the store raises when it cannot be reached."""
-    if address.startswith("etcd://"):
-        from .etcdstore import EtcdStore
+    from .etcdstore import EtcdStore, is_etcd
 
+    if is_etcd(address):
         # its own retries (on the next member) end before the deadline that ``bounded`` keeps
         return EtcdStore.at(address, timeout, request_timeout_s=0.8 * config.store_timeout_s())
     from .addresses import host_port

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Set
 
 from .errors import StoreUnreachable
+from .etcdstore import is_etcd
 from .processes import ProcessSet
 
 POLL_S = 0.1
@@ -86,7 +87,7 @@ def rank_env(job: RankJob, rank: int, life: int) -> Dict[str, str]:
                COMMSLAYER_NODE=str(job.node), COMMSLAYER_JOB_RANK=str(rank))
     for name in ("COMMSLAYER_REPLICA", "COMMSLAYER_REPLICAS"):  # replica mode's
         env.pop(name, None)
-    if not job.store_address.startswith("etcd://"):  # the coordinator's TCPStore, where torchrun's would be
+    if not is_etcd(job.store_address):  # the coordinator's TCPStore, where torchrun's would be
         env["MASTER_ADDR"], _, env["MASTER_PORT"] = job.store_address.rpartition(":")
     return env
 
@@ -189,7 +190,7 @@ def check_reachable(store: Any, address: str) -> None:
 
 def _unreachable(address: str, exc: StoreUnreachable) -> str:
     """The launcher's line for a job's store that stopped answering."""
-    holder = "etcd" if address.startswith("etcd://") else "the coordinator"
+    holder = "etcd" if is_etcd(address) else "the coordinator"
     return f"{holder} (the job's store at {address}) is unreachable ({exc.what}); ended the processes started here"
 
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from commslayer.etcdstore import SCHEME
 from commslayer.processes import free_port
 
 READY_S = 30.0  # how long a cluster may take to elect its first leader
@@ -61,7 +62,7 @@ class EtcdCluster:
 
     def url(self, job: str) -> str:
         """``etcd://127.0.0.1:p1,...,127.0.0.1:pN/job``."""
-        return "etcd://" + ",".join(f"{h}:{p}" for h, p in self.endpoints) + f"/{job}"
+        return SCHEME + ",".join(f"{h}:{p}" for h, p in self.endpoints) + f"/{job}"
 
     # ------------------------------------------------------------- members
     def start(self, i: int) -> None:

@@ -46,7 +46,7 @@ from typing import Callable, Dict, List, Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # faults/, commslayer/
 
 from bench_resilience import REPLICAS, RANKS, Bench, _fail  # noqa: E402
-from bench_training import launcher_env, median_range, series  # noqa: E402
+from bench_training import cells, launcher_env, series, step_cells  # noqa: E402
 from commslayer.runs import load_results  # noqa: E402
 from faults.etcd import EtcdCluster, available  # noqa: E402
 
@@ -164,27 +164,18 @@ def main() -> int:
           "vs TCPStore: a run's step time / TCPStore's in the same repeat − 1.\n")
     print("| store | step time, median (ms) | min–max (ms) | vs TCPStore, median | min–max |")
     print("|---|---:|---:|---:|---:|")
-    base = [x["step_s"] for x in figures["TCPStore"]]
     for config in free_configs:
-        xs = figures[config]
-        for x, b in zip(xs, base):
-            x["vs_tcpstore"] = x["step_s"] / b - 1
-        rel = median_range([x["vs_tcpstore"] for x in xs], 100, 2, " %") if config != "TCPStore" else "– | –"
-        print(f"| {config} | {median_range([x['step_s'] for x in xs], 1e3, 2)} | {rel} |")
+        print(f"| {config} | {step_cells(figures[config], figures['TCPStore'], 'vs_tcpstore')} |")
     print("\nReplica group 1's rank 0 SIGKILLed in the all-reduce (seconds; median and min–max over runs):\n")
     print("| store | kill → the step committed (stall) | min–max | heal (join + state transfer) | min–max |")
     print("|---|---:|---:|---:|---:|")
     for config in kill_configs:
-        xs = figures[config]
-        print(f"| {config.split(',')[0]} | {median_range([x['stall_s'] for x in xs])} | "
-              f"{median_range([x['heal_s'] for x in xs])} |")
+        print(f"| {config.split(',')[0]} | {cells(figures[config], 'stall_s', 'heal_s')} |")
     print("\nThe etcd leader lost mid-run: the job's longest step from then on, less its median step (seconds):\n")
     print("| fault | stall | min–max | longest step | min–max |")
     print("|---|---:|---:|---:|---:|")
     for config in LEADER:
-        xs = figures[config]
-        print(f"| {config.split(', ')[1]} | {median_range([x['stall_s'] for x in xs])} | "
-              f"{median_range([x['longest_step_s'] for x in xs])} |")
+        print(f"| {config.split(', ')[1]} | {cells(figures[config], 'stall_s', 'longest_step_s')} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": ["python"] + sys.argv, "cpus": os.cpu_count(), "revision": revision,

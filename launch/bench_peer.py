@@ -69,7 +69,8 @@ import time
 from glob import glob
 from typing import Callable, Dict, List, Tuple
 
-from bench_training import MODEL, SMOKE, _train_args, dcp_restart, launcher_env, median_range, series
+from bench_training import (MODEL, SMOKE, _train_args, cells, dcp_restart, launcher_env, median_range, series,
+                            step_cells)
 from commslayer.processes import free_port
 from commslayer.runs import load_results, load_summary
 
@@ -178,11 +179,6 @@ class Bench:
                 "model_build_s": fresh["built_at"] - fresh["build_from"]}
 
 
-def _cells(xs: List[dict], *keys: str) -> str:
-    """A median and a min–max cell for each of ``keys`` over the runs ``xs``."""
-    return " | ".join(median_range([x[k] for x in xs]) for k in keys)
-
-
 def _tables(args: argparse.Namespace, figures: Dict[str, List[dict]]) -> None:
     """The Markdown tables, a row per configuration run."""
     def ours(config: str) -> bool:
@@ -198,9 +194,9 @@ def _tables(args: argparse.Namespace, figures: Dict[str, List[dict]]) -> None:
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for config in filter(ours, (PEER, GROUPS)):
         xs = figures[config]
-        print(f"| {config} | {_cells(xs, 'stall_s')} | {sorted({x['steps_redone'] for x in xs})} | "
+        print(f"| {config} | {cells(xs, 'stall_s')} | {sorted({x['steps_redone'] for x in xs})} | "
               f"{median_range([x['replacement_since_kill_s']['exec_at'] for x in xs])} | "
-              f"{_cells(xs, 'process_start_s')} | {median_range([x['stall_s'] - x['process_start_s'] for x in xs])} |")
+              f"{cells(xs, 'process_start_s')} | {median_range([x['stall_s'] - x['process_start_s'] for x in xs])} |")
     dcp = figures.get(DCP, [])
     if dcp:
         print(f"| {DCP} every {args.ckpt_every} steps | "
@@ -216,7 +212,7 @@ def _tables(args: argparse.Namespace, figures: Dict[str, List[dict]]) -> None:
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for config in filter(ours, (PEER, GROUPS)):
         xs = figures[config]
-        parts = _cells(xs, 'python_up_s', 'torch_import_s', 'other_imports_s', 'model_build_s')
+        parts = cells(xs, 'python_up_s', 'torch_import_s', 'other_imports_s', 'model_build_s')
         print(f"| {config} | {parts} | – | – |")
     if dcp:
         print(f"| {DCP} | – | – | {median_range([x['imported_s'] - x['process_started_s'] for x in dcp])} | "
@@ -231,14 +227,9 @@ def _tables(args: argparse.Namespace, figures: Dict[str, List[dict]]) -> None:
           "repeat − 1.\n")
     print("| configuration | step time, median (ms) | min–max (ms) | vs plain torchrun, median | min–max |")
     print("|---|---:|---:|---:|---:|")
-    base = [x["step_s"] for x in figures[BASE]]
     named = {c: f"{c} (K={args.refresh_every})" if c == SOME else c for c in (BASE, AA, EVERY, SOME)}
     for config in (c for c in (BASE, AA, EVERY, SOME) if c in figures):
-        xs = figures[config]
-        for x, b in zip(xs, base):
-            x["vs_plain"] = x["step_s"] / b - 1
-        rel = median_range([x["vs_plain"] for x in xs], 100, 2, " %") if config != BASE else "– | –"
-        print(f"| {named[config]} | {median_range([x['step_s'] for x in xs], 1e3, 2)} | {rel} |")
+        print(f"| {named[config]} | {step_cells(figures[config], figures[BASE], 'vs_plain')} |")
     if not any(c in figures for c in (EVERY, SOME)):
         return
     print("\nThe copies, per rank (every rank of every run: median and min–max): one rank's packed state at the "

@@ -52,7 +52,7 @@ import tempfile
 import time
 from typing import Callable, Dict, List, Tuple
 
-from bench_training import launcher_env, median_range, series
+from bench_training import cells, launcher_env, median_range, series, step_cells
 from commslayer.processes import free_port
 from commslayer.runs import load_results, load_summary
 
@@ -186,13 +186,9 @@ def main() -> int:
     print("| script | configuration | step time, median (ms) | min–max (ms) | vs plain HSDP, median | min–max |")
     print("|---|---|---:|---:|---:|---:|")
     for name in args.scripts:
-        base = [x["step_s"] for x in figures[(name, "plain HSDP")]]
         for config in configs:
-            xs = figures[(name, config)]
-            for x, b in zip(xs, base):
-                x["vs_plain"] = x["step_s"] / b - 1
-            rel = median_range([x["vs_plain"] for x in xs], 100, 2, " %") if config != "plain HSDP" else "– | –"
-            print(f"| {name} | {config} | {median_range([x['step_s'] for x in xs], 1e3, 2)} | {rel} |")
+            row = step_cells(figures[(name, config)], figures[(name, "plain HSDP")], "vs_plain")
+            print(f"| {name} | {config} | {row} |")
     print("\nOverlapped against after backward (ours / ours, after backward in the same repeat − 1):\n")
     print("| script | median | min–max |")
     print("|---|---:|---:|")
@@ -207,9 +203,7 @@ def main() -> int:
     for name in args.scripts:
         for phase in args.phases:
             xs = figures[(name, f"ours, SIGKILL in {phase}")]
-            print(f"| {name} | {phase} | {median_range([x['stall_s'] for x in xs])} | "
-                  f"{median_range([x['detected_to_committed_s'] for x in xs])} | "
-                  f"{median_range([x['heal_s'] for x in xs])} |")
+            print(f"| {name} | {phase} | {cells(xs, 'stall_s', 'detected_to_committed_s', 'heal_s')} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": ["python"] + sys.argv, "cpus": os.cpu_count(), "revision": revision,

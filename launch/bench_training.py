@@ -354,6 +354,21 @@ def median_range(xs: Sequence[float], scale: float = 1.0, digits: int = 3, unit:
             f"{min(xs) * scale:.{digits}f}–{max(xs) * scale:.{digits}f}{unit}")
 
 
+def cells(xs: List[dict], *keys: str) -> str:
+    """A median and a min–max cell for each of ``keys`` over the runs ``xs``."""
+    return " | ".join(median_range([x[k] for x in xs]) for k in keys)
+
+
+def step_cells(xs: List[dict], base: List[dict], key: str) -> str:
+    """Four cells for a fault-free configuration's runs ``xs``: its step time (ms) and its ratio
+    to the baseline's runs ``base`` in the same repeats, less 1 (set as each run's ``key``;
+    "–" for the baseline itself)."""
+    for x, b in zip(xs, base):
+        x[key] = x["step_s"] / b["step_s"] - 1
+    rel = "– | –" if xs is base else median_range([x[key] for x in xs], 100, 2, " %")
+    return f"{median_range([x['step_s'] for x in xs], 1e3, 2)} | {rel}"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
