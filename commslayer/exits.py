@@ -76,6 +76,11 @@ def exiting_here() -> bool:
     return _runner == threading.get_ident() and not _finished.is_set()
 
 
+def before_exit_ran() -> bool:
+    """Whether the before-exit hooks ran to their end."""
+    return _finished.is_set()
+
+
 def exit_now(status: int, why: str = "") -> NoReturn:
     """``before_exit(status, why)``, flush the standard streams and end the process with ``status``."""
     before_exit(status, why)

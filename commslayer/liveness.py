@@ -77,6 +77,7 @@ _MAGIC = b"CLhb"
 _HELLO = struct.Struct("!4sIII32s")  # magic, sender's rank, receiver's rank, topology digest, HMAC-SHA256 of the four
 _OUT_MAX = 1 << 20  # bytes queued for a peer that is not reading, beyond which frames to it are dropped
 HELLO_TIMEOUT_S = 2.0  # a connection that has not said a valid hello by then is dropped
+HANG_UP_WAIT_S = 0.1  # how long close(goodbye=False) lets the monitor thread hang up before it does so itself
 
 _open: "weakref.WeakSet[Liveness]" = weakref.WeakSet()
 
@@ -391,7 +392,9 @@ class Liveness:
             pass
         if self._thread is threading.current_thread():
             return  # the thread says goodbye and hangs up once the callback that closed it returns
-        self._thread.join(timeout=2 * self.heartbeat_s + 1.0)
+        # The goodbye frames need the thread; a hang-up does not: its thread may be busy in a
+        # callback (a store call, seconds), and a process ending on SIGTERM has little time.
+        self._thread.join(timeout=2 * self.heartbeat_s + 1.0 if goodbye else HANG_UP_WAIT_S)
         if self._thread.is_alive():
             self._hang_up()
 

@@ -629,12 +629,14 @@ def _stop_checks(scenario: Scenario, t: Optional[float], layout: Layout, codes: 
     out.append(Check("every rank dumped its trace, saying why it ended", sorted(reasons) == list(range(layout.ranks)),
                      "; ".join(f"rank {m}: {why[:120]}" for m, why in sorted(reasons.items())) or "no dumps"))
     if stopped:  # each rank waited on the store, or in a collective on a rank that did and left, or had
-        # finished: a fault-free step asks nothing of the store, so the job may train to its end first
+        # finished: a fault-free step asks nothing of the store, so the job may train to its end first.  A
+        # rank whose wait began late (after such a loss) is still waiting when the launcher, which named
+        # the cause, ends the job: its dump says SIGTERM.
         others = [m for m in range(layout.ranks) if m not in named]
-        out.append(Check("ranks waiting on the store raised StoreUnreachable, the others lost such a rank or "
-                         "had finished",
+        out.append(Check("ranks waiting on the store raised StoreUnreachable, the others lost such a rank, "
+                         "had finished or were ended by the launcher that named the store",
                          bool(named) and all("PeerLost" in reasons.get(m, "") or reasons.get(m) == "exit"
-                                             for m in others),
+                                             or (reasons.get(m) == "SIGTERM" and said > 0) for m in others),
                          f"StoreUnreachable: ranks {named}; the others: "
                          + "; ".join(f"rank {m}: {reasons.get(m, 'no dump')[:80]}" for m in others) + "; first: "
                          + next((why[why.find('StoreUnreachable'):][:300] for m, why in sorted(reasons.items())

@@ -8,13 +8,17 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.harness import RankDied, run_ranks
 from tracing.records import OPTIONAL_FIELDS, RECORD_FIELDS, load_dump
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _traced_run(rank, size, store, trace_dir):
@@ -134,6 +138,37 @@ def test_sigterm_leaves_a_readable_dump(tmp_path, blocked):
     assert sum(r["op"] == "all_reduce" and r["state"] == "completed" for r in doc["records"]) == 5
     if blocked:
         assert doc["records"][-1]["state"] == "started"
+
+
+_ENDING_SLOWLY = """
+import hashlib, sys
+from commslayer.exits import exit_now, register_before_exit
+# a hook that runs before the dump, in C for about 1.5 s (no Python, so no signal handler, meanwhile)
+register_before_exit(lambda status, why: hashlib.pbkdf2_hmac("sha256", b"x", b"y", 6_000_000))
+import torch, torch.distributed as dist
+import commslayer
+from tracing.recorder import install
+install(sys.argv[1])
+commslayer.new_comm("gloo", name="one", store=dist.HashStore(), rank=0, size=1).all_reduce(torch.ones(4))
+print("ending", flush=True)
+exit_now(3, "done")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_sigterm_while_the_process_ends_lets_it_end_with_its_dump(tmp_path):
+    """SIGTERM lands while the main thread runs the before-exit hooks: the process ends as
+    it was ending (its status, its reason), not 10 s later nor killed before its dump."""
+    proc = subprocess.Popen([sys.executable, "-c", _ENDING_SLOWLY, str(tmp_path)], stdout=subprocess.PIPE,
+                            text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.stdout.readline() == "ending\n"
+    time.sleep(0.3)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 3
+    assert time.monotonic() - start < 5
+    doc = load_dump(str(tmp_path / "rank0.json"))
+    assert doc["reason"] == "exit 3: done" and [r["op"] for r in doc["records"]] == ["all_reduce"]
 
 
 def _full_disk(rank, size, store, trace_dir):

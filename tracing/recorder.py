@@ -40,7 +40,7 @@ import commslayer
 from commslayer import config
 from commslayer.wire import BACKEND_OPS
 from commslayer.work import WorkStatus
-from commslayer.exits import before_exit, exit_now, exiting_here, register_before_exit
+from commslayer.exits import before_exit, before_exit_ran, exit_now, exiting_here, register_before_exit
 from commslayer.hooks import OpIO, register_phase_hook, register_recovery_hook
 
 from . import fr_format
@@ -473,43 +473,45 @@ def _install_signal_handlers(rec: FlightRecorder) -> None:
     registered (that makes the C-level handler record the signal) and the
     signal number also goes to a wakeup pipe that a watcher thread reads:
     the watcher dumps at once.  For SIGTERM with no handler of the program's
-    own, the main thread then ends the process the default way once it is
-    back in Python; if it is still stuck in C a second later, the watcher
-    ends it with exit status 143 (only the main thread may restore a handler).  A program that has
-    its own wakeup fd (asyncio) keeps it; then the handlers alone dump.
+    own, the watcher runs the before-exit hooks (hang up, dump) and raises
+    SIGTERM again: the main thread, once back in Python, ends the process the
+    default way; if it is still stuck in C a second later, the watcher ends it
+    with exit status 143 (only the main thread may restore a handler).  The
+    main thread's handler never waits for the watcher: a handler runs wherever
+    the main thread was interrupted, perhaps holding a lock the hooks need.  A
+    program that has its own wakeup fd (asyncio) keeps it; then the handlers
+    alone dump.
     """
     previous_term = signal.getsignal(signal.SIGTERM)
     term_lock = threading.Lock()
     term_dumped: List[bool] = []
     watcher: Optional[threading.Thread] = None
 
-    def dump_for_term() -> None:
-        # The watcher and the main thread may both get here: the second one waits
-        # for the first one's dump to finish before either ends the process. The dump
+    def dump_once_for_term() -> None:
+        # The program handles SIGTERM (it may go on): dump once.  The watcher and the main
+        # thread may both get here: the second one waits for the first one's dump.  The dump
         # lock is taken first: the main thread may be inside a dump of its own (it holds
-        # that lock, and re-enters it here), and a watcher holding term_lock while
-        # waiting for it would deadlock with a main thread waiting for term_lock.
+        # that lock, and re-enters it here), and a watcher holding term_lock while waiting
+        # for it would deadlock with a main thread waiting for term_lock.
         with rec._dump_lock, term_lock:
             if not term_dumped:
                 term_dumped.append(True)
-                if callable(previous_term):  # the program handles SIGTERM: it may go on
-                    rec.dump("SIGTERM")
-                    rec.flush_sinks()
-                else:
-                    # This process ends: hang up first (before_exit), so that its peers take it
-                    # as lost now rather than wait on it while it writes its dump.
-                    before_exit(_TERM_STATUS, "SIGTERM")
-
-    def die_of_term() -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+                rec.dump("SIGTERM")
+                rec.flush_sinks()
 
     def on_term(signum: int, frame: Optional[FrameType]) -> None:
-        dump_for_term()
         if callable(previous_term):
+            dump_once_for_term()
             previous_term(signum, frame)
-        elif not exiting_here():  # else this thread is ending the process already: its dump comes next
-            die_of_term()
+            return
+        if exiting_here():
+            return  # this thread is ending the process already: its dump comes next
+        if watcher is None:
+            before_exit(_TERM_STATUS, "SIGTERM")
+        elif not before_exit_ran():
+            return  # the watcher runs the hooks, then raises SIGTERM again
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGUSR1, lambda signum, frame: None if watcher else rec.request_dump("SIGUSR1"))
@@ -526,13 +528,15 @@ def _install_signal_handlers(rec: FlightRecorder) -> None:
     def watch() -> None:
         while True:
             for signum in os.read(read_fd, 64):
-                if signum == signal.SIGTERM:
-                    dump_for_term()
-                    if not callable(previous_term):
-                        # Only the main thread may restore the default handler: it does (on_term)
-                        # once it is back in Python; a main thread stuck in C is not waited for.
-                        time.sleep(_TERM_GRACE_S)
-                        exit_now(_TERM_STATUS, "SIGTERM")  # the before-exit hooks ran already
+                if signum == signal.SIGTERM and callable(previous_term):
+                    dump_once_for_term()
+                elif signum == signal.SIGTERM:
+                    # This process ends: hang up first (before_exit), so that its peers take it
+                    # as lost now rather than wait on it while it writes its dump.
+                    before_exit(_TERM_STATUS, "SIGTERM")
+                    os.kill(os.getpid(), signal.SIGTERM)  # for the main thread, once back in Python
+                    time.sleep(_TERM_GRACE_S)
+                    exit_now(_TERM_STATUS, "SIGTERM")
                 elif signum == signal.SIGUSR1:
                     rec.dump("SIGUSR1")
 
