@@ -53,6 +53,7 @@ from .addresses import host_port
 DEFAULT_TIMEOUT = timedelta(seconds=300)  # c10d's default store timeout: how long get and wait wait for a key
 REQUEST_TIMEOUT_S = 8.0  # one call, tried on every endpoint in turn until one serves it (below the store deadline)
 ATTEMPT_S = 1.0  # one request to one endpoint: a member that is stopped, or waits for a leader, is left after this
+RELEASE_S = 2.0  # how long revoking a claim's lease may take (Claim.release)
 RECEIPT_TTL_S = 60  # how long the receipt of an add or append outlives it (its retries end well before)
 SCHEME = "etcd://"  # how an address of the job's store on etcd begins (``--store``, ``COMMSLAYER_JOB_STORE``)
 RECEIPTS = b"commslayer-receipts/"  # where receipts live: outside every prefix, so no job's keys count them
@@ -157,13 +158,14 @@ class EtcdStore(dist.Store):
         return self.timeout  # type: ignore[attr-defined,no-any-return]  # c10d's property, untyped
 
     # ------------------------------------------------------------- transport
-    def _post(self, path: str, body: Dict[str, Any]) -> Dict[str, Any]:
+    def _post(self, path: str, body: Dict[str, Any], timeout_s: Optional[float] = None) -> Dict[str, Any]:
         """One call: its request to the endpoints in turn, from the one that served last,
         each given ``ATTEMPT_S``, round after round until one serves it or
-        ``request_timeout_s`` passes (``DistNetworkError``).  A request that got no
-        answer may have been applied, so every request made here must be one that
-        can be applied twice (``_update`` makes add and append so)."""
-        deadline = time.monotonic() + self.request_timeout_s
+        ``timeout_s`` (default ``request_timeout_s``) passes (``DistNetworkError``).  A
+        request that got no answer may have been applied, so every request made here
+        must be one that can be applied twice (``_update`` makes add and append so)."""
+        timeout_s = self.request_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         failures: List[str] = []
         while True:
             for index, host, port in self._in_turn():
@@ -180,7 +182,7 @@ class EtcdStore(dist.Store):
             if time.monotonic() >= deadline:
                 last = "; ".join(failures[-len(self.endpoints):])  # the last round's
                 raise dist.DistNetworkError(f"etcd at {self.address} did not serve {path} within "
-                                            f"{self.request_timeout_s:g}s: {last}")
+                                            f"{timeout_s:g}s: {last}")
             time.sleep(0.05)  # every endpoint failed at once (none up yet): pace the next round
 
     def _attempt(self, index: int, host: str, port: int, path: str, body: Dict[str, Any],
@@ -442,7 +444,7 @@ class Claim:
     def release(self) -> None:
         """Stop renewing and delete the keys now (the lease revoked)."""
         self._released.set()
-        try:
-            self._store._post("/v3/lease/revoke", {"ID": self._lease})
+        try:  # briefly: the process that releases is ending, and a lease not revoked expires on its own
+            self._store._post("/v3/lease/revoke", {"ID": self._lease}, timeout_s=RELEASE_S)
         except dist.DistNetworkError:
-            pass  # it expires on its own
+            pass

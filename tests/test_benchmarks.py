@@ -161,7 +161,7 @@ def test_training_smoke():
     header = ["configuration", "step time, median (ms)", "min–max (ms)", "steps/s, median", "min–max",
               "vs plain Gloo, median", "min–max"]
     free = rows(out, header)
-    assert [r[0] for r in free] == ["ours", "ours, untraced", "plain Gloo", "plain Gloo (A/A)"]
+    assert [r[0] for r in free] == ["ours", "ours, untraced", "plain Gloo"]  # the smoke runs no A/A
     for row in free:
         assert numbers(row[1])[0] > 0 and numbers(row[3])[0] > 0
         if row[0] == "plain Gloo":  # the reference of the last two columns
@@ -184,7 +184,7 @@ def test_training_smoke():
 def test_resilience_smoke():
     out = run_bench("launch/bench_resilience.py", "--smoke", timeout=290)
     scripts = ["DDP example"]
-    configs = ["ours", "ours, after backward", "plain HSDP", "plain HSDP (A/A)", "plain torchrun, 4 ranks"]
+    configs = ["ours", "ours, after backward", "plain HSDP", "plain torchrun, 4 ranks"]  # the smoke runs no A/A
     header = ["script", "configuration", "step time, median (ms)", "min–max (ms)", "vs plain HSDP, median", "min–max"]
     free = rows(out, header)
     assert [(r[0], r[1]) for r in free] == [(s, c) for s in scripts for c in configs]
