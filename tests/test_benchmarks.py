@@ -356,9 +356,7 @@ def test_etcd_smoke():
     assert [r[0] for r in free] == ["TCPStore", "etcd"]  # the smoke leaves out the A/A
     assert free[0][3:] == ["–", "–"] and all(pair(r, 1) > 0 for r in free)
     assert numbers(free[1][3]) and numbers(free[1][4])
-    header = ["store", "kill → the step committed (stall)", "min–max", "heal (join + state transfer)", "min–max"]
-    killed = rows(out, header)
-    assert [r[0] for r in killed] == ["etcd"] and pair(killed[0], 1) > 0 and pair(killed[0], 3) > 0
+    assert "SIGKILLed in the all-reduce" not in out  # the smoke leaves out a rank's SIGKILL
     header = ["fault", "stall", "min–max", "longest step", "min–max"]
     leader = rows(out, header)
     assert [r[0] for r in leader] == ["leader SIGKILL", "leader SIGSTOP"]

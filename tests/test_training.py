@@ -76,10 +76,12 @@ def test_plain_gloo_and_commslayer_give_the_same_losses(clean, tmp_path):
 
 
 @pytest.mark.parametrize("phase,replica,rank", [
-    ("forward", 1, 0),      # inside the forward pass of the last block
     ("backward", 0, 0),     # inside backward: the mate fails in its group's FSDP2 collective and leaves too
-    ("allreduce", 0, 1),    # entering the gradient average over the replicas (replica 0 holds world rank 0)
     ("optimizer", 1, 1),    # after the step was committed, before this rank applied it
+    # also the fault harness's kill-step (in forward) and bench_training's smoke (entering the average)
+    pytest.param("forward", 1, 0, marks=pytest.mark.slow),  # inside the forward pass of the last block
+    # entering the gradient average over the replicas (replica 0 holds world rank 0)
+    pytest.param("allreduce", 0, 1, marks=pytest.mark.slow),
 ])
 def test_a_killed_replica_group_is_survived_healed_and_loses_nothing(clean, tmp_path, phase, replica, rank):
     proc = launch(tmp_path, "--kill", f"{replica}:{FAULT_STEP}:{phase}:{rank}")
