@@ -158,6 +158,23 @@ def _site(code: CodeType, lasti: int) -> str:
     return f"{code.co_filename}:{line}"
 
 
+def clock_anchor(tries: int = 5) -> Dict[str, int]:
+    """The wall clock and the monotonic clock read at one instant: every time this process
+    records is monotonic, and the viewer puts ranks on one axis through this pair.  A
+    preemption between two plain reads would skew the pair by as long as it lasted, so the
+    wall read is bracketed by two monotonic reads, and the tightest bracket of a few tries
+    is kept."""
+    best = None
+    for _ in range(tries):
+        before = time.monotonic_ns()
+        wall = time.time_ns()
+        after = time.monotonic_ns()
+        if best is None or after - before < best[0]:
+            best = (after - before, wall, (before + after) // 2)
+    assert best is not None
+    return {"wall_ns": best[1], "mono_ns": best[2]}
+
+
 def _caller(frame: Optional[FrameType]) -> Optional[FrameType]:
     """The first frame outside commslayer, tracing and torch: the code that issued the op;
     for an op of commslayer's own thread (the copies' refresh) the outermost frame of ours."""
@@ -179,7 +196,7 @@ class FlightRecorder:
         self.stack = stack
         self.writer = DumpWriter(trace_dir, mode) if trace_dir else None
         self.host = socket.gethostname()
-        self.clock = {"wall_ns": time.time_ns(), "mono_ns": time.monotonic_ns()}
+        self.clock = clock_anchor()
         self.cwd = os.getcwd()  # the viewer shows call sites relative to it
         self.sinks: List[Any] = []  # objects with enqueue(record) (called as each op ends) and flush()
         self._ring: List[Optional[Record]] = [None] * capacity
