@@ -359,14 +359,19 @@ def cells(xs: List[dict], *keys: str) -> str:
     return " | ".join(median_range([x[k] for x in xs]) for k in keys)
 
 
-def step_cells(xs: List[dict], base: List[dict], key: str) -> str:
-    """Four cells for a fault-free configuration's runs ``xs``: its step time (ms) and its ratio
-    to the baseline's runs ``base`` in the same repeats, less 1 (set as each run's ``key``;
-    "–" for the baseline itself)."""
+def ratio_cells(xs: List[dict], base: List[dict], key: str) -> str:
+    """A median and a min–max cell (%) of the step time of the runs ``xs`` against the
+    baseline's runs ``base`` in the same repeats, less 1 (set as each run's ``key``; "–"
+    for the baseline itself)."""
     for x, b in zip(xs, base):
         x[key] = x["step_s"] / b["step_s"] - 1
-    rel = "– | –" if xs is base else median_range([x[key] for x in xs], 100, 2, " %")
-    return f"{median_range([x['step_s'] for x in xs], 1e3, 2)} | {rel}"
+    return "– | –" if xs is base else median_range([x[key] for x in xs], 100, 2, " %")
+
+
+def step_cells(xs: List[dict], base: List[dict], key: str) -> str:
+    """Four cells for a fault-free configuration's runs ``xs``: its step time (ms) and
+    ``ratio_cells``."""
+    return f"{median_range([x['step_s'] for x in xs], 1e3, 2)} | {ratio_cells(xs, base, key)}"
 
 
 def main() -> int:
@@ -380,7 +385,8 @@ def main() -> int:
                    choices=["forward", "backward", "allreduce", "optimizer"], help="where ours' victim dies")
     p.add_argument("--json", help="also write the raw figures here")
     p.add_argument("--smoke", action="store_true", help="check that the benchmark works: every configuration "
-                   "but the A/A once, a tiny model, 6 steps, the fault at step 3 (in allreduce only); explicit options still apply")
+                   "but the A/A once, a tiny model, 6 steps, the fault at step 3 (in allreduce only); explicit "
+                   "options still apply")
     p.set_defaults(model=MODEL)
     args = p.parse_args()
     if args.smoke:
@@ -422,14 +428,6 @@ def main() -> int:
         shutil.rmtree(work)
     _log(f"done in {time.time() - began:.0f} s")
 
-    plain = [x["step_s"] for x in figures["plain Gloo"]]
-    free = [n for n in ("ours", "ours, untraced", "plain Gloo", "plain Gloo (A/A)") if n in figures]
-    for name in (n for n in free if n != "plain Gloo"):
-        for x, base in zip(figures[name], plain):
-            x["vs_plain"] = x["step_s"] / base - 1
-    for x, base in zip(figures["ours"], figures["ours, untraced"]):
-        x["vs_untraced"] = x["step_s"] / base["step_s"] - 1
-
     print(f"command: `{shlex.join(['python'] + sys.argv)}`; {REPLICAS} replica groups x {RANKS} ranks on "
           f"{os.cpu_count()} CPU(s); {args.steps} steps, model {args.model}; fault at step {args.fault_step}, "
           f"checkpoint every {args.ckpt_every} steps; {args.repeats} repeats; commit {revision}; "
@@ -439,13 +437,14 @@ def main() -> int:
     print("| configuration | step time, median (ms) | min–max (ms) | steps/s, median | min–max "
           "| vs plain Gloo, median | min–max |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for name in free:
+    for name in (n for n in ("ours", "ours, untraced", "plain Gloo", "plain Gloo (A/A)") if n in figures):
         xs = figures[name]
-        rel = median_range([x["vs_plain"] for x in xs], 100, 2, " %") if "vs_plain" in xs[0] else "– | –"
         print(f"| {name} | {median_range([x['step_s'] for x in xs], 1e3, 1)} | "
-              f"{median_range([x['steps_per_s'] for x in xs])} | {rel} |")
+              f"{median_range([x['steps_per_s'] for x in xs])} | "
+              f"{ratio_cells(xs, figures['plain Gloo'], 'vs_plain')} |")
+    traced = ratio_cells(figures["ours"], figures["ours, untraced"], "vs_untraced")
     print(f"\nTracing's cost (ours / ours, untraced in the same repeat − 1): median and min–max "
-          f"{median_range([x['vs_untraced'] for x in figures['ours']], 100, 2, ' %').replace(' | ', ', ')}.")
+          f"{traced.replace(' | ', ', ')}.")
 
     print(f"\nA fault at step {args.fault_step} (replica group {VICTIM_REPLICA}'s rank 0 SIGKILLed); seconds from "
           "the kill, median and min–max over runs.\n")
