@@ -26,13 +26,13 @@ import threading
 import weakref
 import time
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from . import backends, config
+from . import backends, config, native
 from .batch import BackendWorks, BatchSendRecv, Message
 from .check import CrossRankCheck, fingerprint
 from .errors import CollectiveMismatch, CommError, StoreUnreachable
@@ -45,9 +45,11 @@ from .ring import RingReduceScatter, ring_fits, ring_tag
 from .validation import Checker, Timeout, timeout_seconds
 from .watchdog import WATCHDOG
 from .wire import BACKEND_OPS, Options, averaging, in_place, premultiplied, wire
-from .work import AnySourceWork, Waiter, Work
+from .work import WAIT_SLICE, AnySourceWork, Waiter, Work
 
 _op_ids = itertools.count(1)  # process-wide, monotonic
+# The ops the direct path takes (``_direct_run``), by their kind in direct_path.cpp
+DIRECT_OPS = ("all_reduce", "all_gather_single", "reduce_scatter_single")
 
 
 class Communicator:
@@ -78,6 +80,7 @@ class Communicator:
         self._store = store
         self._rank = rank
         self._size = size
+        self._native: Any = None  # the direct path in native code (set below, where it is built)
         self._set_timeout_s(timeout_s)
         self._hints = hints
         self.uid = uid  # the same on every member, unique in the job
@@ -135,8 +138,9 @@ class Communicator:
         # Our ops whose backend work one thread waits on, once (Work.is_completed)
         self.waited_once = frozenset(op for op, backend_op in BACKEND_OPS.items() if backend_op in spec.single_waits)
         self.recorder: Optional[OpRecorder] = None  # set by tracing's flight recorder
-        direct = Checker(name, "direct", rank, size, spec.device_type, spec.dtypes)
-        self._dense, self._dense_sized = direct.fits, direct.fits_sized
+        # Not on NCCL: the native direct path has not run on a GPU yet.
+        self._take_direct_path(None if spec.name != "gloo" else native.direct_path(
+            self._backend, size, spec.device_type, spec.dtypes, *self._native_waits()))
         self._update_direct()
         if config.nan_check():
             NanCheckHook().register_with_comm(self)
@@ -233,8 +237,7 @@ class Communicator:
                    async_op: bool = False, timeout: Timeout = None) -> Work:
         """Reduce ``tensor`` across ranks, in place (a sparse COO one too: ``_all_reduce_sparse``)."""
         if self._direct and op is ReduceOp.SUM and async_op is False and timeout is None and self._dense(tensor):
-            return self._direct_run("all_reduce", self._backend.allreduce, ([tensor], self._direct_opts[0]),
-                                    (tensor,), (tensor,), op)
+            return self._direct_run(0, tensor, tensor, op)
         chk = self._checker("all_reduce")
         if getattr(tensor, "is_sparse", False):
             return self._all_reduce_sparse(chk, tensor, op, async_op, timeout)
@@ -284,8 +287,7 @@ class Communicator:
                           async_op: bool = False, timeout: Timeout = None) -> Work:
         """Concatenate every rank's ``input`` into ``output`` (``size`` times larger)."""
         if self._direct and async_op is False and timeout is None and self._dense_sized(output, input):
-            return self._direct_run("all_gather_single", self._backend._allgather_base,
-                                    (output, input, self._direct_opts[1]), (input,), (output,), None)
+            return self._direct_run(1, output, input, None)
         chk = self._checker("all_gather_single")
         chk.tensor(output, "output")
         chk.tensor(input, "input")
@@ -329,8 +331,7 @@ class Communicator:
         if self._direct and op is ReduceOp.SUM and async_op is False and timeout is None \
                 and self._dense_sized(input, output) \
                 and not self._takes_ring(op, output, input.numel() * input.element_size()):
-            return self._direct_run("reduce_scatter_single", self._backend._reduce_scatter_base,
-                                    (output, input, self._direct_opts[2]), (input,), (output,), op)
+            return self._direct_run(2, output, input, op)
         chk = self._checker("reduce_scatter_single")
         chk.tensor(output, "output")
         chk.tensor(input, "input")
@@ -757,6 +758,7 @@ class Communicator:
         if self._process_group is None:  # a c10d group still refers to it otherwise
             # Dropping the last reference closes the group's connections (the
             # watchdog holds it instead while one of its ops still runs).
+            self._take_direct_path(None)  # the native one holds the backend too
             self._spec.release(self._backend)
             self._backend = self._ops = backends.Released()
 
@@ -799,6 +801,28 @@ class Communicator:
                                                  (c10d.ReduceScatterOptions, ReduceOp.SUM)))
         for opts in self._direct_opts:
             structs.deadline(opts, timeout_s)
+        if self._native is not None:
+            self._native.set_timeout(*self._native_waits())
+
+    def _native_waits(self) -> Tuple[timedelta, timedelta]:
+        """The native direct path's deadline, and how long its wait blocks before
+        Python looks again: the deadline, or a slice where a liveness monitor may
+        break the communicator meanwhile (``Work.wait_issued``'s)."""
+        return self._direct_td, WAIT_SLICE if self.lifecycle.watched else self._direct_td
+
+    def _take_direct_path(self, path: Any) -> None:
+        """Run the direct path's checks and ops in native code through ``path`` (a
+        ``DirectPath``, commslayer.native), or in Python (None)."""
+        self._native = path
+        if path is None:
+            direct = Checker(self._name, "direct", self._rank, self._size, self._spec.device_type,
+                             self._spec.dtypes)
+            self._dense, self._dense_sized = direct.fits, direct.fits_sized
+            self._native_ops: FrozenSet[str] = frozenset()
+        else:
+            self._dense, self._dense_sized = path.fits, path.fits_sized
+            # Gloo's reduce-scatter ignores wait timeouts: a helper thread waits for it (Waiter)
+            self._native_ops = frozenset(DIRECT_OPS) - self._waited_elsewhere
 
     def _update_direct(self) -> None:
         """Whether the direct path (``_direct_run``) is open: only while no hook
@@ -818,27 +842,45 @@ class Communicator:
         """The op's cross-rank fingerprint in check mode, else None."""
         return None if self._check is None else fingerprint(op, t, reduce_op, root=root, extra_shape=extra_shape)
 
-    def _direct_run(self, op: str, call: Callable[..., Any], args: Tuple[Any, ...], inputs: Tuple[torch.Tensor, ...],
-                    outputs: Tuple[torch.Tensor, ...], reduce_op: Optional[ReduceOp]) -> Work:
-        """``_run`` for a synchronous collective on the communicator's deadline, with
-        arguments the caller has checked, while ``_direct`` holds: the same steps
-        without the branches for hooks, check mode, isolation and async ops, because
-        each line after a blocking wait on a transfer runs with cold caches
-        (docs/benchmarks.md, "The direct path")."""
+    def _direct_run(self, kind: int, a: torch.Tensor, b: torch.Tensor, reduce_op: Optional[ReduceOp]) -> Work:
+        """``_run`` for a synchronous ``DIRECT_OPS[kind]`` on the communicator's
+        deadline (``a``: the output, ``b``: the input; all_reduce's one tensor is
+        both), with arguments the caller has checked, while ``_direct`` holds: the
+        same steps without the branches for hooks, check mode, isolation and async
+        ops, because each line after a blocking wait on a transfer runs with cold
+        caches (docs/benchmarks.md, "The direct path").  Where it is built, the
+        issue and the wait run in native code (``DirectPath.run``)."""
+        op = DIRECT_OPS[kind]
         self._seq = seq = self._seq + 1
         op_id = next(_op_ids)
         timeout_s = self._timeout_s
         recorder = self.recorder
         record = None if recorder is None else recorder.scheduled(
-            self, op, op_id, seq, OpIO(inputs, outputs, reduce_op, None), None, False, timeout_s)
+            self, op, op_id, seq, OpIO((b,), (a,), reduce_op, None), None, False, timeout_s)
+        in_native = op in self._native_ops
         start = time.monotonic_ns()
         try:
             if not self.lifecycle.clean:
                 self.lifecycle.ensure_usable(op, seq)
-            c10d_work = call(*args)
+            if in_native:
+                if record is not None:
+                    record.started(start)
+                failed = self._native.run(kind, a, b)  # None once it completed
+            else:
+                opts = self._direct_opts[kind]
+                c10d_work = self._backend.allreduce([a], opts) if kind == 0 else \
+                    (self._backend._allgather_base if kind == 1 else self._backend._reduce_scatter_base)(a, b, opts)
         except (RuntimeError, CommError) as exc:
             err = self._not_issued(exc, Work, op, seq, op_id, timeout_s, start, None, record)
             raise err from (None if err is exc else exc)
+        if in_native:
+            work = Work(self, op, seq, op_id, timeout_s, start, None if failed is None else failed[0], None, None,
+                        record)
+            if failed is None:
+                work.completed_now()
+            else:
+                work.wait_failed(RuntimeError(failed[1]))
+            return work
         if op in self._waited_elsewhere:
             c10d_work = self._waiter().wrap(c10d_work)
         work = Work(self, op, seq, op_id, timeout_s, start, c10d_work, None, None, record)

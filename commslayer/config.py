@@ -117,6 +117,13 @@ def nan_check() -> bool:
     return _flag("COMMSLAYER_NAN_CHECK")
 
 
+def native() -> bool:
+    """``COMMSLAYER_NATIVE``: on (the default, empty or unset), a synchronous
+    collective's direct path runs in native code where it is built
+    (``commslayer.native``); 0 or off: in Python."""
+    return not os.environ.get("COMMSLAYER_NATIVE", "").strip() or _flag("COMMSLAYER_NATIVE")
+
+
 def route_c10d() -> bool:
     """``COMMSLAYER_ROUTE_C10D=1``: run ``init_process_group("gloo"|"nccl")`` and
     every later group through commslayer, without code changes."""
@@ -420,7 +427,7 @@ def faults_log() -> str:
 
 # What validate() reads: every accessor that can refuse a value.
 _CHECKED: Tuple[Callable[[], object], ...] = (
-    default_timeout, check_mode, nan_check, route_c10d, trace_dir, job_rank, trace_buffer, trace_stack, trace_jsonl,
+    default_timeout, check_mode, nan_check, native, route_c10d, trace_dir, job_rank, trace_buffer, trace_stack, trace_jsonl,
     trace_otel, trace_sink_queue, heartbeat_s, peer_timeout_s, liveness_timing, liveness_host, watch_peers,
     full_mesh_max, isolate_writes, faults_log, trace_mode, replica_id, run_dir, store_timeout_s,
     average_after_backward, restart_unit, node, redundancy, refresh_every, reshard, resharded,

@@ -42,7 +42,7 @@ _DONE = (WorkStatus.COMPLETED, WorkStatus.TIMEDOUT, WorkStatus.ERROR)
 # the communicator broke meanwhile; ops shorter than this never wake.  Not
 # send/recv: Gloo ends a point-to-point work with an error at its first timed-out wait.
 _SLICE_S = 0.05
-_SLICE = timedelta(seconds=_SLICE_S)
+WAIT_SLICE = timedelta(seconds=_SLICE_S)
 
 
 class Work:
@@ -131,24 +131,33 @@ class Work:
         (in slices when a liveness monitor may interrupt it)."""
         sliced = self.comm.lifecycle.watched and self.peer is None
         try:
-            self._c10d.wait(_SLICE if sliced else timeout)
+            self._c10d.wait(WAIT_SLICE if sliced else timeout)
         except RuntimeError as exc:
-            if not sliced:
-                self._backend_failed(exc)
-                assert self._error is not None  # a failed backend always leaves its error
-                raise self._error from None
-            self._settle_from_backend((self.deadline_ns - time.monotonic_ns()) / 1e9)
-            if self._error is not None:
-                raise self._error
+            self.wait_failed(exc)
             return
         if self._finish is None and not self.comm.completion_hooks.fns:
-            # Keep the code after a long wait short: it runs with cold caches.
-            self.end_ns = time.monotonic_ns()
-            self._status = WorkStatus.COMPLETED
-            if self.record is not None:
-                self.record.ended(self)
+            self.completed_now()
             return
         self._complete()
+        if self._error is not None:
+            raise self._error
+
+    def completed_now(self) -> None:
+        """The synchronous op's wait returned, and nothing is left to run: it completed.
+        Kept short: it runs right after a long wait, with cold caches."""
+        self.end_ns = time.monotonic_ns()
+        self._status = WorkStatus.COMPLETED
+        if self.record is not None:
+            self.record.ended(self)
+
+    def wait_failed(self, exc: RuntimeError) -> None:
+        """The synchronous op's first wait (its deadline, or a slice of it) raised
+        ``exc``: settle the op, raising its error unless a later slice saw it complete."""
+        if not (self.comm.lifecycle.watched and self.peer is None):
+            self._backend_failed(exc)
+            assert self._error is not None  # a failed backend always leaves its error
+            raise self._error from None
+        self._settle_from_backend((self.deadline_ns - time.monotonic_ns()) / 1e9)
         if self._error is not None:
             raise self._error
 
@@ -166,6 +175,10 @@ class Work:
             if self._error is not None:
                 raise self._error
 
+        if self._c10d is None:  # a synchronous op that completed in native code
+            done: "torch.futures.Future[None]" = torch.futures.Future()
+            done.set_result(None)
+            return done
         future: "torch.futures.Future[None]" = self._c10d.get_future().then(settle)
         return future
 
@@ -215,7 +228,7 @@ class Work:
             watched = sliceable and remaining_s > _SLICE_S
             try:
                 # c10d truncates to whole milliseconds, and 0 would mean "forever"
-                self._c10d.wait(_SLICE if watched else timedelta(milliseconds=max(remaining_s * 1e3, 1.0)))
+                self._c10d.wait(WAIT_SLICE if watched else timedelta(milliseconds=max(remaining_s * 1e3, 1.0)))
             except RuntimeError as exc:
                 if not watched:
                     self._backend_failed(exc)

@@ -26,9 +26,12 @@ and each message size, three variants run the same op on the same tensors:
 With ``--breakdown`` two more show where commslayer's cost lies: ``backend``
 (the same op on the second plain group's Gloo backend object itself, its
 method and its wait with no Python layer above them: the floor every layer
-pays) and ``general`` (commslayer's general op path, ``Communicator._run``,
+pays), ``general`` (commslayer's general op path, ``Communicator._run``,
 taken by naming the communicator's own timeout; ``commslayer`` takes the
-direct path of a synchronous op that no hook observes).
+direct path of a synchronous op that no hook observes) and ``python`` (the
+direct path in Python, on a communicator built with ``COMMSLAYER_NATIVE=0``;
+``commslayer`` runs it in native code where ``commslayer.native`` is built:
+the report's header says whether it is).
 
 With ``--tracing`` three more variants run beside them, each on its own
 communicator watched by its own flight recorder (``tracing.recorder``): the
@@ -128,12 +131,13 @@ import torch.distributed as dist
 
 import commslayer
 from commslayer import config as cl_config
+from commslayer import native
 from commslayer.ring import in_ring_order
 
 OPS: Tuple[str, ...] = ("all_reduce", "all_gather_single", "reduce_scatter_single")
 BASE_VARIANTS: Tuple[str, ...] = ("plain", "plain2", "commslayer")
 TRACED_VARIANTS: Tuple[str, ...] = ("recorder", "recorder+jsonl", "recorder+jsonl+otel")
-BREAKDOWN_VARIANTS: Tuple[str, ...] = ("backend", "general")
+BREAKDOWN_VARIANTS: Tuple[str, ...] = ("backend", "general", "python")
 VARIANTS: Tuple[str, ...] = BASE_VARIANTS  # main() adds TRACED_VARIANTS with --tracing
 METRICS: Tuple[str, ...] = ("wall", "cpu")
 DEFAULT_SIZES: Tuple[int, ...] = tuple(4 ** k for k in range(1, 14))  # 4 B .. 64 MiB
@@ -198,8 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(one communicator and one recorder per variant)")
     p.add_argument("--breakdown", action="store_true",
                    help="also measure the layers: 'backend' (the Gloo backend's own method and wait, no Python "
-                        "layer: the floor) and 'general' (commslayer's general op path, taken by naming a "
-                        "timeout, where 'commslayer' takes the direct path)")
+                        "layer: the floor), 'general' (commslayer's general op path, taken by naming a "
+                        "timeout, where 'commslayer' takes the direct path) and 'python' (the direct path "
+                        "in Python, where 'commslayer' runs it in native code)")
     p.add_argument("--nan-check", action="store_true",
                    help="also measure commslayer with the NaN check on (commslayer.NanCheckHook), on a "
                         "communicator of its own")
@@ -532,6 +537,7 @@ def metadata(g: Groups, args: argparse.Namespace) -> Dict[str, object]:
         "world_size": g.size,
         "commslayer_timeout_s": g.comm.get_timeout().total_seconds(),
         "commslayer_check_mode": cl_config.check_mode(),
+        "commslayer_direct_path": native.why_not() or "native",
         "ops": list(args.ops),
         "sizes_bytes": list(args.sizes),
         "max_seconds_per_size": args.max_seconds_per_size,
@@ -577,7 +583,7 @@ def report(meta: Dict[str, object], results: Sequence[Result], verdict: Dict[str
         f"world size {meta['world_size']}; host {meta['host']} ({meta['cpus']} CPUs, "
         f"torch threads {meta['torch_threads']})",
         f"- commslayer: timeout {meta['commslayer_timeout_s']:g} s, check mode "
-        f"{'on' if meta['commslayer_check_mode'] else 'off'}",
+        f"{'on' if meta['commslayer_check_mode'] else 'off'}, direct path: {meta['commslayer_direct_path']}",
         f"- budget per (op, size): {meta['max_seconds_per_size']:g} s, reps in "
         f"[{meta['min_reps']}, {meta['max_reps']}], {meta['warmup']} warm-up rounds; "
         "variants interleaved, order rotated per round, barrier before every timed op",
@@ -651,6 +657,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         g.traced = traced_comms(args.trace_dir)
     if args.breakdown:
         VARIANTS = VARIANTS + BREAKDOWN_VARIANTS
+        chosen = os.environ.get("COMMSLAYER_NATIVE")
+        os.environ["COMMSLAYER_NATIVE"] = "0"  # read as the communicator is built
+        g.traced["python"] = commslayer.new_comm("gloo", name="bench-python")
+        if chosen is None:
+            del os.environ["COMMSLAYER_NATIVE"]
+        else:
+            os.environ["COMMSLAYER_NATIVE"] = chosen
     if args.nan_check:
         VARIANTS = VARIANTS + ("nan-check",)
         g.traced["nan-check"] = commslayer.new_comm("gloo", name="bench-nan-check")

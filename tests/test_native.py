@@ -1,0 +1,140 @@
+"""The direct path in native code (commslayer/direct_path.cpp, commslayer/native.py):
+the README's commands build it, its results equal the pure-Python path's and plain
+c10d's bitwise, it leaves what it cannot take to Python, and a build that cannot
+happen says why."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from commslayer import native
+from tests.harness import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass: the native path must leave it to Python, which honours its type."""
+
+
+def test_the_readme_commands_built_it():
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler on this machine: communicators run the direct path in Python")
+    assert os.environ.get("COMMSLAYER_NATIVE") is None
+    assert native.why_not() is None, native.why_not()
+    assert os.path.exists(native.module_path())
+
+
+def test_a_build_that_cannot_happen_says_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    with pytest.raises(RuntimeError, match="no C.. compiler"):
+        native.build(str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # a compiler that fails
+    with pytest.raises(RuntimeError, match=r"the compiler failed \(exit 1\)"):
+        native.build(str(tmp_path))
+    assert os.listdir(tmp_path) == []  # no partial module left behind
+    # The command line says so, and the README's commands go on without it.
+    env = {**os.environ, "CXX": "false"}
+    done = subprocess.run([sys.executable, "-c", f"import sys; sys.prefix = {str(tmp_path)!r}; "
+                           "from commslayer import native; sys.exit(native.main())"],
+                          env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 1 and "take the pure-Python direct path" in done.stderr, done.stderr
+
+
+def _three_paths(rank, size, store):
+    import commslayer
+
+    dist.init_process_group("gloo", store=dist.PrefixStore("plain/", store), rank=rank, world_size=size)
+    fast = commslayer.new_comm("gloo", name="native", store=store, rank=rank, size=size, timeout=60)
+    os.environ["COMMSLAYER_NATIVE"] = "0"
+    slow = commslayer.new_comm("gloo", name="python", store=store, rank=rank, size=size, timeout=60)
+    del os.environ["COMMSLAYER_NATIVE"]
+    out = {"native": fast._native is not None, "python": slow._native is None, "differ": [], "compared": 0}
+
+    def same(what, *tensors):
+        out["compared"] += 1
+        if not all(t.dtype == tensors[0].dtype and torch.equal(t, tensors[0]) for t in tensors[1:]):
+            out["differ"].append(what)
+
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.int8, torch.bool):
+        for n in (0, 1, 4097, 1 << 18):
+            g = torch.Generator().manual_seed(97 * rank + n)
+            x = torch.randint(0, 2, (n * size,), generator=g).to(dtype) if dtype == torch.bool else \
+                (torch.randn(n * size, generator=g) * 100).to(dtype)
+            tag = f"{dtype} n={n}"
+            reduced = [x.clone() for _ in range(3)]
+            fast.all_reduce(reduced[0])
+            slow.all_reduce(reduced[1])
+            dist.all_reduce(reduced[2])
+            same(f"all_reduce {tag}", *reduced)
+            part = x[:n].clone()
+            gathered = [torch.empty(n * size, dtype=dtype) for _ in range(3)]
+            fast.all_gather_single(gathered[0], part)
+            slow.all_gather_single(gathered[1], part)
+            dist.all_gather_into_tensor(gathered[2], part)
+            same(f"all_gather_single {tag}", *gathered)
+            if dtype != torch.bool:  # Gloo has no reduce-scatter of bool
+                scattered = [torch.empty(n, dtype=dtype) for _ in range(3)]
+                fast.reduce_scatter_single(scattered[0], x)
+                slow.reduce_scatter_single(scattered[1], x)
+                dist.reduce_scatter_tensor(scattered[2], x)
+                same(f"reduce_scatter_single {tag}", *scattered)
+
+    # What the native checks refuse goes the general way: a tensor subclass keeps its
+    # type's behaviour, a Parameter is a plain tensor, a view that is not contiguous is
+    # refused with the op's name.
+    tagged = torch.ones(4).as_subclass(Tagged)
+    out["subclass"] = (fast._dense(tagged), fast._dense(torch.nn.Parameter(torch.ones(4))))
+    fast.all_reduce(tagged)
+    out["subclass result"] = (type(tagged).__name__, tagged.tolist())
+    try:
+        fast.all_reduce(torch.ones(4, 2).t())
+    except commslayer.CommError as exc:
+        out["strided"] = (type(exc).__name__, exc.op, "contiguous" in str(exc))
+
+    # A sync op's Work from the native path: completed, numbered, with a future that is done.
+    work = fast.all_reduce(torch.ones(2))
+    out["work"] = (work.status.value, work.is_completed(), work.seq > 0, work.end_ns >= work.start_ns,
+                   work.get_future().done(), work.wait())
+
+    # set_timeout reaches the native path: an op nobody else joins ends at the new deadline.
+    fast.set_timeout(timedelta(seconds=1.0))
+    if rank == 0:
+        began = time.monotonic()
+        try:
+            fast.all_gather_single(torch.zeros(2 * size), torch.ones(2))
+        except commslayer.CommError as exc:
+            out["deadline"] = (type(exc).__name__, exc.op, time.monotonic() - began, fast.state.split(":")[0])
+        store.set("native-timed-out", "1")
+    else:
+        store.wait(["native-timed-out"], timedelta(seconds=30))
+    fast.abort()
+    slow.finalize()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_native_and_python_paths_match_plain_c10d():
+    if native.why_not() is not None:
+        pytest.skip(f"the native direct path is not built: {native.why_not()}")
+    results = run_ranks(_three_paths, 2, timeout=100)
+    for rank, out in enumerate(results):
+        assert out["native"] and out["python"], out
+        assert out["differ"] == [] and out["compared"] == 5 * 4 * 3 - 4, (rank, out["differ"], out["compared"])
+        assert out["subclass"] == (False, True), out["subclass"]
+        assert out["subclass result"] == ("Tagged", [2.0] * 4), out["subclass result"]
+        assert out["strided"] == ("InvalidArgument", "all_reduce", True), out["strided"]
+        assert out["work"] == ("completed", True, True, True, True, True), out["work"]
+    kind, op, took, state = results[0]["deadline"]
+    assert (kind, op, state) == ("CollectiveTimeout", "all_gather_single", "broken"), results[0]["deadline"]
+    assert 0.9 < took < 3.0, took
