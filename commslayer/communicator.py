@@ -330,7 +330,7 @@ class Communicator:
         """Reduce ``input`` across ranks and leave this rank's slice in ``output``."""
         if self._direct and op is ReduceOp.SUM and async_op is False and timeout is None \
                 and self._dense_sized(input, output) \
-                and not self._takes_ring(op, output, input.numel() * input.element_size()):
+                and not self._takes_ring(op, output, input.nbytes):
             return self._direct_run(2, output, input, op)
         chk = self._checker("reduce_scatter_single")
         chk.tensor(output, "output")
@@ -340,7 +340,7 @@ class Communicator:
         chk.sized(input, output, "input output")
         src = premultiplied(input, op)
         opts = self._options.get(c10d.ReduceScatterOptions, op)
-        ring = self._takes_ring(op, output, input.numel() * input.element_size())
+        ring = self._takes_ring(op, output, input.nbytes)
         issue: Callable[[], Any] = (lambda: self._ring(list(wire(src).reshape(self._size, -1).unbind(0)), output)) \
             if ring else (lambda: self._ops._reduce_scatter_base(wire(output), wire(src), opts))
         return self._run(chk, OpIO((input,), (output,), op, None), issue, opts=opts,
