@@ -93,6 +93,8 @@ class Communicator:
             members=list(range(size)) if members is None else list(members),
             parent=None if parent is None else parent.lifecycle)
         self.lifecycle: Lifecycle = life
+        # what the flight recorder stamps on each of its records, read once
+        self.trace_ids: Tuple[str, str, int] = (name, uid, generation)
         try:
             self._backend = spec.create(store, rank, size, timedelta(seconds=timeout_s), hints)
         except StoreUnreachable:  # raised by the store inside the rendezvous: not a peer's fault

@@ -57,6 +57,7 @@ _INTERNAL_DIRS = tuple(
 )
 
 
+_DERIVED = ("backend_op", "in_bytes", "out_bytes")  # Record.to_dict computes them
 _thread_names: Dict[int, str] = {}  # thread ident -> name, filled the first time a thread issues an op
 
 
@@ -69,7 +70,8 @@ class Record:
     which runs at dump time or on a sink's thread.
     """
 
-    __slots__ = RECORD_FIELDS + OPTIONAL_FIELDS + ("sinks",)
+    # backend_op, in_bytes and out_bytes follow from the others: to_dict fills them.
+    __slots__ = tuple(f for f in RECORD_FIELDS if f not in _DERIVED) + OPTIONAL_FIELDS + ("sinks",)
     # The slots, as the hot path fills them (records.RECORD_FIELDS says what each means).
     op_id: int
     comm: str
@@ -77,13 +79,10 @@ class Record:
     generation: int
     seq: int
     op: str
-    backend_op: str
     reduce_op: Any  # the ReduceOp object until to_dict
     dtype: Optional[torch.dtype]
     in_sizes: List[torch.Size]
     out_sizes: List[torch.Size]
-    in_bytes: Optional[int]
-    out_bytes: Optional[int]
     root: Optional[int]
     peer: Optional[int]
     async_op: bool
@@ -132,7 +131,7 @@ class Record:
         self.wait_end_ns = end_ns
 
     def to_dict(self) -> Dict[str, Any]:
-        d = {f: getattr(self, f) for f in RECORD_FIELDS}
+        d = {f: getattr(self, f, None) for f in RECORD_FIELDS}
         for f in OPTIONAL_FIELDS:
             v = getattr(self, f)
             if v is not None:
@@ -144,6 +143,7 @@ class Record:
         d["out_sizes"] = [list(s) for s in self.out_sizes]
         d["in_bytes"] = sum(s.numel() for s in self.in_sizes) * itemsize
         d["out_bytes"] = sum(s.numel() for s in self.out_sizes) * itemsize
+        d["backend_op"] = BACKEND_OPS[self.op]
         d["reduce_op"] = None if self.reduce_op is None else repr(self.reduce_op).replace("ReduceOp.", "")
         d["thread"] = _thread_names.get(self.thread, str(self.thread))
         d["call_site"] = "?" if self.call_site is None else _site(*self.call_site)
@@ -238,20 +238,16 @@ class FlightRecorder:
         """The op path's call as ``op`` enters ``comm``: a new record in the ring."""
         r = Record()
         r.enqueue_ns = time.monotonic_ns()
-        inputs, outputs = io.inputs, io.outputs
-        r.reduce_op, r.root = io.reduce_op, io.root
-        r.in_sizes = [t.shape for t in inputs]
-        r.out_sizes = [t.shape for t in outputs]
+        inputs, outputs, r.reduce_op, r.root = io
+        # Most ops have one tensor each way: no comprehension then (a function call on 3.11).
+        r.in_sizes = [inputs[0].shape] if len(inputs) == 1 else [t.shape for t in inputs]
+        r.out_sizes = [outputs[0].shape] if len(outputs) == 1 else [t.shape for t in outputs]
         first = inputs[0] if inputs else (outputs[0] if outputs else None)
         r.dtype = None if first is None else first.dtype
-        r.in_bytes = r.out_bytes = None  # computed by to_dict
         r.op_id = op_id
-        r.comm = comm.get_name()
-        r.comm_id = comm.uid
-        r.generation = comm.generation
+        r.comm, r.comm_id, r.generation = comm.trace_ids
         r.seq = seq
         r.op = op
-        r.backend_op = BACKEND_OPS[op]
         r.peer = peer
         r.async_op = async_op
         r.timeout_s = timeout_s
@@ -263,9 +259,11 @@ class FlightRecorder:
         if ident not in _thread_names:
             _thread_names[ident] = threading.current_thread().name
         r.thread = ident
-        # Frame 3 is the caller of the op's method (scheduled <- _run <- the method): each
-        # frame looked at becomes a frame object, which costs microseconds after a transfer.
-        frame = _caller(sys._getframe(3))
+        # Frame 3 is the caller of the op's method (scheduled <- _run <- the method), where
+        # the walk ends unless an op of ours issued it: each frame looked at becomes a frame
+        # object, which costs microseconds after a transfer.
+        caller = sys._getframe(3)
+        frame = _caller(caller) if caller.f_code.co_filename.startswith(_INTERNAL_DIRS) else caller
         r.call_site = None if frame is None else (frame.f_code, frame.f_lasti)  # f_lineno decodes a line table
         r.stack = [f"{f.filename}:{f.lineno} in {f.name}" for f in traceback.extract_stack(frame)] \
             if self.stack and frame is not None else None
