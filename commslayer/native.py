@@ -1,18 +1,18 @@
 """The direct path in native code (``direct_path.cpp``): building it, and loading it.
 
-Why native: a synchronous collective's checks, issue and wait cost 50-60 µs
-of the calling thread in Python after a real transfer (every line runs with
-cold caches); in C++ they cost what the backend call alone does
-(docs/benchmarks.md, "The direct path in native code").
+Why native: after a real transfer every line of Python runs with cold
+caches, so a synchronous collective's checks, issue and wait cost tens of
+µs of the calling thread in Python; in C++ they cost what the backend call
+alone does (docs/benchmarks.md, "The direct path in native code").
 
 The README's commands build it once per venv (``commslayer-native``, run by
-launch/env.sh): one ``c++`` command with torch's include and library
-paths, about half a minute on 2 cores.  The module's name carries a hash of
-the source, so a build of older source is never loaded, and a changed
-source is built anew.  Nothing builds at run time: where the module is not
-built (no compiler, or commslayer installed another way), or
+launch/env.sh): one ``c++`` command with torch's include and library paths,
+about 20 s on 2 cores.  The module's name carries a hash of the source and
+of torch's version, so a stale build is never loaded, and a changed source
+is built anew.  Nothing builds at run time: where the module is not built
+(no compiler, or commslayer installed another way), or
 ``COMMSLAYER_NATIVE=0``, communicators take the pure-Python direct path,
-which does the same (``direct_path`` says why).
+which does the same (``why_not`` says why).
 """
 
 from __future__ import annotations
@@ -47,10 +47,13 @@ def build_dir() -> str:
 
 
 def module_name() -> str:
-    """The module's name: the source's hash in it, so a stale build is never loaded."""
+    """The module's name: a hash of the source, torch's version and Python's ABI in
+    it, so a build of other source, or against another torch, is never loaded."""
+    digest = hashlib.sha256()
     with open(SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:12]
-    return f"commslayer_direct_{digest}"
+        digest.update(f.read())
+    digest.update(f"\0{torch.__version__}\0{sysconfig.get_config_var('SOABI')}".encode())
+    return f"commslayer_direct_{digest.hexdigest()[:12]}"
 
 
 def module_path(directory: Optional[str] = None) -> str:
@@ -91,10 +94,14 @@ def build(directory: Optional[str] = None) -> str:
                               timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"the compiler failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+        os.chmod(partial, 0o755)
         os.replace(partial, path)
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
+    for name in os.listdir(os.path.dirname(path)):  # builds of older source or another torch
+        if name.startswith("commslayer_direct_") and name.endswith(".so") and name != os.path.basename(path):
+            os.unlink(os.path.join(os.path.dirname(path), name))
     return path
 
 

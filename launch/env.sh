@@ -18,10 +18,7 @@ export PATH="$VENV/bin:$PATH"
 # torch warns at import when NumPy is absent; we do not depend on NumPy.
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore:Failed to initialize NumPy}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-# The direct path in native code (commslayer/native.py): built once per source, named by its
-# hash; where it cannot be built, it says why and communicators run that path in Python.
-NATIVE="$VENV/commslayer-native/commslayer_direct_$(sha256sum "$ROOT/commslayer/direct_path.cpp" | cut -c1-12).so"
-if [ ! -f "$NATIVE" ]; then
-    "$VENV/bin/commslayer-native" >/dev/null || true
-fi
+# The direct path in native code (commslayer/native.py): built once per source and torch;
+# where it cannot be built, it says why and communicators run that path in Python.
+"$VENV/bin/commslayer-native" >/dev/null || true
 cd "$ROOT"
