@@ -105,7 +105,7 @@ def test_hotpath_smoke(ranks):
 def test_overhead_smoke(tmp_path):
     out = run_bench("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
                     "launch/bench_overhead.py", "--smoke", timeout=80, env={"TMPDIR": str(tmp_path)})
-    traced = ["recorder", "recorder+jsonl", "recorder+jsonl+otel", "backend", "general", "nan-check"]
+    traced = ["recorder", "recorder+jsonl", "recorder+jsonl+otel", "backend", "general", "python", "nan-check"]
     header = ["op", "size", "reps", "plain (A)", "plain2 (A')", "commslayer (B)", "B/A", "A'/A", "B−A"]
     header += [col for v in traced for col in (v, "/A", "−A")]
     medians = [header.index(v) for v in ("plain (A)", "plain2 (A')", "commslayer (B)", *traced)]
