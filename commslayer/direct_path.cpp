@@ -47,6 +47,21 @@ class DirectPath {
     set_timeout(timeout, wait);
   }
 
+  // A backend's destructor may block on its own threads, and those may need the
+  // GIL (a future's Python callback): let go of the backend without it, as
+  // torch's bindings do for theirs.
+  ~DirectPath() {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release no_gil;
+      backend_.reset();
+    } else {
+      backend_.reset();
+    }
+  }
+
+  DirectPath(const DirectPath&) = delete;
+  DirectPath& operator=(const DirectPath&) = delete;
+
   // The op's deadline (in the backend's option structs) and how long one wait
   // blocks: the whole deadline, or a slice when a liveness monitor may break
   // the communicator meanwhile.
@@ -79,26 +94,25 @@ class DirectPath {
   py::object run(int kind, py::handle a, py::handle b) {
     const at::Tensor& first = THPVariable_Unpack(a.ptr());
     const at::Tensor& second = THPVariable_Unpack(b.ptr());
-    c10::intrusive_ptr<c10d::Work> work;
+    c10::intrusive_ptr<c10d::Work> failed;  // the work whose wait raised, for the caller to settle
     std::string failure;
-    bool failed = false;
     {
       py::gil_scoped_release no_gil;
-      work = issue(kind, first, second);
+      c10::intrusive_ptr<c10d::Work> work = issue(kind, first, second);
       try {
         work->wait(wait_);
       } catch (const c10::Error& e) {
-        failed = true;
         failure = e.what_without_backtrace();
+        failed = std::move(work);
       } catch (const std::exception& e) {
-        failed = true;
         failure = e.what();
+        failed = std::move(work);
       }
-    }
+    }  // a completed work is released here, without the GIL
     if (!failed) {
       return py::none();
     }
-    return py::make_tuple(py::cast(work), py::str(failure));
+    return py::make_tuple(py::cast(std::move(failed)), py::str(failure));
   }
 
  private:
