@@ -101,6 +101,15 @@ def _three_paths(rank, size, store):
     except commslayer.CommError as exc:
         out["strided"] = (type(exc).__name__, exc.op, "contiguous" in str(exc))
 
+    # A peer that comes late: the watched communicator's native wait runs out of its 50 ms
+    # slices several times (each time Python looks at the liveness monitor) and then completes.
+    if rank == 1:
+        time.sleep(0.4)
+    began = time.monotonic()
+    late = torch.empty(2 * size)
+    fast.all_gather_single(late, torch.full((2,), float(rank)))
+    out["late"] = (fast.lifecycle.watched, late.tolist(), time.monotonic() - began)
+
     # A sync op's Work from the native path: completed, numbered, with a future that is done.
     work = fast.all_reduce(torch.ones(2))
     out["work"] = (work.status.value, work.is_completed(), work.seq > 0, work.end_ns >= work.start_ns,
@@ -135,6 +144,9 @@ def test_native_and_python_paths_match_plain_c10d():
         assert out["subclass result"] == ("Tagged", [2.0] * 4), out["subclass result"]
         assert out["strided"] == ("InvalidArgument", "all_reduce", True), out["strided"]
         assert out["work"] == ("completed", True, True, True, True, True), out["work"]
+        watched, gathered, _ = out["late"]
+        assert watched and gathered == [float(r) for r in range(2) for _ in range(2)], out["late"]
+    assert results[0]["late"][2] > 0.3, results[0]["late"]  # rank 0 waited through several slices
     kind, op, took, state = results[0]["deadline"]
     assert (kind, op, state) == ("CollectiveTimeout", "all_gather_single", "broken"), results[0]["deadline"]
     assert 0.9 < took < 3.0, took
