@@ -110,11 +110,14 @@ def load(directory: Optional[str] = None) -> Optional[ModuleType]:
     global _loaded, _why_not
     if _loaded is not None or _why_not is not None:
         return _loaded
-    path = module_path(directory)
+    try:
+        path, name = module_path(directory), module_name()
+    except OSError as exc:  # installed without its source
+        _why_not = f"its source is missing ({exc})"
+        return None
     if not os.path.exists(path):
         _why_not = f"not built for this source ({path} is missing; `commslayer-native` builds it)"
         return None
-    name = module_name()
     try:
         loader = importlib.machinery.ExtensionFileLoader(name, path)
         spec = importlib.util.spec_from_file_location(name, path, loader=loader)

@@ -48,6 +48,11 @@ def test_a_build_that_cannot_happen_says_why(tmp_path, monkeypatch):
                            "from commslayer import native; sys.exit(native.main())"],
                           env=env, capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 1 and "take the pure-Python direct path" in done.stderr, done.stderr
+    # Installed without its source, it is not loaded, and says so; communicators still work.
+    done = subprocess.run([sys.executable, "-c", "from commslayer import native; native.SOURCE = '/nowhere.cpp'; "
+                           "print(native.load(), native.why_not())"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0 and done.stdout.startswith("None its source is missing"), done.stdout + done.stderr
 
 
 def _three_paths(rank, size, store):
