@@ -147,7 +147,7 @@ def direct_path(backend: Any, size: int, device_type: str, dtypes: Any, timeout:
     module = load()
     if module is None:
         return None
-    return module.DirectPath(backend, size, device_type, sorted(dtypes, key=str), timeout, wait)
+    return module.DirectPath(backend, size, device_type, list(dtypes), timeout, wait)
 
 
 def main() -> int:
