@@ -27,7 +27,7 @@ import threading
 import weakref
 import time
 from datetime import timedelta
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -143,7 +143,9 @@ class Communicator:
         self.recorder: Optional[OpRecorder] = None  # set by tracing's flight recorder
         # Not on NCCL: the native direct path has not run on a GPU yet.
         self._take_direct_path(None if spec.name != "gloo" else native.direct_path(
-            self._backend, size, spec.device_type, spec.dtypes, *self._native_waits()))
+            self._backend, size, spec.device_type, spec.dtypes,
+            [kind for kind, op in enumerate(DIRECT_OPS) if op in self._waited_elsewhere], self.trace_ids,
+            *self._native_waits()))
         self._update_direct()
         if config.nan_check():
             NanCheckHook().register_with_comm(self)
@@ -821,11 +823,8 @@ class Communicator:
             direct = Checker(self._name, "direct", self._rank, self._size, self._spec.device_type,
                              self._spec.dtypes)
             self._dense, self._dense_sized = direct.fits, direct.fits_sized
-            self._native_ops: FrozenSet[str] = frozenset()
         else:
             self._dense, self._dense_sized = path.fits, path.fits_sized
-            # Gloo's reduce-scatter ignores wait timeouts: a helper thread waits for it (Waiter)
-            self._native_ops = frozenset(DIRECT_OPS) - self._waited_elsewhere
 
     def _update_direct(self) -> None:
         """Whether the direct path (``_direct_run``) is open: only while no hook
@@ -858,27 +857,39 @@ class Communicator:
         op_id = next(_op_ids)
         timeout_s = self._timeout_s
         recorder = self.recorder
-        record = None if recorder is None else recorder.scheduled(
+        in_native = self._native is not None
+        # The native path writes the record itself into the recorder's native ring,
+        # unless the op is refused (a Python record says why).
+        ring = None if recorder is None or not in_native or not self.lifecycle.clean else recorder.native_ring
+        record = None if recorder is None or ring is not None else recorder.scheduled(
             self, op, op_id, seq, OpIO((b,), (a,), reduce_op, None), None, False, timeout_s)
-        in_native = op in self._native_ops
         start = time.monotonic_ns()
         try:
             if not self.lifecycle.clean:
                 self.lifecycle.ensure_usable(op, seq)
-            if in_native:
+            if ring is not None:
+                failed = self._native.run_recorded(kind, a, b, ring, op_id, seq)  # None once it completed
+            elif in_native:
                 if record is not None:
                     record.started(start)
-                failed = self._native.run(kind, a, b)  # None once it completed
+                failed = self._native.run(kind, a, b)
             else:
                 opts = self._direct_opts[kind]
                 c10d_work = self._backend.allreduce([a], opts) if kind == 0 else \
                     (self._backend._allgather_base if kind == 1 else self._backend._reduce_scatter_base)(a, b, opts)
         except (RuntimeError, CommError) as exc:
+            if ring is not None:
+                record = recorder.take_native(op_id)
             err = self._not_issued(exc, Work, op, seq, op_id, timeout_s, start, None, record)
             raise err from (None if err is exc else exc)
         if in_native:
-            work = Work(self, op, seq, op_id, timeout_s, start, None if failed is None else failed[0], None, None,
-                        record)
+            c10d_work = None
+            if failed is not None:  # Python settles the op, and its record
+                if ring is not None:
+                    record = recorder.take_native(op_id)
+                # a wait that ignores its timeout (the native one went through the future)
+                c10d_work = self._waiter().wrap(failed[0]) if op in self._waited_elsewhere else failed[0]
+            work = Work(self, op, seq, op_id, timeout_s, start, c10d_work, None, None, record)
             if failed is None:
                 work.completed_now()
             else:

@@ -6,7 +6,12 @@
 // thread in Python and a few us here (docs/benchmarks.md, "The direct path in
 // native code").  commslayer/native.py builds this file and loads it;
 // Communicator._direct_run decides when it runs and does the bookkeeping
-// (sequence numbers, records, errors) in Python, as the pure-Python path does.
+// (sequence numbers, errors) in Python, as the pure-Python path does.
+//
+// The flight recorder's record of such an op is written here too, into a
+// NativeRing (tracing/recorder.py reads it at dump time and takes a record
+// over when its op fails): filling a Python record cost 25-48 us of the
+// calling thread per op (docs/benchmarks.md, "The recorder in native code").
 
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -14,9 +19,16 @@
 
 #include <pybind11/chrono.h>
 
+#include <time.h>
+
+#include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace py = pybind11;
@@ -27,6 +39,237 @@ static_assert(static_cast<int>(c10::ScalarType::NumOptions) <= 64, "a dtype is a
 
 enum Kind : int { kAllReduce = 0, kAllGather = 1, kReduceScatter = 2 };
 
+// A record's state, by its index in tracing.records.STATES.
+enum State : int { kScheduled = 0, kStarted = 1, kCompleted = 2, kTimedOut = 3, kFailed = 4, kAborted = 5 };
+
+// time.monotonic_ns(): the clock of every record.
+int64_t monotonic_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+}
+
+// One op's record.  The Python objects are touched only with the GIL held.
+struct Slot {
+  int64_t op_id = 0;  // 0: empty (never written, or taken over by Python)
+  int64_t seq = 0;
+  int kind = kAllReduce;
+  int state = kScheduled;
+  at::ScalarType dtype = at::ScalarType::Undefined;
+  c10::SmallVector<int64_t, 6> in_shape;
+  c10::SmallVector<int64_t, 6> out_shape;
+  double timeout_s = 0;
+  int64_t start_ns = 0;
+  int64_t end_ns = -1;  // -1: not ended
+  unsigned long thread = 0;
+  int lasti = 0;
+  py::object ids;  // the communicator's (name, uid, generation)
+  py::object code;  // the call site's code object, or null
+  py::object step;  // the resilient job's step, or None
+  py::object error;  // null, or the error text of an aborted op
+};
+
+// The flight recorder's ring for the direct path's ops (tracing.recorder's
+// FlightRecorder holds one).  Each slot is written while its op runs; the
+// recorder reads them all at dump time and merges them with its own records
+// by op_id.
+class NativeRing {
+ public:
+  // internal_dirs and threading_file say which frames are ours (the call site
+  // walk of tracing.recorder._caller); thread_names is the recorder's dict of
+  // thread names, which this fills for each thread's first op.
+  NativeRing(int64_t capacity, py::dict thread_names, py::tuple internal_dirs, py::object threading_file,
+             py::object current_thread)
+      : slots_(static_cast<size_t>(std::max<int64_t>(capacity, 1))),
+        thread_names_(std::move(thread_names)),
+        internal_dirs_(std::move(internal_dirs)),
+        threading_file_(std::move(threading_file)),
+        current_thread_(std::move(current_thread)) {
+    step = py::none();
+  }
+
+  int64_t count() const {
+    return count_;
+  }
+
+  int64_t taken() const {
+    return taken_;
+  }
+
+  // A new record, of an op that starts now (GIL held): its slot's index.
+  size_t begin(int64_t op_id, int64_t seq, int kind, const at::Tensor& output, const at::Tensor& input,
+               const py::object& ids, double timeout_s) {
+    size_t index = static_cast<size_t>(count_ % static_cast<int64_t>(slots_.size()));
+    ++count_;
+    Slot& s = slots_[index];
+    s.op_id = op_id;
+    s.seq = seq;
+    s.kind = kind;
+    s.state = kStarted;
+    s.dtype = input.scalar_type();
+    s.in_shape.assign(input.sizes().begin(), input.sizes().end());
+    s.out_shape.assign(output.sizes().begin(), output.sizes().end());
+    s.timeout_s = timeout_s;
+    s.ids = ids;
+    s.step = step;
+    s.error = py::object();
+    s.thread = PyThread_get_thread_ident();
+    name_thread(s.thread);
+    call_site(s);
+    s.end_ns = -1;
+    s.start_ns = monotonic_ns();
+    return index;
+  }
+
+  // The op of slot index completed at end_ns (GIL held); a slot that another op
+  // took meanwhile, or that an abort marked, stays as it is.
+  void completed(size_t index, int64_t op_id, int64_t end_ns) {
+    Slot& s = slots_[index];
+    if (s.op_id == op_id && s.state == kStarted) {
+      s.state = kCompleted;
+      s.end_ns = end_ns;
+    }
+  }
+
+  // Every record, oldest first, as tuples (tracing.recorder.Record.from_native).
+  py::list records() const {
+    py::list out;
+    size_t n = slots_.size();
+    int64_t first = std::max<int64_t>(0, count_ - static_cast<int64_t>(n));
+    for (int64_t i = first; i < count_; ++i) {
+      const Slot& s = slots_[static_cast<size_t>(i % static_cast<int64_t>(n))];
+      if (s.op_id != 0) {
+        out.append(fields(s));
+      }
+    }
+    return out;
+  }
+
+  // Take the record of op_id out of the ring (its op failed: Python settles it
+  // from here on); None when the ring has moved past it.
+  py::object take(int64_t op_id) {
+    for (Slot& s : slots_) {
+      if (s.op_id == op_id) {
+        py::object record = fields(s);
+        s.op_id = 0;
+        s.ids = s.code = s.step = s.error = py::object();
+        ++taken_;
+        return record;
+      }
+    }
+    return py::none();
+  }
+
+  // Mark the ops of communicator uid still in flight as aborted at now_ns; how many.
+  int abort(const py::str& uid, int64_t now_ns, const py::str& error) {
+    int marked = 0;
+    for (Slot& s : slots_) {
+      if (s.op_id != 0 && s.state == kStarted && s.end_ns < 0 && py::str(s.ids[py::int_(1)]).equal(uid)) {
+        s.state = kAborted;
+        s.end_ns = now_ns;
+        s.error = error;
+        ++marked;
+      }
+    }
+    return marked;
+  }
+
+  py::object step;  // the resilient job's current step (tracing.recorder's phase hook sets it)
+
+ private:
+  enum Where : int { kOutside = 0, kInternal = 1, kThreading = 2 };
+
+  py::tuple fields(const Slot& s) const {
+    py::tuple in_shape(s.in_shape.size());
+    for (size_t i = 0; i < s.in_shape.size(); ++i) {
+      in_shape[i] = py::int_(s.in_shape[i]);
+    }
+    py::tuple out_shape(s.out_shape.size());
+    for (size_t i = 0; i < s.out_shape.size(); ++i) {
+      out_shape[i] = py::int_(s.out_shape[i]);
+    }
+    return py::make_tuple(
+        s.op_id, s.ids, s.seq, s.kind, s.dtype, in_shape, out_shape, s.timeout_s, s.state, s.start_ns,
+        s.end_ns < 0 ? py::object(py::none()) : py::object(py::int_(s.end_ns)), s.thread,
+        s.code ? s.code : py::object(py::none()), s.lasti, s.step, s.error ? s.error : py::object(py::none()));
+  }
+
+  void name_thread(unsigned long ident) {
+    thread_local bool named = false;
+    if (!named) {
+      thread_names_[py::int_(ident)] = current_thread_().attr("name");
+      named = true;
+    }
+  }
+
+  // Where the code of frame is: ours (commslayer, tracing, torch), threading's, or the caller's.
+  int where(PyFrameObject* frame) {
+    py::object code = py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(PyFrame_GetCode(frame)));
+    auto found = where_.find(code.ptr());
+    if (found != where_.end()) {
+      return found->second.second;
+    }
+    if (where_.size() >= kWhereCapacity) {
+      where_.clear();
+    }
+    py::object filename = code.attr("co_filename");
+    int where = kOutside;
+    if (filename.equal(threading_file_)) {
+      where = kThreading;
+    } else if (py::bool_(filename.attr("startswith")(internal_dirs_))) {
+      where = kInternal;
+    }
+    where_.emplace(code.ptr(), std::make_pair(code, where));
+    return where;
+  }
+
+  static py::object back(const py::object& frame) {
+    return py::reinterpret_steal<py::object>(
+        reinterpret_cast<PyObject*>(PyFrame_GetBack(reinterpret_cast<PyFrameObject*>(frame.ptr()))));
+  }
+
+  // The call site: tracing.recorder's, read without making a Python call.  The
+  // op's method called Communicator._direct_run, which called DirectPath.run:
+  // the caller is two frames up, unless an op of ours issued it.
+  void call_site(Slot& s) {
+    PyFrameObject* current = PyEval_GetFrame();
+    py::object frame = current == nullptr ? py::object() : py::reinterpret_borrow<py::object>(
+        reinterpret_cast<PyObject*>(current));
+    for (int i = 0; i < 2 && frame; ++i) {
+      frame = back(frame);
+    }
+    auto at = [this](const py::object& f) { return where(reinterpret_cast<PyFrameObject*>(f.ptr())); };
+    if (frame && at(frame) == kInternal) {
+      py::object inner;
+      while (frame && at(frame) == kInternal) {
+        inner = frame;
+        frame = back(frame);
+      }
+      if (inner && frame && at(frame) == kThreading) {
+        frame = inner;  // an op of commslayer's own thread: the outermost frame of ours
+      }
+    }
+    if (!frame) {
+      s.code = py::object();
+      return;
+    }
+    auto* f = reinterpret_cast<PyFrameObject*>(frame.ptr());
+    s.code = py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(PyFrame_GetCode(f)));
+    s.lasti = PyFrame_GetLasti(f);
+  }
+
+  static constexpr size_t kWhereCapacity = 4096;
+
+  std::vector<Slot> slots_;
+  int64_t count_ = 0;  // records ever begun
+  int64_t taken_ = 0;  // of those, taken over by Python
+  py::dict thread_names_;
+  py::tuple internal_dirs_;
+  py::object threading_file_;
+  py::object current_thread_;
+  std::unordered_map<PyObject*, std::pair<py::object, int>> where_;  // code object -> Where (kept alive)
+};
+
 // One communicator's direct path: its backend, what a tensor must be to take
 // it, and the deadline its option structs carry.
 class DirectPath {
@@ -36,13 +279,19 @@ class DirectPath {
       int64_t size,
       const std::string& device_type,
       const std::vector<at::ScalarType>& dtypes,
-      std::chrono::milliseconds timeout,
+      const std::vector<int>& untimed,
+      py::object ids,
+      std::chrono::duration<double> timeout,
       std::chrono::milliseconds wait)
       : backend_(std::move(backend)),
         size_(size),
-        device_type_(c10::Device(device_type).type()) {
+        device_type_(c10::Device(device_type).type()),
+        ids_(std::move(ids)) {
     for (auto dtype : dtypes) {
       dtypes_ |= uint64_t{1} << static_cast<int>(dtype);
+    }
+    for (int kind : untimed) {
+      untimed_ |= 1u << kind;
     }
     set_timeout(timeout, wait);
   }
@@ -65,10 +314,12 @@ class DirectPath {
   // The op's deadline (in the backend's option structs) and how long one wait
   // blocks: the whole deadline, or a slice when a liveness monitor may break
   // the communicator meanwhile.
-  void set_timeout(std::chrono::milliseconds timeout, std::chrono::milliseconds wait) {
-    allreduce_.timeout = timeout;
-    allgather_.timeout = timeout;
-    reduce_scatter_.timeout = timeout;
+  void set_timeout(std::chrono::duration<double> timeout, std::chrono::milliseconds wait) {
+    auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(timeout);
+    allreduce_.timeout = ms;
+    allgather_.timeout = ms;
+    reduce_scatter_.timeout = ms;
+    timeout_s_ = timeout.count();
     wait_ = wait;
   }
 
@@ -92,27 +343,22 @@ class DirectPath {
   // the issue itself propagates as the backend's exception.  The caller has
   // checked the tensors (fits, fits_sized).
   py::object run(int kind, py::handle a, py::handle b) {
+    return issue_and_wait(kind, THPVariable_Unpack(a.ptr()), THPVariable_Unpack(b.ptr()), nullptr);
+  }
+
+  // run, with the op's record written into ring as op op_id, number seq: the
+  // ring completes it; a failed op's record stays started, for the caller to
+  // take over (NativeRing.take).
+  py::object run_recorded(int kind, py::handle a, py::handle b, NativeRing& ring, int64_t op_id, int64_t seq) {
     const at::Tensor& first = THPVariable_Unpack(a.ptr());
     const at::Tensor& second = THPVariable_Unpack(b.ptr());
-    c10::intrusive_ptr<c10d::Work> failed;  // the work whose wait raised, for the caller to settle
-    std::string failure;
-    {
-      py::gil_scoped_release no_gil;
-      c10::intrusive_ptr<c10d::Work> work = issue(kind, first, second);
-      try {
-        work->wait(wait_);
-      } catch (const c10::Error& e) {
-        failure = e.what_without_backtrace();
-        failed = std::move(work);
-      } catch (const std::exception& e) {
-        failure = e.what();
-        failed = std::move(work);
-      }
-    }  // a completed work is released here, without the GIL
-    if (!failed) {
-      return py::none();
+    size_t index = ring.begin(op_id, seq, kind, first, second, ids_, timeout_s_);
+    int64_t end_ns = 0;
+    py::object failed = issue_and_wait(kind, first, second, &end_ns);
+    if (failed.is_none()) {
+      ring.completed(index, op_id, end_ns);
     }
-    return py::make_tuple(py::cast(std::move(failed)), py::str(failure));
+    return failed;
   }
 
  private:
@@ -126,6 +372,61 @@ class DirectPath {
       return nullptr;
     }
     return &tensor;
+  }
+
+  // The body of run: end_ns, when given, gets the time the wait returned.
+  py::object issue_and_wait(int kind, const at::Tensor& first, const at::Tensor& second, int64_t* end_ns) {
+    c10::intrusive_ptr<c10d::Work> failed;  // the work whose wait raised, for the caller to settle
+    std::string failure;
+    {
+      py::gil_scoped_release no_gil;
+      c10::intrusive_ptr<c10d::Work> work = issue(kind, first, second);
+      try {
+        if ((untimed_ >> kind) & 1) {
+          wait_through_future(*work);
+        } else {
+          work->wait(wait_);
+        }
+      } catch (const c10::Error& e) {
+        failure = e.what_without_backtrace();
+        failed = std::move(work);
+      } catch (const std::exception& e) {
+        failure = e.what();
+        failed = std::move(work);
+      }
+      if (end_ns != nullptr) {
+        *end_ns = monotonic_ns();
+      }
+    }  // a completed work is released here, without the GIL
+    if (!failed) {
+      return py::none();
+    }
+    return py::make_tuple(py::cast(std::move(failed)), py::str(failure));
+  }
+
+  // work.wait(wait_) for a work whose wait ignores its timeout (Gloo's
+  // reduce-scatter): the timed wait is on its future's completion instead.
+  void wait_through_future(c10d::Work& work) const {
+    struct Done {
+      std::mutex mutex;
+      std::condition_variable cv;
+      bool done = false;
+    };
+    auto done = std::make_shared<Done>();  // the callback may run after this wait gave up
+    work.getFuture()->addCallback([done](c10::ivalue::Future&) {
+      {
+        std::lock_guard<std::mutex> lock(done->mutex);
+        done->done = true;
+      }
+      done->cv.notify_all();
+    });
+    {
+      std::unique_lock<std::mutex> lock(done->mutex);
+      if (!done->cv.wait_for(lock, wait_, [&done] { return done->done; })) {
+        throw std::runtime_error("the op is still running after a wait of " + std::to_string(wait_.count()) + " ms");
+      }
+    }
+    work.wait();  // the op has ended: returns at once, or raises its error
   }
 
   c10::intrusive_ptr<c10d::Work> issue(int kind, const at::Tensor& first, const at::Tensor& second) {
@@ -153,24 +454,38 @@ class DirectPath {
   int64_t size_;
   c10::DeviceType device_type_;
   uint64_t dtypes_ = 0;
+  unsigned untimed_ = 0;  // a bit per kind whose backend wait ignores its timeout
   c10d::AllreduceOptions allreduce_;  // reduceOp: SUM, the default
   c10d::AllgatherOptions allgather_;
   c10d::ReduceScatterOptions reduce_scatter_;
   std::chrono::milliseconds wait_{0};
+  double timeout_s_ = 0;  // the deadline, as the records give it
+  py::object ids_;  // the communicator's (name, uid, generation), for the records
 };
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "commslayer's direct path in native code (commslayer/native.py builds and loads it)";
+  py::class_<NativeRing>(m, "NativeRing")
+      .def(py::init<int64_t, py::dict, py::tuple, py::object, py::object>(), py::arg("capacity"),
+           py::arg("thread_names"), py::arg("internal_dirs"), py::arg("threading_file"), py::arg("current_thread"))
+      .def_property_readonly("count", &NativeRing::count)
+      .def_property_readonly("taken", &NativeRing::taken)
+      .def_readwrite("step", &NativeRing::step)
+      .def("records", &NativeRing::records)
+      .def("take", &NativeRing::take, py::arg("op_id"))
+      .def("abort", &NativeRing::abort, py::arg("uid"), py::arg("now_ns"), py::arg("error"));
   py::class_<DirectPath>(m, "DirectPath")
       .def(
           py::init<c10::intrusive_ptr<c10d::Backend>, int64_t, const std::string&, const std::vector<at::ScalarType>&,
-                   std::chrono::milliseconds, std::chrono::milliseconds>(),
-          py::arg("backend"), py::arg("size"), py::arg("device_type"), py::arg("dtypes"), py::arg("timeout"),
-          py::arg("wait"))
+                   const std::vector<int>&, py::object, std::chrono::duration<double>, std::chrono::milliseconds>(),
+          py::arg("backend"), py::arg("size"), py::arg("device_type"), py::arg("dtypes"), py::arg("untimed"), py::arg("ids"),
+          py::arg("timeout"), py::arg("wait"))
       .def("set_timeout", &DirectPath::set_timeout, py::arg("timeout"), py::arg("wait"))
       .def("fits", &DirectPath::fits, py::arg("t"))
       .def("fits_sized", &DirectPath::fits_sized, py::arg("big"), py::arg("small"))
-      .def("run", &DirectPath::run, py::arg("kind"), py::arg("a"), py::arg("b"));
+      .def("run", &DirectPath::run, py::arg("kind"), py::arg("a"), py::arg("b"))
+      .def("run_recorded", &DirectPath::run_recorded, py::arg("kind"), py::arg("a"), py::arg("b"), py::arg("ring"),
+           py::arg("op_id"), py::arg("seq"));
 }

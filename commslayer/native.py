@@ -26,8 +26,9 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 from types import ModuleType
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.utils.cpp_extension as cpp_extension
@@ -139,15 +140,29 @@ def why_not() -> Optional[str]:
     return _why_not
 
 
-def direct_path(backend: Any, size: int, device_type: str, dtypes: Any, timeout: Any, wait: Any) -> Any:
+def _module() -> Optional[ModuleType]:
+    """The built module, unless ``COMMSLAYER_NATIVE`` is off."""
+    return load() if config.native() else None
+
+
+def direct_path(backend: Any, size: int, device_type: str, dtypes: Any, untimed: List[int],
+                ids: Tuple[str, str, int], timeout: Any, wait: Any) -> Any:
     """A communicator's native direct path (``DirectPath`` in direct_path.cpp), or
-    None: ``COMMSLAYER_NATIVE`` is off, or the module is not built."""
-    if not config.native():
-        return None
-    module = load()
-    if module is None:
-        return None
-    return module.DirectPath(backend, size, device_type, list(dtypes), timeout, wait)
+    None: ``COMMSLAYER_NATIVE`` is off, or the module is not built.  ``untimed``:
+    the kinds whose backend wait ignores its timeout (waited on through their
+    future); ``ids``: what its records name the communicator by
+    (``Communicator.trace_ids``)."""
+    module = _module()
+    return None if module is None else module.DirectPath(backend, size, device_type, list(dtypes), untimed, ids,
+                                                          timeout, wait)
+
+
+def ring(capacity: int, thread_names: Dict[int, str], internal_dirs: Tuple[str, ...], threading_file: str) -> Any:
+    """A flight recorder's ring for the records of native direct-path ops
+    (``NativeRing`` in direct_path.cpp), or None where there is no native path."""
+    module = _module()
+    return None if module is None else module.NativeRing(capacity, thread_names, internal_dirs, threading_file,
+                                                         threading.current_thread)
 
 
 def main() -> int:

@@ -114,6 +114,14 @@ def _three_paths(rank, size, store):
     late = torch.empty(2 * size)
     fast.all_gather_single(late, torch.full((2,), float(rank)))
     out["late"] = (fast.lifecycle.watched, late.tolist(), time.monotonic() - began)
+    # The same for a reduce-scatter, whose Gloo wait ignores its timeout: the native
+    # wait is on its future, and a helper thread takes over when a slice runs out.
+    if rank == 1:
+        time.sleep(0.4)
+    began = time.monotonic()
+    scattered = torch.empty(2)
+    fast.reduce_scatter_single(scattered, torch.arange(2.0 * size) + rank)
+    out["late reduce-scatter"] = (scattered.tolist(), time.monotonic() - began)
 
     # A sync op's Work from the native path: completed, numbered, with a future that is done.
     work = fast.all_reduce(torch.ones(2))
@@ -152,6 +160,122 @@ def test_native_and_python_paths_match_plain_c10d():
         watched, gathered, _ = out["late"]
         assert watched and gathered == [float(r) for r in range(2) for _ in range(2)], out["late"]
     assert results[0]["late"][2] > 0.3, results[0]["late"]  # rank 0 waited through several slices
+    assert results[0]["late reduce-scatter"][1] > 0.3, results[0]["late reduce-scatter"]
+    for rank, out in enumerate(results):
+        expected = [sum(2 * rank + i + r for r in range(2)) for i in range(2)]
+        assert out["late reduce-scatter"][0] == expected, (rank, out["late reduce-scatter"])
     kind, op, took, state = results[0]["deadline"]
     assert (kind, op, state) == ("CollectiveTimeout", "all_gather_single", "broken"), results[0]["deadline"]
     assert 0.9 < took < 3.0, took
+
+
+def _issue(comm, op, size, dtype):
+    """One op of each kind, issued from one line, so both paths' records name one call site."""
+    x = torch.arange(6 * size, dtype=dtype).reshape(2 * size, 3)
+    out = torch.empty(2 * size, 3, dtype=dtype) if op == "all_gather_single" else torch.empty(2, 3, dtype=dtype)
+    args = {"all_reduce": (x,), "all_gather_single": (out, x[:2].clone()), "reduce_scatter_single": (out, x)}[op]
+    return getattr(comm, op)(*args)
+
+
+def _recorded_both_ways(rank, size, store, trace_dir):
+    import threading
+
+    import commslayer
+    from tracing import recorder
+
+    fast = commslayer.new_comm("gloo", name="native", store=store, rank=rank, size=size, timeout=60)
+    os.environ["COMMSLAYER_NATIVE"] = "0"
+    slow = commslayer.new_comm("gloo", name="python", store=store, rank=rank, size=size, timeout=60)
+    del os.environ["COMMSLAYER_NATIVE"]
+    rec = recorder.FlightRecorder(64, trace_dir, job="native")
+    for comm in (fast, slow):
+        rec.attach(comm)
+    out = {"native ring": rec.native_ring is not None}
+    rec._phase(None, 7, "forward")
+    for op, dtype in (("all_reduce", torch.float32), ("all_gather_single", torch.int64),
+                      ("reduce_scatter_single", torch.bfloat16)):
+        for comm in (fast, slow):
+            _issue(comm, op, size, dtype)
+    worker = threading.Thread(target=lambda: [_issue(c, "all_reduce", size, torch.float32) for c in (fast, slow)],
+                              name="grad-sync")
+    worker.start()
+    worker.join()
+    out["python records"] = rec._count
+    out["taken before"] = rec._native.taken
+    out["records"] = rec.records()
+
+    # A native op that fails hands its record to Python, which records how it ended.
+    fast.set_timeout(timedelta(seconds=1.0))
+    if rank == 0:
+        try:
+            _issue(fast, "all_reduce", size, torch.float32)
+        except commslayer.CommError as exc:
+            out["error"] = type(exc).__name__
+        store.set("recorded-timed-out", "1")
+    else:
+        store.wait(["recorded-timed-out"], timedelta(seconds=30))
+    out["after failure"] = rec.records()[-1]
+    out["taken"] = rec._native.taken
+
+    # An op in flight when its communicator is aborted is recorded as aborted.
+    third = commslayer.new_comm("gloo", name="aborted", store=store, rank=rank, size=size, timeout=60)
+    rec.attach(third)
+    if rank == 0:
+        def stuck_op():
+            try:
+                _issue(third, "all_reduce", size, torch.float32)
+            except commslayer.CommError as exc:
+                out["stuck op"] = type(exc).__name__
+
+        stuck = threading.Thread(target=stuck_op)
+        stuck.start()
+        time.sleep(0.5)
+        third.abort()
+        stuck.join(30)
+        out["aborted"] = [r for r in rec.records() if r["comm"] == "aborted"]
+        store.set("recorded-aborted", "1")
+    else:
+        store.wait(["recorded-aborted"], timedelta(seconds=30))
+        third.abort()
+    out["dump"] = rec.dump("test")
+    fast.abort()
+    slow.finalize()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_native_records_equal_python_records(tmp_path):
+    """The native direct path writes its records itself (direct_path.cpp's NativeRing): they
+    say what the Python recorder says of the same ops, field by field, save the times."""
+    if native.why_not() is not None:
+        pytest.skip(f"the native direct path is not built: {native.why_not()}")
+    results = run_ranks(_recorded_both_ways, 2, str(tmp_path), timeout=100)
+    for rank, out in enumerate(results):
+        assert out["native ring"], out
+        records = out["records"]
+        assert [r["op_id"] for r in records] == sorted(r["op_id"] for r in records)  # one order, both rings
+        # The Python ring holds the Python communicator's ops, and those of the native one
+        # that outlasted a 50 ms slice of their wait: Python took their records over.
+        assert out["python records"] == 4 + out["taken before"], out
+        by_comm = {name: [r for r in records if r["comm"] == name] for name in ("native", "python")}
+        assert len(by_comm["native"]) == len(by_comm["python"]) == 4, records
+        timing = {"op_id", "comm", "comm_id", "enqueue_ns", "start_ns", "end_ns", "duration_ms"}
+        for fast, slow in zip(by_comm["native"], by_comm["python"]):
+            assert {k: v for k, v in fast.items() if k not in timing} == \
+                {k: v for k, v in slow.items() if k not in timing}, (fast, slow)
+            assert fast["enqueue_ns"] <= fast["start_ns"] < fast["end_ns"], fast
+            assert fast["duration_ms"] == (fast["end_ns"] - fast["start_ns"]) / 1e6
+        first = by_comm["native"][0]
+        assert first["call_site"].endswith(f"test_native.py:{_issue.__code__.co_firstlineno + 5}"), first
+        assert (first["state"], first["step"], first["thread"], first["seq"]) == ("completed", 7, "MainThread", 1)
+        assert first["in_sizes"] == [[2 * 2, 3]] and first["in_bytes"] == 2 * 2 * 3 * 4, first
+        assert by_comm["native"][-1]["thread"] == "grad-sync", by_comm["native"][-1]
+    failed = results[0]["after failure"]
+    assert results[0]["error"] == "CollectiveTimeout" and results[0]["taken"] == results[0]["taken before"] + 1, \
+        results[0]
+    assert (failed["comm"], failed["state"], failed["seq"]) == ("native", "timed_out", 5), failed
+    assert "timed out" in failed["error"] or "Timed out" in failed["error"], failed
+    aborted = results[0]["aborted"]
+    assert [(r["state"], r["error"]) for r in aborted] == [("aborted", "communicator aborted")], aborted
+    assert aborted[0]["end_ns"] > aborted[0]["start_ns"]
+    assert os.path.exists(results[0]["dump"])

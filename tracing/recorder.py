@@ -8,6 +8,14 @@ until it settles; errors and aborts come through ordinary hooks.  The hot
 path only fills that record; everything slow (JSON, files, structlog,
 OpenTelemetry) happens at dump time or on a sink's own thread.
 
+The ops of the native direct path (commslayer.native) write their records
+themselves, into the recorder's ``NativeRing``: a Python record costs tens
+of µs of the calling thread after a transfer, a native one about what the
+op's checks do.  The dump merges both rings by op id; a native op that fails
+hands its record over to a Python one (``take_native``), which its ``Work``
+then settles as any other.  With a sink or full stacks, every op takes the
+Python record, since sinks take ``Record`` objects as ops end.
+
 Dumps (``rank<R>.json``, plus ``fr/commslayer_fr_rank_<R>`` in the format of
 PyTorch's Flight Recorder) are written atomically into the trace directory:
 on the first error of any communicator and on SIGUSR1 (both from a
@@ -37,7 +45,9 @@ import torch
 import torch.distributed as dist
 
 import commslayer
-from commslayer import config
+from commslayer import config, native
+from commslayer.communicator import DIRECT_OPS
+from commslayer.reduce_op import ReduceOp
 from commslayer.wire import BACKEND_OPS
 from commslayer.work import WorkStatus
 from commslayer.exits import before_exit, before_exit_ran, exit_now, exiting_here, register_before_exit
@@ -46,7 +56,7 @@ from commslayer.hooks import OpIO, register_phase_hook, register_recovery_hook
 from . import fr_format
 from .dumps import FILE_MODE, DumpWriter
 from .records import (ABORTED, COMPLETED, EVENT_CAPACITY, FAILED, OPTIONAL_FIELDS, RECORD_FIELDS, SCHEDULED,
-                      STARTED, TIMED_OUT, new_dump)
+                      STARTED, STATES, TIMED_OUT, new_dump)
 
 log = logging.getLogger("commslayer.tracing")
 
@@ -130,6 +140,24 @@ class Record:
             self.wait_ns = start_ns
         self.wait_end_ns = end_ns
 
+    @classmethod
+    def from_native(cls, fields: Tuple[Any, ...], sinks: List[Any]) -> "Record":
+        """The record a ``NativeRing`` holds (its tuple: ``fields`` in direct_path.cpp)."""
+        r = cls()
+        (r.op_id, (r.comm, r.comm_id, r.generation), r.seq, kind, r.dtype, in_shape, out_shape, r.timeout_s, state,
+         r.start_ns, r.end_ns, r.thread, code, lasti, r.step, r.error) = fields
+        r.op = DIRECT_OPS[kind]
+        r.reduce_op = None if r.op == "all_gather_single" else ReduceOp.SUM  # the direct path's only one
+        r.in_sizes, r.out_sizes = [torch.Size(in_shape)], [torch.Size(out_shape)]
+        r.root = r.peer = r.stack = r.wait_ns = r.wait_end_ns = None
+        r.async_op = False
+        r.state = STATES[state]
+        r.enqueue_ns = r.start_ns
+        r.duration_ms = None if r.end_ns is None else (r.end_ns - r.start_ns) / 1e6
+        r.call_site = None if code is None else (code, lasti)
+        r.sinks = sinks
+        return r
+
     def to_dict(self) -> Dict[str, Any]:
         d = {f: getattr(self, f, None) for f in RECORD_FIELDS}
         for f in OPTIONAL_FIELDS:
@@ -198,9 +226,14 @@ class FlightRecorder:
         self.host = socket.gethostname()
         self.clock = clock_anchor()
         self.cwd = os.getcwd()  # the viewer shows call sites relative to it
-        self.sinks: List[Any] = []  # objects with enqueue(record) (called as each op ends) and flush()
+        self.sinks: List[Any] = []  # objects with enqueue(record) (called as each op ends) and flush(): add_sink
         self._ring: List[Optional[Record]] = [None] * capacity
         self._count = 0
+        # the native direct path's records (None: no native path); native_ring is what
+        # communicators write into, None while a sink or full stacks need Python records
+        self._native = native.ring(capacity, _thread_names, _INTERNAL_DIRS, threading.__file__)
+        self.native_ring: Any = None
+        self._sinks_changed()
         self._comms: Dict[str, Tuple["weakref.ReferenceType[commslayer.Communicator]", Dict[str, Any]]] = {}
         self._handles: List[Any] = []
         self._dump_requests: List[str] = []
@@ -296,6 +329,31 @@ class FlightRecorder:
     def _phase(self, job: Any, step: int, phase: str) -> None:
         """A resilient job's phase hook: events carry the step they happened in."""
         self._step = step
+        if self._native is not None:
+            self._native.step = step
+
+    def add_sink(self, sink: Any) -> None:
+        """Give ``sink`` every record as its op ends (``sink.enqueue(record)``)."""
+        self.sinks.append(sink)
+        self._sinks_changed()
+
+    def remove_sink(self, sink: Any) -> None:
+        if sink in self.sinks:
+            self.sinks.remove(sink)
+        self._sinks_changed()
+
+    def _sinks_changed(self) -> None:
+        self.native_ring = None if self.sinks or self.stack else self._native
+
+    def take_native(self, op_id: int) -> Optional[Record]:
+        """``OpRecorder.take_native``: the native record of op ``op_id`` moves to the Python ring."""
+        fields = None if self._native is None else self._native.take(op_id)
+        if fields is None:
+            return None
+        r = Record.from_native(fields, self.sinks)
+        self._ring[self._count % self.capacity] = r
+        self._count += 1
+        return r
 
     def _failed(self, uid: str, err: Exception) -> None:
         info = self.communicator_info(uid)  # keeps its state ("broken: ...") should it be collected before the dump
@@ -312,6 +370,8 @@ class FlightRecorder:
         if info["state"].startswith("fenced"):
             self.event("fenced", dict(info, uid=uid), why=info["state"])
         now = time.monotonic_ns()
+        if self._native is not None:
+            self._native.abort(uid, now, "communicator aborted")
         for r in list(self._ring):
             if r is not None and r.comm_id == uid and r.end_ns is None:
                 r.state, r.end_ns, r.error = ABORTED, now, "communicator aborted"
@@ -320,17 +380,28 @@ class FlightRecorder:
         self.request_dump(f"communicator {info['name']!r} {info['state']}")
 
     # --------------------------------------------------------------- reading
-    def records(self) -> List[Dict[str, Any]]:
-        """The records in the ring, oldest first."""
+    def _recorded(self) -> Tuple[int, List[Record]]:
+        """How many ops were recorded, and the newest ``capacity`` of their records
+        (both rings), oldest first."""
         n = self._count
-        start = max(0, n - self.capacity)
         ring = list(self._ring)
-        return [r.to_dict() for r in (ring[i % self.capacity] for i in range(start, n)) if r is not None]
+        kept = [r for r in (ring[i % self.capacity] for i in range(max(0, n - self.capacity), n)) if r is not None]
+        if self._native is not None:
+            n += self._native.count - self._native.taken  # a record taken over is in the Python ring
+            kept += [Record.from_native(fields, self.sinks) for fields in self._native.records()]
+            kept.sort(key=lambda r: r.op_id)
+            del kept[:-self.capacity]
+        return n, kept
+
+    def records(self) -> List[Dict[str, Any]]:
+        """The newest records, oldest first."""
+        return [r.to_dict() for r in self._recorded()[1]]
 
     def document(self, reason: str) -> Dict[str, Any]:
         """The dump document as of now."""
-        records = self.records()
-        lost = max(0, self._count - self.capacity)
+        count, kept = self._recorded()
+        records = [r.to_dict() for r in kept]
+        lost = count - len(kept)
         return new_dump(job=self.job, rank=_global_rank(), host=self.host, pid=os.getpid(),
                         wall_ns=self.clock["wall_ns"], mono_ns=self.clock["mono_ns"], reason=reason,
                         dropped=lost + (self.writer.dropped_records if self.writer else 0),

@@ -78,7 +78,7 @@ class QueuedSink:
             for comm in commslayer.live_communicators():
                 self._watch(comm)
             self._handles.append(commslayer.register_communicator_hook(self._watch))
-        self.rec.sinks.append(self)
+        self.rec.add_sink(self)
         self._thread.start()
         atexit.register(self.close)
 
@@ -178,10 +178,7 @@ class QueuedSink:
         if self._closed:
             return
         self._closed = True
-        try:
-            self.rec.sinks.remove(self)
-        except ValueError:
-            pass
+        self.rec.remove_sink(self)
         for h in self._handles:
             h.remove()
         self._handles.clear()
