@@ -879,6 +879,7 @@ class Communicator:
                     (self._backend._allgather_base if kind == 1 else self._backend._reduce_scatter_base)(a, b, opts)
         except (RuntimeError, CommError) as exc:
             if ring is not None:
+                assert recorder is not None  # its ring, that is
                 record = recorder.take_native(op_id)
             err = self._not_issued(exc, Work, op, seq, op_id, timeout_s, start, None, record)
             raise err from (None if err is exc else exc)
@@ -886,6 +887,7 @@ class Communicator:
             c10d_work = None
             if failed is not None:  # Python settles the op, and its record
                 if ring is not None:
+                    assert recorder is not None  # its ring, that is
                     record = recorder.take_native(op_id)
                 # a wait that ignores its timeout (the native one went through the future)
                 c10d_work = self._waiter().wrap(failed[0]) if op in self._waited_elsewhere else failed[0]
