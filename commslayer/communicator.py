@@ -884,14 +884,11 @@ class Communicator:
             err = self._not_issued(exc, Work, op, seq, op_id, timeout_s, start, None, record)
             raise err from (None if err is exc else exc)
         if in_native:
-            c10d_work = None
-            if failed is not None:  # Python settles the op, and its record
-                if ring is not None:
-                    assert recorder is not None  # its ring, that is
-                    record = recorder.take_native(op_id)
-                # a wait that ignores its timeout (the native one went through the future)
-                c10d_work = self._waiter().wrap(failed[0]) if op in self._waited_elsewhere else failed[0]
-            work = Work(self, op, seq, op_id, timeout_s, start, c10d_work, None, None, record)
+            if failed is not None and ring is not None:  # Python settles the op, and its record
+                assert recorder is not None  # its ring, that is
+                record = recorder.take_native(op_id)
+            work = Work(self, op, seq, op_id, timeout_s, start, None if failed is None else failed[0], None, None,
+                        record)
             if failed is None:
                 work.completed_now()
             else:

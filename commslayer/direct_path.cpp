@@ -23,9 +23,7 @@
 
 #include <algorithm>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -270,6 +268,44 @@ class NativeRing {
   std::unordered_map<PyObject*, std::pair<py::object, int>> where_;  // code object -> Where (kept alive)
 };
 
+// Gloo's reduce-scatter is an all-reduce of a copy of the input, whose slice
+// for this rank is copied out when the caller waits, and that wait ignores its
+// timeout (ProcessGroupGloo's reduce_scatter_tensor_coalesced).  Where the
+// wait must keep its timeout (a liveness monitor breaks the communicator
+// between slices), the direct path runs the same steps itself: the same sum,
+// bitwise, with a wait that times out.
+class AllReduceScatterWork : public c10d::Work {
+ public:
+  AllReduceScatterWork(c10::intrusive_ptr<c10d::Work> all_reduce, at::Tensor sum, at::Tensor output, int64_t rank,
+                       int64_t size)
+      : all_reduce_(std::move(all_reduce)), sum_(std::move(sum)), output_(std::move(output)), rank_(rank),
+        size_(size) {}
+
+  bool isCompleted() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return copied_;
+  }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    all_reduce_->wait(timeout);  // raises when the timeout runs out, or the op failed
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!copied_) {
+      output_.copy_(sum_.chunk(size_)[rank_]);
+      copied_ = true;
+    }
+    return true;
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> all_reduce_;
+  at::Tensor sum_;
+  at::Tensor output_;
+  int64_t rank_;
+  int64_t size_;
+  std::mutex mutex_;
+  bool copied_ = false;
+};
+
 // One communicator's direct path: its backend, what a tensor must be to take
 // it, and the deadline its option structs carry.
 class DirectPath {
@@ -290,7 +326,11 @@ class DirectPath {
     for (auto dtype : dtypes) {
       dtypes_ |= uint64_t{1} << static_cast<int>(dtype);
     }
+    rank_ = backend_->getRank();
     for (int kind : untimed) {
+      if (kind != kReduceScatter) {
+        throw std::invalid_argument("only the reduce-scatter runs as an all-reduce, not kind " + std::to_string(kind));
+      }
       untimed_ |= 1u << kind;
     }
     set_timeout(timeout, wait);
@@ -382,11 +422,7 @@ class DirectPath {
       py::gil_scoped_release no_gil;
       c10::intrusive_ptr<c10d::Work> work = issue(kind, first, second);
       try {
-        if ((untimed_ >> kind) & 1) {
-          wait_through_future(*work);
-        } else {
-          work->wait(wait_);
-        }
+        work->wait(wait_);
       } catch (const c10::Error& e) {
         failure = e.what_without_backtrace();
         failed = std::move(work);
@@ -404,31 +440,6 @@ class DirectPath {
     return py::make_tuple(py::cast(std::move(failed)), py::str(failure));
   }
 
-  // work.wait(wait_) for a work whose wait ignores its timeout (Gloo's
-  // reduce-scatter): the timed wait is on its future's completion instead.
-  void wait_through_future(c10d::Work& work) const {
-    struct Done {
-      std::mutex mutex;
-      std::condition_variable cv;
-      bool done = false;
-    };
-    auto done = std::make_shared<Done>();  // the callback may run after this wait gave up
-    work.getFuture()->addCallback([done](c10::ivalue::Future&) {
-      {
-        std::lock_guard<std::mutex> lock(done->mutex);
-        done->done = true;
-      }
-      done->cv.notify_all();
-    });
-    {
-      std::unique_lock<std::mutex> lock(done->mutex);
-      if (!done->cv.wait_for(lock, wait_, [&done] { return done->done; })) {
-        throw std::runtime_error("the op is still running after a wait of " + std::to_string(wait_.count()) + " ms");
-      }
-    }
-    work.wait();  // the op has ended: returns at once, or raises its error
-  }
-
   c10::intrusive_ptr<c10d::Work> issue(int kind, const at::Tensor& first, const at::Tensor& second) {
     switch (kind) {
       case kAllReduce: {
@@ -441,6 +452,12 @@ class DirectPath {
         return backend_->_allgather_base(output, input, allgather_);
       }
       case kReduceScatter: {
+        if ((untimed_ >> kind) & 1) {
+          at::Tensor sum = second.clone();
+          std::vector<at::Tensor> tensors{sum};
+          return c10::make_intrusive<AllReduceScatterWork>(backend_->allreduce(tensors, allreduce_), sum, first,
+                                                           rank_, size_);
+        }
         at::Tensor output = first;
         at::Tensor input = second;
         return backend_->_reduce_scatter_base(output, input, reduce_scatter_);
@@ -454,7 +471,8 @@ class DirectPath {
   int64_t size_;
   c10::DeviceType device_type_;
   uint64_t dtypes_ = 0;
-  unsigned untimed_ = 0;  // a bit per kind whose backend wait ignores its timeout
+  unsigned untimed_ = 0;  // a bit per kind that runs as AllReduceScatterWork
+  int64_t rank_ = 0;
   c10d::AllreduceOptions allreduce_;  // reduceOp: SUM, the default
   c10d::AllgatherOptions allgather_;
   c10d::ReduceScatterOptions reduce_scatter_;

@@ -149,8 +149,8 @@ def direct_path(backend: Any, size: int, device_type: str, dtypes: Any, untimed:
                 ids: Tuple[str, str, int], timeout: Any, wait: Any) -> Any:
     """A communicator's native direct path (``DirectPath`` in direct_path.cpp), or
     None: ``COMMSLAYER_NATIVE`` is off, or the module is not built.  ``untimed``:
-    the kinds whose backend wait ignores its timeout (waited on through their
-    future); ``ids``: what its records name the communicator by
+    the kinds whose backend wait ignores its timeout, which it runs as the
+    backend does but with a wait that keeps it (Gloo's reduce-scatter); ``ids``: what its records name the communicator by
     (``Communicator.trace_ids``)."""
     module = _module()
     return None if module is None else module.DirectPath(backend, size, device_type, list(dtypes), untimed, ids,

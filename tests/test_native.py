@@ -114,8 +114,8 @@ def _three_paths(rank, size, store):
     late = torch.empty(2 * size)
     fast.all_gather_single(late, torch.full((2,), float(rank)))
     out["late"] = (fast.lifecycle.watched, late.tolist(), time.monotonic() - began)
-    # The same for a reduce-scatter, whose Gloo wait ignores its timeout: the native
-    # wait is on its future, and a helper thread takes over when a slice runs out.
+    # The same for a reduce-scatter, whose Gloo wait ignores its timeout: the native path
+    # runs it as Gloo does, an all-reduce of a copy, with a wait that keeps its slices.
     if rank == 1:
         time.sleep(0.4)
     began = time.monotonic()
