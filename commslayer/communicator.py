@@ -82,6 +82,7 @@ class Communicator:
         self._rank = rank
         self._size = size
         self._native: Any = None  # the direct path in native code (set below, where it is built)
+        self._native_records = False  # whether it writes the flight recorder's records (record_natively)
         self._set_timeout_s(timeout_s)
         self._hints = hints
         self.uid = uid  # the same on every member, unique in the job
@@ -819,12 +820,21 @@ class Communicator:
         """Run the direct path's checks and ops in native code through ``path`` (a
         ``DirectPath``, commslayer.native), or in Python (None)."""
         self._native = path
+        self._native_records = False
         if path is None:
             direct = Checker(self._name, "direct", self._rank, self._size, self._spec.device_type,
                              self._spec.dtypes)
             self._dense, self._dense_sized = direct.fits, direct.fits_sized
         else:
             self._dense, self._dense_sized = path.fits, path.fits_sized
+
+    def record_natively(self, ring: Any) -> None:
+        """The flight recorder's call: the native direct path writes its ops' records
+        into ``ring`` (a ``NativeRing``, commslayer/direct_path.cpp); None: every op
+        asks the recorder for a record (``OpRecorder.scheduled``)."""
+        if self._native is not None:
+            self._native.record_into(ring)
+            self._native_records = ring is not None
 
     def _update_direct(self) -> None:
         """Whether the direct path (``_direct_run``) is open: only while no hook
@@ -858,34 +868,30 @@ class Communicator:
         timeout_s = self._timeout_s
         recorder = self.recorder
         in_native = self._native is not None
-        # The native path writes the record itself into the recorder's native ring,
-        # unless the op is refused (a Python record says why).
-        ring = None if recorder is None or not in_native or not self.lifecycle.clean else recorder.native_ring
-        record = None if recorder is None or ring is not None else recorder.scheduled(
+        # The native path writes the op's record itself (record_natively), unless the
+        # op is refused: a Python record says why.
+        record = None if recorder is None or self._native_records and self.lifecycle.clean else recorder.scheduled(
             self, op, op_id, seq, OpIO((b,), (a,), reduce_op, None), None, False, timeout_s)
         start = time.monotonic_ns()
         try:
             if not self.lifecycle.clean:
                 self.lifecycle.ensure_usable(op, seq)
-            if ring is not None:
-                failed = self._native.run_recorded(kind, a, b, ring, op_id, seq)  # None once it completed
-            elif in_native:
+            if in_native:
                 if record is not None:
                     record.started(start)
-                failed = self._native.run(kind, a, b)
+                # op_id 0: no native record (there is a Python one, or no recorder)
+                failed = self._native.run(kind, a, b, op_id if record is None else 0, seq)  # None: completed
             else:
                 opts = self._direct_opts[kind]
                 c10d_work = self._backend.allreduce([a], opts) if kind == 0 else \
                     (self._backend._allgather_base if kind == 1 else self._backend._reduce_scatter_base)(a, b, opts)
         except (RuntimeError, CommError) as exc:
-            if ring is not None:
-                assert recorder is not None  # its ring, that is
+            if record is None and recorder is not None:
                 record = recorder.take_native(op_id)
             err = self._not_issued(exc, Work, op, seq, op_id, timeout_s, start, None, record)
             raise err from (None if err is exc else exc)
         if in_native:
-            if failed is not None and ring is not None:  # Python settles the op, and its record
-                assert recorder is not None  # its ring, that is
+            if failed is not None and record is None and recorder is not None:  # Python settles it from here
                 record = recorder.take_native(op_id)
             work = Work(self, op, seq, op_id, timeout_s, start, None if failed is None else failed[0], None, None,
                         record)

@@ -377,26 +377,28 @@ class DirectPath {
         b->numel() == s->numel() * size_;
   }
 
-  // Issue the op and wait for it, without the GIL.  None once it completed;
-  // (backend work, message) when the wait raised (the deadline, or a slice of
-  // it, ran out, or the backend failed): the caller settles it.  An error of
-  // the issue itself propagates as the backend's exception.  The caller has
-  // checked the tensors (fits, fits_sized).
-  py::object run(int kind, py::handle a, py::handle b) {
-    return issue_and_wait(kind, THPVariable_Unpack(a.ptr()), THPVariable_Unpack(b.ptr()), nullptr);
+  // Where run records its ops (a NativeRing), or None: the flight recorder sets it.
+  void record_into(py::object ring) {
+    ring_ = ring.is_none() ? nullptr : ring.cast<NativeRing*>();
+    ring_object_ = std::move(ring);
   }
 
-  // run, with the op's record written into ring as op op_id, number seq: the
-  // ring completes it; a failed op's record stays started, for the caller to
-  // take over (NativeRing.take).
-  py::object run_recorded(int kind, py::handle a, py::handle b, NativeRing& ring, int64_t op_id, int64_t seq) {
+  // Issue op op_id, number seq, and wait for it, without the GIL; with a ring
+  // and an op_id (not 0), its record goes into the ring.  None once it
+  // completed; (backend work, message) when the wait raised (the deadline, or
+  // a slice of it, ran out, or the backend failed): the caller settles the op,
+  // and takes its record over (NativeRing.take).  An error of the issue itself
+  // propagates as the backend's exception.  The caller has checked the tensors
+  // (fits, fits_sized).
+  py::object run(int kind, py::handle a, py::handle b, int64_t op_id, int64_t seq) {
     const at::Tensor& first = THPVariable_Unpack(a.ptr());
     const at::Tensor& second = THPVariable_Unpack(b.ptr());
-    size_t index = ring.begin(op_id, seq, kind, first, second, ids_, timeout_s_);
+    NativeRing* ring = op_id != 0 ? ring_ : nullptr;
+    size_t index = ring == nullptr ? 0 : ring->begin(op_id, seq, kind, first, second, ids_, timeout_s_);
     int64_t end_ns = 0;
     py::object failed = issue_and_wait(kind, first, second, &end_ns);
-    if (failed.is_none()) {
-      ring.completed(index, op_id, end_ns);
+    if (ring != nullptr && failed.is_none()) {
+      ring->completed(index, op_id, end_ns);
     }
     return failed;
   }
@@ -414,7 +416,7 @@ class DirectPath {
     return &tensor;
   }
 
-  // The body of run: end_ns, when given, gets the time the wait returned.
+  // The body of run: end_ns gets the time the wait returned.
   py::object issue_and_wait(int kind, const at::Tensor& first, const at::Tensor& second, int64_t* end_ns) {
     c10::intrusive_ptr<c10d::Work> failed;  // the work whose wait raised, for the caller to settle
     std::string failure;
@@ -430,9 +432,7 @@ class DirectPath {
         failure = e.what();
         failed = std::move(work);
       }
-      if (end_ns != nullptr) {
-        *end_ns = monotonic_ns();
-      }
+      *end_ns = monotonic_ns();
     }  // a completed work is released here, without the GIL
     if (!failed) {
       return py::none();
@@ -479,6 +479,8 @@ class DirectPath {
   std::chrono::milliseconds wait_{0};
   double timeout_s_ = 0;  // the deadline, as the records give it
   py::object ids_;  // the communicator's (name, uid, generation), for the records
+  NativeRing* ring_ = nullptr;  // where run records, kept alive by ring_object_
+  py::object ring_object_;
 };
 
 }  // namespace
@@ -503,7 +505,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_timeout", &DirectPath::set_timeout, py::arg("timeout"), py::arg("wait"))
       .def("fits", &DirectPath::fits, py::arg("t"))
       .def("fits_sized", &DirectPath::fits_sized, py::arg("big"), py::arg("small"))
-      .def("run", &DirectPath::run, py::arg("kind"), py::arg("a"), py::arg("b"))
-      .def("run_recorded", &DirectPath::run_recorded, py::arg("kind"), py::arg("a"), py::arg("b"), py::arg("ring"),
-           py::arg("op_id"), py::arg("seq"));
+      .def("record_into", &DirectPath::record_into, py::arg("ring"))
+      .def("run", &DirectPath::run, py::arg("kind"), py::arg("a"), py::arg("b"), py::arg("op_id"), py::arg("seq"));
 }

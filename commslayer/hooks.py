@@ -113,17 +113,13 @@ class OpRecord(Protocol):
 class OpRecorder(Protocol):
     """What ``Communicator.recorder`` must be (tracing's ``FlightRecorder`` is one)."""
 
-    # Where the native direct path writes its ops' records (``NativeRing`` of
-    # commslayer/direct_path.cpp), or None: every op asks ``scheduled``.
-    native_ring: Any
-
     def scheduled(self, comm: "Communicator", op: str, op_id: int, seq: int, io: OpIO,
                   peer: Optional[int], async_op: bool, timeout_s: float) -> OpRecord:
         """A new op entered ``comm``; ``io`` is what it reads and writes."""
 
     def take_native(self, op_id: int) -> Optional[OpRecord]:
         """The record the native path wrote for op ``op_id``, which failed: from now on
-        the op's ``Work`` settles it (None: the ring has dropped it already)."""
+        the op's ``Work`` settles it (None: there is none, or the ring dropped it)."""
 
 
 phase_hooks = Hooks("phase")  # fn(job, step, phase); the job calls them itself: what they raise propagates

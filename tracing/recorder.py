@@ -233,8 +233,8 @@ class FlightRecorder:
         # communicators write into, None while a sink or full stacks need Python records
         self._native = native.ring(capacity, _thread_names, _INTERNAL_DIRS, threading.__file__)
         self.native_ring: Any = None
-        self._sinks_changed()
         self._comms: Dict[str, Tuple["weakref.ReferenceType[commslayer.Communicator]", Dict[str, Any]]] = {}
+        self._sinks_changed()
         self._handles: List[Any] = []
         self._dump_requests: List[str] = []
         self._reasons: Dict[str, None] = {}  # every reason a dump was asked for, in order
@@ -255,6 +255,7 @@ class FlightRecorder:
         if comm.generation and "/" not in uid:  # a new generation of a resizable communicator
             self._generation_event(uid, info)
         comm.recorder = self
+        comm.record_natively(self.native_ring)
         self._handles += [
             comm.register_error_hook(lambda err: self._failed(uid, err)),
             comm.register_abort_hook(lambda: self._aborted(uid)),
@@ -344,6 +345,10 @@ class FlightRecorder:
 
     def _sinks_changed(self) -> None:
         self.native_ring = None if self.sinks or self.stack else self._native
+        for ref, _ in list(self._comms.values()):
+            comm = ref()
+            if comm is not None and comm.recorder is self:
+                comm.record_natively(self.native_ring)
 
     def take_native(self, op_id: int) -> Optional[Record]:
         """``OpRecorder.take_native``: the native record of op ``op_id`` moves to the Python ring."""
@@ -478,6 +483,7 @@ class FlightRecorder:
             comm = ref()
             if comm is not None and comm.recorder is self:
                 comm.recorder = None
+                comm.record_natively(None)
 
 
 def _global_rank() -> int:
