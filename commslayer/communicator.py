@@ -7,8 +7,8 @@ the struct), and hands back a ``Work`` whose
 deadline the caller's ``wait`` or the ``watchdog`` enforces.  A synchronous
 all_reduce, all_gather_single or reduce_scatter_single that no hook observes
 takes ``_direct_run``: the same steps without the branches only hooks, check
-mode, isolation and async ops need, its issue and wait in native code where
-``commslayer.native`` is built.  Whether it may
+mode, isolation and async ops need, its issue, wait and flight-recorder
+record in native code where ``commslayer.native`` is built.  Whether it may
 issue at all is its ``lifecycle``'s business (commslayer.lifecycle: the state
 machine, lost and departed peers, fencing, shrink, reconfigure, votes, the
 liveness callbacks): after any failure the backend group is unusable (Gloo

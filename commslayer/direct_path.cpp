@@ -54,8 +54,8 @@ struct Slot {
   int kind = kAllReduce;
   int state = kScheduled;
   at::ScalarType dtype = at::ScalarType::Undefined;
-  c10::SmallVector<int64_t, 6> in_shape;
-  c10::SmallVector<int64_t, 6> out_shape;
+  c10::SmallVector<int64_t, 4> in_shape;  // more dimensions than 4 go to the heap
+  c10::SmallVector<int64_t, 4> out_shape;
   double timeout_s = 0;
   int64_t start_ns = 0;
   int64_t end_ns = -1;  // -1: not ended
@@ -78,7 +78,7 @@ class NativeRing {
   // thread names, which this fills for each thread's first op.
   NativeRing(int64_t capacity, py::dict thread_names, py::tuple internal_dirs, py::object threading_file,
              py::object current_thread)
-      : slots_(static_cast<size_t>(std::max<int64_t>(capacity, 1))),
+      : capacity_(std::max<int64_t>(capacity, 1)),
         thread_names_(std::move(thread_names)),
         internal_dirs_(std::move(internal_dirs)),
         threading_file_(std::move(threading_file)),
@@ -97,7 +97,10 @@ class NativeRing {
   // A new record, of an op that starts now (GIL held): its slot's index.
   size_t begin(int64_t op_id, int64_t seq, int kind, const at::Tensor& output, const at::Tensor& input,
                const py::object& ids, double timeout_s) {
-    size_t index = static_cast<size_t>(count_ % static_cast<int64_t>(slots_.size()));
+    if (static_cast<int64_t>(slots_.size()) < capacity_) {
+      slots_.emplace_back();  // the ring grows as ops come, up to its capacity
+    }
+    size_t index = static_cast<size_t>(count_ % capacity_);
     ++count_;
     Slot& s = slots_[index];
     s.op_id = op_id;
@@ -132,10 +135,8 @@ class NativeRing {
   // Every record, oldest first, as tuples (tracing.recorder.Record.from_native).
   py::list records() const {
     py::list out;
-    size_t n = slots_.size();
-    int64_t first = std::max<int64_t>(0, count_ - static_cast<int64_t>(n));
-    for (int64_t i = first; i < count_; ++i) {
-      const Slot& s = slots_[static_cast<size_t>(i % static_cast<int64_t>(n))];
+    for (int64_t i = std::max<int64_t>(0, count_ - capacity_); i < count_; ++i) {
+      const Slot& s = slots_[static_cast<size_t>(i % capacity_)];
       if (s.op_id != 0) {
         out.append(fields(s));
       }
@@ -258,7 +259,8 @@ class NativeRing {
 
   static constexpr size_t kWhereCapacity = 4096;
 
-  std::vector<Slot> slots_;
+  int64_t capacity_;
+  std::vector<Slot> slots_;  // the ring: op i in slot i % capacity_
   int64_t count_ = 0;  // records ever begun
   int64_t taken_ = 0;  // of those, taken over by Python
   py::dict thread_names_;

@@ -1,7 +1,7 @@
 """The direct path in native code (commslayer/direct_path.cpp, commslayer/native.py):
 the README's commands build it, its results equal the pure-Python path's and plain
-c10d's bitwise, it leaves what it cannot take to Python, and a build that cannot
-happen says why."""
+c10d's bitwise, its flight-recorder records say what the Python recorder's do, it
+leaves what it cannot take to Python, and a build that cannot happen says why."""
 
 from __future__ import annotations
 
@@ -187,10 +187,19 @@ def _recorded_both_ways(rank, size, store, trace_dir):
     os.environ["COMMSLAYER_NATIVE"] = "0"
     slow = commslayer.new_comm("gloo", name="python", store=store, rank=rank, size=size, timeout=60)
     del os.environ["COMMSLAYER_NATIVE"]
+    # A short ring keeps the newest records of both kinds, by op id.
+    small = recorder.FlightRecorder(5, "", job="small")
+    for comm in (fast, slow):
+        small.attach(comm)
+    issued = [comm.all_reduce(torch.ones(4)).op_id for _ in range(6) for comm in (fast, slow)]
+    doc = small.document("test")
+    out = {"short ring": ([r["op_id"] for r in doc["records"]], doc["dropped_records"], issued)}
+    small.close()
+
     rec = recorder.FlightRecorder(64, trace_dir, job="native")
     for comm in (fast, slow):
         rec.attach(comm)
-    out = {"native ring": rec.native_ring is not None}
+    out["native ring"] = rec.native_ring is not None
     rec._phase(None, 7, "forward")
     for op, dtype in (("all_reduce", torch.float32), ("all_gather_single", torch.int64),
                       ("reduce_scatter_single", torch.bfloat16)):
@@ -251,6 +260,8 @@ def test_native_records_equal_python_records(tmp_path):
         pytest.skip(f"the native direct path is not built: {native.why_not()}")
     results = run_ranks(_recorded_both_ways, 2, str(tmp_path), timeout=100)
     for rank, out in enumerate(results):
+        kept, dropped, issued = out["short ring"]
+        assert kept == issued[-5:] and dropped == 7, out["short ring"]
         assert out["native ring"], out
         records = out["records"]
         assert [r["op_id"] for r in records] == sorted(r["op_id"] for r in records)  # one order, both rings
@@ -267,13 +278,13 @@ def test_native_records_equal_python_records(tmp_path):
             assert fast["duration_ms"] == (fast["end_ns"] - fast["start_ns"]) / 1e6
         first = by_comm["native"][0]
         assert first["call_site"].endswith(f"test_native.py:{_issue.__code__.co_firstlineno + 5}"), first
-        assert (first["state"], first["step"], first["thread"], first["seq"]) == ("completed", 7, "MainThread", 1)
+        assert (first["state"], first["step"], first["thread"], first["seq"]) == ("completed", 7, "MainThread", 7)
         assert first["in_sizes"] == [[2 * 2, 3]] and first["in_bytes"] == 2 * 2 * 3 * 4, first
         assert by_comm["native"][-1]["thread"] == "grad-sync", by_comm["native"][-1]
     failed = results[0]["after failure"]
     assert results[0]["error"] == "CollectiveTimeout" and results[0]["taken"] == results[0]["taken before"] + 1, \
         results[0]
-    assert (failed["comm"], failed["state"], failed["seq"]) == ("native", "timed_out", 5), failed
+    assert (failed["comm"], failed["state"], failed["seq"]) == ("native", "timed_out", 11), failed
     assert "timed out" in failed["error"] or "Timed out" in failed["error"], failed
     aborted = results[0]["aborted"]
     assert [(r["state"], r["error"]) for r in aborted] == [("aborted", "communicator aborted")], aborted
