@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <deque>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -97,6 +98,12 @@ class NativeRing {
   // A new record, of an op that starts now (GIL held): its slot's index.
   size_t begin(int64_t op_id, int64_t seq, int kind, const at::Tensor& output, const at::Tensor& input,
                const py::object& ids, double timeout_s) {
+    // What may run Python (and so let another thread in) comes before the slot is taken.
+    unsigned long thread = PyThread_get_thread_ident();
+    name_thread(thread);
+    py::object code;
+    int lasti = 0;
+    call_site(code, lasti);
     if (static_cast<int64_t>(slots_.size()) < capacity_) {
       slots_.emplace_back();  // the ring grows as ops come, up to its capacity
     }
@@ -114,9 +121,9 @@ class NativeRing {
     s.ids = ids;
     s.step = step;
     s.error = py::object();
-    s.thread = PyThread_get_thread_ident();
-    name_thread(s.thread);
-    call_site(s);
+    s.thread = thread;
+    s.code = std::move(code);
+    s.lasti = lasti;
     s.end_ns = -1;
     s.start_ns = monotonic_ns();
     return index;
@@ -150,6 +157,9 @@ class NativeRing {
     for (Slot& s : slots_) {
       if (s.op_id == op_id) {
         py::object record = fields(s);
+        if (s.op_id != op_id) {
+          return py::none();  // overwritten while its tuple was built
+        }
         s.op_id = 0;
         s.ids = s.code = s.step = s.error = py::object();
         ++taken_;
@@ -227,10 +237,11 @@ class NativeRing {
         reinterpret_cast<PyObject*>(PyFrame_GetBack(reinterpret_cast<PyFrameObject*>(frame.ptr()))));
   }
 
-  // The call site: tracing.recorder's, read without making a Python call.  The
-  // op's method called Communicator._direct_run, which called DirectPath.run:
-  // the caller is two frames up, unless an op of ours issued it.
-  void call_site(Slot& s) {
+  // The call site, as code object and instruction offset: tracing.recorder's,
+  // read without making a Python call.  The op's method called
+  // Communicator._direct_run, which called DirectPath.run: the caller is two
+  // frames up, unless an op of ours issued it.
+  void call_site(py::object& code, int& lasti) {
     PyFrameObject* current = PyEval_GetFrame();
     py::object frame = current == nullptr ? py::object() : py::reinterpret_borrow<py::object>(
         reinterpret_cast<PyObject*>(current));
@@ -248,19 +259,19 @@ class NativeRing {
         frame = inner;  // an op of commslayer's own thread: the outermost frame of ours
       }
     }
-    if (!frame) {
-      s.code = py::object();
-      return;
+    if (frame) {
+      auto* f = reinterpret_cast<PyFrameObject*>(frame.ptr());
+      code = py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(PyFrame_GetCode(f)));
+      lasti = PyFrame_GetLasti(f);
     }
-    auto* f = reinterpret_cast<PyFrameObject*>(frame.ptr());
-    s.code = py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(PyFrame_GetCode(f)));
-    s.lasti = PyFrame_GetLasti(f);
   }
 
   static constexpr size_t kWhereCapacity = 4096;
 
   int64_t capacity_;
-  std::vector<Slot> slots_;  // the ring: op i in slot i % capacity_
+  // The ring: op i in slot i % capacity_.  A deque, so that a slot stays where
+  // it is while the ring grows (a thread may hold one across a Python call).
+  std::deque<Slot> slots_;
   int64_t count_ = 0;  // records ever begun
   int64_t taken_ = 0;  // of those, taken over by Python
   py::dict thread_names_;

@@ -148,9 +148,11 @@ def _module() -> Optional[ModuleType]:
 def direct_path(backend: Any, size: int, device_type: str, dtypes: Any, untimed: List[int],
                 ids: Tuple[str, str, int], timeout: Any, wait: Any) -> Any:
     """A communicator's native direct path (``DirectPath`` in direct_path.cpp), or
-    None: ``COMMSLAYER_NATIVE`` is off, or the module is not built.  ``untimed``:
-    the kinds whose backend wait ignores its timeout, which it runs as the
-    backend does but with a wait that keeps it (Gloo's reduce-scatter); ``ids``: what its records name the communicator by
+    None: ``COMMSLAYER_NATIVE`` is off, or the module is not built.
+
+    ``untimed`` are the kinds whose backend wait ignores its timeout (Gloo's
+    reduce-scatter): it runs them as the backend does, with a wait that keeps
+    its timeout.  ``ids`` name the communicator in its records
     (``Communicator.trace_ids``)."""
     module = _module()
     return None if module is None else module.DirectPath(backend, size, device_type, list(dtypes), untimed, ids,

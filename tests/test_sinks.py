@@ -314,10 +314,10 @@ def _hot_path(rank, size, store, bench_dir):
             pass
 
     captured = Capture()
-    rec.sinks.append(captured)
+    rec.add_sink(captured)
     comm.all_reduce(torch.ones(1024))
     record = captured[-1]
-    rec.sinks.remove(captured)
+    rec.remove_sink(captured)
     _flush_sinks(rec)
 
     bench = recorder.FlightRecorder(16, bench_dir, job="bench")

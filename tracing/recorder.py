@@ -339,6 +339,7 @@ class FlightRecorder:
         self._sinks_changed()
 
     def remove_sink(self, sink: Any) -> None:
+        """Stop giving ``sink`` records (it may have gone already)."""
         if sink in self.sinks:
             self.sinks.remove(sink)
         self._sinks_changed()
