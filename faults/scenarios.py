@@ -179,7 +179,8 @@ SCENARIOS: List[Scenario] = [
              "leaves, one that had finished exits; every rank dumps its trace; the "
              "launcher finds the coordinator unreachable too (after twice the deadline) and ends the job (exit 1); "
              "nothing is left behind",
-             external="coordinator-stop", expect="stop"),
+             # the default suite stops a store in tests/test_store_deadline.py, and kills the coordinator here
+             external="coordinator-stop", expect="stop", fast=False),
     Scenario("etcd-leader-kill", "etcd", f"the job's store on a 3-member etcd cluster (--store etcd://); its "
              f"leader SIGKILLed at step {FAULT_STEP}; a rank SIGKILLed {ETCD_THEN} steps later",
              "the store's calls go to another member, served once the two left elect a leader (about 1 s): "
@@ -197,7 +198,8 @@ SCENARIOS: List[Scenario] = [
              "that needs it goes unserved until the store deadline (COMMSLAYER_STORE_TIMEOUT_S, 10 s) and raises "
              "StoreUnreachable naming etcd (a rank waiting in a collective on one that left gets PeerLost, one "
              "that had finished exits); every rank dumps its trace; the launcher ends the job (exit 1) naming "
-             "etcd; no hang", external="etcd-quorum-loss", expect="stop"),
+             "etcd; no hang", external="etcd-quorum-loss", expect="stop",
+             fast=False),  # the default suite loses a quorum in tests/test_etcd_store.py
     Scenario("trace-disk-full", "storage", "the trace directory on a full filesystem (a 2 MiB tmpfs, filled); "
              f"SIGKILL of a rank at step {FAULT_STEP}",
              "tracing never fails the job: each rank logs once that it cannot write, training survives and "
