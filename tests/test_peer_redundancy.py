@@ -166,7 +166,9 @@ def test_a_rank_lost_with_its_holder_ends_the_job_with_the_state_named(tmp_path)
     assert time.monotonic() - began < 60
     assert "commslayer-run: the job failed: StateLost" in run.stderr, log[-4000:]
     for rank in (0, 3):
-        [line] = [x for x in log.splitlines() if x.startswith(f"[rank {rank}]") and "leaving (StateLost" in x]
+        said = [x for x in log.splitlines() if x.startswith(f"[rank {rank}]") and "leaving (StateLost" in x]
+        assert len(said) == 1, (rank, job_story(log))
+        [line] = said
         assert "rank(s) [1] and every holder of their state ([[2]], redundancy 1)" in line, line
         assert "The job last committed step" in line, line
         assert (traces / f"rank{rank}.json").stat().st_size > 0  # its trace was dumped on the way out
