@@ -31,7 +31,6 @@ from types import ModuleType
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-import torch.utils.cpp_extension as cpp_extension
 
 from . import config
 
@@ -63,6 +62,10 @@ def module_path(directory: Optional[str] = None) -> str:
 
 def compile_command(name: str, output: str) -> List[str]:
     """One ``c++`` command that compiles and links the module against this torch."""
+    # Here, not at the top: it imports setuptools (about 70 ms), which only a build needs,
+    # and every process that builds a communicator imports this module.
+    import torch.utils.cpp_extension as cpp_extension
+
     command = [os.environ.get("CXX", "c++"), "-O2", "-fPIC", "-shared", "-std=c++20",
                f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"]
