@@ -7,6 +7,7 @@ where they are known.  Callers branch on the class; people read the message.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Dict, Iterable, Optional, Tuple, Type
 
 
@@ -59,6 +60,17 @@ def first_line(exc: BaseException) -> str:
     """An exception's message without what torch appends to it (C++ frames), or its class name."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+_CXX_SOURCE = re.compile(r"^\[[^\]\s]*\.(?:cc|cpp|cxx|h|hpp|cu):\d+\] ?")
+
+
+def backend_words(exc: BaseException) -> str:
+    """A backend's message cut to its own first sentence: without the C++ file and line
+    before it, and the advice (and Gloo's banner) after it."""
+    text = _CXX_SOURCE.sub("", first_line(exc))
+    end = text.find(". ")
+    return text[:end] if end > 0 else text
 
 
 def _rebuild(cls: Type["CommError"], what: str, state: Dict[str, Any]) -> "CommError":

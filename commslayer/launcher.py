@@ -91,17 +91,17 @@ import socket
 import sys
 import time
 from datetime import timedelta
-from typing import Dict, List, NoReturn, Optional
+from typing import Dict, List, NoReturn, Optional, Tuple
 
 import torch.distributed as dist
 
-from . import config, runs
+from . import config, failures, runs
 from .addresses import host_port
 from .errors import first_line
 from .etcdstore import Claim, EtcdStore, is_etcd, parse_url
 from .processes import ProcessSet, become_subreaper, free_port
 from .store import bounded, connect
-from .supervisor import Failed, RankJob, all_ended, check_reachable, echo, supervise_ranks
+from .supervisor import Failed, RankJob, Stopped, all_ended, check_reachable, echo, stop_on_bugs, supervise_ranks
 
 PROG = "commslayer-run"
 GRACE_S = 5.0  # default --grace: SIGTERM to SIGKILL when the launcher ends its processes
@@ -139,6 +139,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="the address the coordinator listens on (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="the coordinator's port (default: a free one)")
     p.add_argument("--max-restarts", type=int, default=3, help="restarts of each replica group (torchrun's) or, in per-rank mode, of each rank (default 3)")
+    p.add_argument("--crash-loop", metavar="K/SECONDS", default="3/600",
+                   help="stop the job when one rank (in replica mode: one replica group) fails K times within "
+                        "SECONDS, even if each failure looks like a fault (default 3/600; off: never)")
     p.add_argument("--grace", type=float, default=GRACE_S,
                    help=f"seconds between SIGTERM and SIGKILL on exit (default {GRACE_S:g})")
     p.add_argument("--run-dir", help="results, the fault log and traces go here")
@@ -158,6 +161,7 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
         a.script_args = a.script_args[1:]
     if a.max_restarts < 0:
         p.error(f"--max-restarts {a.max_restarts}: must be 0 or more")
+    a.crash_loop, a.crash_window_s = _crash_loop(p, a.crash_loop)
     if not 0 <= a.grace < math.inf:
         p.error(f"--grace {a.grace}: must be a finite number of seconds >= 0")
     if not 0 <= a.loss_tolerance < math.inf:
@@ -241,6 +245,20 @@ def _per_rank_mode(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     a.world_size = a.nnodes * a.nproc_per_node
 
 
+def _crash_loop(p: argparse.ArgumentParser, spec: str) -> Tuple[int, float]:
+    """``--crash-loop K/SECONDS`` (or ``off``): (K, the window); K 0 is off."""
+    if spec.strip().lower() == "off":
+        return 0, 0.0
+    try:
+        k, window = spec.split("/")
+        count, seconds = int(k), float(window)
+    except ValueError:
+        p.error(f"--crash-loop {spec!r}: expected K/SECONDS (failures of one rank within that window), or off")
+    if count < 1 or not 0 < seconds < math.inf:
+        p.error(f"--crash-loop {spec}: K must be 1 or more and SECONDS a positive number (or: off)")
+    return count, seconds
+
+
 def _replica_ids(p: argparse.ArgumentParser, spec: str, replicas: int) -> List[int]:
     if spec == "all":
         return list(range(replicas))
@@ -279,6 +297,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     become_subreaper()
     procs = ProcessSet(a.grace)
+    store = None
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
@@ -298,6 +317,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 130
     except Failed as exc:
         print(f"{PROG}: {exc}", file=sys.stderr, flush=True)
+        if isinstance(exc, Stopped) and a.run_dir and not a.coordinator:  # what the run did up to there
+            procs.stop()
+            summarize(a.run_dir, store, _shards(a), None, a.loss_tolerance, per_rank=a.per_rank, stopped=str(exc))
         return 1
     except dist.DistNetworkError as exc:  # the job's store went away between two checks
         print(f"{PROG}: the job's store failed ({first_line(exc)}); ended the processes started here",
@@ -321,13 +343,17 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"to {a.max_restarts} restart(s)); their output is above", file=sys.stderr, flush=True)
         ok = not gave_up
     if a.run_dir and not a.coordinator:  # the coordinator has seen every replica group (or rank) end
-        shards = a.world_size if a.per_rank else a.nproc_per_replica
-        summarized = summarize(a.run_dir, store, shards, a.compare_to, a.loss_tolerance, per_rank=a.per_rank)
+        summarized = summarize(a.run_dir, store, _shards(a), a.compare_to, a.loss_tolerance, per_rank=a.per_rank)
         if not summarized and ok:
             print(f"{PROG}: the run's summary found a problem (the 'summary:' lines above, {a.run_dir}/"
                   f"{runs.SUMMARY})", file=sys.stderr, flush=True)
         ok = ok and summarized
     return 0 if ok else 1
+
+
+def _shards(a: argparse.Namespace) -> int:
+    """Ranks per replica group (in per-rank mode, the job's ranks: one replica of each)."""
+    return a.world_size if a.per_rank else a.nproc_per_replica
 
 
 def _job_store(a: argparse.Namespace):
@@ -416,7 +442,8 @@ def _worker_env(a: argparse.Namespace) -> Dict[str, str]:
 def _rank_job(a: argparse.Namespace) -> RankJob:
     return RankJob(command=[a.script, *a.script_args], env=_worker_env(a), store_address=a.coordinator or a.address,
                    world_size=a.world_size, node=a.node_rank, per_node=a.nproc_per_node,
-                   max_restarts=a.max_restarts, grace_s=a.grace, coordinator=a.coordinator)
+                   max_restarts=a.max_restarts, grace_s=a.grace, coordinator=a.coordinator,
+                   crash_loop=a.crash_loop, crash_window_s=a.crash_window_s)
 
 
 def _supervise(a: argparse.Namespace, store, procs: ProcessSet) -> Dict[int, int]:
@@ -432,9 +459,13 @@ def _supervise(a: argparse.Namespace, store, procs: ProcessSet) -> Dict[int, int
     codes: Dict[int, int] = {}
     watched = time.monotonic()
     while len(codes) < len(a.ids) or (not a.ids and not all_ended(store, "replica", a.replicas)):
-        if (a.coordinator or a.store) and time.monotonic() - watched > 0.5:
+        if time.monotonic() - watched > 0.5:
             watched = time.monotonic()
-            check_reachable(store, a.coordinator or a.store)
+            if a.coordinator or a.store:
+                check_reachable(store, a.coordinator or a.store)
+            if not a.coordinator:
+                _stop_on_crash_loop(a, store)
+        stop_on_bugs(store)
         for r, proc in procs.procs.items():
             if r not in codes and proc.poll() is not None:
                 codes[r] = proc.returncode
@@ -445,20 +476,45 @@ def _supervise(a: argparse.Namespace, store, procs: ProcessSet) -> Dict[int, int
     return codes
 
 
+def _stop_on_crash_loop(a: argparse.Namespace, store) -> None:
+    """Replica mode's crash-loop rule: ``Stopped`` once a replica group's torchrun restarted
+    it ``--crash-loop`` K times within the window (each new life's rank 0 records when it
+    began; ``commslayer.resilience``)."""
+    if not a.crash_loop:
+        return
+    now = time.time()
+    for r in range(a.replicas):
+        began = failures.restarts(store, r)
+        recent = [t for t in began if now - t <= a.crash_window_s]
+        if len(recent) >= a.crash_loop:
+            raise Stopped(f"replica group {r} failed {len(recent)} times within {a.crash_window_s:g}s (torchrun "
+                          f"restarted it {len(began)} time(s) in all): a crash loop (--crash-loop {a.crash_loop}/"
+                          f"{a.crash_window_s:g}), not a fault to recover from: the job stops; its output is above")
+
+
 # ------------------------------------------------------------------ the summary
 def summarize(run_dir: str, store, shards: int, compare_to: Optional[str], tolerance: float,
-              per_rank: bool = False) -> bool:
+              per_rank: bool = False, stopped: Optional[str] = None) -> bool:
     """Print what the run did and whether its invariants hold (also into
-    ``summary.json``); False if one does not, or if there is nothing to
-    compare with ``compare_to``.  ``shards``: ranks per replica group (in
+    ``summary.json``); False if one does not, if a rank ended by a deterministic
+    failure (``stopped``: why the launcher stopped the job), or if there is nothing
+    to compare with ``compare_to``.  ``shards``: ranks per replica group (in
     per-rank mode, ``per_rank``, the job's ranks: one replica of each)."""
+    bugs = failures.bugs(store)
+    if bugs and stopped is None:
+        stopped = failures.stop_message(bugs)
+    if stopped:
+        print(f"summary: the job was stopped: {stopped}", flush=True)
     results = runs.load_results(run_dir)
     if not results:  # a script that writes none (commslayer.runs.save): nothing to check
         print(f"summary: no result files in {run_dir}", flush=True)
         if compare_to:
             print(f"summary: no loss curve to compare with {compare_to}", flush=True)
-        return not compare_to
-    ok = True
+        if stopped:
+            runs.save_summary(runs.Summary(ok=False, killed=[], losses={}, recoveries=runs.job_recoveries(store),
+                                           admissions=runs.job_admissions(store), stopped=stopped), run_dir)
+        return not compare_to and not stopped
+    ok = not stopped
     steps = results[0].steps
     whole = all(r.end_step == steps for r in results)
     print(f"summary: {len(results)} rank(s) finished, every one at step {steps}: {whole}", flush=True)
@@ -487,10 +543,11 @@ def summarize(run_dir: str, store, shards: int, compare_to: Optional[str], toler
     losses = runs.longest(results).losses
     if compare_to:
         ref = runs.longest(runs.load_results(compare_to)).losses
-        ok &= compare_losses(losses, ref, min((k.get("step", steps) for k in killed), default=steps), tolerance,
-                             compare_to)
+        # the first fault: injected by the harness, or recovered from (a real death injects nothing)
+        faulted = [k["step"] for k in killed if k.get("step") is not None] + [x.step for x in recoveries]
+        ok &= compare_losses(losses, ref, min(faulted, default=steps), tolerance, compare_to)
     runs.save_summary(runs.Summary(ok=bool(ok), killed=killed, losses=losses, recoveries=recoveries,
-                                   admissions=admissions), run_dir)
+                                   admissions=admissions, stopped=stopped), run_dir)
     return bool(ok)
 
 
@@ -516,7 +573,7 @@ def compare_losses(losses: Dict[int, float], ref: Dict[int, float], first_fault:
     within = same and worst <= tolerance
     print(f"summary: loss vs the fault-free run {ref_dir}: steps before the fault identical: {same}; largest "
           f"difference of a {window}-step mean {worst:.2%} (steps {at}..{None if at is None else at + window - 1}; "
-          f"tolerance {tolerance:.0%}); final loss {losses[last]:.4f} vs {ref[last]:.4f} "
+          f"tolerance {tolerance:.0%}); final loss {losses[last]:.6g} vs {ref[last]:.6g} "
           f"({losses[last] / ref[last] - 1:+.2%}): {'within' if within else 'OUTSIDE'} tolerance", flush=True)
     return within
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from . import config
 from .addresses import rank_hosts
 from .backends import classify
-from .errors import CollectiveTimeout, CommAborted, CommError, PeerLost, StoreUnreachable, first_line
+from .errors import CollectiveTimeout, CommAborted, CommError, PeerLost, StoreUnreachable, backend_words
 from .hooks import Hooks
 from .liveness import Liveness
 from .membership import Membership
@@ -545,7 +545,7 @@ class Lifecycle:
         if isinstance(exc, CommError):
             return exc
         cls = classify(exc)
-        what = first_line(exc)
+        what = backend_words(exc)
         ranks: Tuple[int, ...] = () if peer is None else (peer,)
         if cls is PeerLost and not ranks and self.watched:
             ranks = tuple(self.await_lost_ranks())

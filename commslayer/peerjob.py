@@ -152,6 +152,10 @@ class PeerJob(Job):
     def reports(self) -> bool:
         return self.rank == 0
 
+    def failure_unit(self) -> Tuple[str, str]:
+        rank = self._launched[self.rank]  # the launcher's rank: the one its keys and lines name
+        return f"rank {rank}", f"rank{rank}"
+
     @property
     def copies(self) -> PeerCopies:
         """This rank's part of the redundancy (what it holds, bytes sent)."""

@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import config, runs
+from . import config, failures, runs
 from .errors import CommError, InvalidArgument, first_line
 from .exits import exit_now
 from .gradients import GradientAverage, local
@@ -101,6 +101,37 @@ class _State:
 
     def params(self) -> List[torch.Tensor]:
         return [p for m in self.modules.values() for p in m.parameters()]
+
+    def check_training(self) -> None:
+        """``InvalidArgument`` if what is registered would not train as the loop expects:
+        ``step`` applies the registered optimizers to the registered modules' parameters
+        and heals both, so an optimizer missing, parameters no registered optimizer
+        holds, an optimizer over parameters of no registered module (built before
+        ``fully_shard``, or over another model), or an LR scheduler driving an optimizer
+        but not registered (a restarted replica would start its schedule over) would
+        each train wrong, silently."""
+        if not self.optimizers:
+            raise InvalidArgument("no optimizer is registered, so step() would train nothing: register it "
+                                  "with the model, job.register(model=model, optimizer=opt)", op="step")
+        held = {id(p) for opt in self.optimizers.values() for g in opt.param_groups for p in g["params"]}
+        orphans = [f"{name}.{pname}" for name, m in self.modules.items() for pname, p in m.named_parameters()
+                   if p.requires_grad and id(p) not in held]
+        if orphans:
+            raise InvalidArgument(f"{len(orphans)} trainable parameter(s) of the registered modules are held by no "
+                                  f"registered optimizer ({', '.join(orphans[:3])}{', ...' if len(orphans) > 3 else ''}"
+                                  "): they would never change; register the optimizer that holds them", op="step")
+        mine = {id(p) for p in self.params()}
+        for name, opt in self.optimizers.items():
+            if any(id(p) not in mine for g in opt.param_groups for p in g["params"]):
+                raise InvalidArgument(f"optimizer {name!r} updates parameters of no registered module (built before "
+                                      "fully_shard, or over another model?): their gradients would not be averaged "
+                                      "across replicas and their state would not heal; register the module it "
+                                      "trains, and build the optimizer after sharding it", op="step")
+            driven = any("initial_lr" in g for g in opt.param_groups)  # an LRScheduler's mark on its optimizer
+            if driven and not any(getattr(o, "optimizer", None) is opt for o in self.objects.values()):
+                raise InvalidArgument(f"optimizer {name!r} is driven by a learning-rate scheduler that is not "
+                                      "registered: a restarted replica would start its schedule over; register "
+                                      "it too, job.register(..., scheduler=sched)", op="step")
 
     def _module_tensors(self) -> Dict[str, List[torch.Tensor]]:
         return {name: [local(t).detach() for t in list(m.parameters()) + list(m.buffers())]
@@ -271,6 +302,9 @@ class Job:
 
         self.mesh = init_device_mesh("cpu", (self.world_size,))
         self.member = self.replica * self.world_size + self.rank
+        if self.restart and self.rank == 0 and config.job_store() and config.restart_unit() != "rank":
+            # a new life of this group: its launcher's crash-loop rule counts them
+            failures.record_restart(self.store, self.replica)
         if self.restart and self.store.check(["job/finished"]):
             print(f"[replica {self.replica} rank {self.rank}] the job finished while this group restarted",
                   flush=True)
@@ -288,6 +322,7 @@ class Job:
         self._stepped = True
         self._admissions_reported = 0
         self._checked = False
+        self._training_checked = False  # check_training ran (at the first step)
         self._total: Optional[int] = None
         self._begin = 0.0
 
@@ -441,6 +476,9 @@ class Job:
             raise InvalidArgument("step() outside steps(): loop with `for step in job.steps(n)`", op="step")
         if self._stepped:
             raise InvalidArgument(f"step() called twice in step {step}", op="step")
+        if not self._training_checked:
+            self._training_checked = True
+            self._state.check_training()
         params = self._state.params()
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
@@ -510,6 +548,10 @@ class Job:
               f"{r.resumed_at - r.detected_at:.3f}s and the step committed {r.committed_at - r.detected_at:.3f}s "
               f"after the loss was seen", flush=True)
 
+    def failure_unit(self) -> Tuple[str, str]:
+        """This rank in the launcher's words, and as a key of the job's store."""
+        return f"replica group {self.replica} rank {self.rank}", f"replica{self.replica}.rank{self.rank}"
+
     @property
     def reports(self) -> bool:
         """Whether this rank is the one that prints the job's progress (world rank 0)."""
@@ -562,9 +604,12 @@ class Job:
 _FUTURE_WRAPPING = re.compile(r"(RuntimeError: )?Got the following error when running the callback: ")
 
 
-def _leave(exc_type: type, exc: BaseException, tb: Any, previous: Callable[..., None]) -> None:
+def _leave(job: "Job", exc_type: type, exc: BaseException, tb: Any, previous: Callable[..., None]) -> None:
     """An uncaught error in a resilient job: say why in one line (a broken replica group
-    is expected: its torchrun restarts it), dump, hang up and leave with status 1."""
+    is expected: its torchrun restarts it), record it in the job's store
+    (``commslayer.failures``: a deterministic failure stops the job instead of being
+    restarted), dump, hang up and leave with status 1."""
+    loss_seen = failures.saw_loss()
     if isinstance(exc, ReplicaBroken):
         why = f"replica group broken: {first_line(exc)}"
     elif isinstance(exc, CommError):
@@ -573,9 +618,17 @@ def _leave(exc_type: type, exc: BaseException, tb: Any, previous: Callable[..., 
         previous(exc_type, exc, tb)
         # a CommError inside DDP's comm hook arrives wrapped by each future it passed through
         why = _FUTURE_WRAPPING.sub("", f"{type(exc).__name__}: {first_line(exc)}")
+    unit, key = job.failure_unit()
+    verdict = ""
+    try:
+        found = failures.record(job.store, exc, tb, unit=unit, key=key, life=job.restart,
+                                step=job.step_index if job.step_index >= 0 else None, saw_loss=loss_seen,
+                                error=why)
+        verdict = f"; {found.deterministic}: the job stops" if found.deterministic else ""
+    except (CommError, RuntimeError, OSError):  # the store is gone: the launcher sees the exit alone
+        pass
     where = "" if config.restart_unit() == "rank" else f"replica {config.replica_id() or 0} "
-    print(f"[{where}rank {os.environ.get('RANK')}] leaving ({why})", file=sys.stderr,
-          flush=True)
+    print(f"[{where}rank {os.environ.get('RANK')}] leaving ({why}){verdict}", file=sys.stderr, flush=True)
     exit_now(1, why)
 
 
@@ -618,5 +671,5 @@ def init(*, timeout: timedelta = timedelta(seconds=60), bucket_mb: float = BUCKE
     else:
         job = Job(**common)
     previous = sys.excepthook  # after init_process_group: its hook captures stderr while it calls the one before
-    sys.excepthook = lambda t, e, tb: _leave(t, e, tb, previous)
+    sys.excepthook = lambda t, e, tb: _leave(job, t, e, tb, previous)
     return job

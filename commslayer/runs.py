@@ -161,6 +161,7 @@ class Summary:
     losses: Dict[int, float]  # the longest-lived rank's loss per step
     recoveries: List[Recovery]  # from the job's store
     admissions: List[Admission]
+    stopped: Optional[str] = None  # why the launcher stopped the job (a deterministic failure, a crash loop)
 
 
 def save_summary(summary: Summary, run_dir: str) -> None:
@@ -176,7 +177,7 @@ def load_summary(run_dir: str) -> Optional[Summary]:
         return None
     return Summary(ok=data["ok"], killed=data["killed"], losses={int(s): v for s, v in data["losses"].items()},
                    recoveries=[Recovery(**r) for r in data["recoveries"]],
-                   admissions=[Admission(**a) for a in data["admissions"]])
+                   admissions=[Admission(**a) for a in data["admissions"]], stopped=data.get("stopped"))
 
 
 def _write_json(path: str, data: Any, indent: Optional[int] = None) -> None:

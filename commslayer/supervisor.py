@@ -25,6 +25,13 @@ What a rank and this module tell each other goes through the job's store
 - ``job/failed`` = a one-line reason, written by a rank that found the job
   cannot go on: no replacement starts any more, the ranks get the grace
   period to exit on their own (they dump their traces), then ``Failed``.
+- ``job/bugs`` (``commslayer.failures``): a rank ended by a deterministic
+  failure (an exception of the script, a mistake, or a failure that recurs
+  at the same step): the job stops at once, every rank is ended (they dump
+  their traces on SIGTERM), nothing is restarted, ``Failed`` names it.
+- The same rank failing ``crash_loop`` times within ``crash_window_s``
+  stops the job too (a crash loop), even when each failure looks like a
+  fault.
 - ``job/resharded`` = ``{"epoch": e, "ranks": [...]}`` (JSON), written by a
   rank when the survivors of a loss with no replacement went on without it:
   they start their script again as a smaller job, the ranks listed (by
@@ -44,19 +51,25 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set, Tuple
 
+from . import failures
 from .errors import StoreUnreachable
 from .etcdstore import is_etcd
 from .processes import ProcessSet
 
 POLL_S = 0.1
+BUGS_SETTLE_S = 0.3  # after the first deterministic failure, the time for others' to be recorded beside it
 FAILED = "job/failed"
 RESHARDED = "job/resharded"
 
 
 class Failed(Exception):
     """The job could not go on; the message is the launcher's one line."""
+
+
+class Stopped(Failed):
+    """The launcher stopped the job: a rank's deterministic failure, or a crash loop."""
 
 
 @dataclass
@@ -72,6 +85,8 @@ class RankJob:
     max_restarts: int  # per rank
     grace_s: float
     coordinator: Optional[str]  # the coordinator this host joined; None: this host is it
+    crash_loop: int = 3  # failures of one rank within crash_window_s that stop the job (0: never)
+    crash_window_s: float = 600.0
 
     @property
     def ranks(self) -> List[int]:
@@ -106,6 +121,7 @@ def supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
 def _supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
     lives: Dict[int, int] = {}
     restarts: Dict[int, int] = {r: 0 for r in job.ranks}
+    failed_at: Dict[int, List[Tuple[float, str]]] = {r: [] for r in job.ranks}  # (monotonic, why) of each failure
     ended: Set[int] = set()  # done or gone
 
     def start(rank: int, life: int) -> None:
@@ -115,6 +131,13 @@ def _supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
                     on_line=lambda line: echo(f"[rank {rank}] {line}"))
 
     def replace(rank: int, why: str) -> None:
+        stop_on_bugs(store)  # written before that life exited: never restart a bug
+        now = time.monotonic()
+        failed_at[rank] = [(t, w) for t, w in failed_at[rank] if now - t <= job.crash_window_s] + [(now, why)]
+        if job.crash_loop and len(failed_at[rank]) >= job.crash_loop:
+            raise Stopped(f"rank {rank} failed {len(failed_at[rank])} times within {job.crash_window_s:g}s ("
+                         + "; ".join(w for _, w in failed_at[rank]) + "): a crash loop (--crash-loop "
+                         f"{job.crash_loop}/{job.crash_window_s:g}), not a fault to recover from: the job stops")
         if restarts[rank] >= job.max_restarts:
             ended.add(rank)
             store.set(f"rank/{rank}/gone", why)
@@ -130,6 +153,7 @@ def _supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
         start(rank, 0)
     retired: Set[int] = set()
     while True:
+        stop_on_bugs(store)
         if store.check([FAILED]):
             _fail(job, store, procs)
         if not retired and store.check([RESHARDED]):
@@ -164,6 +188,16 @@ def _fail(job: RankJob, store: Any, procs: ProcessSet) -> None:
     raise Failed(f"the job failed: {reason}")
 
 
+def stop_on_bugs(store: Any) -> None:
+    """Raise ``Failed`` naming the first deterministic failure once a rank recorded one
+    (``commslayer.failures``); ranks failing the same way at the same moment (a bug
+    that fires everywhere) are named with it."""
+    if not store.check([failures.BUGS]):
+        return
+    time.sleep(BUGS_SETTLE_S)
+    raise Stopped(failures.stop_message(failures.bugs(store)))
+
+
 def _exit(code: int) -> str:
     if code < 0:
         try:
@@ -181,9 +215,10 @@ def echo(line: str) -> None:
 
 def check_reachable(store: Any, address: str) -> None:
     """Raise ``Failed`` if the job's store no longer answers (this host's processes are then
-    ended: without the job's store no step can commit, and a replacement could not rejoin)."""
+    ended: without the job's store no step can commit, and a replacement could not rejoin),
+    or once a rank recorded a deterministic failure (``stop_on_bugs``)."""
     try:
-        store.check(["job/finished"])
+        stop_on_bugs(store)
     except StoreUnreachable as exc:
         raise Failed(_unreachable(address, exc)) from None
 

@@ -405,6 +405,8 @@ def evaluate(scenario: Scenario, layout: Layout, options: Options, run_dir: str,
         checks.append(Check("job finished", ended_at is not None and all(c == 0 for c in codes),
                             f"launcher exit {codes}"))
         checks.append(_dumps_cover(scenario, results, trace_dir, t0, target_pids, layout))
+    elif scenario.expect == "bug":
+        checks += _bug_checks(t0, layout, codes, ended_at, trace_dir, run_dir)
     elif layout.per_rank:
         checks += _state_lost_checks(t0, layout, killed, codes, ended_at, trace_dir, run_dir)
     else:
@@ -641,6 +643,33 @@ def _stop_checks(scenario: Scenario, t: Optional[float], layout: Layout, codes: 
                          + "; ".join(f"rank {m}: {reasons.get(m, 'no dump')[:80]}" for m in others) + "; first: "
                          + next((why[why.find('StoreUnreachable'):][:300] for m, why in sorted(reasons.items())
                                  if m in named), "none")))
+    return out
+
+
+BUG_STOP_S = 10.0  # a deterministic failure ends the whole job within this
+
+
+def _bug_checks(t: Optional[float], layout: Layout, codes: List[Optional[int]], ended_at: Optional[float],
+                trace_dir: str, run_dir: str) -> List[Check]:
+    """A bug, not a fault (``commslayer.failures``): the whole job must end soon (the launcher
+    sees the record at its next poll and ends every process), exit 1 with one line naming the
+    failing rank and the step, with every rank of the first life dumped and nothing restarted."""
+    if t is None:
+        return [Check("job stopped on the bug", False, "no fault was injected")]
+    took = None if ended_at is None else ended_at - t
+    out = [Check(f"job stopped (exit 1) within {BUG_STOP_S:g}s", took is not None and took <= BUG_STOP_S
+                 and any(c not in (0, None) for c in codes),
+                 f"every process gone {took:.3f}s after the fault; launcher exits {codes}" if took is not None
+                 else "the job did not end")]
+    said = _lines(os.path.join(run_dir, "job.log"), "a deterministic failure")
+    line = next((x.strip() for x in said if x.startswith("commslayer-run:")), "")
+    out.append(Check("the launcher names the rank and the step", " at step " in line and "rank" in line,
+                     line[:300] or "no 'commslayer-run: ... a deterministic failure' line"))
+    dumped = [m for m in range(layout.ranks) if os.path.exists(os.path.join(trace_dir, f"rank{m}.json"))]
+    out.append(Check("every rank dumped its trace", dumped == list(range(layout.ranks)), f"dumps of ranks {dumped}"))
+    restarted = [x.strip()[:120] for x in (_lines(os.path.join(run_dir, "job.log"), "starting life")
+                                           + _lines(os.path.join(run_dir, "job.log"), "healed from a live replica"))]
+    out.append(Check("nothing was restarted", not restarted, "; ".join(restarted) or "no restart, no heal"))
     return out
 
 

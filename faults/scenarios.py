@@ -72,7 +72,7 @@ class Scenario:
     faults: Callable[[Layout], List[Fault]] = lambda layout: []
     external: Optional[str] = None           # coordinator-kill | -stop | link-cut | bandwidth-cap | disk-full
     #                                          | etcd-leader-kill | etcd-leader-stop | etcd-quorum-loss
-    expect: str = "survive"                  # survive | stop
+    expect: str = "survive"                  # survive | stop (the job cannot go on) | bug (the job stops on it)
     fast: bool = True                        # in the default test suite
     needs_root: bool = False
     per_replica: Optional[int] = None        # the layout it needs (default: the harness's)
@@ -121,11 +121,11 @@ def _mismatch(kind: str) -> Scenario:
         f"mismatch-{kind}", "bad-input",
         f"rank issues the job's per-step loss all_reduce with a different {kind} at step {FAULT_STEP}",
         "with COMMSLAYER_CHECK=1 every member of the communicator raises CollectiveMismatch naming the rank "
-        "before anything is sent; the rank's replica group leaves, is restarted and heals; the viewer names "
-        "the rank",
+        "before anything is sent; a mismatch is a bug, not a fault: the job stops within seconds with the "
+        "rank and the step named, every rank dumps its trace, nothing is restarted; the viewer names the rank",
         _at_op("mismatch", "all_reduce", "c10d", lambda layout: layout.step + 1, mismatch=kind),
         # shape in the default suite; every kind is also checked at the op level (tests/test_errors.py)
-        env={"COMMSLAYER_CHECK": "1"}, culprit=True, fast=kind == "shape")
+        env={"COMMSLAYER_CHECK": "1"}, expect="bug", culprit=True, fast=kind == "shape")
 
 
 SCENARIOS: List[Scenario] = [
@@ -141,9 +141,11 @@ SCENARIOS: List[Scenario] = [
     Scenario("exit", "process-death", f"a rank calls sys.exit(1) at step {FAULT_STEP}, before the optimizer step",
              "a clean exit is a loss like any other: seen at once (the connection closes), survived, healed",
              _at_step("exit", "optimizer"), fast=False),  # a rank that exits 0 is a loss in tests/test_lifecycle.py
-    Scenario("exception", "process-death", f"a Python exception in a rank's backward at step {FAULT_STEP}",
-             "the exception ends the rank's process; survived and healed as a death",
-             _at_step("raise", "backward"), fast=False),  # ends the process as exit does
+    Scenario("exception", "bug", f"a Python exception in a rank's backward at step {FAULT_STEP}",
+             "an exception of the script's own code is a bug, not a fault: a restart would only repeat it, so "
+             "the job stops within seconds, the launcher names the rank, the step and the exception, every "
+             "rank dumps its trace and nothing is restarted",
+             _at_step("raise", "backward"), expect="bug", culprit=True, fast=False),
     Scenario("sigstop", "hang", f"SIGSTOP of a rank for 5 s at step {FAULT_STEP} (then SIGCONT)",
              "the stopped rank is declared lost after the peer timeout (3 s), the survivors go on without it; "
              "when it resumes it is fenced (its group was dropped; it never commits another step) and its "

@@ -108,16 +108,27 @@ def test_the_average_begun_during_backward_equals_the_one_after_it(clean, tmp_pa
     ("shape", ["StateMismatch", "replica 0 vs replica 1", "counter.value: float32[3] vs float32[4]"]),
     ("no-grads", ["InvalidArgument", "step() at step 0 found no gradients"]),
     ("no-step", ["InvalidArgument", "step 0 ended without job.step()"]),
+    ("no-optimizer", ["InvalidArgument", "no optimizer is registered, so step() would train nothing"]),
+    ("other-model", ["InvalidArgument", "trainable parameter(s) of the registered modules are held by no registered "
+                                        "optimizer (model.weight, model.bias)"]),
+    ("scheduler", ["InvalidArgument", "optimizer 'optimizer' is driven by a learning-rate scheduler that is not "
+                                      "registered"]),
 ])
 def test_a_mistake_is_a_clear_error_on_every_rank(mistake, expected):
-    run = launch(MISUSE, mistake)
+    """A mistake is a bug, not a fault: every rank that makes it says why in one line, and
+    the launcher stops the job at once (--max-restarts 2: nothing is restarted)."""
+    run = launch(MISUSE, mistake, restarts=2)
     out = run.stdout + run.stderr
-    assert run.returncode != 0, out
+    assert run.returncode == 1, out
     leaving = [line for line in out.splitlines() if "leaving (" in line]
-    assert len(leaving) == 2, out  # both replicas' ranks say why, in one line each
+    assert leaving, out  # each rank says why, in one line (a rank the launcher ended first may not)
     for line in leaving:
         for text in expected:
             assert text in line, line
+    stop = [line for line in run.stderr.splitlines() if line.startswith("commslayer-run:")]
+    assert len(stop) == 1 and "a deterministic failure" in stop[0] and " at step 0 with " in stop[0], out
+    assert expected[0] in stop[0] and "replica group" in stop[0], stop
+    assert "healed from a live replica" not in out and "restarted (restart" not in out, out
 
 
 @pytest.mark.timeout(120)

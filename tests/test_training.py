@@ -143,7 +143,7 @@ def test_soak_twenty_faults(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="")
     steps = 6000  # enough for 20 restarts (several seconds each) at a few hundredths of a second per step
     args = [a if a != str(STEPS) else str(steps) for a in TINY]
-    cmd = [*LAUNCHER, "--max-restarts", "12", "--run-dir", str(tmp_path), TRAIN, *args]
+    cmd = [*LAUNCHER, "--max-restarts", "12", "--crash-loop", "off", "--run-dir", str(tmp_path), TRAIN, *args]
     for k in kills:
         cmd += ["--kill", k]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1100)

@@ -3,7 +3,10 @@
 ``extra-state``  replica 1 registers one object more than replica 0;
 ``shape``        replica 1's registered counter has another shape;
 ``no-grads``     the loop calls ``job.step()`` without a backward pass;
-``no-step``      the loop never calls ``job.step()``.
+``no-step``      the loop never calls ``job.step()``;
+``no-optimizer``  only the model is registered;
+``other-model``   the optimizer was built over another model's parameters;
+``scheduler``     an LR scheduler drives the optimizer but is not registered.
 
 Each must end every rank with a clear error, not a hang or a silent divergence.
 """
@@ -32,9 +35,13 @@ def main() -> None:
     job = resilience.init()
     torch.manual_seed(0)
     model = nn.Linear(4, 4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = torch.optim.SGD((nn.Linear(4, 4) if mistake == "other-model" else model).parameters(), lr=0.1)
+    if mistake == "scheduler":
+        torch.optim.lr_scheduler.StepLR(opt, step_size=2)
     state = {"model": model, "optimizer": opt,
              "counter": Counter(4 if mistake == "shape" and job.replica == 1 else 3)}
+    if mistake == "no-optimizer":
+        del state["optimizer"]
     if mistake == "extra-state" and job.replica == 1:
         state["extra"] = Counter(2)
     job.register(**state)
