@@ -156,6 +156,13 @@ def run_dir() -> Optional[str]:
     return _path("COMMSLAYER_RUN_DIR", directory=True) or None
 
 
+def scratch_dir() -> Optional[str]:
+    """``COMMSLAYER_SCRATCH_DIR``: set by ``commslayer-run`` in per-rank mode: a directory in
+    host memory (``/dev/shm``) that it removes whatever way it ends, where a ``PeerJob``
+    leaves the whole state while it starts again resharded. None when unset."""
+    return _path("COMMSLAYER_SCRATCH_DIR", directory=True) or None
+
+
 def job_rank() -> Optional[int]:
     """``COMMSLAYER_JOB_RANK``: this process's rank in a job made of several torchruns
     (one per replica group, ``commslayer-run``), each of which numbers its ranks

@@ -86,9 +86,11 @@ import argparse
 import faulthandler
 import math
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from typing import Dict, List, NoReturn, Optional, Tuple
@@ -309,6 +311,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         store = _job_store(a)
         if a.per_rank:
+            a.scratch = tempfile.mkdtemp(prefix="commslayer-run-", dir="/dev/shm" if os.path.isdir("/dev/shm")
+                                         else None)
             gone = supervise_ranks(_rank_job(a), store, procs)
         else:
             codes = _supervise(a, store, procs)
@@ -329,6 +333,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second Ctrl-C must not cut the ending short
             signal.signal(sig, signal.SIG_IGN)
         procs.stop()
+        if getattr(a, "scratch", None):  # the ranks' files in host memory (a reshard's whole state)
+            shutil.rmtree(a.scratch, ignore_errors=True)
         if getattr(a, "claim", None) is not None:
             a.claim.release()
     if a.per_rank:
@@ -440,7 +446,7 @@ def _worker_env(a: argparse.Namespace) -> Dict[str, str]:
 
 
 def _rank_job(a: argparse.Namespace) -> RankJob:
-    return RankJob(command=[a.script, *a.script_args], env=_worker_env(a), store_address=a.coordinator or a.address,
+    return RankJob(command=[a.script, *a.script_args], env=dict(_worker_env(a), COMMSLAYER_SCRATCH_DIR=a.scratch), store_address=a.coordinator or a.address,
                    world_size=a.world_size, node=a.node_rank, per_node=a.nproc_per_node,
                    max_restarts=a.max_restarts, grace_s=a.grace, coordinator=a.coordinator,
                    crash_loop=a.crash_loop, crash_window_s=a.crash_window_s)

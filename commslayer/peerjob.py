@@ -213,12 +213,12 @@ class PeerJob(Job):
     def _on_sending(self, step: int) -> None:
         self._phase("refresh")
 
-    def step(self, loss: Optional[torch.Tensor] = None) -> None:
+    def step(self, loss: Optional[torch.Tensor] = None) -> bool:
         """After ``loss.backward()``: wait for the copies of the step's boundary, vote, and
-        apply the optimizers only if every rank's step succeeded. A step voted down is
-        recovered from (the lost rank replaced, every rank back at a boundary whose
-        state every rank has) and ``steps`` yields that boundary's step next; its loss
-        reads NaN until it is redone."""
+        apply the optimizers only if every rank's step succeeded: True. A step voted
+        down is recovered from (the lost rank replaced, every rank back at a boundary
+        whose state every rank has) and ``steps`` yields that boundary's step next: False
+        (its loss reads NaN until it is redone)."""
         step, _, grads = self._begin_step()
         average = None
         if loss is not None:
@@ -234,12 +234,13 @@ class PeerJob(Job):
                 self.losses[step] = average.item()
             self.step_s.append(time.perf_counter() - self._t0)
             self._report_recovery(step)
-            return
+            return True
         for opt in self._state.optimizers.values():
             opt.zero_grad()
         self.losses[step] = float("nan")
         self._stepped = True
         self._recover(step)
+        return False
 
     def _commit(self, ok: bool) -> bool:
         try:
@@ -301,7 +302,8 @@ class PeerJob(Job):
             gone = self._gone(lost)
             give_up = torch.tensor([int(bool(gone) or time.monotonic() > deadline)])
             survivors.all_reduce(give_up, ReduceOp.MAX)  # all decide together
-            if int(give_up) and config.reshard():
+            too_few = survivors.get_size() <= self._degree  # a smaller job could not hold the copies
+            if int(give_up) and config.reshard() and not too_few:
                 self._reshard(survivors, lost, step, detected)
             if int(give_up):
                 # Asked again: another survivor may have seen the launcher's word after this one
@@ -310,7 +312,10 @@ class PeerJob(Job):
                 self._fail(ReplacementMissing(
                     f"rank(s) {[self._launched[r] for r in lost]} lost at step {step} got no replacement ("
                     + (f"the launcher's restarts ran out for {gone}" if gone else
-                       f"none within {self._replace_timeout_s:g}s") + f"); the job last committed step "
+                       f"none within {self._replace_timeout_s:g}s") + ")"
+                    + (f" and the {survivors.get_size()} survivor(s) are too few to go on resharded with redundancy "
+                       f"{self._degree} (each rank's state needs {self._degree} holder(s) among the others)"
+                       if too_few and config.reshard() else "") + f"; the job last committed step "
                     f"{self._committed}: resume from a checkpoint taken at or before it",
                     comm=survivors.get_name(), op="recover", ranks=lost))
             time.sleep(POLL_S)
@@ -333,8 +338,8 @@ class PeerJob(Job):
         snapshots = {self._launched[r]: torch.load(io.BytesIO(data), weights_only=True) for r, data in states.items()}
         whole = merge(snapshots, self._state.sharded())
         kept = [self._launched[m] for m in survivors.members]
-        fd, path = tempfile.mkstemp(prefix="commslayer-reshard-", suffix=".pt",
-                                    dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        fd, path = tempfile.mkstemp(prefix="commslayer-reshard-", suffix=".pt", dir=config.scratch_dir() or (
+            "/dev/shm" if os.path.isdir("/dev/shm") else None))
         with os.fdopen(fd, "wb") as f:
             torch.save({"step": to_step, "whole": whole, "digest": _whole_digest(whole)}, f)
         if not survivors.should_commit(True):  # every survivor has its file

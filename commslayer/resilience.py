@@ -448,11 +448,11 @@ class Job:
                                   op="steps")
         self._total = total
 
-    def step(self, loss: Optional[torch.Tensor] = None) -> None:
+    def step(self, loss: Optional[torch.Tensor] = None) -> bool:
         """After ``loss.backward()``: average the gradients across the live replica groups,
         commit, apply every registered optimizer and zero the gradients. When this
         returns the step is committed on every live replica (a loss during it was
-        recovered by redoing the average on the survivors). ``loss``, if given, is
+        recovered by redoing the average on the survivors): True. ``loss``, if given, is
         averaged over the job and recorded in ``losses`` (and the run's results)."""
         step, params, grads = self._begin_step()
         if not self._checked:
@@ -468,6 +468,7 @@ class Job:
         self._apply()
         self.step_s.append(time.perf_counter() - self._t0)
         self._report_recovery(step)
+        return True
 
     def _begin_step(self) -> Tuple[int, List[torch.Tensor], List[torch.Tensor]]:
         """``step``'s checks: the step, the registered parameters and their gradients."""
@@ -572,7 +573,7 @@ class Job:
                      self._heal_timeout_s)
         self._report_admissions()
         prints = rep.fingerprints(self._state)
-        if rep.replicate.get_rank() == 0:
+        if rep.replicate.get_rank() == 0 and len(prints) > 1:  # one replica: nothing to compare
             same = "identical" if len(set(prints)) == 1 else "DIFFERENT"
             print(f"shard {self.rank}: state of replicas {[m // self.world_size for m in rep.replicate.members]} "
                   f"fingerprints {[f'{x:016x}' for x in prints]}: {same}", flush=True)

@@ -51,21 +51,21 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(args.dim, 4 * args.dim), nn.GELU(), nn.Linear(4 * args.dim, args.dim))
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=job.mesh)
-    fully_shard(model, mesh=job.mesh)
+            fully_shard(layer, mesh=job.mesh)  # commslayer
+    fully_shard(model, mesh=job.mesh)  # commslayer
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
-    data = Samples(job.replica * job.world_size + job.rank, args.batch, args.dim)
+    data = Samples(job.member, args.batch, args.dim)  # commslayer: this rank's place in the whole job
     job.register(model=model, optimizer=opt, scheduler=sched, data=data)  # commslayer
 
     for step in job.steps(args.steps):  # commslayer: instead of range(args.steps)
         x, y = data.next()
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
-        job.step(loss)  # commslayer: instead of opt.step(); opt.zero_grad()
+        committed = job.step(loss)  # commslayer: instead of opt.step(); opt.zero_grad(); all_reduce(loss)
         sched.step()
-        if job.reports and step % 10 == 0:
-            print(f"step {step} loss {job.losses[step]:.5f} replicas {job.live_replicas}", flush=True)
+        if committed and job.reports and step % 10 == 0:  # commslayer
+            print(f"step {step} loss {job.losses[step]:.6g}", flush=True)  # commslayer
     job.finish()  # commslayer
 
 

@@ -1,0 +1,208 @@
+"""A bug is not a fault (commslayer/failures.py): a user's FSDP2 script (tests/jobs/user_fsdp2.py)
+under ``commslayer-run`` in both modes, with the mistakes users make.
+
+An exception of the script's own code, or a skipped ``job.step()``, stops the whole job
+within seconds with the rank, the step, the exception and the script's line named; nothing
+is restarted, every rank dumps its trace.  A SIGKILL of the same rank at the same step is
+still a fault, recovered.  The docs' recipe is a pair of files whose difference the test
+counts.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List, Tuple
+
+import pytest
+
+from commslayer.runs import load_summary
+from tests.harness import job_story
+
+ROOT = Path(__file__).resolve().parent.parent
+USER = ROOT / "tests" / "jobs" / "user_fsdp2.py"
+PLAIN, RESILIENT = (ROOT / "launch" / "examples" / f"fsdp2_{kind}.py" for kind in ("plain", "resilient"))
+MODES = {"per-rank": ["--nproc-per-node", "3"], "replica": ["--replicas", "2", "--nproc-per-replica", "2"]}
+STOP_S = 10.0  # from the failing rank's 'leaving' line to the launcher's exit
+
+
+def run(tmp_path: Path, mode_args: List[str], *script_args: str, launcher: Tuple[str, ...] = (),
+        env: dict = None, timeout: float = 150) -> Tuple[int, str, float]:
+    """The launcher on the user's script, from outside the repository: its exit status, its
+    whole output, and the seconds from the first rank's 'leaving' line to its exit (0: none)."""
+    cmd = [sys.executable, "-m", "commslayer.launcher", *mode_args, "--max-restarts", "3", "--grace", "3",
+           "--run-dir", str(tmp_path / "run"), *launcher, str(USER), *script_args]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    proc = subprocess.Popen(cmd, env=full_env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, left = [], None
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if left is None and "leaving (" in line:
+            left = time.monotonic()
+        if time.monotonic() > deadline:
+            proc.kill()
+            break
+    code = proc.wait(timeout=30)
+    took = time.monotonic() - left if left is not None else 0.0
+    return code, "".join(lines), took
+
+
+def stop_line(out: str) -> str:
+    [line] = [x for x in out.splitlines() if x.startswith("commslayer-run:")]
+    return line
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode, member, unit", [("per-rank", 1, "rank 1"), ("replica", 3, "replica group 1 rank 1")])
+def test_a_bug_stops_the_job_with_the_rank_named(tmp_path, mode, member, unit):
+    """The script raises at step 6 on one rank, as it would again in every life: the job
+    stops at once, exit 1, one line naming the rank, the step, the error and the line of
+    the script; every rank's trace dumped; no restart, no reshard; the summary says so."""
+    code, out, took = run(tmp_path, MODES[mode], "--bug", f"6:{member}")
+    assert code == 1, job_story(out)
+    line = stop_line(out)
+    assert f"{unit} (life 0, pid " in line and "failed at step 6 with ValueError: bad batch at step 6" in line, line
+    assert "user_fsdp2.py:" in line and ", in check_batch: raise ValueError(" in line, line
+    assert "a deterministic failure (an exception of the script's own code)" in line, line
+    assert took < STOP_S, (took, job_story(out))
+    for noise in ("starting life", "resharding", "healed from a live replica", "gave up"):
+        assert noise not in out, (noise, job_story(out))
+    traces = tmp_path / "run" / "traces"
+    ranks = 3 if mode == "per-rank" else 4
+    assert sorted(p.name for p in traces.glob("rank*.json")) == [f"rank{r}.json" for r in range(ranks)], out[-3000:]
+    summary = load_summary(str(tmp_path / "run"))
+    assert summary is not None and not summary.ok and unit in (summary.stopped or "")
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode", ["per-rank", "replica"])
+def test_a_sigkill_at_the_same_step_is_still_recovered(tmp_path, mode):
+    """The same rank at the same step, SIGKILLed (its first life only): a fault, recovered,
+    and --compare-to against a fault-free run takes the fault from the run's own records
+    (nothing was injected by a harness)."""
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    code, out, _ = run(clean, MODES[mode], "--steps", "16")
+    assert code == 0, job_story(out)
+    member = 1 if mode == "per-rank" else 3
+    code, out, _ = run(tmp_path, MODES[mode], "--steps", "16", "--kill", f"6:{member}",
+                       launcher=("--compare-to", str(clean / "run"), "--loss-tolerance", "1"))
+    assert code == 0, job_story(out)
+    assert "a deterministic failure" not in out
+    compared = [x for x in out.splitlines() if x.startswith("summary: loss vs the fault-free run")]
+    assert len(compared) == 1 and "steps before the fault identical: True" in compared[0], compared
+    assert re.search(r"final loss \d\.\d{5}", compared[0]), compared  # significant digits, not 0.0000
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("args, says", [
+    (["--skip", "6:1"], "rank 1 (life 0, pid"),
+    (["--no-optimizer"], "no optimizer is registered"),
+    (["--unregistered-scheduler"], "driven by a learning-rate scheduler that is not registered"),
+])
+def test_a_mistake_in_per_rank_mode_stops_the_job(tmp_path, args, says):
+    code, out, _ = run(tmp_path, MODES["per-rank"], *args)
+    assert code == 1, job_story(out)
+    line = stop_line(out)
+    assert says in line and "InvalidArgument" in line and "a deterministic failure" in line, line
+    assert "starting life" not in out and "resharding" not in out, job_story(out)
+
+
+@pytest.mark.timeout(120)
+def test_the_smallest_job_stops_with_a_clear_error_instead_of_resharding(tmp_path):
+    """Two ranks with redundancy 1, one lost and no restart left: one survivor cannot hold a
+    copy of anyone's state, so the job ends with ReplacementMissing saying so, no traceback."""
+    code, out, _ = run(tmp_path, ["--nproc-per-node", "2"], "--kill", "6:1", launcher=("--max-restarts", "0"))
+    assert code == 1, job_story(out)
+    leaving = [x for x in out.splitlines() if "leaving (ReplacementMissing" in x]
+    assert len(leaving) == 1 and "too few to go on resharded with redundancy 1" in leaving[0], job_story(out)
+    assert "Traceback" not in out and "resharding" not in out, job_story(out)
+
+
+@pytest.mark.timeout(120)
+def test_a_resharding_job_ended_midway_leaves_nothing_in_host_memory(tmp_path):
+    """SIGTERM to the launcher as soon as the survivors reshard: its scratch directory in
+    /dev/shm (where the whole state is left for the restarted script) is gone."""
+    shm = Path("/dev/shm")
+    before = set(shm.glob("commslayer-*"))
+    cmd = [sys.executable, "-m", "commslayer.launcher", "--nproc-per-node", "3", "--max-restarts", "0", "--grace",
+           "3", str(USER), "--steps", "400", "--kill", "6:2"]
+    proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR=""), cwd="/",
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "resharding: rank(s) [2] lost" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    proc.communicate(timeout=60)
+    assert any("resharding: rank(s) [2] lost" in x for x in seen), "".join(seen)[-3000:]
+    assert set(shm.glob("commslayer-*")) - before == set()
+
+
+@pytest.mark.timeout(60)
+def test_a_crash_loop_stops_the_job_with_the_rank_named(tmp_path):
+    """Rank 1 exits 1 in every life (each looks like a lost process): its third failure
+    within the window stops the job although restarts are left."""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    job = ROOT / "tests" / "jobs" / "rank_unit_job.py"
+    proc = subprocess.run([sys.executable, "-m", "commslayer.launcher", "--nproc-per-node", "3", "--max-restarts",
+                           "9", "--crash-loop", "3/60", "--grace", "2", str(job), "always-fail", str(out_dir)],
+                          env=dict(os.environ, COMMSLAYER_TRACE_DIR=""), cwd="/", capture_output=True, text=True,
+                          timeout=50)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr
+    assert proc.stderr.splitlines() == [
+        "commslayer-run: rank 1 failed 3 times within 60s (life 0 exited with status 1; life 1 exited with status 1; "
+        "life 2 exited with status 1): a crash loop (--crash-loop 3/60), not a fault to recover from: the job "
+        "stops"], proc.stderr
+    assert sorted(p.stem for p in out_dir.glob("rank1-life*.json")) == ["rank1-life0", "rank1-life1", "rank1-life2"]
+
+
+def _code(path: Path) -> List[str]:
+    """A script's lines after its module docstring, blank lines left out."""
+    text = path.read_text()
+    doc = ast.parse(text).body[0]
+    return [line for line in text.splitlines()[doc.end_lineno:] if line.strip()]
+
+
+def test_the_recipe_changes_the_lines_the_docs_say():
+    """The resilient example differs from its plain twin in exactly the lines marked
+    ``# commslayer``, and docs/training.md states that count."""
+    diff = [x for x in difflib.unified_diff(_code(PLAIN), _code(RESILIENT), lineterm="", n=0)
+            if x[:1] in "+-" and not x.startswith(("+++", "---"))]
+    removed = sum(x.startswith("-") for x in diff)
+    added = [x for x in diff if x.startswith("+")]
+    assert all("# commslayer" in x for x in added), added
+    assert len(added) == sum("# commslayer" in x for x in _code(RESILIENT))
+    said = re.search(r"(\d+) lines removed and (\d+) added", (ROOT / "docs" / "training.md").read_text())
+    assert said is not None and (int(said.group(1)), int(said.group(2))) == (removed, len(added)), \
+        (said and said.group(0), removed, len(added))
+
+
+@pytest.mark.timeout(150)
+def test_the_resilient_script_and_its_plain_twin_print_the_same_losses_under_torchrun(tmp_path):
+    """Under plain torchrun (no commslayer-run) the converted script is one replica group and
+    trains exactly as the script it was made from."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="")
+    for name in ("COMMSLAYER_JOB_STORE", "COMMSLAYER_REPLICA", "COMMSLAYER_REPLICAS", "COMMSLAYER_RUN_DIR"):
+        env.pop(name, None)
+    printed = {}
+    for script in (PLAIN, RESILIENT):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script),
+                               "--steps", "31"], env=env, cwd=str(tmp_path), capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, job_story(proc.stdout + proc.stderr)
+        printed[script.stem] = [x for x in proc.stdout.splitlines() if x.startswith("step ")]
+        assert "state of replicas" not in proc.stdout  # one replica: nothing to compare, nothing said
+    assert len(printed["fsdp2_plain"]) == 4 and printed["fsdp2_plain"] == printed["fsdp2_resilient"], printed
