@@ -103,10 +103,31 @@ def test_a_lost_rank_is_replaced_and_nothing_is_lost(clean, tmp_path, where, tar
     assert rec.lost_replicas == [target] and rec.committed_at is not None
     assert "survivor stall (fault to next committed step)" in run.stdout
     if where == "backward":
-        code, out, err = run_cli("diagnose", str(traces))
-        assert code == 0, out + err  # a recovered job: nothing is wrong
-        assert f"The job lost rank {target} at step {FAULT_STEP} and recovered" in out, out
+        out = assert_per_rank_story(traces, target, FAULT_STEP, replaced.start_step)
         assert f"rank {target} (restarted) healed from rank {(target + 1) % RANKS}" in out, out  # its holder
+
+
+def assert_per_rank_story(traces: Path, target: int, fault_step: int, continued_at: int) -> str:
+    """What ``commslayer-trace diagnose`` tells of a per-rank job that replaced rank ``target``
+    (lost in ``fault_step``; its replacement continued at ``continued_at``, its own record);
+    the report."""
+    code, out, err = run_cli("diagnose", str(traces))
+    assert code == 0, out + err  # a recovered job: nothing is wrong
+    assert "called from different lines" not in out, out  # the replacement's start-up ops are no split
+    head = out.splitlines()[0]
+    assert f"The job lost rank {target} at step {fault_step} and recovered in " in head, head
+    assert f"rank {target} rejoined at step {continued_at} after a restart" in head, head  # what it printed
+    assert (f"; back to step {continued_at})" in head) == (continued_at != fault_step), head
+    d = json.loads(run_cli("diagnose", "--json", str(traces))[1])
+    [loss] = d["recovery"]["losses"]
+    assert loss["recovered_by"] == "first commit" and loss["recovery_s"] >= loss["resume_s"] >= loss["decision_s"]
+    for r in d["ranks"]:  # every rank finished; the survivors had dumped on the loss before
+        assert r["reason"].startswith("finished (exit 0)"), r
+        assert (r["rank"] == target) != r["reason"].startswith("finished (exit 0); earlier dump on "), r
+    # its first life was SIGKILLed without JSON lines: its last op comes from its peers' records
+    [row] = [row for c in d["communicators"] if c["uid"] == "shards.0" for row in c["rows"] if row["rank"] == target]
+    assert row["last_entered"] is None and row["from"].startswith("from its peers' records: "), row
+    return out
 
 
 @pytest.mark.timeout(200)
@@ -131,12 +152,14 @@ def test_refresh_every_k_steps_goes_back_at_most_k_steps(clean, tmp_path):
     """COMMSLAYER_REFRESH_EVERY=5: the copies are 0..4 steps old; a loss redoes those
     steps and the end is still the fault-free state."""
     run = launch(tmp_path, [{"action": "sigkill", "rank": 2, "step": FAULT_STEP + 3, "phase": "backward"}],
-                 env={"COMMSLAYER_REFRESH_EVERY": "5"})
+                 env={"COMMSLAYER_REFRESH_EVERY": "5", "COMMSLAYER_TRACE_DIR": str(tmp_path / "traces")})
     log = run.stdout[-4000:] + run.stderr[-4000:]
     assert run.returncode == 0, job_story(run.stdout + run.stderr)
     results = by_rank(tmp_path)
     assert_same_as_clean(results, clean, log)
     assert results[2].start_step == FAULT_STEP  # the last refresh before step 23 was at step 20
+    # the viewer: lost in step 23, rejoined at step 20 (as the replacement said), back to step 20
+    assert_per_rank_story(tmp_path / "traces", 2, FAULT_STEP + 3, results[2].start_step)
 
 
 @pytest.mark.timeout(200)

@@ -29,7 +29,8 @@ def test_short_error_keeps_the_cause_only():
     assert loss_cause("peer lost: rank 2 (member 2): rank 2: no heartbeat for 5.00s (stopped or hung)") == \
         "no heartbeat for 5.00s (stopped or hung)"
     reason = f"PeerLost: {GLOO}; communicator 'a' being shrunk after a loss; exit"
-    assert short_reason(reason) == "PeerLost: peer lost: rank(s) 1 (backend: Connection closed by peer) (+2 more)"
+    assert short_reason(reason) == \
+        "finished (exit 0); earlier dump on PeerLost: peer lost: rank(s) 1 (backend: Connection closed by peer) (+1 more)"
     assert relative_site("/job/dir/train.py:12", "/job/dir") == "train.py:12"
     assert relative_site("/elsewhere/x.py:3", "/job/dir") == "/elsewhere/x.py:3"
 
@@ -72,7 +73,8 @@ def test_a_job_that_recovered_is_told_as_such(tmp_path):
     assert head.startswith("The job lost rank 2 at step 7 and recovered in ") and "(generation 1: ranks 0, 1)" in head
     assert "GLHF" not in out and "pair.cc" not in out  # the backend's text is not in the report
     assert "recovered from: 'a' (a.0) went wrong at all_reduce #3" in out
-    assert "dumped on: PeerLost: peer lost: rank(s) 1 (backend: Connection closed by peer) (+1 more)" in out
+    assert "finished (exit 0); earlier dump on PeerLost: peer lost: rank(s) 1 (backend: Connection closed by peer)]" \
+        in out
     assert "at train.py:42" in out and "/job/dir" not in out
     d = json.loads(run_cli("diagnose", "--json", traces)[1])
     [loss] = d["recovery"]["losses"]

@@ -19,12 +19,12 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from itertools import chain, compress, repeat
 from operator import add, lt, sub
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from .records import COMPLETED, SCHEDULED, STARTED, STATES
-from .messages import human_bytes, relative_site, short_error, short_reason
+from .messages import ended, human_bytes, relative_site, short_error, short_reason
 from .layout import LayoutBuilder, RankLayout, lane_positions, life_ends
-from .story import recovery_story
+from .story import lineage as lineage_of, recovery_story
 from .traceio import RankSource, TraceFileError, discover, life_communicators, life_uid, rank_records, rank_rows
 
 RS_OPS = frozenset(("reduce_scatter_single", "reduce_scatter"))
@@ -809,15 +809,19 @@ def diagnose(scan: JobScan) -> Dict[str, Any]:
         findings.append(Finding("info", f"{_ranks(rs)}: {n} records each are in no file "
                                         "(ring overwritten, queue overflow or failed writes)", rs))
     mismatches = _mismatches(scan, findings, culprits)
-    _call_site_splits(scan, findings)
+    _call_site_splits(scan, findings, story)
     comms = []
     for uid in sorted({k[0] for k in scan.collectives} | set(scan.communicators)):
-        comms.append(_diagnose_comm(scan, uid, missing, mismatches, findings, culprits, uid in story["superseded"]))
+        comms.append(_diagnose_comm(scan, uid, missing, mismatches, findings, culprits, uid in story["superseded"],
+                                    _lost_ranks(story)))
     ranks = []
     for r in sorted(expected):
         source = scan.sources.get(r)
         if source is None:
-            ranks.append({"rank": r, "files": [], "stands": "no trace file", "call_site": None, "reason": None})
+            seen = [row["from"] for c in comms for row in c["rows"] if row["rank"] == r and row["from"]]
+            seen.sort(key=lambda text: "they were in" not in text)  # where the peers found it first
+            ranks.append({"rank": r, "files": [], "stands": "no trace file" + (f"; {seen[0]}" if seen else ""),
+                          "call_site": None, "reason": None})
             continue
         stuck = scan.unfinished.get(r) or []
         last = scan.last_record.get(r)
@@ -861,20 +865,54 @@ def _describe(fp: Tuple[Any, ...]) -> str:
     return f"{op}({', '.join(parts)})"
 
 
-def _call_site_splits(scan: JobScan, findings: List[Finding]) -> None:
+def _joining(story: Dict[str, Any]) -> Dict[Tuple[str, int], Dict[int, Optional[int]]]:
+    """(lineage, generation) -> {rank that joined it: the aligned time it was healed (None:
+    no heal recorded)}: the generations a restarted rank (or replica group) was admitted to."""
+    out: Dict[Tuple[str, int], Dict[int, Optional[int]]] = {}
+    for adm in story["admissions"]:
+        healed = {h["rank"]: h["t_ns"] for h in adm["heals"]}
+        out[(adm["lineage"], adm["generation"])] = {r: healed.get(r) for r in adm["joined"]}
+    return out
+
+
+def _joiners_apart(scan: JobScan, key: Tuple[str, int, int], groups: Dict[int, List[int]],
+                   joining: Dict[Tuple[str, int], Dict[int, Optional[int]]]) -> bool:
+    """True when collective ``key``'s call sites split only between the ranks that joined its
+    generation, issuing it before they were healed (a replacement's start-up: receiving its
+    state, the vote on it), and the ranks that were already there (inside their recovery):
+    the same op from other lines, legitimately."""
+    joined = joining.get((lineage_of(key[0]), key[1]))
+    if not joined:
+        return False
+    a = scan.collectives[key]
+    for rank, enq in zip(a[_RANK::_W], a[_ENQ::_W]):
+        healed = joined.get(rank)
+        if healed is not None and enq - scan.offsets[rank].offset_ns > healed:
+            return False  # a joiner's op after its heal: it is in the training loop, like the others
+    kinds = [{r in joined for r in rs} for rs in groups.values()]
+    # one line for the joiners, another for the others: any other split is a real one
+    return all(len(k) == 1 for k in kinds) and sorted(k.pop() for k in kinds) == [False, True]
+
+
+def _call_site_splits(scan: JobScan, findings: List[Finding], story: Dict[str, Any]) -> None:
     """Same collective, different lines of code: the ranks took different paths
-    (a rank that skipped or added a collective is one call ahead from there on)."""
+    (a rank that skipped or added a collective is one call ahead from there on).
+    Not a sign of that: a rank that joined a generation issuing its first ops from its
+    start-up while the others issue them from their recovery (``_joiners_apart``)."""
     names = {sid: site for site, sid in scan.call_sites.items()}
     reported: Dict[str, int] = {}
+    joining = _joining(story)
     for key in sorted(scan.collectives, key=lambda k: (k[0], k[1], k[2])):
         a = scan.collectives[key]
         sids = a[_SITE::_W]
         if len(set(sids)) < 2 or reported.get(key[0], 0) >= 3:
             continue
-        reported[key[0]] = reported.get(key[0], 0) + 1
         groups: Dict[int, List[int]] = {}
         for rank, sid in zip(a[_RANK::_W], sids):
             groups.setdefault(sid, []).append(rank)
+        if _joiners_apart(scan, key, groups, joining):
+            continue
+        reported[key[0]] = reported.get(key[0], 0) + 1
         where = "; ".join(f"{_ranks(rs)} at {scan.site(names[sid])}"
                           for sid, rs in sorted(groups.items(), key=lambda kv: min(kv[1])))
         name = scan.communicators.get(key[0], {}).get("name") or key[0]
@@ -913,23 +951,68 @@ def _mismatches(scan: JobScan, findings: List[Finding], culprits: Dict[int, str]
     return out
 
 
+def _own_source(scan: JobScan, rank: int, rec: Dict[str, Any],
+                lost: Dict[Tuple[str, int], Set[int]]) -> Optional[str]:
+    """Where a lost life's last op ``rec`` came from, when the life that recorded it was lost
+    (None otherwise: the figure is simply the rank's own): its JSON lines, its dump at its
+    end (SIGTERM), or a dump it wrote before it was lost (on an earlier error or SIGUSR1),
+    which may be older than its end."""
+    if rank not in lost.get((lineage_of(rec["comm_id"]), rec.get("generation") or 0), ()):
+        return None
+    src = scan.sources[rank]
+    life = next((s for s in [src, *src.lives] if s.life == (rec.get("life") or 0)), src)
+    if life.jsonl_path:
+        return "its own JSON lines (up to their last flush before it was lost)"
+    if ended(life.reason):
+        return f"its own dump at its end ({short_reason(life.reason)})"
+    return f"its own last dump ({short_reason(life.reason) or 'no reason'}), written before it was lost: " \
+        "it may have gone on after it"
+
+
+def _peers_view(scan: JobScan, uid: str, rank: int, trouble: Optional[Dict[str, Any]],
+                lost: Dict[Tuple[str, int], Set[int]]) -> Optional[str]:
+    """What the other members' records say of a member that left no record of ``uid`` (a
+    SIGKILLed life without JSON lines): the last collective they all completed (a symmetric
+    one needs every member, so it entered that one too) and the op they were in
+    (``trouble``: where they found it lost), with its sequence number and call site."""
+    best: Optional[Tuple[int, int]] = None
+    for (comm, gen, seq), a in scan.collectives.items():
+        if comm == uid and scan.coll_ops[(comm, gen, seq)] in SYMMETRIC_OPS and rank not in a[_RANK::_W] \
+                and all(st == _COMPLETED for st in a[_STATE::_W]) and (best is None or (gen, seq) > best):
+            best = (gen, seq)
+    if best is None and trouble is None:
+        return None
+    parts = []
+    if best is not None:
+        op = scan.coll_ops[(uid, best[0], best[1])]
+        parts.append(f"it entered {op} #{best[1]} (they completed it, which needs every member)")
+    if trouble is not None:
+        when = " when they lost it" if rank in lost.get((lineage_of(uid), trouble.get("generation") or 0), ()) else ""
+        parts.append(f"they were in {_where(trouble, scan)}{when}")
+    return "from its peers' records: " + "; ".join(parts)
+
+
+def _lost_ranks(story: Dict[str, Any]) -> Dict[Tuple[str, int], Set[int]]:
+    """(lineage, generation) -> the ranks lost in it (the story's losses)."""
+    out: Dict[Tuple[str, int], Set[int]] = {}
+    for loss in story["losses"]:
+        out.setdefault((loss["lineage"], loss["generation"]), set()).update(loss["lost"])
+    return out
+
+
 def _diagnose_comm(scan: JobScan, uid: str, missing: List[int], mismatches: Dict[Tuple[str, int, int], List[int]],
-                   findings: List[Finding], culprits: Dict[int, str], superseded: bool = False) -> Dict[str, Any]:
+                   findings: List[Finding], culprits: Dict[int, str], superseded: bool = False,
+                   lost: Optional[Dict[Tuple[str, int], Set[int]]] = None) -> Dict[str, Any]:
     """One communicator's rows; what went wrong in it into ``findings`` and ``culprits``
-    (as history, ``info``, when the job recovered from it: ``superseded``)."""
+    (as history, ``info``, when the job recovered from it: ``superseded``).  ``lost``:
+    ``_lost_ranks`` of the story, to say where a lost member's last op came from."""
+    lost = lost or {}
     if superseded:
         culprits = {}
     info = scan.communicators.get(uid, {})
     name = info.get("name") or uid
     members = scan.members(uid)
     present = [r for r in members if r in scan.sources]
-    rows = []
-    for r in members:
-        le, lc = scan.last_entered.get((r, uid)), scan.last_completed.get((r, uid))
-        rows.append({"rank": r, "present": r in scan.sources,
-                     "last_entered": None if le is None else f"{_op_name(le)} ({le['state']})",
-                     "last_completed": None if lc is None else _op_name(lc),
-                     "call_site": None if le is None else scan.site(le.get("call_site"), r)})
     # The first op some member did not complete: where the communicator went wrong.
     trouble: Optional[Dict[str, Any]] = None
     for r in present:
@@ -939,6 +1022,15 @@ def _diagnose_comm(scan: JobScan, uid: str, missing: List[int], mismatches: Dict
                 if trouble is None or order < ((trouble.get("generation") or 0), trouble["seq"]):
                     trouble = rec
                 break
+    rows = []
+    for r in members:
+        le, lc = scan.last_entered.get((r, uid)), scan.last_completed.get((r, uid))
+        rows.append({"rank": r, "present": r in scan.sources,
+                     "last_entered": None if le is None else f"{_op_name(le)} ({le['state']})",
+                     "last_completed": None if lc is None else _op_name(lc),
+                     "call_site": None if le is None else scan.site(le.get("call_site"), r),
+                     "from": _own_source(scan, r, le, lost) if le is not None else
+                     _peers_view(scan, uid, r, trouble, lost)})
     if trouble is not None:
         gen, seq = trouble.get("generation") or 0, trouble["seq"]
         key = (uid, gen, seq)

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO
 
 from . import analysis
 from .perfetto import export_perfetto
+from .story import recovered_text
 from .traceio import TraceFileError, iter_records
 from .viewer import MAX_OPS, write_html
 
@@ -126,17 +127,21 @@ def print_diagnosis(d: Dict[str, Any]) -> None:
     for r in d["ranks"]:
         files = "no files" if not r["files"] else ("dump" if r.get("dump") else "JSON lines only, no dump")
         lives = f", {r['lives']} lives" if r.get("lives", 1) > 1 else ""
-        why = f", dumped on: {r['reason']}" if r.get("reason") else ""
+        why = f", {r['reason']}" if r.get("reason") else ""
         say(f"  rank {r['rank']}: {r['stands']} [{files}{lives}{why}]")
     for c in d["communicators"]:
         say()
         say(f"communicator '{c['name']}' ({c['uid']}), ranks {', '.join(map(str, c['members']))}:")
         for row in c["rows"]:
-            if not row["present"]:
+            where = "" if not row.get("from") else f" ({row['from']})"
+            if row["last_entered"] is None and row.get("from"):
+                none = "no trace" if not row["present"] else "no record of its own"
+                say(f"  rank {row['rank']}: {none}; {row['from']}")
+            elif not row["present"]:
                 say(f"  rank {row['rank']}: no trace")
             else:
                 say(f"  rank {row['rank']}: last entered {row['last_entered'] or '-'}, "
-                    f"last completed {row['last_completed'] or '-'}, at {row['call_site'] or '?'}")
+                    f"last completed {row['last_completed'] or '-'}, at {row['call_site'] or '?'}{where}")
 
 
 def print_recovery(story: Dict[str, Any]) -> None:
@@ -157,13 +162,16 @@ def print_recovery(story: Dict[str, Any]) -> None:
             say(f"    decision: generation {loss['decision_generation']}, members {loss['members_before']} -> "
                 f"{loss['members_after']}, {loss['decision_s']:.3f} s after the first detection")
         if loss["resume_s"] is not None:
-            took = "" if loss["recovery_s"] is None else f"; recovered in {loss['recovery_s']:.3f} s"
+            took = recovered_text(loss)
+            took = took and f"; {took}"
             say(f"    resume: first op of generation {loss['decision_generation']} "
                 f"{loss['resume_s']:.3f} s after the first detection{took}")
         else:
             say("    no new generation ran an op: the job did not recover from it")
     for adm in story["admissions"]:
         step = "" if adm["step"] is None else f" at step {adm['step']}"
+        if adm.get("continued_at") is not None and adm["continued_at"] != adm["step"]:
+            step += f" (continuing at step {adm['continued_at']})"
         took = "" if adm["seconds"] is None else f" ({adm['seconds']:.3f} s on the survivors)"
         say(f"  admitted {', '.join(map(str, adm['joined']))}{step}: generation {adm['generation']}, members "
             f"{adm['members_before']} -> {adm['members_after']}{took}")
@@ -172,7 +180,8 @@ def print_recovery(story: Dict[str, Any]) -> None:
             group = "" if h.get("source_replica") is None else f" (replica group {h['source_replica']})"
             size = "" if h["bytes"] is None else f": {h['bytes']} B"
             took = "" if h["seconds"] is None else f" in {h['seconds']:.3f} s"
-            say(f"    rank {h['rank']}{life} healed from rank {h['source']}{group}{size}{took}")
+            at = "" if h["step"] is None else f", continuing at step {h['step']}"
+            say(f"    rank {h['rank']}{life} healed from rank {h['source']}{group}{size}{took}{at}")
     for f in story["fenced"]:
         say(f"  rank {f['rank']} fenced out of '{f['comm']}'")
 

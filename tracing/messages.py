@@ -1,4 +1,4 @@
-"""Trace text made readable: the first cause of an error, a dump's reasons, call sites.
+"""Trace text made readable: the first cause of an error, how a dump's process ended, call sites.
 
 Errors carry the backend's own words (Gloo's C++ file and line, the peer's
 address, advice and a joke) and commslayer's context in brackets.  The
@@ -45,13 +45,22 @@ def loss_cause(text: Optional[str]) -> str:
 
 def split_reasons(reason: Optional[str]) -> List[str]:
     """The reasons a dump was written for (the recorder joins them with ``; ``; a
-    ``;`` inside brackets or parentheses belongs to one reason)."""
+    ``;`` inside brackets or parentheses belongs to one reason).  A bracket that is
+    never closed (the recorders before this one cut a reason's context at a ``; ``)
+    is taken as text, so that the reasons after it still come apart."""
+    text = reason or ""
+    stack: List[int] = []
+    for i, c in enumerate(text):  # which openers have a closer
+        if c in "[(":
+            stack.append(i)
+        elif c in "])" and stack:
+            stack.pop()
+    unclosed = set(stack)
     out: List[str] = []
     depth, start = 0, 0
-    text = reason or ""
     for i, c in enumerate(text):
         if c in "[(":
-            depth += 1
+            depth += i not in unclosed
         elif c in "])":
             depth = max(0, depth - 1)
         elif c == ";" and depth == 0 and text.startswith("; ", i):
@@ -62,14 +71,33 @@ def split_reasons(reason: Optional[str]) -> List[str]:
     return out
 
 
+_EXIT = re.compile(r"^exit (-?\d+): ?(.*)$", re.S)
+
+
+def ended(reason: Optional[str]) -> bool:
+    """True when a dump with these reasons was written as its process ended (its last
+    reason: ``exit``, ``exit N: ...``, or SIGTERM), not earlier in its life."""
+    parts = split_reasons(reason)
+    return bool(parts) and (parts[-1] == "exit" or bool(_EXIT.match(parts[-1])) or parts[-1].startswith("SIGTERM"))
+
+
 def short_reason(reason: Optional[str]) -> str:
-    """A dump's reasons as their first cause and a count: ``PeerLost: peer lost:
-    rank 2 ... (+5 more)``."""
+    """How a dump's process ended, in words, from its reasons (oldest first; the file
+    holds the last dump, so the last reason is why it was written): ``finished (exit
+    0)``, ``exit 1: StateLost: ...``, ``dumped on SIGTERM``, then the first earlier
+    reason and a count: ``finished (exit 0); earlier dump on PeerLost: peer lost:
+    rank 2 ... (+1 more)``."""
     parts = split_reasons(reason)
     if not parts:
         return ""
-    more = f" (+{len(parts) - 1} more)" if len(parts) > 1 else ""
-    return short_error(parts[0]) + more
+    last, earlier = parts[-1], parts[:-1]
+    m = _EXIT.match(last)
+    text = "finished (exit 0)" if last == "exit" else \
+        f"exit {m.group(1)}: {short_error(m.group(2))}" if m else f"dumped on {short_error(last)}"
+    if earlier:
+        more = f" (+{len(earlier) - 1} more)" if len(earlier) > 1 else ""
+        text += f"; earlier dump on {short_error(earlier[0])}{more}"
+    return text
 
 
 def relative_site(site: Optional[str], cwd: Optional[str]) -> Optional[str]:

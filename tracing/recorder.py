@@ -54,6 +54,7 @@ from commslayer.exits import before_exit, before_exit_ran, exit_now, exiting_her
 from commslayer.hooks import OpIO, register_phase_hook, register_recovery_hook
 
 from . import fr_format
+from .messages import split_reasons
 from .dumps import FILE_MODE, DumpWriter
 from .records import (ABORTED, COMPLETED, EVENT_CAPACITY, FAILED, OPTIONAL_FIELDS, RECORD_FIELDS, SCHEDULED,
                       STARTED, STATES, TIMED_OUT, new_dump)
@@ -447,7 +448,9 @@ class FlightRecorder:
             # too) has nothing to say, and as "rank 0" it would write over rank 0's dump.
             return None
         with self._dump_lock:
-            self._reasons.update(dict.fromkeys(reason.split("; ")))
+            # whole reasons, not their "; "-separated pieces: a reason's own context ("[communicator
+            # 'a'; op ...; ranks 2]") holds "; " too, and a piece seen before would be dropped from it
+            self._reasons.update(dict.fromkeys(split_reasons(reason)))
             doc = self.document("; ".join(self._reasons))
             rank = doc["rank"]
             n = len(doc["records"])

@@ -5,9 +5,13 @@ lineage): who was lost, at which step, which survivor saw it when and how
 (detection latency: after the lost rank's last traced op when it has one,
 else after the first survivor's detection), the decision (the next
 generation's members before and after, time from the first detection), the
-first op of the new generation and the recovery time; then every
-admission (a generation that grew), the heals of the ranks that rejoined,
-and fencing.  ``superseded`` names the communicators of generations the
+first op of the new generation and the recovery time (from the first
+detection to the end of the first ``should_commit`` after the survivors
+were back: the first committed step, which contains the decision; the
+first op of the new generation when no commit followed); then every
+admission (a generation that grew), the heals of the ranks that rejoined
+(each at the step its heal gave it, the boundary it continued at), and
+fencing.  ``superseded`` names the communicators of generations the
 job recovered from: what failed in them is history, not the job's failure.
 
 Imports neither torch nor commslayer.
@@ -64,6 +68,27 @@ def _first_ops(scan: "JobScan") -> Dict[Tuple[str, int], int]:
     return out
 
 
+def _commits(scan: "JobScan") -> Dict[str, List[Tuple[int, int, int, Dict[int, int]]]]:
+    """lineage -> (earliest aligned enqueue, latest aligned end, generation, each rank's
+    aligned enqueue) of every ``should_commit`` of a generation > 0 that every rank
+    recording it completed (a resilient job's step commit, or a vote after a restore), in
+    time order."""
+    from .analysis import _END, _STATE, _W, _COMPLETED, arrivals  # analysis imports this module
+
+    off = {r: c.offset_ns for r, c in scan.offsets.items()}
+    out: Dict[str, List[Tuple[int, int, int, Dict[int, int]]]] = {}
+    for (comm, gen, seq), a in scan.collectives.items():
+        if not gen or scan.coll_ops[(comm, gen, seq)] != "should_commit" or \
+                any(s != _COMPLETED for s in a[_STATE::_W]):
+            continue
+        ranks, enq = arrivals(a, off)
+        end = max(e - off.get(r, 0) for r, e in zip(ranks, a[_END::_W]))
+        out.setdefault(lineage(comm), []).append((min(enq), end, gen, dict(zip(ranks, enq))))
+    for v in out.values():
+        v.sort(key=lambda c: c[:3])
+    return out
+
+
 def recovery_story(scan: "JobScan") -> Dict[str, Any]:
     """The story as plain values: ``losses``, ``admissions``, ``heals``, ``fenced``,
     ``generations`` (bands: each generation of the main lineage from its first op),
@@ -77,6 +102,7 @@ def recovery_story(scan: "JobScan") -> Dict[str, Any]:
     for ev in by_kind.get("generation", ()):
         gens.setdefault((lineage(ev.get("comm_id") or ""), ev.get("generation") or 0), []).append(ev)
     first_ops = _first_ops(scan) if events else {}
+    commits = _commits(scan) if by_kind.get("peer_lost") else {}
     losses: List[Dict[str, Any]] = []
     groups: Dict[Tuple[str, int], List[Dict[str, Any]]] = {}
     resizable = {lin for lin, _ in gens}
@@ -112,9 +138,17 @@ def recovery_story(scan: "JobScan") -> Dict[str, Any]:
         if before is not None and after is not None:  # those that left with the lost (their replica group)
             lost = sorted(set(lost) | (set(before) - set(after)))
         resume = first_ops.get((lin, gen + 1))
-        rec_s = max((e["seconds"] for e in recovered if isinstance(e.get("seconds"), (int, float))), default=None)
-        if rec_s is None and resume is not None:
-            rec_s = (resume - first) / 1e9
+        # Recovered: the first step committed after the survivors were back (their ``recovered``
+        # events; else the new generation's first op), on the same axis as the detection and the
+        # decision, so that it contains both (the events' own ``seconds`` count from each
+        # survivor's entry into its recovery, which can come well after the first detection).
+        # A commit counts once each survivor that reported its recovery entered it after that
+        # report (a restore's own vote comes before it); without reports, after the first op.
+        back = {e["rank"]: e["t_ns"] for e in recovered}
+        commit = None if resume is None else next(
+            ((t, end, g) for t, end, g, enq in commits.get(lin, ())
+             if g > gen and t >= resume and all(enq.get(r, t) >= b for r, b in back.items())), None)
+        redo = [e["redo_from"] for e in recovered if _number(e.get("redo_from")) is not None]
         losses.append({
             "lineage": lin, "generation": gen, "lost": lost, "step": min(steps) if steps else None,
             "lost_replicas": recovered[0].get("lost_replicas") if recovered else None,
@@ -125,9 +159,15 @@ def recovery_story(scan: "JobScan") -> Dict[str, Any]:
             "decision_generation": gen + 1 if decision else None, "members_before": before, "members_after": after,
             "decision_s": None if not decision else (min(e["t_ns"] for e in decision) - first) / 1e9,
             "resume_s": None if resume is None else (resume - first) / 1e9,
-            "recovery_s": rec_s, "recovered": resume is not None,
+            "redo_from": min(redo) if redo else None,
+            "recovered_ns": commit[1] if commit else resume, "recovered_by": "first commit" if commit else
+            "first op" if resume is not None else None, "commit_generation": commit[2] if commit else None,
+            "recovered": resume is not None,
         })
     losses = _chained(losses)
+    for loss in losses:
+        t = loss.pop("recovered_ns")
+        loss["recovery_s"] = None if t is None else (t - loss["t_ns"]) / 1e9
     admissions = []
     heals = [{"rank": e["rank"], "t_ns": e["t_ns"], "step": e.get("step"), "generation": e.get("generation"),
               "source": e.get("source"), "source_replica": e.get("source_replica"), "bytes": _number(e.get("bytes")),
@@ -144,8 +184,10 @@ def recovery_story(scan: "JobScan") -> Dict[str, Any]:
         admissions.append({"lineage": lin, "generation": gen, "joined": joined, "members_before": before,
                            "members_after": after, "t_ns": min(e["t_ns"] for e in evs),
                            "step": adm[0].get("step") if adm else None,
+                           "continued_at": min((h["step"] for h in heals if h["generation"] == gen
+                                                and h["rank"] in joined and h["step"] is not None), default=None),
                            "seconds": max((_number(e.get("seconds")) or 0 for e in adm), default=None) if adm else None,
-                           "heals": [h for h in heals if h["generation"] == gen]})
+                           "heals": [h for h in heals if h["generation"] == gen and h["rank"] in joined]})
     fenced = [{"rank": e["rank"], "t_ns": e["t_ns"], "comm": e.get("comm"), "why": e.get("why")}
               for e in by_kind.get("fenced", ())]
     superseded: Set[str] = set()
@@ -194,9 +236,7 @@ def _chained(losses: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
                       members_before=prior["members_before"] or loss["members_before"])
         for key in ("decision_s", "resume_s"):
             merged[key] = None if loss[key] is None else loss[key] + shift
-        merged["recovery_s"] = merged["resume_s"] if merged["resume_s"] is not None else \
-            None if loss["recovery_s"] is None else loss["recovery_s"] + shift
-        out[out.index(prior)] = merged
+        out[out.index(prior)] = merged  # recovered_ns: the later loss's, now timed from the prior's detection
     return out
 
 
@@ -210,16 +250,21 @@ def _lines(losses: List[Dict[str, Any]], admissions: List[Dict[str, Any]], fence
         if loss["recovered"]:
             took = "" if loss["recovery_s"] is None else f" in {loss['recovery_s']:.3f} s"
             members = "" if loss["members_after"] is None else f": {_ranks(loss['members_after'])}"
+            back = "" if loss["redo_from"] is None or loss["redo_from"] == loss["step"] else \
+                f"; back to step {loss['redo_from']}"
             text = (f"The job lost {_ranks(loss['lost'])}{group}{at} and recovered{took} "
-                    f"(generation {loss['decision_generation']}{members})")
+                    f"(generation {loss['decision_generation']}{members}{back})")
         else:
             text = f"The job lost {_ranks(loss['lost'])}{group}{at} and did not resume in a new generation"
         out.append(text)
     for adm in admissions:
-        at = "" if adm["step"] is None else f" at step {adm['step']}"
         heals = {h["rank"]: h for h in adm["heals"]}
         for r in adm["joined"]:
             h = heals.get(r)
+            # the step it continued at: its heal's (the boundary it received), which is the one it
+            # printed; the survivors' admission names the step they were in (before going back)
+            step = h["step"] if h and h["step"] is not None else adm["step"]
+            at = "" if step is None else f" at step {step}"
             how = " after a restart" if h and h["restarted"] else ""
             took = "" if not h or h["seconds"] is None else f" (heal {h['seconds']:.3f} s" + (
                 "" if h["bytes"] is None else f", {human_bytes(h['bytes'])} from rank {h['source']}"
@@ -228,6 +273,18 @@ def _lines(losses: List[Dict[str, Any]], admissions: List[Dict[str, Any]], fence
     for f in fenced:
         out.append(f"rank {f['rank']} was fenced out of '{f['comm']}': {short_error(f['why'])}")
     return out
+
+
+def recovered_text(loss: Dict[str, Any]) -> str:
+    """``recovered in 4.719 s (to the first step committed after it, generation 2, redone
+    from step 19)``: a loss's recovery time and what it runs to ("" when unknown)."""
+    if loss["recovery_s"] is None:
+        return ""
+    if loss.get("recovered_by") != "first commit":
+        return f"recovered in {loss['recovery_s']:.3f} s (to that first op)"
+    redo = "" if loss.get("redo_from") is None else f", redone from step {loss['redo_from']}"
+    return (f"recovered in {loss['recovery_s']:.3f} s (to the first step committed after it, generation "
+            f"{loss['commit_generation']}{redo})")
 
 
 def _markers(losses: List[Dict[str, Any]], admissions: List[Dict[str, Any]],

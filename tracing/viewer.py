@@ -31,6 +31,7 @@ from itertools import chain
 from typing import Any, Dict, List, Optional, Tuple
 
 from .messages import human_bytes, short_error
+from .story import recovered_text
 from .analysis import JobScan, OverlapStats, diagnose, straggler_line, summary
 from .layout import RankLayout, life_ends
 
@@ -191,7 +192,8 @@ def _recovery_rows(story: Dict[str, Any], t0: int) -> List[List[Any]]:
                          f"generation {loss['decision_generation']}: members {loss['members_before']} -> "
                          f"{loss['members_after']}, {loss['decision_s']:.3f} s after the first detection"])
         if loss["resume_s"] is not None:
-            took = "" if loss["recovery_s"] is None else f"; recovered in {loss['recovery_s']:.3f} s"
+            took = recovered_text(loss)
+            took = took and f"; {took}"
             rows.append(["resume", at(loss["t_ns"] + int(loss["resume_s"] * 1e9)), step, "",
                          f"first op of generation {loss['decision_generation']}, {loss['resume_s']:.3f} s after "
                          f"the first detection{took}"])
@@ -202,8 +204,8 @@ def _recovery_rows(story: Dict[str, Any], t0: int) -> List[List[Any]]:
         rows.append(["admission", at(adm["t_ns"]), step, ", ".join(map(str, adm["joined"])),
                      f"generation {adm['generation']}: members {adm['members_before']} -> {adm['members_after']}"
                      + ("" if adm["seconds"] is None else f", {adm['seconds']:.3f} s on the survivors")])
-        for h in adm["heals"]:
-            rows.append(["heal", at(h["t_ns"]), step, h["rank"],
+        for h in adm["heals"]:  # at the step it continued at (its heal's), which the survivors went back to
+            rows.append(["heal", at(h["t_ns"]), step if h["step"] is None else h["step"], h["rank"],
                          f"{'restarted; ' if h['restarted'] else ''}{human_bytes(h['bytes'] or 0)} from rank "
                          f"{h['source']}"
                          + ("" if h.get("source_replica") is None else f" of replica group {h['source_replica']}")
@@ -238,7 +240,7 @@ def render(scan: JobScan, title: str) -> str:
     status = "ok" if d["ok"] else "bad"
     findings = "".join(f"<li class='{_e(f['severity'])}'><b>{_e(f['severity'])}</b>: {_e(f['text'])}</li>"
                        for f in d["findings"])
-    stands = _table(["rank", "where it stands", "call site", "lives", "files", "dumped on"],
+    stands = _table(["rank", "where it stands", "call site", "lives", "files", "how it ended (its dumps)"],
                     [[r["rank"], r["stands"], (r["call_site"] or "-", r.get("call_site_full")), r.get("lives", 0),
                       (", ".join(_below(f, scan.paths) for f in r["files"]) or "none", ", ".join(r["files"])),
                       (r.get("reason") or "-", r.get("reason_full"))]
