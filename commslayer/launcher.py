@@ -465,13 +465,13 @@ def _supervise(a: argparse.Namespace, store, procs: ProcessSet) -> Dict[int, int
     codes: Dict[int, int] = {}
     watched = time.monotonic()
     while len(codes) < len(a.ids) or (not a.ids and not all_ended(store, "replica", a.replicas)):
-        if time.monotonic() - watched > 0.5:
+        if a.coordinator or a.store:
+            check_reachable(store, a.coordinator or a.store)  # also stops on a bug
+        else:
+            stop_on_bugs(store)
+        if not a.coordinator and time.monotonic() - watched > 0.5:
             watched = time.monotonic()
-            if a.coordinator or a.store:
-                check_reachable(store, a.coordinator or a.store)
-            if not a.coordinator:
-                _stop_on_crash_loop(a, store)
-        stop_on_bugs(store)
+            _stop_on_crash_loop(a, store)
         for r, proc in procs.procs.items():
             if r not in codes and proc.poll() is not None:
                 codes[r] = proc.returncode

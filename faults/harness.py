@@ -662,7 +662,7 @@ def _bug_checks(t: Optional[float], layout: Layout, codes: List[Optional[int]], 
                  f"every process gone {took:.3f}s after the fault; launcher exits {codes}" if took is not None
                  else "the job did not end")]
     said = _lines(os.path.join(run_dir, "job.log"), "a deterministic failure")
-    line = next((x.strip() for x in said if x.startswith("commslayer-run:")), "")
+    line = next((x[x.find("commslayer-run:"):].strip() for x in said if "commslayer-run:" in x), "")  # after [launcher]
     out.append(Check("the launcher names the rank and the step", " at step " in line and "rank" in line,
                      line[:300] or "no 'commslayer-run: ... a deterministic failure' line"))
     dumped = [m for m in range(layout.ranks) if os.path.exists(os.path.join(trace_dir, f"rank{m}.json"))]

@@ -261,7 +261,7 @@ def main() -> int:
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS), metavar="CONFIG",
                    help=f"the configurations to run (default: all of {list(CONFIGS)})")
     p.add_argument("--json", help="also write the raw figures here")
-    p.add_argument("--smoke", action="store_true", help="check that the benchmark works in ~30 s: a tiny model, "
+    p.add_argument("--smoke", action="store_true", help="check that the benchmark works in under a minute: a tiny model, "
                    f"a few steps, once, only {SMOKE_CONFIGS} (the others run the same code); explicit options "
                    "still apply")
     args = p.parse_args()

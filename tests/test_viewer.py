@@ -264,8 +264,9 @@ def test_stopped_rank_named_with_its_call_site(stopped):
     assert "ranks 0, 1 timed_out" in wrong and f"rank {SIZE - 1} never entered it" in wrong
     for r in d["ranks"][:-1]:
         assert r["stands"].startswith("in all_reduce #4 of 'a' (timed_out)")
-        # a dump lists every reason so far; the dump on error (recorder's thread) may land after this one
-        assert "gave up" in r["reason"] or r["reason"].startswith("CollectiveTimeout"), r["reason"]
+        # how it ended, then its first earlier dump: the dump on error (recorder's thread) may land after "gave up"
+        assert r["reason"].startswith("finished (exit 0); earlier dump on "), r["reason"]
+        assert "gave up" in r["reason"] or "CollectiveTimeout" in r["reason"], r["reason"]
 
 
 @pytest.mark.timeout(120)
