@@ -462,6 +462,8 @@ def evaluate(scenario: Scenario, layout: Layout, options: Options, run_dir: str,
         "injected": [{"what": e["what"], "t": e["t"], "after_start_s": round(e["t"] - began, 3),
                       "step": e.get("step"), "member": e["member"], "life": e["life"]} for e in injected],
         "detection": detection, "recovery": recovery, "diagnosis": diagnosis,
+        # a job that must stop (expect stop or bug): from the first fault until every process was gone
+        "ended_s": None if scenario.expect == "survive" or t0 is None or ended_at is None else round(ended_at - t0, 3),
         "checks": [vars(c) for c in checks], "notes": notes, "run_dir": run_dir,
     }
 
@@ -818,6 +820,8 @@ def markdown(reports: List[Dict[str, Any]]) -> str:
         survivors = [d for d in r["detection"] if not d["mate"]]
         det = f"{survivors[0]['after_s']:.4f} ({survivors[0]['error']})" if survivors else "-"
         rec = ", ".join("-" if f["stall_s"] is None else f"{f['stall_s']:.4f}" for f in r["recovery"].get("per_fault", []))
+        if r.get("ended_s") is not None:  # nothing to recover: the job had to stop
+            rec = f"- (job ended {r['ended_s']:.3f}s after the fault)"
         rejoined = ", ".join(f"{a['step']} ({a['heal_s']:.3f})" for a in r["recovery"].get("rejoined", [])) or "-"
         inj = "; ".join(f"{i['what']} (+{i['after_start_s']:.1f}s)" for i in r["injected"]) or "none"
         lines.append(f"| {r['scenario']} | {'PASS' if r['passed'] else 'FAIL'} | {inj} | {det} | "
@@ -853,7 +857,8 @@ def _shape(layout: Dict[str, Any]) -> str:
 def repeated(reports: List[Dict[str, Any]]) -> str:
     """Markdown: per scenario over repeated runs, how many passed and the median and
     range of detection (first and last survivor outside the faulted group), survivor
-    stall and heal times."""
+    stall and heal times, and, for a job that had to stop, how long after the fault
+    its last process was gone."""
     def spread(values: List[float]) -> str:
         if not values:
             return "-"
@@ -862,13 +867,15 @@ def repeated(reports: List[Dict[str, Any]]) -> str:
         return f"{mid:.3f} ({v[0]:.3f}-{v[-1]:.3f})"
 
     lines = ["| scenario | passed | detection, first survivor (s) | detection, last survivor (s) | "
-             "fault to next committed step (s) | heal (s) |", "|---|---|---|---|---|---|"]
+             "fault to next committed step (s) | heal (s) | job ended after the fault (s) |",
+             "|---|---|---|---|---|---|---|"]
     for name in dict.fromkeys(r["scenario"] for r in reports):
         runs = [r for r in reports if r["scenario"] == name and not r.get("skipped")]
         if not runs:
-            lines.append(f"| {name} | skipped | | | | |")
+            lines.append(f"| {name} | skipped | | | | | |")
             continue
         first, last, stall, heal = [], [], [], []
+        ended = [r["ended_s"] for r in runs if r.get("ended_s") is not None]
         for r in runs:
             survivors = [d["after_s"] for d in r["detection"] if not d["mate"] and d["fault"] == r["injected"][0]["what"]]
             if survivors:
@@ -878,5 +885,5 @@ def repeated(reports: List[Dict[str, Any]]) -> str:
                 stall.append(r["recovery"]["stall_s"])
             heal += [a["heal_s"] for a in r["recovery"].get("rejoined", [])]
         lines.append(f"| {name} | {sum(r['passed'] for r in runs)}/{len(runs)} | {spread(first)} | {spread(last)} | "
-                     f"{spread(stall)} | {spread(heal)} |")
+                     f"{spread(stall)} | {spread(heal)} | {spread(ended)} |")
     return "\n".join(lines) + "\n"

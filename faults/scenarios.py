@@ -146,6 +146,9 @@ SCENARIOS: List[Scenario] = [
              "the job stops within seconds, the launcher names the rank, the step and the exception, every "
              "rank dumps its trace and nothing is restarted",
              _at_step("raise", "backward"), expect="bug", culprit=True, fast=False),
+    Scenario("rank-exception", "bug", f"per-rank job: a Python exception in a rank's backward at step {FAULT_STEP}",
+             "the same in a job without replica groups: the launcher neither replaces the rank nor reshards the "
+             "job around it", _at_step("raise", "backward"), expect="bug", culprit=True, fast=False, per_rank=True),
     Scenario("sigstop", "hang", f"SIGSTOP of a rank for 5 s at step {FAULT_STEP} (then SIGCONT)",
              "the stopped rank is declared lost after the peer timeout (3 s), the survivors go on without it; "
              "when it resumes it is fenced (its group was dropped; it never commits another step) and its "

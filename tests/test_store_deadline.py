@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 import commslayer
 from commslayer.store import bounded
+from faults.wake import state
 from tests.harness import run_ranks
 
 DEADLINE_S = 2.0
@@ -51,6 +52,17 @@ def store_server() -> Iterator[Tuple[int, int]]:
         proc.wait()
 
 
+def stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it is stopped: the signal is only
+    queued when ``kill`` returns, and a server thread running on the other core could
+    still answer a request sent right after."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while any(state(int(t)) != "T" for t in os.listdir(f"/proc/{pid}/task")):
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.001)
+
+
 def _client(port: int, timeout_s: float = 60) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True)
 
@@ -64,7 +76,7 @@ def _call_with_store_stopped(rank, size, _harness_store, port, server, op):
     assert comm.should_commit()
     comm.barrier()
     if rank == 0:
-        os.kill(server, signal.SIGSTOP)
+        stop(server)
     comm.barrier()  # Gloo does not use the store: everyone knows it is stopped now
     committed = comm.should_commit()  # every member voted yes: tallied over Gloo, no store request
     start = time.monotonic()
@@ -132,7 +144,7 @@ def test_a_call_to_a_stopped_store_ends_at_the_deadline_and_later_ones_at_once()
     with store_server() as (port, pid):
         store = bounded(_client(port), deadline_s=1.0)
         store.set("a", "1")
-        os.kill(pid, signal.SIGSTOP)
+        stop(pid)
         start = time.monotonic()
         with pytest.raises(commslayer.StoreUnreachable, match=rf"127\.0\.0\.1:{port} did not answer within 1s"):
             store.check(["a"])
