@@ -14,10 +14,24 @@ and NCCL groups are built, classified, torn down), ``work``/``watchdog``
 point-to-point), ``nan_check`` (the NaN check, off by default); for resilient jobs
 ``replicas`` (the replicate dimension), ``launcher`` (``commslayer-run``),
 ``runs`` (what a run leaves, for its writer and readers) and ``processes``.
+
+``import commslayer`` imports torch only when it must register the backend
+itself: when torch is imported already (it costs nothing then) or when torch
+will not load commslayer's ``torch.backends`` entry point (autoloading off, or
+the package not installed).  Otherwise the names below are imported on first
+use, and ``import torch`` registers the backend through the entry point: a
+process that only needs a torch-free part (``commslayer-run`` checking its
+arguments) does not pay seconds for torch.
 """
 
-from .communicator import Communicator
-from .create import join, new_comm
+from __future__ import annotations
+
+import os as _os
+import sys as _sys
+from importlib import import_module as _import_module
+from typing import TYPE_CHECKING, Any
+
+from . import config as _config
 from .errors import (
     CollectiveMismatch,
     CollectiveTimeout,
@@ -29,17 +43,19 @@ from .errors import (
     PeerLost,
     StoreUnreachable,
 )
-from .hooks import HookHandle, live_communicators, register_communicator_hook
-from .nan_check import NanCheckHook
-from .reduce_op import ReduceOp
-from .work import Work, WorkStatus
-from . import config as _config
-from .c10d import install_routing as _install_routing
-from .c10d import register_backend as _register_backend
+from .startup import mark_ready as _mark_ready
 
-_register_backend()
-if _config.route_c10d():  # also when torch's entry-point autoload is off
-    _install_routing()
+if TYPE_CHECKING:
+    from .communicator import Communicator
+    from .create import join, new_comm
+    from .hooks import HookHandle, live_communicators, register_communicator_hook
+    from .nan_check import NanCheckHook
+    from .reduce_op import ReduceOp
+    from .work import Work, WorkStatus
+
+_HOMES = {"Communicator": "communicator", "join": "create", "new_comm": "create", "HookHandle": "hooks",
+          "live_communicators": "hooks", "register_communicator_hook": "hooks", "NanCheckHook": "nan_check",
+          "ReduceOp": "reduce_op", "Work": "work", "WorkStatus": "work"}
 
 __all__ = [
     "new_comm", "join", "Communicator", "register_communicator_hook", "live_communicators", "Work", "WorkStatus", "ReduceOp", "HookHandle",
@@ -47,9 +63,38 @@ __all__ = [
     "StoreUnreachable", "ConfigError", "NanDetected", "NanCheckHook",
 ]
 
+
+def __getattr__(name: str) -> Any:
+    """The torch-side names, imported on first use."""
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'commslayer' has no attribute {name!r}")
+    value = getattr(_import_module(f".{home}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def _loaded_by_torch() -> bool:
+    """Whether ``import torch`` will run commslayer's ``torch.backends`` entry point."""
+    if _os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1") != "1":  # torch's own test of it
+        return False
+    from importlib.metadata import entry_points
+
+    return any(e.value == "commslayer.autoload:autoload" for e in entry_points(group="torch.backends"))
+
+
+_route = _config.route_c10d()  # a bad value fails `import commslayer` at once, torch or not
+if "torch" in _sys.modules or not _loaded_by_torch():
+    from .c10d import install_routing as _install_routing
+    from .c10d import register_backend as _register_backend
+
+    _register_backend()
+    if _route:
+        _install_routing()
+    for _name in _HOMES:  # the API as attributes, as a plain import would leave it
+        __getattr__(_name)
+
 # `import commslayer` may be what first imports torch, and torch then loads the
 # entry points (ours, tracing's, faults') while this package is half built: they
 # wait for this (commslayer.startup).
-from .startup import mark_ready as _mark_ready
-
 _mark_ready()

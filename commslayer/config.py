@@ -266,8 +266,7 @@ def job_store() -> Optional[str]:
     raw = os.environ.get("COMMSLAYER_JOB_STORE", "")
     if not raw.strip():
         return None
-    from .addresses import host_port
-    from .etcdstore import is_etcd, parse_url
+    from .addresses import host_port, is_etcd, parse_url
 
     try:
         parse_url(raw.strip()) if is_etcd(raw.strip()) else host_port(raw)

@@ -48,14 +48,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-from .addresses import host_port
+from .addresses import SCHEME, parse_url
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)  # c10d's default store timeout: how long get and wait wait for a key
 REQUEST_TIMEOUT_S = 8.0  # one call, tried on every endpoint in turn until one serves it (below the store deadline)
 ATTEMPT_S = 1.0  # one request to one endpoint: a member that is stopped, or waits for a leader, is left after this
 RELEASE_S = 2.0  # how long revoking a claim's lease may take (Claim.release)
 RECEIPT_TTL_S = 60  # how long the receipt of an add or append outlives it (its retries end well before)
-SCHEME = "etcd://"  # how an address of the job's store on etcd begins (``--store``, ``COMMSLAYER_JOB_STORE``)
 RECEIPTS = b"commslayer-receipts/"  # where receipts live: outside every prefix, so no job's keys count them
 
 
@@ -89,29 +88,6 @@ def _bytes(value: Any) -> bytes:
     if isinstance(value, str):
         return value.encode()
     return bytes(value)  # c10d hands over lists of ints for std::vector<uint8_t>
-
-
-def is_etcd(address: str) -> bool:
-    """Whether ``address`` names a store on etcd (else it is a TCPStore's ``host:port``)."""
-    return address.startswith(SCHEME)
-
-
-def parse_url(url: str) -> Tuple[List[Tuple[str, int]], str]:
-    """``etcd://h1:2379,h2:2379/job`` as ((host, port) pairs, key prefix ``job/``; none
-    without a path); ``ValueError`` saying why not."""
-    if not is_etcd(url):
-        raise ValueError(f"{url!r} is not an etcd:// address")
-    hosts, _, path = url[len(SCHEME):].partition("/")
-    path = path.strip("/")
-    if any(c.isspace() or not c.isprintable() for c in path):
-        raise ValueError(f"the path {path!r} of {url!r} is not a plain key prefix")
-    out = []
-    for part in hosts.split(","):
-        try:
-            out.append(host_port(part))
-        except ValueError:
-            raise ValueError(f"{part!r} in {url!r} is not host:port") from None
-    return out, f"{path}/" if path else ""
 
 
 class EtcdStore(dist.Store):

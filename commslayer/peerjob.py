@@ -62,7 +62,7 @@ from .gradients import local
 from .hooks import recovery_hooks
 from .redundancy import PeerCopies, StateLost, holders
 from .reduce_op import ReduceOp
-from .replicas import Admission, Recovery
+from .runs import Admission, Recovery
 from .reshard import merge
 from .resilience import Job, digest
 from .store import bounded, connect

@@ -49,34 +49,13 @@ from .create import join, new_comm
 from .errors import CommAborted, CommError, InvalidArgument, StoreUnreachable
 from .hooks import recovery_hooks
 from .reduce_op import ReduceOp
+from .runs import Admission, Recovery
 from .work import Work
 
 
 class ReplicaBroken(CommError):
     """This rank's own replica group lost a member: the process must exit so that
     its launcher restarts the whole group, which then heals and rejoins."""
-
-
-@dataclass
-class Recovery:
-    """One loss the survivors recovered from, as this rank saw it (wall-clock times)."""
-
-    step: int
-    lost_replicas: List[int]
-    generation: int  # the generation the survivors went on with
-    detected_at: float  # the step's average failed or was voted down
-    resumed_at: float  # the new generation was built (the redo starts)
-    committed_at: Optional[float] = None  # the redone step was committed
-
-
-@dataclass
-class Admission:
-    """A replica group let back in at a step boundary."""
-
-    step: int
-    replicas: List[int]
-    generation: int
-    heal_s: float  # the reconfigure and the state transfer, on this rank
 
 
 @dataclass

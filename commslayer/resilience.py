@@ -68,7 +68,8 @@ from .exits import exit_now
 from .gradients import GradientAverage, local
 from .hooks import phase_hooks as _phase_hooks
 from .hooks import register_phase_hook  # noqa: F401  (public here: where a user looks)
-from .replicas import Admission, Recovery, ReplicaBroken, Replicas, fingerprint
+from .replicas import ReplicaBroken, Replicas, fingerprint
+from .runs import Admission, Recovery
 from .reshard import piece
 from .store import bounded, connect
 

@@ -26,7 +26,29 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from .replicas import Admission, Recovery
+
+@dataclass
+class Recovery:
+    """One loss the survivors recovered from, as this rank saw it (wall-clock times)."""
+
+    step: int
+    lost_replicas: List[int]
+    generation: int  # the generation the survivors went on with
+    detected_at: float  # the step's average failed or was voted down
+    resumed_at: float  # the new generation was built (the redo starts)
+    committed_at: Optional[float] = None  # the redone step was committed
+
+
+@dataclass
+class Admission:
+    """A replica group let back in at a step boundary."""
+
+    step: int
+    replicas: List[int]
+    generation: int
+    heal_s: float  # the reconfigure and the state transfer, on this rank
+
+
 
 FAULT_LOG = "faults.jsonl"
 SUMMARY = "summary.json"

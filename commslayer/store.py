@@ -59,6 +59,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch.distributed as dist
 
 from . import config
+from .addresses import is_etcd
 from .errors import StoreUnreachable, first_line
 
 log = logging.getLogger("commslayer")
@@ -119,7 +120,7 @@ def connect(address: str, timeout: timedelta) -> dist.Store:
     ``host:port``, a TCPStore server (the launcher's), or ``etcd://h1:2379,h2:2379/job``,
     the keys under ``job/`` of an etcd cluster (``commslayer.etcdstore``).  ``ValueError``
     for anything else; what the store raises when it cannot be reached."""
-    from .etcdstore import EtcdStore, is_etcd
+    from .etcdstore import EtcdStore
 
     if is_etcd(address):
         # its own retries (on the next member) end before the deadline that ``bounded`` keeps

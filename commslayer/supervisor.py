@@ -55,7 +55,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from . import failures
 from .errors import StoreUnreachable
-from .etcdstore import is_etcd
+from .addresses import is_etcd
 from .processes import ProcessSet
 
 POLL_S = 0.1

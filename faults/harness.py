@@ -35,8 +35,8 @@ from typing import Any, Dict, List, Optional
 
 from commslayer.launcher import GRACE_S
 from commslayer.processes import ProcessSet, become_subreaper, descendants, free_port
-from commslayer.replicas import Recovery
-from commslayer.runs import FAULT_LOG, RankResult, load_results, load_summary, longest, read_log, result_paths
+from commslayer.runs import (FAULT_LOG, RankResult, Recovery, load_results, load_summary, longest, read_log,
+                             result_paths)
 from tracing import analysis
 from tracing.traceio import TraceFileError, read_dump
 

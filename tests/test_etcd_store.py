@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from commslayer.errors import StoreUnreachable
-from commslayer.etcdstore import EtcdStore, parse_url
+from commslayer.addresses import parse_url
+from commslayer.etcdstore import EtcdStore
 from commslayer.membership import Membership
 from commslayer.store import bounded
 from faults.etcd import EtcdCluster, available

@@ -119,6 +119,17 @@ def test_nonsense_is_one_line_and_exit_2(tmp_path, args, says):
     assert not tagged(tag)
 
 
+@pytest.mark.parametrize("args", [["--help"], ["--replicas", "x", "job.py"], ["--store", "etcd://h/j", "job.py"],
+                                  ["--coordinator", "h", "job.py"], ["--compare-to", "nowhere", "job.py"]])
+def test_help_and_usage_errors_answer_without_importing_torch(args):
+    """``--help`` and every usage error come before torch is imported (seconds on a loaded
+    machine): the launcher's arguments are checked by torch-free modules only."""
+    probe = ("import sys\nfrom commslayer.launcher import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+             "    print('exit', e.code, 'torch' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.splitlines()[-1] == f"exit {0 if args == ['--help'] else 2} False", (proc.stdout, proc.stderr)
+
+
 def test_a_script_that_fails_at_start_up(tmp_path):
     """Every rank exits 1 at once, in every life torchrun gives it: each replica group gives up,
     the launcher says so in one line and exits 1, nothing is left."""

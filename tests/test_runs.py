@@ -9,8 +9,8 @@ import os
 import torch.distributed as dist
 
 from commslayer import runs
-from commslayer.launcher import compare_losses
-from commslayer.replicas import Admission, Recovery
+from commslayer.launch import compare_losses
+from commslayer.runs import Admission, Recovery
 
 
 def result(member: int, restart: int = 0, start_step: int = 0) -> runs.RankResult:

@@ -21,9 +21,9 @@ import pytest
 import torch.distributed as dist
 
 from commslayer import runs
-from commslayer.launcher import summarize
+from commslayer.launch import summarize
 from commslayer.processes import free_port
-from commslayer.replicas import Recovery
+from commslayer.runs import Recovery
 from tests.test_launcher import LAUNCHER, launch, tagged
 
 JOB = str(Path(__file__).resolve().parent / "jobs" / "rank_unit_job.py")

@@ -21,7 +21,7 @@ from typing import Dict, List
 
 import pytest
 
-from commslayer.launcher import compare_losses
+from commslayer.launch import compare_losses
 from commslayer.processes import descendants
 from commslayer.runs import load_results, load_summary, longest
 from faults.harness import Layout, state_checks
