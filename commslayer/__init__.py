@@ -85,8 +85,8 @@ def _loaded_by_torch() -> bool:
 
 _route = _config.route_c10d()  # a bad value fails `import commslayer` at once, torch or not
 if "torch" in _sys.modules or not _loaded_by_torch():
-    from .c10d import install_routing as _install_routing
-    from .c10d import register_backend as _register_backend
+    from .registration import install_routing as _install_routing
+    from .registration import register_backend as _register_backend
 
     _register_backend()
     if _route:

@@ -7,17 +7,12 @@ through commslayer.
 
 
 def autoload() -> None:
-    import sys
-
-    if "commslayer" in sys.modules:
-        from .startup import is_ready
-
-        if not is_ready():
-            return  # commslayer is importing torch; its __init__ registers the backend itself
+    # commslayer.registration imports only torch.distributed: safe while any commslayer
+    # module is half imported (the one whose `import torch` runs this).
     # An exception here would make `import torch` itself fail: warn instead.
     try:
         from . import config
-        from .c10d import install_routing, register_backend
+        from .registration import install_routing, register_backend
 
         register_backend()
         if config.route_c10d():

@@ -10,15 +10,14 @@ communicator's own c10d backend object too: that gives the group its name
 (DeviceMesh needs it) and serves callers that go straight to the dispatcher
 (functional collectives), which therefore bypass commslayer's deadlines.
 
-``COMMSLAYER_ROUTE_C10D=1`` routes an unmodified job: ``install_routing``
-rewrites the backend of every group c10d creates to commslayer while
-``get_backend`` keeps answering with the name the job asked for.
+The backend name and ``COMMSLAYER_ROUTE_C10D=1`` (routing an unmodified job)
+are made known to c10d by ``commslayer.registration``, which builds groups
+through ``create``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from datetime import timedelta
 from typing import Callable, Iterator, List, Optional
 
@@ -30,13 +29,10 @@ from torch._C import _distributed_c10d as c10d
 from . import backends, config
 from .communicator import Communicator
 from .lifecycle import watched_lineage
+from .registration import BACKEND_NAME
 from .errors import CommError, InvalidArgument
 from .store import bounded
 from .work import Work
-
-BACKEND_NAME = "commslayer"
-_ROUTED = ("gloo", "nccl", "undefined")
-
 
 def _timeout(opts) -> Optional[timedelta]:
     """An option struct's timeout, or None when c10d left it unset (negative)."""
@@ -338,7 +334,9 @@ def adopting(comm: Communicator) -> Iterator[None]:
         _adopted.remove(comm)
 
 
-def _create(dist_opts, backend_options) -> CommslayerProcessGroup:
+def create(dist_opts, backend_options) -> CommslayerProcessGroup:
+    """The ``"commslayer"`` backend's creator (``commslayer.registration``): a group over
+    ``dist_opts``, or over the communicator being adopted (``adopting``)."""
     if _adopted:
         comm = _adopted[-1]
         if (dist_opts.group_rank, dist_opts.group_size) != (comm.get_rank(), comm.get_size()):
@@ -349,12 +347,6 @@ def _create(dist_opts, backend_options) -> CommslayerProcessGroup:
     return CommslayerProcessGroup(dist_opts.store, dist_opts.group_rank, dist_opts.group_size,
                                   dist_opts.timeout, str(dist_opts.group_id),
                                   list(dist_opts.global_ranks_in_group))
-
-
-def register_backend() -> None:
-    """Make ``"commslayer"`` a c10d backend name (idempotent)."""
-    if BACKEND_NAME.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
 
 
 def register_communicator(comm: Communicator) -> CommslayerProcessGroup:
@@ -373,38 +365,3 @@ def register_communicator(comm: Communicator) -> CommslayerProcessGroup:
     return pg
 
 
-def _routed_backend(backend) -> str:
-    text = str(backend).lower()
-    if ":" not in text:
-        return BACKEND_NAME if text in _ROUTED else str(backend)
-    pairs = [p.split(":", 1) for p in text.split(",")]
-    return ",".join(f"{dev}:{BACKEND_NAME if b in _ROUTED else b}" for dev, b in pairs)
-
-
-def _default_backend(config: dist.BackendConfig) -> str:
-    """The name plain c10d gives a group of ``config`` (its default backend: NCCL if any device uses it)."""
-    return "nccl" if "nccl" in config.get_device_backend_map().values() else "gloo"
-
-
-def install_routing() -> None:
-    """Route every group c10d creates from now on through commslayer (idempotent)."""
-    register_backend()
-    original = dc._new_process_group_helper
-    if getattr(original, "_commslayer_routed", False):
-        return
-
-    @functools.wraps(original)
-    def routed(group_size, group_rank, global_ranks_in_group, backend, *args, **kwargs):
-        pg, store = original(group_size, group_rank, global_ranks_in_group,
-                             dist.Backend(_routed_backend(backend)), *args, **kwargs)
-        if pg is not dist.GroupMember.NON_GROUP_MEMBER:
-            # every name the job can read (get_backend, get_backend_config, name()) answers what it asked for
-            config = dist.BackendConfig(dist.Backend(str(backend)))
-            dc._world.pg_map[pg] = (backend, store)
-            dc._world.pg_backend_config[pg] = str(config)
-            if isinstance(pg, CommslayerProcessGroup):
-                pg.answer_as(_default_backend(config))
-        return pg, store
-
-    routed._commslayer_routed = True
-    dc._new_process_group_helper = routed

@@ -79,7 +79,7 @@ def _fidelity_job(rank, size, store):
     import torch.distributed as dist
 
     import commslayer
-    from commslayer.c10d import install_routing
+    from commslayer.registration import install_routing
     from tracing.recorder import install
 
     dist.init_process_group("gloo", store=dist.PrefixStore("world/", store), rank=rank, world_size=size)
