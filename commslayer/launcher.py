@@ -275,6 +275,7 @@ def _address(p: argparse.ArgumentParser, text: str) -> None:
     except ValueError as exc:
         p.error(f"--coordinator {exc}")
 
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``commslayer-run`` console script: the arguments are checked
     before torch is imported (seconds on a loaded machine), so that ``--help`` and a

@@ -49,7 +49,6 @@ class Admission:
     heal_s: float  # the reconfigure and the state transfer, on this rank
 
 
-
 FAULT_LOG = "faults.jsonl"
 SUMMARY = "summary.json"
 RECOVERIES = "job/recoveries"  # keys of the job's store: JSON lines, one per record

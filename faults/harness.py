@@ -819,9 +819,11 @@ def markdown(reports: List[Dict[str, Any]]) -> str:
             continue
         survivors = [d for d in r["detection"] if not d["mate"]]
         det = f"{survivors[0]['after_s']:.4f} ({survivors[0]['error']})" if survivors else "-"
-        rec = ", ".join("-" if f["stall_s"] is None else f"{f['stall_s']:.4f}" for f in r["recovery"].get("per_fault", []))
         if r.get("ended_s") is not None:  # nothing to recover: the job had to stop
             rec = f"- (job ended {r['ended_s']:.3f}s after the fault)"
+        else:
+            rec = ", ".join("-" if f["stall_s"] is None else f"{f['stall_s']:.4f}"
+                            for f in r["recovery"].get("per_fault", []))
         rejoined = ", ".join(f"{a['step']} ({a['heal_s']:.3f})" for a in r["recovery"].get("rejoined", [])) or "-"
         inj = "; ".join(f"{i['what']} (+{i['after_start_s']:.1f}s)" for i in r["injected"]) or "none"
         lines.append(f"| {r['scenario']} | {'PASS' if r['passed'] else 'FAIL'} | {inj} | {det} | "
