@@ -1,5 +1,5 @@
-"""Which address of this host its peers should dial, which host each rank is on, and
-the addresses of the job's store (``host:port``, ``etcd://host:port,.../job``).
+"""Which address of this host its peers should dial, and which host each rank is on
+(how a store's address is written: ``commslayer.endpoints``).
 
 A rank's liveness listener (and a launcher's replica groups) must be reached
 from other hosts, so the address it advertises must be one of *its own*
@@ -47,8 +47,6 @@ from typing import Any, List, Optional, Sequence, Tuple
 from . import config
 from .errors import InvalidArgument
 
-SCHEME = "etcd://"  # how an address of the job's store on etcd begins (``--store``, ``COMMSLAYER_JOB_STORE``)
-
 LOOPBACK = "127.0.0.1"
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
@@ -70,37 +68,6 @@ def interface_address(name: str) -> str:
         except OSError as exc:
             raise InvalidArgument(f"GLOO_SOCKET_IFNAME names interface {name!r}, which has no IPv4 address on "
                                   f"this host ({exc.strerror or exc})") from None
-
-
-def is_etcd(address: str) -> bool:
-    """Whether ``address`` names a store on etcd (else it is a TCPStore's ``host:port``)."""
-    return address.startswith(SCHEME)
-
-
-def parse_url(url: str) -> Tuple[List[Tuple[str, int]], str]:
-    """``etcd://h1:2379,h2:2379/job`` as ((host, port) pairs, key prefix ``job/``; none
-    without a path); ``ValueError`` saying why not."""
-    if not is_etcd(url):
-        raise ValueError(f"{url!r} is not an etcd:// address")
-    hosts, _, path = url[len(SCHEME):].partition("/")
-    path = path.strip("/")
-    if any(c.isspace() or not c.isprintable() for c in path):
-        raise ValueError(f"the path {path!r} of {url!r} is not a plain key prefix")
-    out = []
-    for part in hosts.split(","):
-        try:
-            out.append(host_port(part))
-        except ValueError:
-            raise ValueError(f"{part!r} in {url!r} is not host:port") from None
-    return out, f"{path}/" if path else ""
-
-
-def host_port(text: str) -> Tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` too) as (host, port); ``ValueError`` saying what is expected."""
-    host, sep, port = text.strip().rpartition(":")
-    if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise ValueError(f"{text!r}: expected HOST:PORT, PORT in 1..65535")
-    return host.strip("[]"), int(port)
 
 
 def address_towards(host: str, port: int) -> str:

@@ -19,6 +19,7 @@ import socket
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, overload
 
+from .endpoints import host_port, is_etcd, parse_url
 from .errors import ConfigError
 
 MAX_TIMEOUT_S = 10 * 365 * 86400.0  # c10d keeps timeouts in int64 milliseconds
@@ -266,8 +267,6 @@ def job_store() -> Optional[str]:
     raw = os.environ.get("COMMSLAYER_JOB_STORE", "")
     if not raw.strip():
         return None
-    from .addresses import host_port, is_etcd, parse_url
-
     try:
         parse_url(raw.strip()) if is_etcd(raw.strip()) else host_port(raw)
     except ValueError as exc:

@@ -5,7 +5,7 @@
 // cold caches; the checks, the issue and the wait cost 50-60 us of the calling
 // thread in Python and a few us here (docs/benchmarks.md, "The direct path in
 // native code").  commslayer/native.py builds this file and loads it;
-// Communicator._direct_run decides when it runs and does the bookkeeping
+// Communicator._direct_run (commslayer/op_path.py) decides when it runs and does the bookkeeping
 // (sequence numbers, errors) in Python, as the pure-Python path does.
 //
 // The flight recorder's record of such an op is written here too, into a

@@ -48,7 +48,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-from .addresses import SCHEME, parse_url
+from .endpoints import SCHEME, parse_url
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)  # c10d's default store timeout: how long get and wait wait for a key
 REQUEST_TIMEOUT_S = 8.0  # one call, tried on every endpoint in turn until one serves it (below the store deadline)

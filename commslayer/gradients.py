@@ -1,6 +1,6 @@
 """A step's gradients averaged across the live replica groups: in buckets, begun during backward.
 
-``resilience.Job.step`` hands the average to ``Replicas.average``, which
+``commslayer.job.Job.step`` hands the average to ``Replicas.average``, which
 commits it on every live replica or redoes it on the survivors.  This module
 decides what is averaged and when it starts, by what wraps each registered
 module:

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from . import config, failures, runs
 from .errors import first_line
 from .etcdstore import Claim, EtcdStore
-from .launcher import PROG
 from .processes import ProcessSet, become_subreaper, free_port
+from .runs import PROG
 from .store import bounded, connect
 from .supervisor import Failed, RankJob, Stopped, all_ended, check_reachable, echo, stop_on_bugs, supervise_ranks
 

@@ -89,9 +89,9 @@ import sys
 from typing import List, NoReturn, Optional, Tuple
 
 from . import runs
-from .addresses import host_port, is_etcd, parse_url
+from .endpoints import host_port, is_etcd, parse_url
+from .runs import PROG
 
-PROG = "commslayer-run"
 GRACE_S = 5.0  # default --grace: SIGTERM to SIGKILL when the launcher ends its processes
 
 

@@ -62,11 +62,10 @@ from .gradients import local
 from .hooks import recovery_hooks
 from .redundancy import PeerCopies, StateLost, holders
 from .reduce_op import ReduceOp
-from .runs import Admission, Recovery
+from .runs import RESHARDED, Admission, Recovery
 from .reshard import merge
-from .resilience import Job, digest
+from .job import Job, digest
 from .store import bounded, connect
-from .supervisor import RESHARDED
 
 COMM_NAME = "shards"
 POLL_S = 0.05  # how often survivors look for the replacement

@@ -4,10 +4,11 @@ and with ``COMMSLAYER_ROUTE_C10D=1`` the routing of an unmodified job's groups.
 ``install_routing`` rewrites the backend of every group c10d creates to
 commslayer while ``get_backend`` keeps answering with the name the job asked
 for.  This module imports nothing of commslayer's op path, only
-``torch.distributed``: torch's entry point (``commslayer.autoload``) runs it
-while ``import torch`` is under way, which may be from inside any commslayer
-module being imported (``import commslayer`` leaves torch for later when it
-can, ``commslayer/__init__``).  The backend itself, ``commslayer.c10d``, is
+``torch.distributed`` and ``commslayer.startup`` (which imports nothing):
+torch's entry point (``commslayer.autoload``) runs it while ``import torch``
+is under way, which may be from inside any commslayer module being imported
+(``import commslayer`` leaves torch for later when it can,
+``commslayer/__init__``).  The backend itself, ``commslayer.c10d``, is
 imported when c10d builds the first group.
 """
 
@@ -19,7 +20,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as dc
 
-BACKEND_NAME = "commslayer"
+from .startup import BACKEND_NAME
+
 _ROUTED = ("gloo", "nccl", "undefined")
 
 
@@ -64,7 +66,7 @@ def install_routing() -> None:
             config = dist.BackendConfig(dist.Backend(str(backend)))
             dc._world.pg_map[pg] = (backend, store)
             dc._world.pg_backend_config[pg] = str(config)
-            from .c10d import CommslayerProcessGroup  # built by now: imported at the first group
+            from .process_group import CommslayerProcessGroup  # built by now: imported at the first group
 
             if isinstance(pg, CommslayerProcessGroup):
                 pg.answer_as(_default_backend(config))

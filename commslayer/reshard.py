@@ -5,7 +5,7 @@ survivors: the state of every rank (the survivors' own, the lost rank's from
 its holder) is merged into the whole state, the survivors start their
 script again on one rank fewer (FSDP2 built by the user's own code on the
 smaller mesh), and each takes its part of the whole.  This module owns the
-two transformations, on the snapshot format of ``resilience._State``
+two transformations, on the snapshot format of ``commslayer.job._State``
 (``{"modules": {name: [tensors]}, "optimizers": {name: {"state": [{key:
 (tensor, sharded)}], "groups": [...]}}, "objects": {name: state_dict}}``):
 

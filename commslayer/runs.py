@@ -49,10 +49,12 @@ class Admission:
     heal_s: float  # the reconfigure and the state transfer, on this rank
 
 
+PROG = "commslayer-run"  # the launcher, as its messages name it (the harness reads them)
 FAULT_LOG = "faults.jsonl"
 SUMMARY = "summary.json"
 RECOVERIES = "job/recoveries"  # keys of the job's store: JSON lines, one per record
 ADMISSIONS = "job/admissions"
+RESHARDED = "job/resharded"  # a per-rank job resharded onto fewer ranks: the epoch and the ranks kept
 
 
 @dataclass

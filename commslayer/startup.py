@@ -1,4 +1,5 @@
-"""Work that must wait until the ``commslayer`` package is completely imported.
+"""What torch's entry points need while the ``commslayer`` package is half imported:
+the backend's name, and work that must wait until the package is complete.
 
 ``import commslayer`` may be what first imports torch, and torch then runs
 the ``torch.backends`` entry points (``tracing.autoload``,
@@ -11,6 +12,8 @@ its end.  This module imports nothing, so it can be imported at any point.
 from __future__ import annotations
 
 from typing import Callable, List
+
+BACKEND_NAME = "commslayer"  # the c10d backend (commslayer.registration registers it)
 
 _ready = False
 _queued: List[Callable[[], None]] = []

@@ -59,7 +59,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch.distributed as dist
 
 from . import config
-from .addresses import is_etcd
+from .endpoints import host_port, is_etcd
 from .errors import StoreUnreachable, first_line
 
 log = logging.getLogger("commslayer")
@@ -125,8 +125,6 @@ def connect(address: str, timeout: timedelta) -> dist.Store:
     if is_etcd(address):
         # its own retries (on the next member) end before the deadline that ``bounded`` keeps
         return EtcdStore.at(address, timeout, request_timeout_s=0.8 * config.store_timeout_s())
-    from .addresses import host_port
-
     host, port = host_port(address)
     return dist.TCPStore(host, port, is_master=False, timeout=timeout, use_libuv=True)
 

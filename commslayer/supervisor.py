@@ -46,7 +46,6 @@ Keys are read with ``store.check``, which does not block, every
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import time
@@ -54,14 +53,14 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from . import failures
+from .runs import RESHARDED
 from .errors import StoreUnreachable
-from .addresses import is_etcd
+from .endpoints import is_etcd
 from .processes import ProcessSet
 
 POLL_S = 0.1
 BUGS_SETTLE_S = 0.3  # after the first deterministic failure, the time for others' to be recorded beside it
 FAILED = "job/failed"
-RESHARDED = "job/resharded"
 
 
 class Failed(Exception):

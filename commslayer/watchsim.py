@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from . import agreement
 from .membership import AWAIT_FAST_S, AWAIT_POLL_MAX_S
-from .store import FIRST_POLL_S, POLL_S, WAIT_SLICE_S, next_pause
+from .store import FIRST_POLL_S, WAIT_SLICE_S, next_pause
 from .watch import BEAT, Topology, Watch
 
 _TICK, _DELIVER, _HANGUP, _KILL, _STOP, _RESUME, _HEAL, _LEAVE = range(8)

@@ -306,7 +306,7 @@ def install() -> None:
 
 
 def fault_window(job: Any, step: int) -> bool:
-    """Whether a step fault may fire at ``step`` of a resilient job (``commslayer.resilience.Job``):
+    """Whether a step fault may fire at ``step`` of a resilient job (``commslayer.job.Job``):
     every replica group live, each committed a step since it last came back (with one
     group healing and another one killed, no copy of the state would be left), and no
     other fault fired in this generation (faults of two groups in one step would leave

@@ -30,7 +30,7 @@ from commslayer.exits import exit_now
 
 
 class Job:
-    """The plain stand-in for ``resilience.Job``."""
+    """The plain stand-in for ``commslayer.job.Job``."""
 
     def __init__(self, run_dir: Optional[str] = None) -> None:
         timeout = timedelta(seconds=60)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from commslayer.errors import StoreUnreachable
-from commslayer.addresses import parse_url
+from commslayer.endpoints import parse_url
 from commslayer.etcdstore import EtcdStore
 from commslayer.membership import Membership
 from commslayer.store import bounded

@@ -17,13 +17,14 @@ import os
 from array import array
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
-from itertools import chain, compress, repeat
-from operator import add, lt, sub
+from itertools import chain, compress
+from operator import add, lt
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from .records import COMPLETED, SCHEDULED, STARTED, STATES
 from .messages import ended, human_bytes, relative_site, short_error, short_reason
 from .layout import LayoutBuilder, RankLayout, lane_positions, life_ends
+from .scan_rows import COMPLETED_CODE, END, ENQ, FP, RANK, SITE, START, STATE, STATE_CODES, WIDTH, arrivals
 from .story import lineage as lineage_of, recovery_story
 from .traceio import RankSource, TraceFileError, discover, life_communicators, life_uid, rank_records, rank_rows
 
@@ -178,19 +179,6 @@ def _overlap(records: Iterable[Dict[str, Any]], by_step: bool) -> Dict[Tuple[int
 # Ops whose end on any rank needs every rank's start: they bound clock offsets.
 SYMMETRIC_OPS = frozenset(("all_reduce", "all_reduce_coalesced", "all_gather_single", "all_gather",
                            "reduce_scatter_single", "reduce_scatter", "all_to_all_single", "barrier"))
-_STATE_CODES = {s: i for i, s in enumerate(STATES)}
-_COMPLETED = _STATE_CODES[COMPLETED]
-# A collective's flat array holds _W values per rank, at these offsets (JobScan.collectives):
-# rank, enqueue, start, end (-1: none), fingerprint id, state code, call site id.
-_RANK, _ENQ, _START, _END, _FP, _STATE, _SITE = range(7)
-_W = 7
-
-
-def arrivals(a: Sequence[int], off: Dict[int, int]) -> Tuple[Tuple[int, ...], List[int]]:
-    """The ranks of collective array ``a`` and the enqueue of each on the common axis;
-    ``off``: each rank's clock offset (ns), 0 where unknown."""
-    ranks = tuple(a[_RANK::_W])
-    return ranks, list(map(sub, a[_ENQ::_W], map(off.get, ranks, repeat(0))))
 
 
 def bus_factor(op: str, n: int) -> Optional[float]:
@@ -297,7 +285,7 @@ class JobScan:
 
     def _empty_state(self) -> None:
         self.communicators: Dict[str, Dict[str, Any]] = {}
-        # (comm_id, generation, seq) -> flat array of _W values per rank, ranks in ascending order
+        # (comm_id, generation, seq) -> flat array of WIDTH values per rank, ranks in ascending order
         self.collectives: Dict[Tuple[str, int, int], "array[int]"] = {}
         self.coll_ops: Dict[Tuple[str, int, int], str] = {}
         self.fingerprints: Dict[Tuple[Any, ...], int] = {}
@@ -324,8 +312,8 @@ class JobScan:
         same_ids = fmap == list(range(len(fmap))) and smap == list(range(len(smap)))
         for key, a in part.collectives.items():
             if not same_ids:
-                for i in range(0, len(a), _W):
-                    a[i + _FP], a[i + _SITE] = fmap[a[i + _FP]], smap[a[i + _SITE]]
+                for i in range(0, len(a), WIDTH):
+                    a[i + FP], a[i + SITE] = fmap[a[i + FP]], smap[a[i + SITE]]
             mine = self.collectives.get(key)
             if mine is None:
                 self.collectives[key] = a
@@ -429,7 +417,7 @@ class JobScan:
             if a is None:
                 a = colls[ckey] = array("q")
                 coll_ops[ckey] = op
-            a.extend((rank, enq, start, end, fid, _STATE_CODES.get(state, 0), sid))
+            a.extend((rank, enq, start, end, fid, STATE_CODES.get(state, 0), sid))
             if order > entered.get(comm, no_op)[0]:
                 entered[comm] = (order, r)
             if done and order > completed.get(comm, no_op)[0]:
@@ -514,18 +502,18 @@ class JobScan:
         ranks for ranks that share no collective with the reference."""
         bounds: Dict[Tuple[int, int], List[int]] = {}
         for key, a in self.collectives.items():
-            if len(a) < 2 * _W or self.coll_ops[key] not in SYMMETRIC_OPS:
+            if len(a) < 2 * WIDTH or self.coll_ops[key] not in SYMMETRIC_OPS:
                 continue
-            ref, ref_start, ref_end, ref_state = a[_RANK], a[_START], a[_END], a[_STATE]
-            if ref_state != _COMPLETED:
+            ref, ref_start, ref_end, ref_state = a[RANK], a[START], a[END], a[STATE]
+            if ref_state != COMPLETED_CODE:
                 continue
-            for i in range(_W, len(a), _W):
-                if a[i + _STATE] != _COMPLETED:
+            for i in range(WIDTH, len(a), WIDTH):
+                if a[i + STATE] != COMPLETED_CODE:
                     continue
-                lo, hi = a[i + _START] - ref_end, a[i + _END] - ref_start
-                b = bounds.get((ref, a[i + _RANK]))
+                lo, hi = a[i + START] - ref_end, a[i + END] - ref_start
+                b = bounds.get((ref, a[i + RANK]))
                 if b is None:
-                    bounds[(ref, a[i + _RANK])] = [lo, hi, 1]
+                    bounds[(ref, a[i + RANK])] = [lo, hi, 1]
                 else:
                     if lo > b[0]:
                         b[0] = lo
@@ -644,8 +632,8 @@ def flow_order(scan: JobScan, key: Tuple[str, int, int]) -> List[int]:
     axis: the order in which a flow arrow links them (empty for an unknown key)."""
     a = scan.collectives.get(key, ())
     mids = []
-    for i in range(0, len(a), _W):
-        rank, start, end = a[i + _RANK], a[i + _START], a[i + _END]
+    for i in range(0, len(a), WIDTH):
+        rank, start, end = a[i + RANK], a[i + START], a[i + END]
         mids.append(((start + (start if end < 0 else end)) // 2 - scan.offsets[rank].offset_ns, rank))
     return [rank for _, rank in sorted(mids)]
 
@@ -726,7 +714,7 @@ def stragglers(scan: JobScan) -> List[Dict[str, Any]]:
     # members -> [collectives, sum of the last arrivals, each member's sum of arrivals]
     by_members: Dict[Tuple[int, ...], List[Any]] = {}
     for (comm, _, _), a in scan.collectives.items():
-        n = len(a) // _W
+        n = len(a) // WIDTH
         size = sizes.get(comm)
         if size is None:
             size = sizes[comm] = scan.comm_size(comm)
@@ -885,7 +873,7 @@ def _joiners_apart(scan: JobScan, key: Tuple[str, int, int], groups: Dict[int, L
     if not joined:
         return False
     a = scan.collectives[key]
-    for rank, enq in zip(a[_RANK::_W], a[_ENQ::_W]):
+    for rank, enq in zip(a[RANK::WIDTH], a[ENQ::WIDTH]):
         healed = joined.get(rank)
         if healed is not None and enq - scan.offsets[rank].offset_ns > healed:
             return False  # a joiner's op after its heal: it is in the training loop, like the others
@@ -904,11 +892,11 @@ def _call_site_splits(scan: JobScan, findings: List[Finding], story: Dict[str, A
     joining = _joining(story)
     for key in sorted(scan.collectives, key=lambda k: (k[0], k[1], k[2])):
         a = scan.collectives[key]
-        sids = a[_SITE::_W]
+        sids = a[SITE::WIDTH]
         if len(set(sids)) < 2 or reported.get(key[0], 0) >= 3:
             continue
         groups: Dict[int, List[int]] = {}
-        for rank, sid in zip(a[_RANK::_W], sids):
+        for rank, sid in zip(a[RANK::WIDTH], sids):
             groups.setdefault(sid, []).append(rank)
         if _joiners_apart(scan, key, groups, joining):
             continue
@@ -926,10 +914,10 @@ def _mismatches(scan: JobScan, findings: List[Finding], culprits: Dict[int, str]
     by_id = {fid: fp for fp, fid in scan.fingerprints.items()}
     out: Dict[Tuple[str, int, int], List[int]] = {}
     for key, a in scan.collectives.items():
-        fids = a[_FP::_W]
+        fids = a[FP::WIDTH]
         if len(set(fids)) < 2:
             continue
-        ranks = a[_RANK::_W]
+        ranks = a[RANK::WIDTH]
         groups: Dict[int, List[int]] = {}
         for rank, fid in zip(ranks, fids):
             groups.setdefault(fid, []).append(rank)
@@ -977,8 +965,8 @@ def _peers_view(scan: JobScan, uid: str, rank: int, trouble: Optional[Dict[str, 
     (``trouble``: where they found it lost), with its sequence number and call site."""
     best: Optional[Tuple[int, int]] = None
     for (comm, gen, seq), a in scan.collectives.items():
-        if comm == uid and scan.coll_ops[(comm, gen, seq)] in SYMMETRIC_OPS and rank not in a[_RANK::_W] \
-                and all(st == _COMPLETED for st in a[_STATE::_W]) and (best is None or (gen, seq) > best):
+        if comm == uid and scan.coll_ops[(comm, gen, seq)] in SYMMETRIC_OPS and rank not in a[RANK::WIDTH] \
+                and all(st == COMPLETED_CODE for st in a[STATE::WIDTH]) and (best is None or (gen, seq) > best):
             best = (gen, seq)
     if best is None and trouble is None:
         return None
@@ -1035,7 +1023,7 @@ def _diagnose_comm(scan: JobScan, uid: str, missing: List[int], mismatches: Dict
         gen, seq = trouble.get("generation") or 0, trouble["seq"]
         key = (uid, gen, seq)
         a = scan.collectives.get(key, array("q"))
-        entered = {a[i + _RANK]: STATES[a[i + _STATE]] for i in range(0, len(a), _W)}
+        entered = {a[i + RANK]: STATES[a[i + STATE]] for i in range(0, len(a), WIDTH)}
         never = [r for r in present if r not in entered and _before(scan.last_entered.get((r, uid)), gen, seq)]
         by_state: Dict[str, List[int]] = {}
         for r, st in entered.items():

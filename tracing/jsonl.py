@@ -38,15 +38,18 @@ import logging
 import os
 import time
 from datetime import datetime, timezone
-from typing import Any, Dict, List, MutableMapping, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, MutableMapping, Optional
 
 import orjson
 import structlog
 
 from .dumps import FILE_MODE, AppendWriter
 from .records import COMPLETED, SCHEMA_VERSION
-from .recorder import FlightRecorder, Record
+from .oprecord import Record
 from .sinks import Item, QueuedSink
+
+if TYPE_CHECKING:
+    from .recorder import FlightRecorder
 
 log = logging.getLogger("commslayer.tracing")
 

@@ -63,7 +63,7 @@ import logging
 import math
 import os
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import orjson
 from opentelemetry import context as otel_context
@@ -78,9 +78,12 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from .dumps import AppendWriter
-from .recorder import FlightRecorder, Record
+from .oprecord import Record
 from .records import COMPLETED
 from .sinks import Item, QueuedSink
+
+if TYPE_CHECKING:
+    from .recorder import FlightRecorder
 
 log = logging.getLogger("commslayer.tracing")
 

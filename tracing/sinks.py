@@ -17,12 +17,15 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import Any, Deque, Dict, List, Optional, Tuple, Type, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Tuple, Type, TypeVar, Union
 
 import commslayer
 from commslayer import config
 
-from .recorder import FlightRecorder, Record, _global_rank
+from .oprecord import Record, global_rank
+
+if TYPE_CHECKING:
+    from .recorder import FlightRecorder
 
 log = logging.getLogger("commslayer.tracing")
 
@@ -56,7 +59,7 @@ class QueuedSink:
 
     def __init__(self, rec: FlightRecorder, *, capacity: Optional[int] = None, interval_s: float = 0.1) -> None:
         self.rec = rec
-        self.rank = _global_rank()
+        self.rank = global_rank()
         self.capacity = capacity or config.trace_sink_queue()
         self.interval_s = interval_s
         self.dropped = 0  # records refused by a full queue

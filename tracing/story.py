@@ -23,6 +23,7 @@ import re
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Set, Tuple
 
 from .messages import human_bytes, loss_cause, short_error
+from .scan_rows import COMPLETED_CODE, END, STATE, WIDTH, arrivals
 
 if TYPE_CHECKING:
     from .analysis import JobScan
@@ -52,8 +53,6 @@ def _ranks(rs: Iterable[int]) -> str:
 
 def _first_ops(scan: "JobScan") -> Dict[Tuple[str, int], int]:
     """(lineage, generation > 0) -> the earliest aligned enqueue of an op in it."""
-    from .analysis import arrivals  # analysis imports this module
-
     first_seq: Dict[str, Tuple[int, int]] = {}
     for comm, gen, seq in scan.collectives:
         if gen and (comm not in first_seq or seq < first_seq[comm][1]):
@@ -73,16 +72,14 @@ def _commits(scan: "JobScan") -> Dict[str, List[Tuple[int, int, int, Dict[int, i
     aligned enqueue) of every ``should_commit`` of a generation > 0 that every rank
     recording it completed (a resilient job's step commit, or a vote after a restore), in
     time order."""
-    from .analysis import _END, _STATE, _W, _COMPLETED, arrivals  # analysis imports this module
-
     off = {r: c.offset_ns for r, c in scan.offsets.items()}
     out: Dict[str, List[Tuple[int, int, int, Dict[int, int]]]] = {}
     for (comm, gen, seq), a in scan.collectives.items():
         if not gen or scan.coll_ops[(comm, gen, seq)] != "should_commit" or \
-                any(s != _COMPLETED for s in a[_STATE::_W]):
+                any(s != COMPLETED_CODE for s in a[STATE::WIDTH]):
             continue
         ranks, enq = arrivals(a, off)
-        end = max(e - off.get(r, 0) for r, e in zip(ranks, a[_END::_W]))
+        end = max(e - off.get(r, 0) for r, e in zip(ranks, a[END::WIDTH]))
         out.setdefault(lineage(comm), []).append((min(enq), end, gen, dict(zip(ranks, enq))))
     for v in out.values():
         v.sort(key=lambda c: c[:3])

@@ -28,7 +28,7 @@ import os
 import re
 from bisect import bisect_left
 from itertools import chain
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from .messages import human_bytes, short_error
 from .story import recovered_text
