@@ -31,7 +31,8 @@ hooks: ``register_pre_hook``, ``register_post_hook``,
 ``register_check_hook``, ``register_completion_hook``,
 ``register_abort_hook``, ``register_error_hook``
 
-management: ``split``, ``abort``, ``finalize``, ``as_process_group``
+management: ``split``, ``abort``, ``finalize``, ``as_process_group``,
+``record_natively`` (the flight recorder's)
 
 recovery: ``shrink``, ``reconfigure``, ``pending_members``, ``should_commit``
 """
