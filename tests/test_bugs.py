@@ -106,8 +106,11 @@ def test_a_sigkill_at_the_same_step_is_still_recovered(tmp_path, mode):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("args, says", [
     (["--skip", "6:1"], "rank 1 (life 0, pid"),
-    (["--no-optimizer"], "no optimizer is registered"),
-    (["--unregistered-scheduler"], "driven by a learning-rate scheduler that is not registered"),
+    # the same stop as --skip's; the two checks themselves run in the default suite on every rank
+    # of a replica-mode job (tests/test_resilience.py, test_a_mistake_is_a_clear_error_on_every_rank)
+    pytest.param(["--no-optimizer"], "no optimizer is registered", marks=pytest.mark.slow),
+    pytest.param(["--unregistered-scheduler"], "driven by a learning-rate scheduler that is not registered",
+                 marks=pytest.mark.slow),
 ])
 def test_a_mistake_in_per_rank_mode_stops_the_job(tmp_path, args, says):
     code, out, _ = run(tmp_path, MODES["per-rank"], *args)

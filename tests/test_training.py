@@ -78,7 +78,7 @@ def test_plain_gloo_and_commslayer_give_the_same_losses(clean, tmp_path):
 @pytest.mark.parametrize("phase,replica,rank", [
     ("backward", 0, 0),     # inside backward: the mate fails in its group's FSDP2 collective and leaves too
     ("optimizer", 1, 1),    # after the step was committed, before this rank applied it
-    # also the fault harness's kill-step (in forward) and bench_training's smoke (entering the average)
+    # also the fault harness's cascade (its first fault, in forward) and bench_training's smoke (entering the average)
     pytest.param("forward", 1, 0, marks=pytest.mark.slow),  # inside the forward pass of the last block
     # entering the gradient average over the replicas (replica 0 holds world rank 0)
     pytest.param("allreduce", 0, 1, marks=pytest.mark.slow),
@@ -159,7 +159,8 @@ def test_soak_twenty_faults(tmp_path):
     assert all(k["stall_s"] is not None for k in summary.killed), summary.killed
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+# SIGTERM (and SIGHUP) take the launcher's SIGINT handler: the same path as Ctrl-C
+@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
 def test_the_launcher_ends_every_process_it_started(tmp_path, sig):
     """Ctrl-C (or SIGTERM) to the launcher mid-run: no torchrun agent or worker is left.
     SIGUSR1 before it only prints the launcher's stacks."""
