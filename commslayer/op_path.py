@@ -27,9 +27,9 @@ from . import backends
 from .check import CrossRankCheck, fingerprint
 from .errors import CollectiveMismatch, CommError
 from .hooks import Hooks, OpIO, OpRecorder
+from .isolation import StagedWork
 from .reduce_op import ReduceOp
 from .ring import RingReduceScatter
-from .isolation import StagedWork
 from .validation import Checker, Timeout, timeout_seconds
 from .watchdog import WATCHDOG
 from .wire import BACKEND_OPS, Options
