@@ -4,16 +4,15 @@ Every op has a deadline, failures are classified into ``CommError``
 subclasses, every op is observable through hooks, and the whole thing plugs
 into ``torch.distributed`` as the ``"commslayer"`` backend.
 
-Layout: ``communicator`` (API, validation, deadlines, the op path),
-``lifecycle`` (state machine, membership, recovery of each generation),
-``startup`` (what torch's entry points wait for), ``backends`` (how Gloo
-and NCCL groups are built, classified, torn down), ``work``/``watchdog``
-(deadline enforcement), ``check`` (cross-rank check mode), ``c10d`` (the
-``torch.distributed`` adapter), ``errors``, ``reduce_op``, ``hooks``,
-``config`` (the ``COMMSLAYER_*`` table), ``store``, ``batch`` (batched
-point-to-point), ``nan_check`` (the NaN check, off by default); for resilient jobs
-``replicas`` (the replicate dimension), ``launcher`` (``commslayer-run``),
-``runs`` (what a run leaves, for its writer and readers) and ``processes``.
+Layout, by layer from the bottom (docs/architecture.md draws it): the base
+modules at this root (``errors``, ``config``, ``reduce_op``, ``hooks``,
+``endpoints``, ``startup``, ``runs``); ``agree`` (membership, agreement, the
+store); ``detect`` (liveness and the watch protocol); ``comm`` (the
+``Communicator``, its ops, ``Work`` and lifecycle); the ``torch.distributed``
+adapter (``c10d``, ``registration``, ``autoload``); ``train`` (resilient
+training, whose entry point is ``resilience``); ``run`` (``commslayer-run``).
+A module's old path from before the subpackages still imports, with a
+``DeprecationWarning``, for one release (``old_paths``).
 
 ``import commslayer`` imports torch only when it must register the backend
 itself: when torch is imported already (it costs nothing then) or when torch
@@ -31,8 +30,8 @@ import sys as _sys
 from importlib import import_module as _import_module
 from typing import TYPE_CHECKING, Any
 
-from . import config as _config
-from .errors import (
+from commslayer import config as _config
+from commslayer.errors import (
     CollectiveMismatch,
     CollectiveTimeout,
     CommAborted,
@@ -43,19 +42,20 @@ from .errors import (
     PeerLost,
     StoreUnreachable,
 )
-from .startup import mark_ready as _mark_ready
+from commslayer.old_paths import install as _install_old_paths
+from commslayer.startup import mark_ready as _mark_ready
 
 if TYPE_CHECKING:
-    from .communicator import Communicator
-    from .create import join, new_comm
-    from .hooks import HookHandle, live_communicators, register_communicator_hook
-    from .nan_check import NanCheckHook
-    from .reduce_op import ReduceOp
-    from .work import Work, WorkStatus
+    from commslayer.comm.communicator import Communicator
+    from commslayer.comm.create import join, new_comm
+    from commslayer.hooks import HookHandle, live_communicators, register_communicator_hook
+    from commslayer.comm.nan_check import NanCheckHook
+    from commslayer.reduce_op import ReduceOp
+    from commslayer.comm.work import Work, WorkStatus
 
-_HOMES = {"Communicator": "communicator", "join": "create", "new_comm": "create", "HookHandle": "hooks",
-          "live_communicators": "hooks", "register_communicator_hook": "hooks", "NanCheckHook": "nan_check",
-          "ReduceOp": "reduce_op", "Work": "work", "WorkStatus": "work"}
+_HOMES = {"Communicator": "comm.communicator", "join": "comm.create", "new_comm": "comm.create",
+          "HookHandle": "hooks", "live_communicators": "hooks", "register_communicator_hook": "hooks",
+          "NanCheckHook": "comm.nan_check", "ReduceOp": "reduce_op", "Work": "comm.work", "WorkStatus": "comm.work"}
 
 __all__ = [
     "new_comm", "join", "Communicator", "register_communicator_hook", "live_communicators", "Work", "WorkStatus", "ReduceOp", "HookHandle",
@@ -83,10 +83,11 @@ def _loaded_by_torch() -> bool:
     return any(e.value == "commslayer.autoload:autoload" for e in entry_points(group="torch.backends"))
 
 
+_install_old_paths()
 _route = _config.route_c10d()  # a bad value fails `import commslayer` at once, torch or not
 if "torch" in _sys.modules or not _loaded_by_torch():
-    from .registration import install_routing as _install_routing
-    from .registration import register_backend as _register_backend
+    from commslayer.registration import install_routing as _install_routing
+    from commslayer.registration import register_backend as _register_backend
 
     _register_backend()
     if _route:

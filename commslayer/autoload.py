@@ -11,8 +11,8 @@ def autoload() -> None:
     # module is half imported (the one whose `import torch` runs this).
     # An exception here would make `import torch` itself fail: warn instead.
     try:
-        from . import config
-        from .registration import install_routing, register_backend
+        from commslayer import config
+        from commslayer.registration import install_routing, register_backend
 
         register_backend()
         if config.route_c10d():

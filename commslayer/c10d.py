@@ -2,7 +2,7 @@
 
 ``init_process_group(backend="commslayer")`` (or ``"cpu:commslayer,cuda:commslayer"``)
 and ``new_group`` build, through ``create``, a ``CommslayerProcessGroup``
-(commslayer.process_group) over one communicator per device type that this
+(commslayer.comm.process_group) over one communicator per device type that this
 module builds (``group_communicator``): CPU → Gloo, CUDA → NCCL, with
 deadlines, classified errors and hooks.  ``adopting`` makes the default
 group over a communicator that exists already (a resilient job's).
@@ -20,12 +20,14 @@ from typing import Iterator, List
 import torch
 import torch.distributed as dist
 
-from . import backends, config
-from .communicator import Communicator
-from .errors import InvalidArgument
-from .lifecycle import watched_lineage
-from .process_group import CommslayerProcessGroup, job_rank_shift
-from .store import bounded
+from commslayer import config
+
+from commslayer.comm import backends
+from commslayer.comm.communicator import Communicator
+from commslayer.errors import InvalidArgument
+from commslayer.comm.lifecycle import watched_lineage
+from commslayer.comm.process_group import CommslayerProcessGroup, job_rank_shift
+from commslayer.agree.store import bounded
 
 __all__ = ["CommslayerProcessGroup", "adopting", "create", "group_communicator", "job_rank_shift"]
 

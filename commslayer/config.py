@@ -19,8 +19,8 @@ import socket
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, overload
 
-from .endpoints import host_port, is_etcd, parse_url
-from .errors import ConfigError
+from commslayer.endpoints import host_port, is_etcd, parse_url
+from commslayer.errors import ConfigError
 
 MAX_TIMEOUT_S = 10 * 365 * 86400.0  # c10d keeps timeouts in int64 milliseconds
 MAX_TRACE_BUFFER = 10_000_000  # the ring is allocated whole at start-up (8 bytes a slot)
@@ -114,14 +114,14 @@ def check_mode() -> bool:
 
 def nan_check() -> bool:
     """``COMMSLAYER_NAN_CHECK=1``: every communicator refuses to send a NaN
-    (``commslayer.nan_check``); off by default."""
+    (``commslayer.comm.nan_check``); off by default."""
     return _flag("COMMSLAYER_NAN_CHECK")
 
 
 def native() -> bool:
     """``COMMSLAYER_NATIVE``: on (the default, empty or unset), a synchronous
     collective's direct path runs in native code where it is built
-    (``commslayer.native``); 0 or off: in Python."""
+    (``commslayer.comm.native``); 0 or off: in Python."""
     return not os.environ.get("COMMSLAYER_NATIVE", "").strip() or _flag("COMMSLAYER_NATIVE")
 
 
@@ -279,7 +279,7 @@ def node_sizes() -> Optional[List[int]]:
     a launcher that lays ranks out in blocks per node but is neither torchrun nor
     Slurm (``8,8,8,7``: ranks 0-7 on the first node, 24-30 on the last); every rank
     must be given the same value.  Unset: the layout comes from torchrun's or
-    Slurm's variables, where they give one (``commslayer.addresses.rank_hosts``)."""
+    Slurm's variables, where they give one (``commslayer.detect.addresses.rank_hosts``)."""
     raw = os.environ.get("COMMSLAYER_NODE_SIZES", "")
     if not raw.strip():
         return None
@@ -324,7 +324,7 @@ def liveness_host() -> Optional[str]:
 
 def store_timeout_s() -> float:
     """``COMMSLAYER_STORE_TIMEOUT_S``: how long one store request may go unanswered
-    before the store counts as unreachable (default 10 s; commslayer.store)."""
+    before the store counts as unreachable (default 10 s; commslayer.agree.store)."""
     return _seconds("COMMSLAYER_STORE_TIMEOUT_S", 10.0)
 
 
@@ -342,7 +342,7 @@ RING_MIN_BYTES = 65536  # measured: docs/benchmarks.md, "Reduce-scatter on Gloo"
 def reduce_scatter_algorithm() -> str:
     """``COMMSLAYER_REDUCE_SCATTER``: how a Gloo communicator reduce-scatters a sum:
     ``auto`` (the ring from ``COMMSLAYER_RING_MIN_BYTES`` of input up, Gloo's own
-    below), ``ring`` or ``native`` always (commslayer.ring). Every rank must agree."""
+    below), ``ring`` or ``native`` always (commslayer.comm.ring). Every rank must agree."""
     raw = os.environ.get("COMMSLAYER_REDUCE_SCATTER", "")
     value = raw.strip().lower() or "auto"
     if value not in REDUCE_SCATTER_ALGORITHMS:

@@ -113,7 +113,7 @@ class CollectiveMismatch(CommError):
 
 
 class NanDetected(CommError):
-    """The NaN check (``commslayer.nan_check``, off by default) found a NaN in a tensor
+    """The NaN check (``commslayer.comm.nan_check``, off by default) found a NaN in a tensor
     an op was about to send: the message names the tensor and the element, ``ranks``
     this rank. Nothing was sent; like any failed op it breaks the communicator."""
 

@@ -2,7 +2,7 @@
 
 A hook that raises is logged once and skipped: observing a collective must
 never break it (check hooks are the exception: they exist to refuse an op,
-e.g. ``commslayer.nan_check``).  Calling an empty list costs one truth test
+e.g. ``commslayer.comm.nan_check``).  Calling an empty list costs one truth test
 on the hot path.
 
 Hooks are general and cost a Python call each plus an argument dict per op.
@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optiona
 if TYPE_CHECKING:
     import torch
 
-    from .communicator import Communicator
-    from .reduce_op import ReduceOp
-    from .work import Work
+    from commslayer.comm.communicator import Communicator
+    from commslayer.reduce_op import ReduceOp
+    from commslayer.comm.work import Work
 
 log = logging.getLogger("commslayer")
 
@@ -138,7 +138,7 @@ recovery_hooks = Hooks("recovery")  # fn(kind, fields); a broken observer is log
 
 def register_recovery_hook(fn: Callable[[str, Dict[str, Any]], None]) -> HookHandle:
     """Run ``fn(kind, fields)`` at each milestone of a resilient job's recovery
-    (``commslayer.replicas``): ``recovered`` (the survivors went on without a
+    (``commslayer.train.replicas``): ``recovered`` (the survivors went on without a
     lost replica group), ``admitted`` (a restarted group was let back in) and
     ``healed`` (a restarted rank received a live replica's state). ``fields``
     are plain values (steps, member ids, bytes, seconds); tracing records them

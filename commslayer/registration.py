@@ -20,13 +20,13 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as dc
 
-from .startup import BACKEND_NAME
+from commslayer.startup import BACKEND_NAME
 
 _ROUTED = ("gloo", "nccl", "undefined")
 
 
 def _create(dist_opts: Any, backend_options: Any) -> Any:
-    from .c10d import create
+    from commslayer.c10d import create
 
     return create(dist_opts, backend_options)
 
@@ -66,7 +66,7 @@ def install_routing() -> None:
             config = dist.BackendConfig(dist.Backend(str(backend)))
             dc._world.pg_map[pg] = (backend, store)
             dc._world.pg_backend_config[pg] = str(config)
-            from .process_group import CommslayerProcessGroup  # built by now: imported at the first group
+            from commslayer.comm.process_group import CommslayerProcessGroup  # built by now: imported at the first group
 
             if isinstance(pg, CommslayerProcessGroup):
                 pg.answer_as(_default_backend(config))

@@ -17,8 +17,8 @@ replicated, and the job keeps the replicas in step::
     job.finish()                                   # end of job: replicas compared, results written
 
 This module is the entry point: ``init`` builds the job, a ``Job``
-(commslayer.job: replica groups) or, without ``--replicas``, a ``PeerJob``
-(commslayer.peerjob: every rank its own restart unit, its state held by
+(commslayer.train.job: replica groups) or, without ``--replicas``, a ``PeerJob``
+(commslayer.train.peerjob: every rank its own restart unit, its state held by
 its peers), and installs the hook that makes an uncaught error leave the
 job in one line (``_leave``).  Without ``commslayer-run`` (plain
 ``torchrun``) the job is one replica group: the same script runs
@@ -33,13 +33,15 @@ import sys
 from datetime import timedelta
 from typing import Any, Callable, Dict, Optional
 
-from . import config, failures
-from .errors import CommError, InvalidArgument, first_line
-from .exits import exit_now
-from .hooks import register_phase_hook  # noqa: F401  (public here: where a user looks)
-from .job import BUCKET_BYTES, Job, StateMismatch  # noqa: F401  (StateMismatch: public here)
-from .peerjob import PeerJob
-from .replicas import ReplicaBroken
+from commslayer import config
+
+from commslayer.train import failures
+from commslayer.errors import CommError, InvalidArgument, first_line
+from commslayer.comm.exits import exit_now
+from commslayer.hooks import register_phase_hook  # noqa: F401  (public here: where a user looks)
+from commslayer.train.job import BUCKET_BYTES, Job, StateMismatch  # noqa: F401  (StateMismatch: public here)
+from commslayer.train.peerjob import PeerJob
+from commslayer.train.replicas import ReplicaBroken
 
 
 _FUTURE_WRAPPING = re.compile(r"(RuntimeError: )?Got the following error when running the callback: ")
@@ -48,7 +50,7 @@ _FUTURE_WRAPPING = re.compile(r"(RuntimeError: )?Got the following error when ru
 def _leave(job: "Job", exc_type: type, exc: BaseException, tb: Any, previous: Callable[..., None]) -> None:
     """An uncaught error in a resilient job: say why in one line (a broken replica group
     is expected: its torchrun restarts it), record it in the job's store
-    (``commslayer.failures``: a deterministic failure stops the job instead of being
+    (``commslayer.train.failures``: a deterministic failure stops the job instead of being
     restarted), dump, hang up and leave with status 1."""
     loss_seen = failures.saw_loss()
     if isinstance(exc, ReplicaBroken):
@@ -81,12 +83,12 @@ def init(*, timeout: timedelta = timedelta(seconds=60), bucket_mb: float = BUCKE
     ``"commslayer"`` backend, ``job.mesh`` (1-D over the group, for ``fully_shard``), and
     the job's resilient replicate communicator. ``bucket_mb``: the size of a bucket of
     gradients averaged after backward. ``overlap``: begin the cross-replica average of
-    FSDP2 and DDP modules during backward (``commslayer.gradients``); ``False``
+    FSDP2 and DDP modules during backward (``commslayer.train.gradients``); ``False``
     averages everything after backward (default: ``True`` unless
     ``COMMSLAYER_AVERAGE_AFTER_BACKWARD`` is set). ``run_dir`` (default ``COMMSLAYER_RUN_DIR``):
     where ``finish`` writes this rank's result. Under ``commslayer-run`` without
     ``--replicas`` (``COMMSLAYER_RESTART_UNIT=rank``) the job is a ``PeerJob``
-    (commslayer.peerjob): ``redundancy`` ranks keep a copy of each rank's state
+    (commslayer.train.peerjob): ``redundancy`` ranks keep a copy of each rank's state
     (default ``COMMSLAYER_REDUNDANCY``, 1), refreshed every ``refresh_every`` steps
     (default ``COMMSLAYER_REFRESH_EVERY``, 1), and survivors wait up to
     ``heal_timeout_s`` for a lost rank's replacement."""

@@ -17,5 +17,5 @@ starts when torch is imported), ``wake`` (the helper that ends a
 ``sigstop`` fault).  What a run leaves (result files, the fault log,
 the summary) is read through ``commslayer.runs``, the definition the
 launcher and the training script share; the processes the harness starts
-are handled by ``commslayer.processes``.
+are handled by ``commslayer.run.processes``.
 """

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from commslayer.etcdstore import SCHEME
-from commslayer.processes import free_port
+from commslayer.agree.etcdstore import SCHEME
+from commslayer.run.processes import free_port
 
 READY_S = 30.0  # how long a cluster may take to elect its first leader
 

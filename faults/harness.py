@@ -33,12 +33,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from commslayer.launcher import GRACE_S
-from commslayer.processes import ProcessSet, become_subreaper, descendants, free_port
+from commslayer.run.launcher import GRACE_S
+from commslayer.run.processes import ProcessSet, become_subreaper, descendants, free_port
 from commslayer.runs import (FAULT_LOG, RankResult, Recovery, load_results, load_summary, longest, read_log,
                              result_paths)
-from tracing import analysis
-from tracing.traceio import TraceFileError, read_dump
+from tracing.read import analysis
+from tracing.read.traceio import TraceFileError, read_dump
 
 from .etcd import EtcdCluster
 from .etcd import available as etcd_available
@@ -98,7 +98,7 @@ class Options:
 
     def faults(self, scenario: Scenario, layout: Layout) -> List[Fault]:
         """The scenario's faults, the first life's collective fault moved to ``op`` and ``nth``."""
-        from commslayer.wire import BACKEND_OPS
+        from commslayer.comm.wire import BACKEND_OPS
 
         if self.op is not None and self.op not in BACKEND_OPS:
             raise ValueError(f"op {self.op!r}: expected one of {', '.join(BACKEND_OPS)}")
@@ -200,7 +200,7 @@ def run(name: str, out_dir: str, options: Optional[Options] = None) -> Dict[str,
     env.pop("COMMSLAYER_TRACE_DIR", None)  # the launcher's default: <run-dir>/traces
     shape = ["--nproc-per-node", str(layout.ranks)] if layout.per_rank else \
         ["--replicas", str(layout.replicas), "--nproc-per-replica", str(layout.per_replica)]
-    base = [sys.executable, "-m", "commslayer.launcher", *shape, "--max-restarts", str(scenario.max_restarts),
+    base = [sys.executable, "-m", "commslayer.run.launcher", *shape, "--max-restarts", str(scenario.max_restarts),
             "--run-dir", run_dir]
     job_args = [options.job, "--steps", str(options.steps), "--heal-timeout", "90", *options.job_args]
     reference = reference_fingerprints(options, layout, out_dir, job_args) \
@@ -290,7 +290,7 @@ def reference_fingerprints(options: Options, layout: Layout, out_dir: str, job_a
         env.pop("COMMSLAYER_FAULTS", None)
         job = _Job(ref_dir)
         try:
-            proc = job.start([sys.executable, "-m", "commslayer.launcher", "--nproc-per-node", str(layout.ranks),
+            proc = job.start([sys.executable, "-m", "commslayer.run.launcher", "--nproc-per-node", str(layout.ranks),
                               "--run-dir", ref_dir, *job_args], env, "reference")
             done = job.wait(time.monotonic() + options.timeout_s)
         finally:
@@ -665,7 +665,7 @@ BUG_STOP_S = 10.0  # a deterministic failure ends the whole job within this
 
 def _bug_checks(t: Optional[float], layout: Layout, codes: List[Optional[int]], ended_at: Optional[float],
                 trace_dir: str, run_dir: str) -> List[Check]:
-    """A bug, not a fault (``commslayer.failures``): the whole job must end soon (the launcher
+    """A bug, not a fault (``commslayer.train.failures``): the whole job must end soon (the launcher
     sees the record at its next poll and ends every process), exit 1 with one line naming the
     failing rank and the step, with every rank of the first life dumped and nothing restarted."""
     if t is None:

@@ -186,7 +186,7 @@ class Injector:
     # ------------------------------------------------------- collective hooks
     def attach(self, comm: Any) -> None:
         """Wrap the methods of ``comm`` that a fault of this process targets; log its first failure."""
-        from commslayer.wire import BACKEND_OPS
+        from commslayer.comm.wire import BACKEND_OPS
 
         name = comm.get_name()
         table = comm.global_ranks or comm.members  # job ranks where known; the hook must not hold comm itself
@@ -306,7 +306,7 @@ def install() -> None:
 
 
 def fault_window(job: Any, step: int) -> bool:
-    """Whether a step fault may fire at ``step`` of a resilient job (``commslayer.job.Job``):
+    """Whether a step fault may fire at ``step`` of a resilient job (``commslayer.train.job.Job``):
     every replica group live, each committed a step since it last came back (with one
     group healing and another one killed, no copy of the state would be left), and no
     other fault fired in this generation (faults of two groups in one step would leave

@@ -8,7 +8,7 @@ its exception.  Ranks that do not finish within ``timeout`` are SIGKILLed and
 the run fails; no process outlives the call.  Unlike torchrun, a rank's death
 leaves the others running; with ``respawn`` the parent starts a killed rank
 again (``HARNESS_INCARNATION`` tells the new process which life it is in).
-The test suite and the recovery benchmark (``launch/bench_recovery.py``) run
+The test suite and the recovery benchmark (``launch/bench/bench_recovery.py``) run
 their ranks here.
 """
 
@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch.distributed as dist
 
-from commslayer.processes import free_port
+from commslayer.run.processes import free_port
 
 
 class RankFailed(AssertionError):
@@ -59,8 +59,8 @@ def _child(fn, rank, size, port, args, conn, env) -> None:
         outcome = ("error", (exc, traceback.format_exc()))
     # What atexit would do (goodbye, before-exit hooks: a trace dump), before the parent, once told the
     # outcome, may SIGKILL this process: killed in the middle of a dump, it left a half-written file.
-    if "commslayer.liveness" in sys.modules:
-        from commslayer.exits import before_exit
+    if "commslayer.detect.liveness" in sys.modules:
+        from commslayer.comm.exits import before_exit
 
         try:
             before_exit(0, "")

@@ -11,7 +11,7 @@ ends, every rank with an error that names the cause and a trace dump).
 
 Most scenarios run a job of replica groups (``commslayer-run --replicas``).
 The ``per_rank`` ones run a job without them (per-rank mode: every rank its
-own restart unit, its state also held by its buddy, ``commslayer.peerjob``):
+own restart unit, its state also held by its buddy, ``commslayer.train.peerjob``):
 their layout is one group of all the ranks, with ``per_rank`` set.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
-from commslayer.redundancy import holders
+from commslayer.train.redundancy import holders
 
 from .inject import Fault
 

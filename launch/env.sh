@@ -18,7 +18,7 @@ export PATH="$VENV/bin:$PATH"
 # torch warns at import when NumPy is absent; we do not depend on NumPy.
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore:Failed to initialize NumPy}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-# The direct path in native code (commslayer/native.py): built once per source and torch;
+# The direct path in native code (commslayer/comm/native.py): built once per source and torch;
 # where it cannot be built, it says why and communicators run that path in Python.
 "$VENV/bin/commslayer-native" >/dev/null || true
 cd "$ROOT"

@@ -26,11 +26,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from commslayer import config, runs
-from commslayer.exits import exit_now
+from commslayer.comm.exits import exit_now
 
 
 class Job:
-    """The plain stand-in for ``commslayer.job.Job``."""
+    """The plain stand-in for ``commslayer.train.job.Job``."""
 
     def __init__(self, run_dir: Optional[str] = None) -> None:
         timeout = timedelta(seconds=60)

@@ -13,7 +13,7 @@ Why not FSDP2's own HSDP mesh: a DeviceMesh's groups are fixed when it is
 built, and the replicate dimension must change its members; an error inside
 FSDP2's backward hooks would also leave its state half-done.  So FSDP2 owns
 the shard dimension, and each FSDP module's reduce-scatter output is averaged
-across replicas as backward produces it (``commslayer.gradients``, through
+across replicas as backward produces it (``commslayer.train.gradients``, through
 FSDP2's all-reduce hook), committed by ``job.step``.
 
 The data is synthetic and deterministic: the batch of (step, replica, rank)
@@ -28,7 +28,7 @@ average) or ``optimizer`` (after the step was committed); each fault fires
 once per job.  The fault harness (``commslayer-faults``) fires its step faults
 at the same points (the API's phase hooks), under the same rule
 (``faults.inject.fault_window``).  ``--plain`` runs the same job on plain Gloo groups
-without any of it (``launch/plain.py``), the baseline of ``launch/bench_training.py``.
+without any of it (``launch/plain.py``), the baseline of ``launch/bench/bench_training.py``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import threading
 import time
 from typing import Any, Callable, List
 
-from commslayer.processes import free_port
+from commslayer.run.processes import free_port
 from faults.ranks import RankDied, run_ranks
 
 __all__ = ["RankDied", "free_port", "job_story", "on_threads", "run_ranks"]

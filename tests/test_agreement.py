@@ -1,11 +1,11 @@
-"""The shrink agreement (``commslayer.agreement``) on the simulator (``commslayer.watchsim``
+"""The shrink agreement (``commslayer.agree.agreement``) on the simulator (``commslayer.detect.watchsim``
 with a ``StoreModel``): hundreds of survivors, each starting it when its watch declares
 the loss, against one simulated store. The same code runs on real stores in
 test_membership_protocol.py and, with real processes, test_recovery.py."""
 
 import pytest
 
-from commslayer.watchsim import Simulation, StoreModel
+from commslayer.detect.watchsim import Simulation, StoreModel
 
 
 def _agree(size, faults, blocking=True, seed=2):

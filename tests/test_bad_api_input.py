@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 
 import commslayer
-from commslayer import CommAborted, ConfigError, InvalidArgument, ReduceOp, backends, config
-from commslayer.validation import MAX_NAME_CHARS
+from commslayer import CommAborted, ConfigError, InvalidArgument, ReduceOp, config
+from commslayer.comm import backends
+from commslayer.comm.validation import MAX_NAME_CHARS
 from tests.harness import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent

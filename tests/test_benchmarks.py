@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from commslayer.processes import free_port
+from commslayer.run.processes import free_port
 from faults.etcd import available as etcd_available
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,7 +89,7 @@ def median_in_range(cell: str) -> float:
 def test_hotpath_smoke(ranks):
     launch = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())] \
         if ranks > 1 else []
-    out = run_bench(*launch, "launch/bench_hotpath.py", "--smoke", timeout=50)
+    out = run_bench(*launch, "launch/bench/bench_hotpath.py", "--smoke", timeout=50)
     header = ["variant", "CPU µs/op, median of rounds", "min–max over rounds", "minus plain c10d"]
     found = table(out, header, "variant")
     assert list(found) == ["plain c10d", "commslayer", "commslayer + recorder", "commslayer, isolate_writes",
@@ -104,7 +104,7 @@ def test_hotpath_smoke(ranks):
 @pytest.mark.timeout(90)
 def test_overhead_smoke(tmp_path):
     out = run_bench("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-                    "launch/bench_overhead.py", "--smoke", timeout=80, env={"TMPDIR": str(tmp_path)})
+                    "launch/bench/bench_overhead.py", "--smoke", timeout=80, env={"TMPDIR": str(tmp_path)})
     traced = ["recorder", "recorder+jsonl", "recorder+jsonl+otel", "backend", "general", "python", "nan-check"]
     header = ["op", "size", "reps", "plain (A)", "plain2 (A')", "commslayer (B)", "B/A", "A'/A", "B−A"]
     header += [col for v in traced for col in (v, "/A", "−A")]
@@ -124,7 +124,7 @@ def test_overhead_smoke(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_tracing_train_smoke():
-    out = run_bench("launch/bench_tracing_train.py", "--smoke", timeout=110)
+    out = run_bench("launch/bench/bench_tracing_train.py", "--smoke", timeout=110)
     header = ["variant", "median step (ms)", "min–max over repeats (ms)", "ratio to off", "runs that failed at exit"]
     found = table(out, header, "variant")
     assert list(found) == ["off", "off (A/A)", "all sinks"]
@@ -138,7 +138,7 @@ def test_tracing_train_smoke():
 
 @pytest.mark.timeout(120)
 def test_recovery_smoke():
-    out = run_bench("launch/bench_recovery.py", "--smoke", timeout=110)
+    out = run_bench("launch/bench/bench_recovery.py", "--smoke", timeout=110)
     header = ["scenario", "stall of the slowest survivor, median (s)", "min–max (s)", "repeats"]
     found = table(out, header, "scenario")
     assert list(found) == ["ours, SIGKILL", "ours, SIGSTOP (peer timeout 1 s)", "plain Gloo (timeout 2 s), SIGKILL",
@@ -157,7 +157,7 @@ def test_recovery_smoke():
 
 @pytest.mark.timeout(300)
 def test_training_smoke():
-    out = run_bench("launch/bench_training.py", "--smoke", timeout=290)
+    out = run_bench("launch/bench/bench_training.py", "--smoke", timeout=290)
     header = ["configuration", "step time, median (ms)", "min–max (ms)", "steps/s, median", "min–max",
               "vs plain Gloo, median", "min–max"]
     free = rows(out, header)
@@ -182,7 +182,7 @@ def test_training_smoke():
 
 @pytest.mark.timeout(300)
 def test_resilience_smoke():
-    out = run_bench("launch/bench_resilience.py", "--smoke", timeout=290)
+    out = run_bench("launch/bench/bench_resilience.py", "--smoke", timeout=290)
     scripts = ["DDP example"]
     configs = ["ours", "ours, after backward", "plain HSDP", "plain torchrun, 4 ranks"]  # the smoke runs no A/A
     header = ["script", "configuration", "step time, median (ms)", "min–max (ms)", "vs plain HSDP, median", "min–max"]
@@ -209,7 +209,7 @@ def test_resilience_smoke():
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
                     reason="builds network namespaces: needs root and iproute2")
 def test_overlap_smoke():
-    out = run_bench("launch/bench_overlap.py", "--smoke", timeout=170)
+    out = run_bench("launch/bench/bench_overlap.py", "--smoke", timeout=170)
     assert "**2 ranks**" in out
     header = ["configuration", "backward ms, median [min–max]", "step ms, median [min–max]",
               "RS hidden under AG, median [min–max]", "rank 0 sent per step, rail 1 / rail 2 (MB)",
@@ -227,7 +227,7 @@ def test_overlap_smoke():
 
 @pytest.mark.timeout(60)
 def test_viewer_smoke():
-    out = run_bench("launch/bench_viewer.py", "--smoke", timeout=50)
+    out = run_bench("launch/bench/bench_viewer.py", "--smoke", timeout=50)
     header = ["layout", "files", "command", "wall s", "max RSS MiB (largest process)", "peak MiB (process tree)",
               "exit"]
     found = rows(out, header)
@@ -240,7 +240,7 @@ def test_viewer_smoke():
 
 @pytest.mark.timeout(120)
 def test_watch_simulation_smoke():
-    out = run_bench("launch/simulate_watch.py", "--smoke", timeout=110)
+    out = run_bench("launch/bench/simulate_watch.py", "--smoke", timeout=110)
     header = ["members", "topology", "jitter ms", "kill median / p99 / max ms", "stop median / p99 / max ms",
               "missed", "frames/member/s median (max)", "heartbeats/member/s", "false positives", "sim wall s"]
     sparse, mesh = rows(out, header)
@@ -254,7 +254,7 @@ def test_watch_simulation_smoke():
 
 @pytest.mark.timeout(240)
 def test_watch_processes_smoke():
-    out = run_bench("launch/bench_watch.py", "--smoke", timeout=230)
+    out = run_bench("launch/bench/bench_watch.py", "--smoke", timeout=230)
     header = ["run", "members", "topology", "kill → declared, median / max ms", "stop → declared, median / max s",
               "frames/member/s, median / max", "survivors' declarations of healthy ranks"]
     real, sim = rows(out, header)
@@ -268,7 +268,7 @@ def test_watch_processes_smoke():
 
 @pytest.mark.timeout(120)
 def test_agreement_smoke():
-    out = run_bench("launch/bench_agreement.py", "--smoke", timeout=110)
+    out = run_bench("launch/bench/bench_agreement.py", "--smoke", timeout=110)
     header = ["members", "waits", "requests per survivor: median (max)", "requests per decision",
               "agree s: median (min–max)"]
     got = rows(out, header)
@@ -284,7 +284,7 @@ def test_agreement_smoke():
 
 @pytest.mark.timeout(60)
 def test_agreement_simulation_smoke():
-    out = run_bench("launch/simulate_agreement.py", "--smoke", timeout=50)
+    out = run_bench("launch/bench/simulate_agreement.py", "--smoke", timeout=50)
     header = ["members", "fault", "waits", "decision written s", "last survivor has it s: median (max)",
               "agreement's own s", "requests per survivor: median (max)", "requests per decision", "server busy s",
               "sim wall s"]
@@ -305,7 +305,7 @@ def pair(row: List[str], i: int) -> float:
 @pytest.mark.timeout(120)
 def test_peer_smoke():
     # three runs of 4 ranks: 15-18 s each on a loaded 2-core machine
-    out = run_bench("launch/bench_peer.py", "--smoke", timeout=110)
+    out = run_bench("launch/bench/bench_peer.py", "--smoke", timeout=110)
     header = ["configuration", "stall: kill → step F committed again", "min–max", "steps redone",
               "replacement: kill → process started", "min–max", "process start (→ model built)", "min–max",
               "stall − process start", "min–max"]
@@ -335,7 +335,7 @@ def test_peer_smoke():
 
 @pytest.mark.timeout(60)
 def test_reduce_scatter_smoke():
-    out = run_bench("launch/bench_reduce_scatter.py", "--smoke", timeout=50)
+    out = run_bench("launch/bench/bench_reduce_scatter.py", "--smoke", timeout=50)
     assert "**2 ranks**" in out
     header = ["input", "configuration", "ms per op, median [min–max]", "speed-up vs native",
               "rank 0 sent per op: wire / TCP payload (MB)", "payload / ((n-1)/n × input)"]
@@ -345,13 +345,13 @@ def test_reduce_scatter_smoke():
     for row in found:
         assert median_in_range(row[2]) > 0 and numbers(row[3])[0] > 0
         assert row[4] == row[5] == "–"  # loopback: no link counters
-    assert "command: python launch/bench_reduce_scatter.py --smoke" in out
+    assert "command: python launch/bench/bench_reduce_scatter.py --smoke" in out
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(not etcd_available(), reason="etcd is not installed (Debian's etcd-server)")
 def test_etcd_smoke():
-    out = run_bench("launch/bench_etcd.py", "--smoke", timeout=230)
+    out = run_bench("launch/bench/bench_etcd.py", "--smoke", timeout=230)
     header = ["store", "step time, median (ms)", "min–max (ms)", "vs TCPStore, median", "min–max"]
     free = rows(out, header)
     assert [r[0] for r in free] == ["TCPStore", "etcd"]  # the smoke leaves out the A/A

@@ -1,4 +1,4 @@
-"""A bug is not a fault (commslayer/failures.py): a user's FSDP2 script (tests/jobs/user_fsdp2.py)
+"""A bug is not a fault (commslayer/train/failures.py): a user's FSDP2 script (tests/jobs/user_fsdp2.py)
 under ``commslayer-run`` in both modes, with the mistakes users make.
 
 An exception of the script's own code, or a skipped ``job.step()``, stops the whole job
@@ -37,7 +37,7 @@ def run(tmp_path: Path, mode_args: List[str], *script_args: str, launcher: Tuple
         env: dict = None, timeout: float = 150) -> Tuple[int, str, float]:
     """The launcher on the user's script, from outside the repository: its exit status, its
     whole output, and the seconds from the first rank's 'leaving' line to its exit (0: none)."""
-    cmd = [sys.executable, "-m", "commslayer.launcher", *mode_args, "--max-restarts", "3", "--grace", "3",
+    cmd = [sys.executable, "-m", "commslayer.run.launcher", *mode_args, "--max-restarts", "3", "--grace", "3",
            "--run-dir", str(tmp_path / "run"), *launcher, str(USER), *script_args]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     proc = subprocess.Popen(cmd, env=full_env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -137,7 +137,7 @@ def test_a_resharding_job_ended_midway_leaves_nothing_in_host_memory(tmp_path):
     /dev/shm (where the whole state is left for the restarted script) is gone."""
     shm = Path("/dev/shm")
     before = set(shm.glob("commslayer-*"))
-    cmd = [sys.executable, "-m", "commslayer.launcher", "--nproc-per-node", "3", "--max-restarts", "0", "--grace",
+    cmd = [sys.executable, "-m", "commslayer.run.launcher", "--nproc-per-node", "3", "--max-restarts", "0", "--grace",
            "3", str(USER), "--steps", "400", "--kill", "6:2"]
     proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR=""), cwd="/",
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -160,7 +160,7 @@ def test_a_crash_loop_stops_the_job_with_the_rank_named(tmp_path):
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     job = ROOT / "tests" / "jobs" / "rank_unit_job.py"
-    proc = subprocess.run([sys.executable, "-m", "commslayer.launcher", "--nproc-per-node", "3", "--max-restarts",
+    proc = subprocess.run([sys.executable, "-m", "commslayer.run.launcher", "--nproc-per-node", "3", "--max-restarts",
                            "9", "--crash-loop", "3/60", "--grace", "2", str(job), "always-fail", str(out_dir)],
                           env=dict(os.environ, COMMSLAYER_TRACE_DIR=""), cwd="/", capture_output=True, text=True,
                           timeout=50)

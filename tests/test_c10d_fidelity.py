@@ -80,7 +80,7 @@ def _fidelity_job(rank, size, store):
 
     import commslayer
     from commslayer.registration import install_routing
-    from tracing.recorder import install
+    from tracing.record.recorder import install
 
     dist.init_process_group("gloo", store=dist.PrefixStore("world/", store), rank=rank, world_size=size)
     plain = dist.new_group(backend="gloo")

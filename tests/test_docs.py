@@ -16,8 +16,8 @@ from typing import Dict, Iterator, List, Set, Tuple
 
 from torch.distributed.run import get_args_parser
 
-from commslayer.launcher import parser as launcher_parser
-from tracing.cli import parser as trace_parser
+from commslayer.run.launcher import parser as launcher_parser
+from tracing.read.cli import parser as trace_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]

@@ -1,4 +1,4 @@
-"""The store on etcd (``commslayer.etcdstore``) against a real etcd server, started here on
+"""The store on etcd (``commslayer.agree.etcdstore``) against a real etcd server, started here on
 loopback ports: c10d's answers for every call, compared with a ``HashStore`` fed the same
 calls; waits that end when another client writes; the membership protocol and a real
 communicator on it; and a server that is gone is ``StoreUnreachable``, not a hang.
@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 from commslayer.errors import StoreUnreachable
 from commslayer.endpoints import parse_url
-from commslayer.etcdstore import EtcdStore
-from commslayer.membership import Membership
-from commslayer.store import bounded
+from commslayer.agree.etcdstore import EtcdStore
+from commslayer.agree.membership import Membership
+from commslayer.agree.store import bounded
 from faults.etcd import EtcdCluster, available
 
 from harness import on_threads
@@ -203,7 +203,7 @@ def test_a_claim_is_exclusive_and_goes_with_its_holder(etcd):
 
     _, (host, port) = etcd
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import time\nfrom commslayer.etcdstore import EtcdStore\n"
+        [sys.executable, "-c", "import time\nfrom commslayer.agree.etcdstore import EtcdStore\n"
          f"claim = EtcdStore([({host!r}, {port})], 'cl/').claim('job', 'first', 2.0)\n"
          "print('held' if claim else 'refused', flush=True)\ntime.sleep(60)"],
         stdout=subprocess.PIPE, text=True)

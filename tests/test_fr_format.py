@@ -61,7 +61,7 @@ def _fr_files(trace_dir: str, size: int) -> list:
 
 
 def _install(trace_dir: str, stack: bool = False):
-    from tracing.recorder import install
+    from tracing.record.recorder import install
 
     return install(trace_dir, signals=False, stack=stack)
 

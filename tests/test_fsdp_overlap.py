@@ -74,7 +74,7 @@ def _bitwise_and_records(rank, size, store, hsdp, trace_dir):
 
     import commslayer
     import fsdp_overlap
-    from tracing.recorder import install
+    from tracing.record.recorder import install
 
     rec = install(trace_dir, signals=False)
     dist.init_process_group("commslayer", store=store, rank=rank, world_size=size)
@@ -146,8 +146,8 @@ def _hidden_fractions(rank, size, store, trace_dir):
     from torch.distributed.fsdp import fully_shard
 
     import fsdp_overlap
-    from tracing.analysis import overlap_by_rank
-    from tracing.recorder import install
+    from tracing.read.analysis import overlap_by_rank
+    from tracing.record.recorder import install
 
     rec = install(trace_dir, signals=False)
     dist.init_process_group("commslayer", store=store, rank=rank, world_size=size)

@@ -24,7 +24,7 @@ from commslayer import runs
 ROOT = Path(__file__).resolve().parent.parent
 # The console script where it is installed (the way users run it), else the same entry point.
 LAUNCHER = [shutil.which("commslayer-run")] if shutil.which("commslayer-run") else \
-    [sys.executable, "-m", "commslayer.launcher"]
+    [sys.executable, "-m", "commslayer.run.launcher"]
 
 USER_SCRIPT = '''
 import os, sys
@@ -87,7 +87,7 @@ def tagged(tag: bytes) -> List[int]:
 def test_the_console_script_is_declared():
     with open(ROOT / "pyproject.toml", "rb") as f:
         scripts = tomllib.load(f)["project"]["scripts"]
-    assert scripts["commslayer-run"] == "commslayer.launcher:main"
+    assert scripts["commslayer-run"] == "commslayer.run.launcher:main"
 
 
 @pytest.mark.parametrize("args,says", [
@@ -124,7 +124,7 @@ def test_nonsense_is_one_line_and_exit_2(tmp_path, args, says):
 def test_help_and_usage_errors_answer_without_importing_torch(args):
     """``--help`` and every usage error come before torch is imported (seconds on a loaded
     machine): the launcher's arguments are checked by torch-free modules only."""
-    probe = ("import sys\nfrom commslayer.launcher import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+    probe = ("import sys\nfrom commslayer.run.launcher import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
              "    print('exit', e.code, 'torch' in sys.modules)\n")
     proc = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60)
     assert proc.stdout.splitlines()[-1] == f"exit {0 if args == ['--help'] else 2} False", (proc.stdout, proc.stderr)

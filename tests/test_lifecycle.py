@@ -1,4 +1,4 @@
-"""The lifecycle's state machine (commslayer.lifecycle), its races on real threads, and the
+"""The lifecycle's state machine (commslayer.comm.lifecycle), its races on real threads, and the
 same races on real communicators (forked ranks).
 
 In-process tests drive a ``Lifecycle`` directly: its membership protocol runs on a
@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 import commslayer
 from commslayer.errors import CommAborted, CommError, PeerLost
-from commslayer.lifecycle import OPEN, TRANSITIONS, Lifecycle, Lineage, State
-from commslayer.membership import Membership
+from commslayer.comm.lifecycle import OPEN, TRANSITIONS, Lifecycle, Lineage, State
+from commslayer.agree.membership import Membership
 
 from harness import on_threads, run_ranks
 

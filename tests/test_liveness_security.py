@@ -27,7 +27,7 @@ from tests.harness import run_ranks
 
 def _member_or_attacker(rank, size, store):
     import commslayer
-    from commslayer.liveness import Liveness
+    from commslayer.detect.liveness import Liveness
 
     if rank == 2:  # the attacker: knows the address, not the key
         published = dist.PrefixStore("mesh", store)  # where member 1 publishes its listener (and its key)
@@ -100,7 +100,7 @@ def test_a_member_that_chose_another_topology_is_a_config_error_not_an_unwatched
     """Rank 0 watches everyone (the full mesh); ranks 1 and 2 were told to watch one
     peer each (a ring): set up that way, some member would be watched by nobody."""
     from commslayer.errors import ConfigError
-    from commslayer.liveness import Liveness
+    from commslayer.detect.liveness import Liveness
     from tests.harness import on_threads
 
     store = dist.HashStore()

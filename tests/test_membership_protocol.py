@@ -1,4 +1,4 @@
-"""The membership protocol (commslayer.membership) in process: threads as members over one
+"""The membership protocol (commslayer.agree.membership) in process: threads as members over one
 store, milliseconds a test, for its corner cases: a c10d ``HashStore`` (waits poll) and a
 TCPStore as a job's store is wrapped (waits block on the server). The same protocol with
 real processes, sockets and kills is tested in test_recovery.py and test_resilience.py."""
@@ -11,9 +11,9 @@ import pytest
 import torch.distributed as dist
 
 from commslayer.errors import CollectiveTimeout, CommAborted, CommError, PeerLost
-from commslayer.membership import JOINERS_POLL_S, Membership
-from commslayer.store import bounded
-from launch.bench_agreement import CountingStore
+from commslayer.agree.membership import JOINERS_POLL_S, Membership
+from commslayer.agree.store import bounded
+from launch.bench.bench_agreement import CountingStore
 
 from harness import on_threads
 

@@ -68,7 +68,7 @@ def test_plain_torchrun_nnodes_2_survivor_names_killed_rank(tmp_path):
 
 def test_the_address_towards_the_store_is_this_hosts_own():
     """With nothing set, a rank advertises its own interface on the route to the store."""
-    code = ("from commslayer.addresses import advertised_host; import torch.distributed as dist;"
+    code = ("from commslayer.detect.addresses import advertised_host; import torch.distributed as dist;"
             "print(advertised_host(None))")
     env = dict(os.environ, MASTER_ADDR="10.77.1.1", MASTER_PORT="29412")
     for name in ("COMMSLAYER_LIVENESS_HOST", "GLOO_SOCKET_IFNAME"):

@@ -1,4 +1,4 @@
-"""The direct path in native code (commslayer/direct_path.cpp, commslayer/native.py):
+"""The direct path in native code (commslayer/comm/direct_path.cpp, commslayer/comm/native.py):
 the README's commands build it, its results equal the pure-Python path's and plain
 c10d's bitwise, its flight-recorder records say what the Python recorder's do, it
 leaves what it cannot take to Python, and a build that cannot happen says why."""
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from commslayer import native
+from commslayer.comm import native
 from tests.harness import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -181,7 +181,7 @@ def _recorded_both_ways(rank, size, store, trace_dir):
     import threading
 
     import commslayer
-    from tracing import recorder
+    from tracing.record import recorder
 
     fast = commslayer.new_comm("gloo", name="native", store=store, rank=rank, size=size, timeout=60)
     os.environ["COMMSLAYER_NATIVE"] = "0"

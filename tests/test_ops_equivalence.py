@@ -1,6 +1,6 @@
 """Every op x dtype x size x reduce op: commslayer's result equals plain c10d's
 on the same inputs, bitwise, at world sizes 2 and 3, sync and async.  At 3 ranks
-reduce-scatter runs Gloo's own algorithm: the ring (commslayer/ring.py, the
+reduce-scatter runs Gloo's own algorithm: the ring (commslayer/comm/ring.py, the
 default for large sums) adds in another order there (tests/test_ring_reduce_scatter.py)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The network testbed of launch/bench_overlap.py (faults/netns.py): two capped rails per
+"""The network testbed of launch/bench/bench_overlap.py (faults/netns.py): two capped rails per
 rank, links that can be cut, and no namespace left behind when the benchmark fails or a run died."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from launch import bench_overlap as bench
+from launch.bench import bench_overlap as bench
 from faults import netns
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),

@@ -1,5 +1,5 @@
-"""A job without replica groups survives a lost rank (``commslayer.peerjob``,
-``commslayer.redundancy``): the FSDP2 example launched by ``commslayer-run``
+"""A job without replica groups survives a lost rank (``commslayer.train.peerjob``,
+``commslayer.train.redundancy``): the FSDP2 example launched by ``commslayer-run``
 without ``--replicas``, 4 ranks, real SIGKILLs and SIGSTOPs, every final state
 compared bitwise with a fault-free run's."""
 
@@ -15,7 +15,7 @@ from typing import Dict, List
 
 import pytest
 
-from commslayer.redundancy import holders
+from commslayer.train.redundancy import holders
 from commslayer.runs import RankResult, load_results
 from faults.etcd import EtcdCluster
 from faults.etcd import available as etcd_available
@@ -31,7 +31,7 @@ def launch(run_dir: Path, faults: List[dict], *, restarts: int = 2, env: Dict[st
            timeout: float = 150, store: List[str] = ()) -> subprocess.CompletedProcess:
     """``commslayer-run --nproc-per-node 4`` on the FSDP2 example, from outside the repository
     (``store``: the launcher's options that put the job's store elsewhere)."""
-    cmd = [sys.executable, "-m", "commslayer.launcher", "--nproc-per-node", str(RANKS), "--max-restarts",
+    cmd = [sys.executable, "-m", "commslayer.run.launcher", "--nproc-per-node", str(RANKS), "--max-restarts",
            str(restarts), "--grace", "3", "--run-dir", str(run_dir), *store, str(EXAMPLE), "--steps", str(STEPS)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "COMMSLAYER_TRACE_DIR": "",
                 "COMMSLAYER_FAULTS": json.dumps(faults), **(env or {})}

@@ -56,7 +56,7 @@ def _plain(store, tag: str, rank: int, size: int, op: str, out, inp) -> torch.Te
 
 def _kill_and_recover(rank, size, store, victims, op, when):
     import commslayer
-    from tracing.recorder import install, recorder
+    from tracing.record.recorder import install, recorder
 
     if os.environ.get("COMMSLAYER_TRACE_DIR"):  # forked after import torch: start it here
         install(signals=False)
@@ -158,7 +158,7 @@ def _stopped(rank, size, store, isolate):
     """Rank 1 stops itself before an all_reduce; the others recover without it, then
     resume it: it must be fenced, and nothing may write into the survivors' old tensors."""
     import commslayer
-    from tracing.recorder import install
+    from tracing.record.recorder import install
 
     if os.environ.get("COMMSLAYER_TRACE_DIR"):  # forked after import torch: start it here
         install(signals=False)

@@ -24,7 +24,7 @@ def launch(script: Path, *script_args: str, replicas: int = 2, per_replica: int 
            run_dir: str = "", env: dict = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """``commslayer-run`` on ``script``, from a directory outside the repository; its whole
     output (the ranks' included)."""
-    cmd = [sys.executable, "-m", "commslayer.launcher", "--replicas", str(replicas), "--nproc-per-replica",
+    cmd = [sys.executable, "-m", "commslayer.run.launcher", "--replicas", str(replicas), "--nproc-per-replica",
            str(per_replica), "--max-restarts", str(restarts)]
     if run_dir:
         cmd += ["--run-dir", run_dir]

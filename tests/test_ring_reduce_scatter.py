@@ -1,4 +1,4 @@
-"""The ring reduce-scatter on Gloo (commslayer/ring.py), on real processes: it
+"""The ring reduce-scatter on Gloo (commslayer/comm/ring.py), on real processes: it
 equals Gloo's own result bitwise at 2 ranks; at 4 it sums in the documented
 order (checked against that order computed locally), the same on every run and
 close to Gloo's; a hint or the environment forces either path; a peer killed
@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from commslayer.ring import in_ring_order
+from commslayer.comm.ring import in_ring_order
 from tests.harness import run_ranks
 
 # (elements per rank's share, dtype): odd counts, a share of several chunks, an empty one
@@ -174,7 +174,7 @@ def test_a_missed_deadline_gives_collective_timeout():
 
 def _traced(rank, size, store, trace_dir):
     import commslayer
-    from tracing.recorder import install
+    from tracing.record.recorder import install
 
     rec = install(trace_dir, signals=False)
     comm = commslayer.new_comm("gloo", name="tr", store=store, rank=rank, size=size, timeout=30,

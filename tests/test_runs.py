@@ -9,7 +9,7 @@ import os
 import torch.distributed as dist
 
 from commslayer import runs
-from commslayer.launch import compare_losses
+from commslayer.run.launch import compare_losses
 from commslayer.runs import Admission, Recovery
 
 

@@ -33,8 +33,8 @@ def _lines(path) -> List[Dict[str, Any]]:
 
 
 def _flush_sinks(rec) -> None:
-    from tracing.jsonl import JsonlSink
-    from tracing.otel import OtelSink
+    from tracing.record.jsonl import JsonlSink
+    from tracing.record.otel import OtelSink
 
     for cls in (JsonlSink, OtelSink):
         sink = cls.attached(rec)
@@ -43,8 +43,8 @@ def _flush_sinks(rec) -> None:
 
 
 def _sink_stats(rec) -> Dict[str, Dict[str, int]]:
-    from tracing.jsonl import JsonlSink
-    from tracing.otel import OtelSink
+    from tracing.record.jsonl import JsonlSink
+    from tracing.record.otel import OtelSink
 
     return {cls.__name__: cls.attached(rec).stats() for cls in (JsonlSink, OtelSink)}
 
@@ -57,7 +57,7 @@ def _last_export(metrics: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 # --------------------------------------------------------------- every op
 def _every_op(rank, size, store):
     import commslayer
-    from tracing import recorder
+    from tracing.record import recorder
 
     rec = recorder.install(signals=False)
     t0 = time.time_ns()
@@ -186,7 +186,7 @@ def _failures(rank, size, store):
     import logging
 
     import commslayer
-    from tracing import recorder
+    from tracing.record import recorder
 
     warnings: List[str] = []
 
@@ -256,8 +256,8 @@ def test_timeouts_and_lost_peers_reach_the_sinks(tmp_path):
 # -------------------------------------------------------------- full disk
 def _full_disk(rank, size, store):
     import commslayer
-    from tracing import recorder
-    from tracing.jsonl import JsonlSink
+    from tracing.record import recorder
+    from tracing.record.jsonl import JsonlSink
 
     rec = recorder.install(signals=False)  # COMMSLAYER_TRACE_JSONL is off: attach by hand
     sink = JsonlSink.attach(rec, path="/dev/full")
@@ -283,7 +283,7 @@ def test_a_full_disk_is_counted_not_raised(tmp_path):
 
 
 def test_append_writer_counts_failures_and_warns_once(tmp_path, caplog):
-    from tracing.jsonl import AppendWriter
+    from tracing.record.jsonl import AppendWriter
 
     good = AppendWriter(str(tmp_path / "sub" / "ok.jsonl"))
     assert good.write(b'{"a":1}\n', records=1) and good.write(b'{"a":2}\n', records=1)
@@ -301,9 +301,9 @@ def test_append_writer_counts_failures_and_warns_once(tmp_path, caplog):
 # ------------------------------------------------------- hot-path cost
 def _hot_path(rank, size, store, bench_dir):
     import commslayer
-    from tracing import recorder
-    from tracing.jsonl import JsonlSink
-    from tracing.otel import OtelSink
+    from tracing.record import recorder
+    from tracing.record.jsonl import JsonlSink
+    from tracing.record.otel import OtelSink
 
     comm = commslayer.new_comm("gloo", name="early", store=store, rank=rank, size=size, timeout=10)
     rec = recorder.install(signals=False)  # after the communicator: attaches to it too

@@ -12,7 +12,7 @@ _PROBE = """
 import {first}
 import commslayer, torch.distributed as dist
 from commslayer import startup
-from tracing.recorder import recorder
+from tracing.record.recorder import recorder
 print(startup.is_ready(), recorder() is not None, dist.Backend.backend_list.count("commslayer"))
 """
 

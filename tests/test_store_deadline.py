@@ -27,7 +27,7 @@ import pytest
 import torch.distributed as dist
 
 import commslayer
-from commslayer.store import bounded
+from commslayer.agree.store import bounded
 from faults.wake import state
 from tests.harness import run_ranks
 

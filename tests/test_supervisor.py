@@ -2,7 +2,7 @@
 
 The ranks are tests/jobs/rank_unit_job.py: no collectives, only their environment,
 the job's store and files, so each test checks the launcher's side of the store
-contract (commslayer/supervisor.py) with real processes in a few seconds.
+contract (commslayer/run/supervisor.py) with real processes in a few seconds.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import pytest
 import torch.distributed as dist
 
 from commslayer import runs
-from commslayer.launch import summarize
-from commslayer.processes import free_port
+from commslayer.run.launch import summarize
+from commslayer.run.processes import free_port
 from commslayer.runs import Recovery
 from tests.test_launcher import LAUNCHER, launch, tagged
 

@@ -163,8 +163,8 @@ def _ops_job(rank: int, size: int, store: Any) -> Dict[str, Any]:
     import torch.distributed as dist
 
     import commslayer
-    from commslayer.nan_check import NanCheckHook
-    from tracing.recorder import install
+    from commslayer.comm.nan_check import NanCheckHook
+    from tracing.record.recorder import install
 
     dist.init_process_group("gloo", store=dist.PrefixStore("plain/", store), rank=rank, world_size=size)
     rec = install(None, signals=False)

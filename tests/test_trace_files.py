@@ -167,7 +167,7 @@ def test_a_planted_faults_log_link_is_refused(tmp_path, capfd):
 # ------------------------------------------------------------ a real job
 def _job_in_a_booby_trapped_dir(rank, size, store, trace_dir):
     import commslayer
-    from tracing.recorder import install
+    from tracing.record.recorder import install
 
     messages = []
     handler = logging.Handler()

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _traced_run(rank, size, store, trace_dir):
     import commslayer
-    from tracing.recorder import install
+    from tracing.record.recorder import install
 
     rec = install(trace_dir, signals=False)
     comm = commslayer.new_comm("gloo", name="a", store=store, rank=rank, size=size, timeout=30)
@@ -108,7 +108,7 @@ def test_records_complete_ordered_and_states_right(tmp_path):
 
 def _sigterm_target(rank, size, store, trace_dir, blocked):
     import commslayer
-    from tracing.recorder import install
+    from tracing.record.recorder import install
 
     install(trace_dir)
     comm = commslayer.new_comm("gloo", name="st", store=store, rank=rank, size=size, timeout=60)
@@ -142,12 +142,12 @@ def test_sigterm_leaves_a_readable_dump(tmp_path, blocked):
 
 _ENDING_SLOWLY = """
 import hashlib, sys
-from commslayer.exits import exit_now, register_before_exit
+from commslayer.comm.exits import exit_now, register_before_exit
 # a hook that runs before the dump, in C for about 1.5 s (no Python, so no signal handler, meanwhile)
 register_before_exit(lambda status, why: hashlib.pbkdf2_hmac("sha256", b"x", b"y", 6_000_000))
 import torch, torch.distributed as dist
 import commslayer
-from tracing.recorder import install
+from tracing.record.recorder import install
 install(sys.argv[1])
 commslayer.new_comm("gloo", name="one", store=dist.HashStore(), rank=0, size=1).all_reduce(torch.ones(4))
 print("ending", flush=True)
@@ -175,7 +175,7 @@ def _full_disk(rank, size, store, trace_dir):
     import logging
 
     import commslayer
-    from tracing.recorder import install
+    from tracing.record.recorder import install
 
     warnings = []
     handler = logging.Handler()

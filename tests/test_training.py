@@ -21,14 +21,14 @@ from typing import Dict, List
 
 import pytest
 
-from commslayer.launch import compare_losses
-from commslayer.processes import descendants
+from commslayer.run.launch import compare_losses
+from commslayer.run.processes import descendants
 from commslayer.runs import load_results, load_summary, longest
 from faults.harness import Layout, state_checks
 from faults.netns import Network
 
 ROOT = Path(__file__).resolve().parent.parent
-LAUNCHER = [sys.executable, "-m", "commslayer.launcher", "--replicas", "2", "--nproc-per-replica", "2"]
+LAUNCHER = [sys.executable, "-m", "commslayer.run.launcher", "--replicas", "2", "--nproc-per-replica", "2"]
 TRAIN = str(ROOT / "launch" / "train.py")
 
 STEPS = 14

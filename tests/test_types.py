@@ -37,9 +37,9 @@ def test_every_public_name_comes_from_a_strictly_checked_module():
 
 def test_the_communicators_docstring_lists_its_public_surface():
     """communicator.py keeps the list a reader scans: every public method and property, one line each."""
-    from commslayer import communicator
+    from commslayer.comm import communicator
 
     public = [n for n in dir(communicator.Communicator) if not n.startswith("_")]
     assert public, "no public names found"
     missing = [n for n in public if f"``{n}``" not in communicator.__doc__]
-    assert not missing, f"not in commslayer/communicator.py's list: {missing}"
+    assert not missing, f"not in commslayer/comm/communicator.py's list: {missing}"

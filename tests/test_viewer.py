@@ -26,7 +26,7 @@ SIZE = 3
 
 def _setup(rank, size, store, trace_dir, name="a", check=False):
     import commslayer
-    from tracing.recorder import install
+    from tracing.record.recorder import install
 
     rec = install(trace_dir, signals=False)
     comm = commslayer.new_comm("gloo", name=name, store=store, rank=rank, size=size, timeout=30, check=check)
@@ -180,7 +180,7 @@ def killed(tmp_path_factory):
 def trace_cli(*args):
     """Run the installed console script; (exit status, stdout, stderr)."""
     exe = shutil.which("commslayer-trace")
-    cmd = [exe] if exe else [sys.executable, "-m", "tracing.cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "tracing.read.cli"]
     p = subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=60)
     return p.returncode, p.stdout, p.stderr
 
@@ -195,7 +195,7 @@ def _line_of(marker):
 
 @pytest.mark.timeout(60)
 def test_viewer_imports_neither_torch_nor_commslayer():
-    code = ("import sys, tracing.cli, tracing.watch, tracing.story; bad = {'torch', 'commslayer'} & set(sys.modules); "
+    code = ("import sys, tracing.read.cli, tracing.read.watch, tracing.read.story; bad = {'torch', 'commslayer'} & set(sys.modules); "
             "assert not bad, bad")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
@@ -395,7 +395,7 @@ def test_covered_length_matches_a_sweep_of_random_intervals():
     import random
     from array import array
 
-    from tracing.analysis import Busy, covered
+    from tracing.read.analysis import Busy, covered
 
     rng = random.Random(3)
     for _ in range(300):
@@ -414,7 +414,7 @@ def test_covered_length_matches_a_sweep_of_random_intervals():
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("scenario", ["clean", "skipped", "mismatched"])  # skipped: call-site ids remapped
 def test_parallel_reading_gives_the_same_answers(scenario, request, monkeypatch):
-    from tracing import analysis
+    from tracing.read import analysis
 
     d = request.getfixturevalue(scenario)
     one = analysis.JobScan([d])

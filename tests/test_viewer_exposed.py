@@ -21,7 +21,7 @@ SLEEP_S = 0.3
 def _job(rank, size, store, trace_dir):
     import torch.distributed as dist
 
-    from tracing.recorder import install
+    from tracing.record.recorder import install
 
     rec = install(trace_dir, signals=False)
     dist.init_process_group("commslayer", store=store, rank=rank, world_size=size)

@@ -16,8 +16,8 @@ import time
 import pytest
 
 from tests.viewer_traces import dump_doc, job, jsonl_lines, record, run_cli, write
-from tracing import analysis
-from tracing.traceio import MAX_LINE_BYTES, TraceFileError
+from tracing.read import analysis
+from tracing.read.traceio import MAX_LINE_BYTES, TraceFileError
 
 COMMANDS = ("summary", "diagnose", "overlap", "export", "view")
 

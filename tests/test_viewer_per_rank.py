@@ -76,7 +76,7 @@ def per_rank_job(directory: str, *, replacement_site: str = "train.py:135", surv
                   _event("generation", 500, comm="s", comm_id="s.0@g2", generation=2, members=[0, 1, 2],
                          before=[0, 1], step=30),
                   _event("admitted", 510, replicas=[], generation=2, members=[0, 1, 2], seconds=0.01, step=30),
-                  # its seconds count from this survivor's own entry into recovery (as commslayer.peerjob's
+                  # its seconds count from this survivor's own entry into recovery (as commslayer.train.peerjob's
                   # do): 0.277 s, shorter than the decision's 0.377 s after the first detection
                   _event("recovered", 655 if late_report and rank == 1 else 600, lost_replicas=[], generation=2,
                          members=[0, 1, 2], seconds=0.277,
@@ -226,7 +226,7 @@ def test_a_lost_rank_without_any_file_stands_where_its_peers_saw_it(tmp_path):
 def test_the_recorder_keeps_each_reason_whole(tmp_path):
     """The recorder's dump lists each reason once, whole: a reason whose context repeats a
     piece of an earlier one ("ranks 2]") keeps it (it used to lose it, and its bracket)."""
-    from tracing.recorder import FlightRecorder  # imports torch: the recorder side
+    from tracing.record.recorder import FlightRecorder  # imports torch: the recorder side
 
     rec = FlightRecorder(16, str(tmp_path), job="j")
     rec._comms = {"a.0": (lambda: None, {"name": "a", "backend": "gloo"})}  # something to dump for

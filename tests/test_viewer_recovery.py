@@ -45,13 +45,13 @@ def recovered(tmp_path_factory) -> Dict[str, Any]:
     socket = f"commslayer-test-{os.getpid()}"
     panes: List[str] = []
     if TMUX:
-        watch = (f"cd {ROOT} && PYTHONPATH={ROOT} {sys.executable} -m tracing.cli watch {traces} --interval 0.5; "
+        watch = (f"cd {ROOT} && PYTHONPATH={ROOT} {sys.executable} -m tracing.read.cli watch {traces} --interval 0.5; "
                  f"echo watch-exit=$?; sleep 60")
         assert _tmux(socket, "new-session", "-d", "-s", "w", "-x", "200", "-y", "60", watch).returncode == 0
     fault = [{"action": "sigkill", "rank": KILLED, "step": FAULT_STEP, "phase": "allreduce", "life": None}]
     env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR=str(traces), COMMSLAYER_TRACE_JSONL="1",
                COMMSLAYER_FAULTS=json.dumps(fault))
-    cmd = [sys.executable, "-m", "commslayer.launcher", "--replicas", "2", "--nproc-per-replica", "2",
+    cmd = [sys.executable, "-m", "commslayer.run.launcher", "--replicas", "2", "--nproc-per-replica", "2",
            "--max-restarts", "2", "--run-dir", str(run_dir), str(EXAMPLE), "--steps", str(STEPS)]
     job = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

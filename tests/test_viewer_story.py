@@ -9,9 +9,9 @@ import json
 import os
 
 from tests.viewer_traces import MONO_NS, WALL_NS, communicators, dump_doc, record, run_cli, write
-from tracing.analysis import JobScan
+from tracing.read.analysis import JobScan
 from tracing.messages import loss_cause, relative_site, short_error, short_reason
-from tracing.traceio import LIFE_OP_IDS
+from tracing.read.traceio import LIFE_OP_IDS
 
 GLOO = ("peer lost: rank(s) 1 (backend: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
         "Connection closed by peer [127.0.0.1]:27868. This is typically caused by a remote worker crashing. "
@@ -170,7 +170,7 @@ def test_fencing_is_told_and_marked(tmp_path):
 def test_watch_reads_whole_lines_as_they_are_appended(tmp_path):
     """A line still being written waits for the next look; the first failure shows as it comes."""
     from tests.viewer_traces import jsonl_lines
-    from tracing.watch import Watch
+    from tracing.read.watch import Watch
 
     path = tmp_path / "rank0.jsonl"
     lines = [json.dumps(x).encode() + b"\n" for x in jsonl_lines(0, [record(i) for i in (1, 2)])]

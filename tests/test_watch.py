@@ -1,4 +1,4 @@
-"""The watch protocol (``commslayer.watch``) on the simulator (``commslayer.watchsim``):
+"""The watch protocol (``commslayer.detect.watch``) on the simulator (``commslayer.detect.watchsim``):
 the topology's guarantees, detection of kills and stops at a few hundred members,
 and what must not happen (a healthy member declared lost by one cut-off or stopped
 watcher, a frame misread). Real processes run the same code in test_recovery.py,
@@ -10,8 +10,8 @@ from collections import Counter
 
 import pytest
 
-from commslayer.watch import BEAT, HUNG_UP, SILENT, Topology, Watch
-from commslayer.watchsim import Simulation
+from commslayer.detect.watch import BEAT, HUNG_UP, SILENT, Topology, Watch
+from commslayer.detect.watchsim import Simulation
 
 
 def test_every_member_has_k_distinct_watchers_and_at_most_2k_connections():
@@ -214,7 +214,7 @@ def _layout(monkeypatch, **env):
 
 
 def test_torchrun_layout_gives_each_member_its_node(monkeypatch):
-    from commslayer.addresses import rank_hosts
+    from commslayer.detect.addresses import rank_hosts
 
     _layout(monkeypatch)
     assert rank_hosts([0, 1]) is None  # not started by torchrun
@@ -226,7 +226,7 @@ def test_torchrun_layout_gives_each_member_its_node(monkeypatch):
 
 
 def test_slurm_and_explicit_layouts_give_each_member_its_node(monkeypatch):
-    from commslayer.addresses import rank_hosts
+    from commslayer.detect.addresses import rank_hosts
     from commslayer.errors import ConfigError
 
     _layout(monkeypatch, SLURM_TASKS_PER_NODE="2(x3),1", SLURM_PROCID="4", SLURM_NODEID="2")

@@ -10,7 +10,7 @@ import json
 import os
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from tracing import cli
+from tracing.read import cli
 from tracing.records import RECORD_FIELDS, new_dump
 
 WALL_NS, MONO_NS = 1_790_000_000_000_000_000, 5_000_000_000

@@ -27,7 +27,7 @@ def _install() -> None:
     config.validate()
     # Anything else here would make `import torch` itself fail: warn instead.
     try:
-        from .recorder import install
+        from tracing.record.recorder import install
 
         install()
     except Exception as exc:  # pragma: no cover - depends on the environment

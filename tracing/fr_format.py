@@ -108,7 +108,7 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
-from .records import COMPLETED, FINAL_STATES, SCHEDULED, STARTED
+from tracing.records import COMPLETED, FINAL_STATES, SCHEDULED, STARTED
 
 FR_VERSION = "2.10"
 

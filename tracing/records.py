@@ -66,9 +66,9 @@ EVENT_KINDS = (
     "peer_lost",   # this rank found peers lost: lost (job ranks), op, seq, error (the cause, full text)
     "generation",  # a new generation was built: members (after), before (None: this rank was not in it)
     "fenced",      # the others went on without this rank: why
-    "recovered",   # commslayer.replicas: step, lost_replicas, generation, members, detected_s, resumed_s
-    "admitted",    # commslayer.replicas: step, replicas, generation, members, seconds (reconfigure + transfer)
-    "healed",      # commslayer.replicas: step, generation, source (job rank), source_replica, bytes, seconds
+    "recovered",   # commslayer.train.replicas: step, lost_replicas, generation, members, detected_s, resumed_s
+    "admitted",    # commslayer.train.replicas: step, replicas, generation, members, seconds (reconfigure + transfer)
+    "healed",      # commslayer.train.replicas: step, generation, source (job rank), source_replica, bytes, seconds
 )
 EVENT_CAPACITY = 4096  # events a recorder keeps (the oldest go first)
 

@@ -71,7 +71,7 @@ def main() -> None:
         torch.save({"names": names, "fsdp": fsdp_params, "ddp": ddp_params, "world_type": type(dist.group.WORLD).__name__,
                     "backend": dist.get_backend(), "sub": x.item(), "gathered": torch.cat(gathered),
                     # whether commslayer's recorder watched this run (started from the environment)
-                    "recording": getattr(sys.modules.get("tracing.recorder"), "recorder", lambda: None)() is not None},
+                    "recording": getattr(sys.modules.get("tracing.record.recorder"), "recorder", lambda: None)() is not None},
                    out_path)
     dist.destroy_process_group()
 

@@ -1,0 +1,426 @@
+"""A ``torch.distributed.Store`` on an etcd cluster, so that the job's store
+outlives any one host (a TCPStore dies with the process that holds it).
+
+Why etcd's JSON gateway and the standard library: etcd 3.4 serves its v3 API
+as JSON over HTTP (``/v3/kv/...``, ``/v3/watch``), so each store call is one
+HTTP request made with ``http.client``, with a socket timeout, and no gRPC
+stack comes into the job.  Which etcd primitive does what:
+
+* ``set``, ``get``, ``check``, ``delete_key``, ``multi_get``, ``multi_set``,
+  ``num_keys``: puts, ranges and delete-ranges (several in one transaction);
+* ``compare_set``: one transaction comparing the value (or that the key does
+  not exist), with c10d's answers: a key that does not exist and an
+  ``expected`` that is not empty is left alone and ``expected`` answered;
+* ``add`` and ``append``: a read, then a transaction that writes only if the
+  key's modification revision is still the one read, repeated on a race;
+  exactly once, even when an answer is lost: the transaction also writes a
+  receipt (its own key, outside the prefix, under a lease that ends it after
+  ``RECEIPT_TTL_S``) and applies only where that receipt does not exist, so
+  the same transaction is simply sent again, and either applies or answers
+  with the receipt;
+* ``wait`` (and ``get`` of a key not written yet): a watch from the revision
+  at which the key was seen missing, so the server answers when it is
+  written; one request, no polling;
+* ``claim``: a key under a lease that a thread renews, gone soon after its
+  holder (the launcher that started a job holds the job this way).
+
+Every key lives under ``prefix``.  Losing a member, the leader included, is
+survived: each request goes to the member that served last, which gets
+``ATTEMPT_S`` to answer (a member that is stopped, or that waits for a new
+leader, answers nothing), then to the next, round after round, for up to
+``request_timeout_s``.  A member that refuses the connection is left at once.
+When no member serves within that time (no quorum: the members answer with
+errors, or nothing), the call raises ``DistNetworkError``, which
+``commslayer.agree.store.bounded`` turns into ``StoreUnreachable``.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import itertools
+import json
+import threading
+import time
+import uuid
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch.distributed as dist
+
+from commslayer.endpoints import SCHEME, parse_url
+
+DEFAULT_TIMEOUT = timedelta(seconds=300)  # c10d's default store timeout: how long get and wait wait for a key
+REQUEST_TIMEOUT_S = 8.0  # one call, tried on every endpoint in turn until one serves it (below the store deadline)
+ATTEMPT_S = 1.0  # one request to one endpoint: a member that is stopped, or waits for a leader, is left after this
+RELEASE_S = 2.0  # how long revoking a claim's lease may take (Claim.release)
+RECEIPT_TTL_S = 60  # how long the receipt of an add or append outlives it (its retries end well before)
+RECEIPTS = b"commslayer-receipts/"  # where receipts live: outside every prefix, so no job's keys count them
+
+
+class _NotServed(Exception):
+    """One endpoint did not serve a request (refused, reset, silent, or an error answer)."""
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _absent(key: str) -> Dict[str, Any]:
+    """A transaction's condition that the key (base64, as sent) does not exist."""
+    return {"key": key, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+
+
+def _read(key: str) -> Dict[str, Any]:
+    """A transaction's read of the key (base64, as sent)."""
+    return {"request_range": {"key": key}}
+
+
+def _write(key: str, value: bytes, lease: str = "") -> Dict[str, Any]:
+    """A transaction's write of the key (base64, as sent), under ``lease`` if given."""
+    put = {"key": key, "value": _b64(value)}
+    return {"request_put": {**put, "lease": lease} if lease else put}
+
+
+def _bytes(value: Any) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    return bytes(value)  # c10d hands over lists of ints for std::vector<uint8_t>
+
+
+class EtcdStore(dist.Store):
+    """The keys under ``prefix`` of the etcd cluster at ``endpoints`` ((host, port)
+    pairs), as a c10d store; ``EtcdStore.at(url)`` for an ``etcd://`` address."""
+
+    def __init__(self, endpoints: Sequence[Tuple[str, int]], prefix: str = "",
+                 timeout: timedelta = DEFAULT_TIMEOUT, request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+        super().__init__()
+        self.endpoints = list(endpoints)
+        if not self.endpoints:
+            raise ValueError("an etcd store needs at least one endpoint")
+        self.prefix = prefix.encode()
+        self.request_timeout_s = request_timeout_s
+        self._good = 0  # the endpoint that answered last
+        self._local = threading.local()  # each thread's kept-alive connections, by endpoint
+        self._id = uuid.uuid4().hex  # names this store's receipts
+        self._receipts = itertools.count(1)
+        self._lease: Optional[Tuple[str, float]] = None  # the receipts' lease, and when it was granted
+        self._clones: List[EtcdStore] = []
+        self.set_timeout(timeout)
+
+    @classmethod
+    def at(cls, url: str, timeout: timedelta = DEFAULT_TIMEOUT,
+           request_timeout_s: float = REQUEST_TIMEOUT_S) -> "EtcdStore":
+        """The store at ``etcd://h1:2379,h2:2379/job`` (keys under ``job/``)."""
+        endpoints, prefix = parse_url(url)
+        return cls(endpoints, prefix, timeout, request_timeout_s)
+
+    @property
+    def address(self) -> str:
+        path = self.prefix.decode().rstrip("/")
+        return SCHEME + ",".join(f"{h}:{p}" for h, p in self.endpoints) + (f"/{path}" if path else "")
+
+    def clone(self) -> "EtcdStore":
+        twin = EtcdStore(self.endpoints, self.prefix.decode(), self._store_timeout(), self.request_timeout_s)
+        # c10d's PrefixStore.clone keeps only a C++ reference to what this returns; without a Python
+        # one the object goes, and its methods with it ("Tried to call pure virtual function")
+        self._clones.append(twin)
+        return twin
+
+    def _store_timeout(self) -> timedelta:
+        """How long ``get`` and ``wait`` wait (``set_timeout``'s, kept by c10d)."""
+        return self.timeout  # type: ignore[attr-defined,no-any-return]  # c10d's property, untyped
+
+    # ------------------------------------------------------------- transport
+    def _post(self, path: str, body: Dict[str, Any], timeout_s: Optional[float] = None) -> Dict[str, Any]:
+        """One call: its request to the endpoints in turn, from the one that served last,
+        each given ``ATTEMPT_S``, round after round until one serves it or
+        ``timeout_s`` (default ``request_timeout_s``) passes (``DistNetworkError``).  A
+        request that got no answer may have been applied, so every request made here
+        must be one that can be applied twice (``_update`` makes add and append so)."""
+        timeout_s = self.request_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        failures: List[str] = []
+        while True:
+            for index, host, port in self._in_turn():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    data = self._attempt(index, host, port, path, body, min(ATTEMPT_S, left))
+                except _NotServed as exc:
+                    failures.append(f"{host}:{port}: {exc}")
+                    continue
+                self._good = index
+                return data
+            if time.monotonic() >= deadline:
+                last = "; ".join(failures[-len(self.endpoints):])  # the last round's
+                raise dist.DistNetworkError(f"etcd at {self.address} did not serve {path} within "
+                                            f"{timeout_s:g}s: {last}")
+            time.sleep(0.05)  # every endpoint failed at once (none up yet): pace the next round
+
+    def _attempt(self, index: int, host: str, port: int, path: str, body: Dict[str, Any],
+                 timeout_s: float) -> Dict[str, Any]:
+        """The request to one endpoint, on this thread's kept-alive connection to it (a
+        fresh one if there is none, or if the kept one had been closed before the
+        request went out); ``_NotServed`` saying why not."""
+        kept: Dict[int, http.client.HTTPConnection] = self._local.__dict__.setdefault("conns", {})
+        conn = kept.pop(index, None)
+        for fresh in (conn is None, True):
+            if conn is None:
+                conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+            elif conn.sock is not None:
+                conn.sock.settimeout(timeout_s)
+            try:
+                conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+                response = conn.getresponse()
+                data: Dict[str, Any] = json.loads(response.read() or b"{}")
+            except (OSError, http.client.HTTPException, ValueError) as exc:
+                conn.close()
+                conn = None
+                if fresh or isinstance(exc, TimeoutError):
+                    raise _NotServed(str(exc) or type(exc).__name__) from None
+                continue  # the server had closed the kept connection: once more on a fresh one
+            kept[index] = conn
+            if response.status != 200:  # the member cannot serve now (no leader, no quorum, timed out)
+                raise _NotServed(f"HTTP {response.status} {data.get('error') or data.get('message')}")
+            return data
+        raise AssertionError("unreachable")
+
+    def _in_turn(self) -> List[Tuple[int, str, int]]:
+        """(index, host, port) of every endpoint, from the one that answered last."""
+        n = len(self.endpoints)
+        return [((self._good + i) % n, *self.endpoints[(self._good + i) % n]) for i in range(n)]
+
+    def _key(self, key: str) -> str:
+        return _b64(self.prefix + key.encode())
+
+    def _range(self, key: str) -> Tuple[Optional[Dict[str, Any]], int]:
+        """(the key's kv, or None; the store's revision)."""
+        data = self._post("/v3/kv/range", {"key": self._key(key)})
+        kvs = data.get("kvs") or []
+        return (kvs[0] if kvs else None), int(data["header"]["revision"])
+
+    def _txn(self, compare: List[Dict[str, Any]], success: List[Dict[str, Any]],
+             failure: List[Dict[str, Any]]) -> Dict[str, Any]:
+        return self._post("/v3/kv/txn", {"compare": compare, "success": success, "failure": failure})
+
+    @staticmethod
+    def _value(kv: Dict[str, Any]) -> bytes:
+        return base64.b64decode(kv.get("value", ""))
+
+    # ------------------------------------------------------------- requests
+    def set(self, key: str, value: Any) -> None:
+        self._post("/v3/kv/put", _write(self._key(key), _bytes(value))["request_put"])
+
+    def get(self, key: str) -> bytes:
+        kv, _ = self._range(key)
+        if kv is None:
+            self.wait([key])
+            kv, _ = self._range(key)
+            assert kv is not None  # keys are never deleted under a waiter in commslayer's use
+        return self._value(kv)
+
+    def _kvs(self, keys: Sequence[str]) -> Tuple[List[List[Dict[str, Any]]], int]:
+        """(each key's kvs, empty where it does not exist; the store's revision), read in
+        one transaction."""
+        data = self._txn([], [_read(self._key(k)) for k in keys], [])
+        return [r["response_range"].get("kvs") or [] for r in data.get("responses", [])], \
+            int(data["header"]["revision"])
+
+    def check(self, keys: List[str]) -> bool:
+        return all(self._kvs(keys)[0])
+
+    def multi_get(self, keys: List[str]) -> List[bytes]:
+        self.wait(list(keys))
+        return [self._value(kvs[0]) for kvs in self._kvs(keys)[0]]
+
+    def multi_set(self, keys: List[str], values: List[Any]) -> None:
+        self._txn([], [_write(self._key(k), _bytes(v)) for k, v in zip(keys, values)], [])
+
+    def delete_key(self, key: str) -> bool:
+        return int(self._post("/v3/kv/deleterange", {"key": self._key(key)}).get("deleted", 0)) > 0
+
+    def num_keys(self) -> int:
+        data = self._post("/v3/kv/range", {**self._everything(), "count_only": True})
+        return int(data.get("count", 0))
+
+    def delete_all(self, keep: str = "") -> int:
+        """Delete every key under the prefix but ``keep`` (a job starting afresh on a
+        cluster that keeps what earlier jobs wrote); how many there were. Refused
+        without a prefix."""
+        if not self.prefix:
+            raise ValueError("delete_all needs a prefix: it would empty the whole cluster")
+        everything = self._everything()
+        if not keep:
+            return int(self._post("/v3/kv/deleterange", everything).get("deleted", 0))
+        kept = self._key(keep)
+        after = _b64(self.prefix + keep.encode() + b"\0")
+        data = self._txn([], [{"request_delete_range": {"key": everything["key"], "range_end": kept}},
+                              {"request_delete_range": {"key": after, "range_end": everything["range_end"]}}], [])
+        return sum(int(r["response_delete_range"].get("deleted", 0)) for r in data.get("responses", []))
+
+    def _everything(self) -> Dict[str, str]:
+        """The range of every key under the prefix (the whole key space without one)."""
+        if not self.prefix:
+            return {"key": _b64(b"\0"), "range_end": _b64(b"\0")}
+        end = self.prefix.rstrip(b"\xff")
+        return {"key": _b64(self.prefix), "range_end": _b64(end[:-1] + bytes([end[-1] + 1]))}
+
+    def claim(self, key: str, value: Any, ttl_s: float) -> Optional["Claim"]:
+        """Write ``key`` if nobody holds it, under a lease of ``ttl_s`` seconds that a
+        thread renews (``Claim``): the key disappears at most ``ttl_s`` after this
+        process ends or loses the cluster. None if the key exists (someone holds it)."""
+        lease = self._post("/v3/lease/grant", {"TTL": max(1, round(ttl_s))})["ID"]
+        data = self._txn([_absent(self._key(key))], [_write(self._key(key), _bytes(value), lease)],
+                         [_read(self._key(key))])
+        holder = None if data.get("succeeded") else (data["responses"][0]["response_range"].get("kvs") or [{}])[0]
+        if holder is None or holder.get("lease") == lease:  # ours, perhaps from a try that was applied
+            # renewed on a store of its own, whose calls give up in time for the next renewal
+            return Claim(EtcdStore(self.endpoints, self.prefix.decode(), self._store_timeout(), ttl_s / 3),
+                         lease, ttl_s)
+        self._post("/v3/lease/revoke", {"ID": lease})
+        return None
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        expected_b, desired_b = _bytes(expected), _bytes(desired)
+        if expected_b:
+            compare = {"key": self._key(key), "target": "VALUE", "result": "EQUAL", "value": _b64(expected_b)}
+        else:
+            compare = _absent(self._key(key))
+        data = self._txn([compare], [_write(self._key(key), desired_b)], [_read(self._key(key))])
+        if data.get("succeeded"):
+            return desired_b
+        kvs = data["responses"][0]["response_range"].get("kvs")
+        return self._value(kvs[0]) if kvs else expected_b  # c10d: a missing key is left alone
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._update(key, lambda old: str(int(old or b"0") + amount).encode()))
+
+    def append(self, key: str, value: Any) -> None:
+        tail = _bytes(value)
+        self._update(key, lambda old: (old or b"") + tail)
+
+    def _update(self, key: str, change: Callable[[Optional[bytes]], bytes]) -> bytes:
+        """Write ``change(old value or None)`` if nobody wrote the key in between (again,
+        from the new value, if somebody did), exactly once: the transaction also writes
+        a receipt of its own, and applies only where that receipt does not exist, so
+        one that may have been applied is sent again as it was, and either applies
+        now or answers with its receipt."""
+        receipt, target = _b64(self._receipt()), self._key(key)
+        kv, _ = self._range(key)
+        while True:
+            new = change(None if kv is None else self._value(kv))
+            unchanged = _absent(target) if kv is None else \
+                {"key": target, "target": "MOD", "result": "EQUAL", "mod_revision": kv["mod_revision"]}
+            data = self._txn([_absent(receipt), unchanged],
+                             [_write(target, new), _write(receipt, new, self._receipt_lease())],
+                             [_read(receipt), _read(target)])
+            if data.get("succeeded"):
+                return new
+            mine, theirs = (r["response_range"].get("kvs") for r in data["responses"])
+            if mine:  # an earlier try was applied
+                return self._value(mine[0])
+            kv = theirs[0] if theirs else None
+
+    def _receipt(self) -> bytes:
+        """A key no other call, of this store or any other, ever uses."""
+        return RECEIPTS + f"{self._id}/{next(self._receipts)}".encode()
+
+    def _receipt_lease(self) -> str:
+        """A lease that ends receipts ``RECEIPT_TTL_S`` after they were written at the
+        earliest (a new one each half of that)."""
+        now = time.monotonic()
+        if self._lease is None or now - self._lease[1] > RECEIPT_TTL_S / 2:
+            self._lease = (self._post("/v3/lease/grant", {"TTL": RECEIPT_TTL_S})["ID"], now)
+        return self._lease[0]
+
+    def has_extended_api(self) -> bool:
+        return True
+
+    def wait(self, keys: List[str], timeout: Optional[timedelta] = None) -> None:
+        if timeout is None or timeout.total_seconds() <= 0:  # c10d's "no timeout given"
+            timeout = self._store_timeout()
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            found, revision = self._kvs(keys)
+            missing = [k for k, kvs in zip(keys, found) if not kvs]
+            if not missing:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._watch(missing[0], revision + 1, left):
+                raise dist.DistStoreError(f"wait timeout after {timeout.total_seconds() * 1000:.0f}ms, keys: "
+                                          + ", ".join(self.prefix.decode() + k for k in keys))
+
+    def _watch(self, key: str, from_revision: int, timeout_s: float) -> bool:
+        """Whether ``key`` was written at or after ``from_revision`` within ``timeout_s``."""
+        failures = []
+        for _, host, port in self._in_turn():
+            conn = http.client.HTTPConnection(host, port, timeout=min(timeout_s, ATTEMPT_S))
+            try:
+                conn.request("POST", "/v3/watch", json.dumps(
+                    {"create_request": {"key": self._key(key), "start_revision": str(from_revision)}}))
+                response = conn.getresponse()
+                if response.status != 200:
+                    failures.append(f"{host}:{port}: HTTP {response.status}")
+                    continue
+                deadline = time.monotonic() + timeout_s
+                while True:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    if conn.sock is not None:
+                        conn.sock.settimeout(left)
+                    try:
+                        line = response.readline()
+                    except TimeoutError:
+                        return False
+                    if not line:
+                        raise OSError("the watch stream ended")
+                    result = json.loads(line).get("result", {})
+                    if result.get("events"):
+                        return True
+            except (OSError, http.client.HTTPException, ValueError) as exc:
+                failures.append(f"{host}:{port}: {exc}")
+            finally:
+                conn.close()
+        raise dist.DistNetworkError(f"etcd at {self.address} could not watch {key!r}: " + "; ".join(failures))
+
+
+class Claim:
+    """A key held under a lease (``EtcdStore.claim``), renewed every third of its
+    time to live until ``release``; ``lost`` says why renewing stopped working.
+    Other keys can be put under the same lease (``put``)."""
+
+    def __init__(self, store: EtcdStore, lease: str, ttl_s: float) -> None:
+        self._store, self._lease, self._ttl_s = store, lease, ttl_s
+        self.lost: Optional[str] = None
+        self._released = threading.Event()
+        threading.Thread(target=self._renew, name="commslayer-etcd-lease", daemon=True).start()
+
+    def _renew(self) -> None:
+        while not self._released.wait(self._ttl_s / 3):
+            try:
+                left = int(self._store._post("/v3/lease/keepalive", {"ID": self._lease}).get("result", {})
+                           .get("TTL", 0))
+            except dist.DistNetworkError as exc:
+                self.lost = str(exc)
+                continue  # the lease may still be alive: try again while it can be
+            if left <= 0:
+                self.lost = "the lease expired"
+                return
+            self.lost = None
+
+    def put(self, key: str, value: Any) -> None:
+        """Write ``key`` under this claim's lease: it goes when the claim does."""
+        self._store._post("/v3/kv/put", _write(self._store._key(key), _bytes(value), self._lease)["request_put"])
+
+    def release(self) -> None:
+        """Stop renewing and delete the keys now (the lease revoked)."""
+        self._released.set()
+        try:  # briefly: the process that releases is ending, and a lease not revoked expires on its own
+            self._store._post("/v3/lease/revoke", {"ID": self._lease}, timeout_s=RELEASE_S)
+        except dist.DistNetworkError:
+            pass

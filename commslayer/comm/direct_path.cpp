@@ -1,0 +1,523 @@
+// The direct path in native code: a synchronous all_reduce, all_gather_single or
+// reduce_scatter_single, checked, issued and waited on without running Python.
+//
+// Why: after a blocking wait on a real transfer, every line of Python runs with
+// cold caches; the checks, the issue and the wait cost 50-60 us of the calling
+// thread in Python and a few us here (docs/benchmarks.md, "The direct path in
+// native code").  commslayer/comm/native.py builds this file and loads it;
+// Communicator._direct_run (commslayer/comm/op_path.py) decides when it runs and does the bookkeeping
+// (sequence numbers, errors) in Python, as the pure-Python path does.
+//
+// The flight recorder's record of such an op is written here too, into a
+// NativeRing (tracing/record/recorder.py reads it at dump time and takes a record
+// over when its op fails): filling a Python record cost 25-48 us of the
+// calling thread per op (docs/benchmarks.md, "The recorder in native code").
+
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/utils/pybind.h>
+
+#include <pybind11/chrono.h>
+
+#include <time.h>
+
+#include <algorithm>
+#include <chrono>
+#include <deque>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+static_assert(static_cast<int>(c10::ScalarType::NumOptions) <= 64, "a dtype is a bit of a uint64_t");
+
+enum Kind : int { kAllReduce = 0, kAllGather = 1, kReduceScatter = 2 };
+
+// A record's state, by its index in tracing.records.STATES.
+enum State : int { kScheduled = 0, kStarted = 1, kCompleted = 2, kTimedOut = 3, kFailed = 4, kAborted = 5 };
+
+// time.monotonic_ns(): the clock of every record.
+int64_t monotonic_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+}
+
+// One op's record.  The Python objects are touched only with the GIL held.
+struct Slot {
+  int64_t op_id = 0;  // 0: empty (never written, or taken over by Python)
+  int64_t seq = 0;
+  int kind = kAllReduce;
+  int state = kScheduled;
+  at::ScalarType dtype = at::ScalarType::Undefined;
+  c10::SmallVector<int64_t, 4> in_shape;  // more dimensions than 4 go to the heap
+  c10::SmallVector<int64_t, 4> out_shape;
+  double timeout_s = 0;
+  int64_t start_ns = 0;
+  int64_t end_ns = -1;  // -1: not ended
+  unsigned long thread = 0;
+  int lasti = 0;
+  py::object ids;  // the communicator's (name, uid, generation)
+  py::object code;  // the call site's code object, or null
+  py::object step;  // the resilient job's step, or None
+  py::object error;  // null, or the error text of an aborted op
+};
+
+// The flight recorder's ring for the direct path's ops (tracing.record.recorder's
+// FlightRecorder holds one).  Each slot is written while its op runs; the
+// recorder reads them all at dump time and merges them with its own records
+// by op_id.
+class NativeRing {
+ public:
+  // internal_dirs and threading_file say which frames are ours (the call site
+  // walk of tracing.record.recorder._caller); thread_names is the recorder's dict of
+  // thread names, which this fills for each thread's first op.
+  NativeRing(int64_t capacity, py::dict thread_names, py::tuple internal_dirs, py::object threading_file,
+             py::object current_thread)
+      : capacity_(std::max<int64_t>(capacity, 1)),
+        thread_names_(std::move(thread_names)),
+        internal_dirs_(std::move(internal_dirs)),
+        threading_file_(std::move(threading_file)),
+        current_thread_(std::move(current_thread)) {
+    step = py::none();
+  }
+
+  int64_t count() const {
+    return count_;
+  }
+
+  int64_t taken() const {
+    return taken_;
+  }
+
+  // A new record, of an op that starts now (GIL held): its slot's index.
+  size_t begin(int64_t op_id, int64_t seq, int kind, const at::Tensor& output, const at::Tensor& input,
+               const py::object& ids, double timeout_s) {
+    // What may run Python (and so let another thread in) comes before the slot is taken.
+    unsigned long thread = PyThread_get_thread_ident();
+    name_thread(thread);
+    py::object code;
+    int lasti = 0;
+    call_site(code, lasti);
+    if (static_cast<int64_t>(slots_.size()) < capacity_) {
+      slots_.emplace_back();  // the ring grows as ops come, up to its capacity
+    }
+    size_t index = static_cast<size_t>(count_ % capacity_);
+    ++count_;
+    Slot& s = slots_[index];
+    s.op_id = op_id;
+    s.seq = seq;
+    s.kind = kind;
+    s.state = kStarted;
+    s.dtype = input.scalar_type();
+    s.in_shape.assign(input.sizes().begin(), input.sizes().end());
+    s.out_shape.assign(output.sizes().begin(), output.sizes().end());
+    s.timeout_s = timeout_s;
+    s.ids = ids;
+    s.step = step;
+    s.error = py::object();
+    s.thread = thread;
+    s.code = std::move(code);
+    s.lasti = lasti;
+    s.end_ns = -1;
+    s.start_ns = monotonic_ns();
+    return index;
+  }
+
+  // The op of slot index completed at end_ns (GIL held); a slot that another op
+  // took meanwhile, or that an abort marked, stays as it is.
+  void completed(size_t index, int64_t op_id, int64_t end_ns) {
+    Slot& s = slots_[index];
+    if (s.op_id == op_id && s.state == kStarted) {
+      s.state = kCompleted;
+      s.end_ns = end_ns;
+    }
+  }
+
+  // Every record, oldest first, as tuples (tracing.record.recorder.Record.from_native).
+  py::list records() const {
+    py::list out;
+    for (int64_t i = std::max<int64_t>(0, count_ - capacity_); i < count_; ++i) {
+      const Slot& s = slots_[static_cast<size_t>(i % capacity_)];
+      if (s.op_id != 0) {
+        out.append(fields(s));
+      }
+    }
+    return out;
+  }
+
+  // Take the record of op_id out of the ring (its op failed: Python settles it
+  // from here on); None when the ring has moved past it.
+  py::object take(int64_t op_id) {
+    for (Slot& s : slots_) {
+      if (s.op_id == op_id) {
+        py::object record = fields(s);
+        if (s.op_id != op_id) {
+          return py::none();  // overwritten while its tuple was built
+        }
+        s.op_id = 0;
+        s.ids = s.code = s.step = s.error = py::object();
+        ++taken_;
+        return record;
+      }
+    }
+    return py::none();
+  }
+
+  // Mark the ops of communicator uid still in flight as aborted at now_ns; how many.
+  int abort(const py::str& uid, int64_t now_ns, const py::str& error) {
+    int marked = 0;
+    for (Slot& s : slots_) {
+      if (s.op_id != 0 && s.state == kStarted && s.end_ns < 0 && py::str(s.ids[py::int_(1)]).equal(uid)) {
+        s.state = kAborted;
+        s.end_ns = now_ns;
+        s.error = error;
+        ++marked;
+      }
+    }
+    return marked;
+  }
+
+  py::object step;  // the resilient job's current step (tracing.record.recorder's phase hook sets it)
+
+ private:
+  enum Where : int { kOutside = 0, kInternal = 1, kThreading = 2 };
+
+  py::tuple fields(const Slot& s) const {
+    py::tuple in_shape(s.in_shape.size());
+    for (size_t i = 0; i < s.in_shape.size(); ++i) {
+      in_shape[i] = py::int_(s.in_shape[i]);
+    }
+    py::tuple out_shape(s.out_shape.size());
+    for (size_t i = 0; i < s.out_shape.size(); ++i) {
+      out_shape[i] = py::int_(s.out_shape[i]);
+    }
+    return py::make_tuple(
+        s.op_id, s.ids, s.seq, s.kind, s.dtype, in_shape, out_shape, s.timeout_s, s.state, s.start_ns,
+        s.end_ns < 0 ? py::object(py::none()) : py::object(py::int_(s.end_ns)), s.thread,
+        s.code ? s.code : py::object(py::none()), s.lasti, s.step, s.error ? s.error : py::object(py::none()));
+  }
+
+  void name_thread(unsigned long ident) {
+    thread_local bool named = false;
+    if (!named) {
+      thread_names_[py::int_(ident)] = current_thread_().attr("name");
+      named = true;
+    }
+  }
+
+  // Where the code of frame is: ours (commslayer, tracing, torch), threading's, or the caller's.
+  int where(PyFrameObject* frame) {
+    py::object code = py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(PyFrame_GetCode(frame)));
+    auto found = where_.find(code.ptr());
+    if (found != where_.end()) {
+      return found->second.second;
+    }
+    if (where_.size() >= kWhereCapacity) {
+      where_.clear();
+    }
+    py::object filename = code.attr("co_filename");
+    int where = kOutside;
+    if (filename.equal(threading_file_)) {
+      where = kThreading;
+    } else if (py::bool_(filename.attr("startswith")(internal_dirs_))) {
+      where = kInternal;
+    }
+    where_.emplace(code.ptr(), std::make_pair(code, where));
+    return where;
+  }
+
+  static py::object back(const py::object& frame) {
+    return py::reinterpret_steal<py::object>(
+        reinterpret_cast<PyObject*>(PyFrame_GetBack(reinterpret_cast<PyFrameObject*>(frame.ptr()))));
+  }
+
+  // The call site, as code object and instruction offset: tracing.record.recorder's,
+  // read without making a Python call.  The op's method called
+  // Communicator._direct_run, which called DirectPath.run: the caller is two
+  // frames up, unless an op of ours issued it.
+  void call_site(py::object& code, int& lasti) {
+    PyFrameObject* current = PyEval_GetFrame();
+    py::object frame = current == nullptr ? py::object() : py::reinterpret_borrow<py::object>(
+        reinterpret_cast<PyObject*>(current));
+    for (int i = 0; i < 2 && frame; ++i) {
+      frame = back(frame);
+    }
+    auto at = [this](const py::object& f) { return where(reinterpret_cast<PyFrameObject*>(f.ptr())); };
+    if (frame && at(frame) == kInternal) {
+      py::object inner;
+      while (frame && at(frame) == kInternal) {
+        inner = frame;
+        frame = back(frame);
+      }
+      if (inner && frame && at(frame) == kThreading) {
+        frame = inner;  // an op of commslayer's own thread: the outermost frame of ours
+      }
+    }
+    if (frame) {
+      auto* f = reinterpret_cast<PyFrameObject*>(frame.ptr());
+      code = py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(PyFrame_GetCode(f)));
+      lasti = PyFrame_GetLasti(f);
+    }
+  }
+
+  static constexpr size_t kWhereCapacity = 4096;
+
+  int64_t capacity_;
+  // The ring: op i in slot i % capacity_.  A deque, so that a slot stays where
+  // it is while the ring grows (a thread may hold one across a Python call).
+  std::deque<Slot> slots_;
+  int64_t count_ = 0;  // records ever begun
+  int64_t taken_ = 0;  // of those, taken over by Python
+  py::dict thread_names_;
+  py::tuple internal_dirs_;
+  py::object threading_file_;
+  py::object current_thread_;
+  std::unordered_map<PyObject*, std::pair<py::object, int>> where_;  // code object -> Where (kept alive)
+};
+
+// Gloo's reduce-scatter is an all-reduce of a copy of the input, whose slice
+// for this rank is copied out when the caller waits, and that wait ignores its
+// timeout (ProcessGroupGloo's reduce_scatter_tensor_coalesced).  Where the
+// wait must keep its timeout (a liveness monitor breaks the communicator
+// between slices), the direct path runs the same steps itself: the same sum,
+// bitwise, with a wait that times out.
+class AllReduceScatterWork : public c10d::Work {
+ public:
+  AllReduceScatterWork(c10::intrusive_ptr<c10d::Work> all_reduce, at::Tensor sum, at::Tensor output, int64_t rank,
+                       int64_t size)
+      : all_reduce_(std::move(all_reduce)), sum_(std::move(sum)), output_(std::move(output)), rank_(rank),
+        size_(size) {}
+
+  bool isCompleted() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return copied_;
+  }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    all_reduce_->wait(timeout);  // raises when the timeout runs out, or the op failed
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!copied_) {
+      output_.copy_(sum_.chunk(size_)[rank_]);
+      copied_ = true;
+    }
+    return true;
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> all_reduce_;
+  at::Tensor sum_;
+  at::Tensor output_;
+  int64_t rank_;
+  int64_t size_;
+  std::mutex mutex_;
+  bool copied_ = false;
+};
+
+// One communicator's direct path: its backend, what a tensor must be to take
+// it, and the deadline its option structs carry.
+class DirectPath {
+ public:
+  DirectPath(
+      c10::intrusive_ptr<c10d::Backend> backend,
+      int64_t size,
+      const std::string& device_type,
+      const std::vector<at::ScalarType>& dtypes,
+      const std::vector<int>& untimed,
+      py::object ids,
+      std::chrono::duration<double> timeout,
+      std::chrono::milliseconds wait)
+      : backend_(std::move(backend)),
+        size_(size),
+        device_type_(c10::Device(device_type).type()),
+        ids_(std::move(ids)) {
+    for (auto dtype : dtypes) {
+      dtypes_ |= uint64_t{1} << static_cast<int>(dtype);
+    }
+    rank_ = backend_->getRank();
+    for (int kind : untimed) {
+      if (kind != kReduceScatter) {
+        throw std::invalid_argument("only the reduce-scatter runs as an all-reduce, not kind " + std::to_string(kind));
+      }
+      untimed_ |= 1u << kind;
+    }
+    set_timeout(timeout, wait);
+  }
+
+  // A backend's destructor may block on its own threads, and those may need the
+  // GIL (a future's Python callback): let go of the backend without it, as
+  // torch's bindings do for theirs.
+  ~DirectPath() {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release no_gil;
+      backend_.reset();
+    } else {
+      backend_.reset();
+    }
+  }
+
+  DirectPath(const DirectPath&) = delete;
+  DirectPath& operator=(const DirectPath&) = delete;
+
+  // The op's deadline (in the backend's option structs) and how long one wait
+  // blocks: the whole deadline, or a slice when a liveness monitor may break
+  // the communicator meanwhile.
+  void set_timeout(std::chrono::duration<double> timeout, std::chrono::milliseconds wait) {
+    auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(timeout);
+    allreduce_.timeout = ms;
+    allgather_.timeout = ms;
+    reduce_scatter_.timeout = ms;
+    timeout_s_ = timeout.count();
+    wait_ = wait;
+  }
+
+  // Communicator._direct_run's check for one tensor: a plain (not a subclass)
+  // dense, contiguous tensor on the group's device type, of a dtype it carries.
+  bool fits(py::handle t) const {
+    return tensor(t) != nullptr;
+  }
+
+  // fits for both, one dtype, and big holding size times small's elements.
+  bool fits_sized(py::handle big, py::handle small) const {
+    const at::Tensor* b = tensor(big);
+    const at::Tensor* s = tensor(small);
+    return b != nullptr && s != nullptr && b->scalar_type() == s->scalar_type() &&
+        b->numel() == s->numel() * size_;
+  }
+
+  // Where run records its ops (a NativeRing), or None: the flight recorder sets it.
+  void record_into(py::object ring) {
+    ring_ = ring.is_none() ? nullptr : ring.cast<NativeRing*>();
+    ring_object_ = std::move(ring);
+  }
+
+  // Issue op op_id, number seq, and wait for it, without the GIL; with a ring
+  // and an op_id (not 0), its record goes into the ring.  None once it
+  // completed; (backend work, message) when the wait raised (the deadline, or
+  // a slice of it, ran out, or the backend failed): the caller settles the op,
+  // and takes its record over (NativeRing.take).  An error of the issue itself
+  // propagates as the backend's exception.  The caller has checked the tensors
+  // (fits, fits_sized).
+  py::object run(int kind, py::handle a, py::handle b, int64_t op_id, int64_t seq) {
+    const at::Tensor& first = THPVariable_Unpack(a.ptr());
+    const at::Tensor& second = THPVariable_Unpack(b.ptr());
+    NativeRing* ring = op_id != 0 ? ring_ : nullptr;
+    size_t index = ring == nullptr ? 0 : ring->begin(op_id, seq, kind, first, second, ids_, timeout_s_);
+    int64_t end_ns = 0;
+    py::object failed = issue_and_wait(kind, first, second, &end_ns);
+    if (ring != nullptr && failed.is_none()) {
+      ring->completed(index, op_id, end_ns);
+    }
+    return failed;
+  }
+
+ private:
+  const at::Tensor* tensor(py::handle t) const {
+    if (!THPVariable_CheckExact(t.ptr())) {
+      return nullptr;
+    }
+    const at::Tensor& tensor = THPVariable_Unpack(t.ptr());
+    if (tensor.layout() != c10::kStrided || tensor.device().type() != device_type_ ||
+        !((dtypes_ >> static_cast<int>(tensor.scalar_type())) & 1) || !tensor.is_contiguous()) {
+      return nullptr;
+    }
+    return &tensor;
+  }
+
+  // The body of run: end_ns gets the time the wait returned.
+  py::object issue_and_wait(int kind, const at::Tensor& first, const at::Tensor& second, int64_t* end_ns) {
+    c10::intrusive_ptr<c10d::Work> failed;  // the work whose wait raised, for the caller to settle
+    std::string failure;
+    {
+      py::gil_scoped_release no_gil;
+      c10::intrusive_ptr<c10d::Work> work = issue(kind, first, second);
+      try {
+        work->wait(wait_);
+      } catch (const c10::Error& e) {
+        failure = e.what_without_backtrace();
+        failed = std::move(work);
+      } catch (const std::exception& e) {
+        failure = e.what();
+        failed = std::move(work);
+      }
+      *end_ns = monotonic_ns();
+    }  // a completed work is released here, without the GIL
+    if (!failed) {
+      return py::none();
+    }
+    return py::make_tuple(py::cast(std::move(failed)), py::str(failure));
+  }
+
+  c10::intrusive_ptr<c10d::Work> issue(int kind, const at::Tensor& first, const at::Tensor& second) {
+    switch (kind) {
+      case kAllReduce: {
+        std::vector<at::Tensor> tensors{first};
+        return backend_->allreduce(tensors, allreduce_);
+      }
+      case kAllGather: {
+        at::Tensor output = first;
+        at::Tensor input = second;
+        return backend_->_allgather_base(output, input, allgather_);
+      }
+      case kReduceScatter: {
+        if ((untimed_ >> kind) & 1) {
+          at::Tensor sum = second.clone();
+          std::vector<at::Tensor> tensors{sum};
+          return c10::make_intrusive<AllReduceScatterWork>(backend_->allreduce(tensors, allreduce_), sum, first,
+                                                           rank_, size_);
+        }
+        at::Tensor output = first;
+        at::Tensor input = second;
+        return backend_->_reduce_scatter_base(output, input, reduce_scatter_);
+      }
+      default:
+        throw std::invalid_argument("unknown op kind " + std::to_string(kind));
+    }
+  }
+
+  c10::intrusive_ptr<c10d::Backend> backend_;
+  int64_t size_;
+  c10::DeviceType device_type_;
+  uint64_t dtypes_ = 0;
+  unsigned untimed_ = 0;  // a bit per kind that runs as AllReduceScatterWork
+  int64_t rank_ = 0;
+  c10d::AllreduceOptions allreduce_;  // reduceOp: SUM, the default
+  c10d::AllgatherOptions allgather_;
+  c10d::ReduceScatterOptions reduce_scatter_;
+  std::chrono::milliseconds wait_{0};
+  double timeout_s_ = 0;  // the deadline, as the records give it
+  py::object ids_;  // the communicator's (name, uid, generation), for the records
+  NativeRing* ring_ = nullptr;  // where run records, kept alive by ring_object_
+  py::object ring_object_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "commslayer's direct path in native code (commslayer/comm/native.py builds and loads it)";
+  py::class_<NativeRing>(m, "NativeRing")
+      .def(py::init<int64_t, py::dict, py::tuple, py::object, py::object>(), py::arg("capacity"),
+           py::arg("thread_names"), py::arg("internal_dirs"), py::arg("threading_file"), py::arg("current_thread"))
+      .def_property_readonly("count", &NativeRing::count)
+      .def_property_readonly("taken", &NativeRing::taken)
+      .def_readwrite("step", &NativeRing::step)
+      .def("records", &NativeRing::records)
+      .def("take", &NativeRing::take, py::arg("op_id"))
+      .def("abort", &NativeRing::abort, py::arg("uid"), py::arg("now_ns"), py::arg("error"));
+  py::class_<DirectPath>(m, "DirectPath")
+      .def(
+          py::init<c10::intrusive_ptr<c10d::Backend>, int64_t, const std::string&, const std::vector<at::ScalarType>&,
+                   const std::vector<int>&, py::object, std::chrono::duration<double>, std::chrono::milliseconds>(),
+          py::arg("backend"), py::arg("size"), py::arg("device_type"), py::arg("dtypes"), py::arg("untimed"), py::arg("ids"),
+          py::arg("timeout"), py::arg("wait"))
+      .def("set_timeout", &DirectPath::set_timeout, py::arg("timeout"), py::arg("wait"))
+      .def("fits", &DirectPath::fits, py::arg("t"))
+      .def("fits_sized", &DirectPath::fits_sized, py::arg("big"), py::arg("small"))
+      .def("record_into", &DirectPath::record_into, py::arg("ring"))
+      .def("run", &DirectPath::run, py::arg("kind"), py::arg("a"), py::arg("b"), py::arg("op_id"), py::arg("seq"));
+}

@@ -1,0 +1,101 @@
+"""The watchdog: one daemon thread per process that settles async ops.
+
+A caller that waits enforces its op's deadline itself.  An async op that
+nobody waits on is the watchdog's: it wakes at the earliest deadline it holds
+(or every ``SWEEP_S`` to drop finished ops), turns an overdue op into
+``CollectiveTimeout`` and so marks its communicator broken, whether or not
+anyone is looking.  It also settles async ops of a communicator that broke
+(a lost peer) at its next sweep.
+
+It keeps dead backends too (``bury``): a Gloo op cannot be cancelled, and
+the last reference to a Gloo group joins the group's worker threads, so
+dropping a broken group whose op still waits for a stopped peer would block
+whichever thread dropped it for up to the op's whole timeout.  A buried
+backend is released once all its leftover works have ended.
+
+Its thread holds ``Work`` objects, and through them the backend's works and
+the ops' tensors.  Freeing a tensor that Python knows takes the GIL, and a
+daemon thread that asks for the GIL while the interpreter is finalizing is
+ended inside C++, which aborts the process ("terminate called without an
+active exception").  So at exit, before finalization, ``stop()`` ends the
+thread and frees what it holds on the main thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import threading
+import time
+from typing import Any, List, Optional, Tuple
+
+from commslayer.comm.work import Work
+
+SWEEP_S = 0.25
+
+
+class Watchdog:
+    def __init__(self) -> None:
+        self._works: List[Work] = []
+        self._graves: List[Tuple[Any, Any]] = []  # (backend, its work still running)
+        self._cond = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+
+    def stop(self) -> None:
+        """End the thread and drop the works it holds (at exit; idempotent)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+        with self._cond:
+            self._works = []
+            for backend, work in self._graves:
+                if not work.is_completed():  # freeing it would wait for the op: leave it to the OS
+                    ctypes.pythonapi.Py_IncRef(ctypes.py_object(backend))
+            self._graves = []
+
+    def track(self, work: Work) -> None:
+        with self._cond:
+            self._works.append(work)
+            self._ensure_thread()
+            if work.deadline_ns < time.monotonic_ns() + SWEEP_S * 1e9:
+                self._cond.notify()
+
+    def bury(self, backend: Any, work: Any) -> None:
+        """Hold ``backend`` until ``work`` (its op that outlived its ``Work``) has ended."""
+        with self._cond:
+            self._graves.append((backend, work))
+            self._ensure_thread()
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            atexit.register(self.stop)
+            self._thread = threading.Thread(target=self._run, name="commslayer-watchdog", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopping:
+            with self._cond:
+                if self._works:
+                    first = min(w.deadline_ns for w in self._works)
+                    delay = min(SWEEP_S, max(0.0, (first - time.monotonic_ns()) / 1e9))
+                else:
+                    delay = SWEEP_S
+                self._cond.wait(delay)
+                works = self._works
+            now = time.monotonic_ns()
+            settled = [w for w in works if w.poll(now)]
+            with self._cond:
+                if settled:
+                    done = set(map(id, settled))
+                    self._works = [w for w in self._works if id(w) not in done]
+                kept, ended = [], []
+                for grave in self._graves:
+                    (ended if grave[1].is_completed() else kept).append(grave)
+                self._graves = kept
+            ended.clear()  # the backends whose op ended are freed here, outside the lock
+
+
+WATCHDOG = Watchdog()

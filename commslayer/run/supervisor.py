@@ -1,0 +1,233 @@
+"""Per-rank supervision: each rank of a job is its own restart unit, started, watched and replaced here.
+
+``commslayer-run`` without ``--replicas`` starts every rank of its host
+directly (``python script.py args``, no torchrun) and replaces one that is
+lost by a new process for the same rank, while the others live on: they hold
+at a step boundary and hand the newcomer its shard (``commslayer.resilience``).
+torchrun cannot do this: its agent ends every worker of its group when one
+dies, and restarts them all.
+
+What a rank and this module tell each other goes through the job's store
+(the coordinator's TCPStore, or etcd); these keys are the whole contract:
+
+- ``rank/<r>/life`` = ``n``: written here before life ``n`` of rank ``r``
+  starts (its ``TORCHELASTIC_RESTART_COUNT``).
+- ``rank/<r>/lost/<n>``: written by a surviving rank that found life ``n``
+  of rank ``r`` lost (stopped, say: alive but shrunk out).  Life ``n + 1``
+  starts without ending life ``n``: that one is superseded (should it run
+  again it must find itself fenced, which is the ranks' business), its exit
+  status is ignored and it is ended when the launcher exits.
+- A life that exits non-zero or by a signal is replaced too; one that exits
+  0 makes the rank ``rank/<r>/done``.
+- A rank that needs a replacement with none left (``--max-restarts`` per
+  rank) is ``rank/<r>/gone``; the others are left running: they read it and
+  decide.
+- ``job/failed`` = a one-line reason, written by a rank that found the job
+  cannot go on: no replacement starts any more, the ranks get the grace
+  period to exit on their own (they dump their traces), then ``Failed``.
+- ``job/bugs`` (``commslayer.train.failures``): a rank ended by a deterministic
+  failure (an exception of the script, a mistake, or a failure that recurs
+  at the same step): the job stops at once, every rank is ended (they dump
+  their traces on SIGTERM), nothing is restarted, ``Failed`` names it.
+- The same rank failing ``crash_loop`` times within ``crash_window_s``
+  stops the job too (a crash loop), even when each failure looks like a
+  fault.
+- ``job/resharded`` = ``{"epoch": e, "ranks": [...]}`` (JSON), written by a
+  rank when the survivors of a loss with no replacement went on without it:
+  they start their script again as a smaller job, the ranks listed (by
+  their rank here) in their new order.  A rank not listed is retired (its
+  ``gone`` is no failure), and no rank is replaced any more: a replacement
+  would start with the job's first layout.
+
+Keys are read with ``store.check``, which does not block, every
+``POLL_S``.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+from commslayer.train import failures
+from commslayer.runs import RESHARDED
+from commslayer.errors import StoreUnreachable
+from commslayer.endpoints import is_etcd
+from commslayer.run.processes import ProcessSet
+
+POLL_S = 0.1
+BUGS_SETTLE_S = 0.3  # after the first deterministic failure, the time for others' to be recorded beside it
+FAILED = "job/failed"
+
+
+class Failed(Exception):
+    """The job could not go on; the message is the launcher's one line."""
+
+
+class Stopped(Failed):
+    """The launcher stopped the job: a rank's deterministic failure, or a crash loop."""
+
+
+@dataclass
+class RankJob:
+    """What per-rank supervision needs to know of the job and of this host."""
+
+    command: List[str]  # the script and its arguments, run by this interpreter
+    env: Dict[str, str]  # every rank's environment, before the per-rank variables
+    store_address: str  # the job's store: host:port, or etcd://...
+    world_size: int
+    node: int  # this host's node rank: it runs ranks node * per_node .. node * per_node + per_node - 1
+    per_node: int
+    max_restarts: int  # per rank
+    grace_s: float
+    coordinator: Optional[str]  # the coordinator this host joined; None: this host is it
+    crash_loop: int = 3  # failures of one rank within crash_window_s that stop the job (0: never)
+    crash_window_s: float = 600.0
+
+    @property
+    def ranks(self) -> List[int]:
+        return list(range(self.node * self.per_node, (self.node + 1) * self.per_node))
+
+
+def rank_env(job: RankJob, rank: int, life: int) -> Dict[str, str]:
+    """The environment of life ``life`` of ``rank``: what torchrun would set, and commslayer's."""
+    env = dict(job.env, RANK=str(rank), LOCAL_RANK=str(rank - job.node * job.per_node),
+               WORLD_SIZE=str(job.world_size), LOCAL_WORLD_SIZE=str(job.per_node), GROUP_RANK=str(job.node),
+               TORCHELASTIC_RESTART_COUNT=str(life),
+               COMMSLAYER_JOB_STORE=job.store_address, COMMSLAYER_RESTART_UNIT="rank",
+               COMMSLAYER_NODE=str(job.node), COMMSLAYER_JOB_RANK=str(rank))
+    for name in ("COMMSLAYER_REPLICA", "COMMSLAYER_REPLICAS"):  # replica mode's
+        env.pop(name, None)
+    if not is_etcd(job.store_address):  # the coordinator's TCPStore, where torchrun's would be
+        env["MASTER_ADDR"], _, env["MASTER_PORT"] = job.store_address.rpartition(":")
+    return env
+
+
+def supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
+    """Run this host's ranks until each is done or gone (on the coordinator: every
+    rank of the job); the job's ranks that are gone.  Raises ``Failed`` on
+    ``job/failed`` (after the grace period) or when the coordinator is lost (a
+    ``--coordinator`` store is bounded: every poll checks that it answers)."""
+    try:
+        return _supervise_ranks(job, store, procs)
+    except StoreUnreachable as exc:
+        raise Failed(_unreachable(job.store_address, exc)) from None
+
+
+def _supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
+    lives: Dict[int, int] = {}
+    restarts: Dict[int, int] = {r: 0 for r in job.ranks}
+    failed_at: Dict[int, List[Tuple[float, str]]] = {r: [] for r in job.ranks}  # (monotonic, why) of each failure
+    ended: Set[int] = set()  # done or gone
+
+    def start(rank: int, life: int) -> None:
+        lives[rank] = life
+        store.set(f"rank/{rank}/life", str(life))
+        procs.start(rank, [sys.executable, *job.command], rank_env(job, rank, life),
+                    on_line=lambda line: echo(f"[rank {rank}] {line}"))
+
+    def replace(rank: int, why: str) -> None:
+        stop_on_bugs(store)  # written before that life exited: never restart a bug
+        now = time.monotonic()
+        failed_at[rank] = [(t, w) for t, w in failed_at[rank] if now - t <= job.crash_window_s] + [(now, why)]
+        if job.crash_loop and len(failed_at[rank]) >= job.crash_loop:
+            raise Stopped(f"rank {rank} failed {len(failed_at[rank])} times within {job.crash_window_s:g}s ("
+                         + "; ".join(w for _, w in failed_at[rank]) + "): a crash loop (--crash-loop "
+                         f"{job.crash_loop}/{job.crash_window_s:g}), not a fault to recover from: the job stops")
+        if restarts[rank] >= job.max_restarts:
+            ended.add(rank)
+            store.set(f"rank/{rank}/gone", why)
+            print(f"supervisor: rank {rank} is gone: {why}, and no restart is left (--max-restarts "
+                  f"{job.max_restarts})", flush=True)
+            return
+        restarts[rank] += 1
+        print(f"supervisor: rank {rank}: {why}; starting life {lives[rank] + 1} (restart {restarts[rank]} of "
+              f"{job.max_restarts})", flush=True)
+        start(rank, lives[rank] + 1)
+
+    for rank in job.ranks:
+        start(rank, 0)
+    retired: Set[int] = set()
+    while True:
+        stop_on_bugs(store)
+        if store.check([FAILED]):
+            _fail(job, store, procs)
+        if not retired and store.check([RESHARDED]):
+            kept = set(json.loads(store.get(RESHARDED))["ranks"])
+            retired = set(range(job.world_size)) - kept
+            ended |= retired & set(job.ranks)
+            restarts.update({r: job.max_restarts for r in job.ranks})
+            print(f"supervisor: the job goes on as ranks {sorted(kept)}; rank(s) {sorted(retired)} retired, no "
+                  "rank is replaced any more", flush=True)
+        for rank in job.ranks:
+            if rank in ended:
+                continue
+            code, life = procs.procs[rank].poll(), lives[rank]
+            if code == 0:
+                ended.add(rank)
+                store.set(f"rank/{rank}/done", "0")
+            elif code is not None:
+                replace(rank, f"life {life} {_exit(code)}")
+            elif store.check([f"rank/{rank}/lost/{life}"]):
+                replace(rank, f"life {life} was found lost by the other ranks")
+        if len(ended) == len(job.ranks) and (job.coordinator or all_ended(store, "rank", job.world_size)):
+            return [r for r in range(job.world_size) if r not in retired and store.check([f"rank/{r}/gone"])]
+        time.sleep(POLL_S)
+
+
+def _fail(job: RankJob, store: Any, procs: ProcessSet) -> None:
+    reason = (store.get(FAILED).decode(errors="replace").strip().splitlines() or ["(no reason given)"])[0]
+    print(f"supervisor: {FAILED}: {reason}; the ranks have {job.grace_s:g}s to exit", flush=True)
+    deadline = time.monotonic() + job.grace_s
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs.procs.values()):
+        time.sleep(POLL_S)
+    raise Failed(f"the job failed: {reason}")
+
+
+def stop_on_bugs(store: Any) -> None:
+    """Raise ``Failed`` naming the first deterministic failure once a rank recorded one
+    (``commslayer.train.failures``); ranks failing the same way at the same moment (a bug
+    that fires everywhere) are named with it."""
+    if not store.check([failures.BUGS]):
+        return
+    time.sleep(BUGS_SETTLE_S)
+    raise Stopped(failures.stop_message(failures.bugs(store)))
+
+
+def _exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def echo(line: str) -> None:
+    """One line of a process's output, as it came."""
+    sys.stdout.write(line)
+    sys.stdout.flush()
+
+
+def check_reachable(store: Any, address: str) -> None:
+    """Raise ``Failed`` if the job's store no longer answers (this host's processes are then
+    ended: without the job's store no step can commit, and a replacement could not rejoin),
+    or once a rank recorded a deterministic failure (``stop_on_bugs``)."""
+    try:
+        stop_on_bugs(store)
+    except StoreUnreachable as exc:
+        raise Failed(_unreachable(address, exc)) from None
+
+
+def _unreachable(address: str, exc: StoreUnreachable) -> str:
+    """The launcher's line for a job's store that stopped answering."""
+    holder = "etcd" if is_etcd(address) else "the coordinator"
+    return f"{holder} (the job's store at {address}) is unreachable ({exc.what}); ended the processes started here"
+
+
+def all_ended(store: Any, unit: str, count: int) -> bool:
+    """Every ``unit`` (``replica`` or ``rank``) ``0..count-1`` of the job is done or gone."""
+    return all(store.check([f"{unit}/{i}/done"]) or store.check([f"{unit}/{i}/gone"]) for i in range(count))

@@ -1,0 +1,200 @@
+"""A bug is not a fault: how a rank's failure is told apart, recorded, and read by the launcher.
+
+A resilient job recovers from *faults*: a process or host that was lost (a
+signal, an OOM kill, a cut link, a hung peer).  Restarting after a *bug*
+only repeats it: an exception of the script's own code fires again in the
+replacement, which redoes the step, and a launcher that takes it for a
+fault restarts, reshards down to one rank and blames ranks that did nothing.
+So a rank that ends by an exception records it here, and the launcher stops
+the whole job at once when the failure is *deterministic*:
+
+- an exception of the script's own code (anything that is not a
+  ``CommError`` and does not carry one), unless this process had already
+  seen a peer's loss: an error raised then is taken as its consequence;
+- a ``CommError`` that is a mistake, not a loss (``MISTAKES``:
+  ``InvalidArgument``, ``CollectiveMismatch``, ``StateMismatch``, ...);
+- any failure that the previous life of the same rank had at the same step,
+  of the same type, at the same line: it recurs (an OOM at one step, say).
+
+A process that dies by a signal records nothing and stays a fault; the
+launcher's crash-loop rule (``commslayer-run --crash-loop``) bounds those.
+
+What is written to the job's store (the contract with ``commslayer.run.launcher``
+and ``commslayer.run.supervisor``):
+
+- ``failure/<unit>/<life>``: the ``Failure`` (JSON) of every life that ended
+  by an exception;
+- ``job/bugs``: JSON lines, one ``Failure`` per rank that ended by a
+  deterministic failure; the launchers stop the job when it appears;
+- ``replica-restarts/<r>``: in replica mode, the time each restarted life of
+  replica group ``r`` began (its rank 0 writes it): the coordinator's
+  crash-loop rule counts them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from types import TracebackType
+from typing import Any, List, Optional
+
+from commslayer.errors import CollectiveMismatch, CommError, ConfigError, InvalidArgument, NanDetected
+
+BUGS = "job/bugs"
+RESTARTS = "replica-restarts"
+MISTAKES = (InvalidArgument, CollectiveMismatch, ConfigError, NanDetected)  # and StateMismatch (resilience)
+
+
+@dataclass
+class Failure:
+    """How one life of one rank ended by an exception."""
+
+    unit: str  # the rank in the launcher's words: "rank 3", "replica group 1 rank 0"
+    key: str  # the same, as a store key part: "rank3", "replica1.rank0"
+    life: int  # TORCHELASTIC_RESTART_COUNT
+    step: Optional[int]  # the step it was in; None: outside the loop
+    error: str  # "ValueError: bad batch"
+    where: str  # the last frame of the script's own code: "train.py:42, in loss_fn: raise ..." ("" if none)
+    deterministic: str  # why it is a bug ("" for a fault)
+    pid: int
+    time: float
+
+    def words(self) -> str:
+        """One line: who, when, what, where."""
+        at = f" at step {self.step}" if self.step is not None else " outside the training loop"
+        where = f" ({self.where})" if self.where else ""
+        return f"{self.unit} (life {self.life}, pid {self.pid}) failed{at} with {self.error}{where}"
+
+    def signature(self) -> tuple:
+        """What must match for a failure to count as the same one again."""
+        return self.step, self.error.split(":", 1)[0], self.where
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Failure":
+        return cls(**json.loads(text))
+
+
+def _ours() -> List[str]:
+    """Directories whose frames are not the script's: the standard library, installed
+    packages (torch included), and this project's packages."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    mine = [os.path.join(here, p) for p in ("commslayer", "tracing", "faults", "fsdp_overlap")]
+    paths = sysconfig.get_paths()
+    return [os.path.realpath(p) + os.sep for p in
+            [*mine, paths["stdlib"], paths["purelib"], paths["platlib"]] if p]
+
+
+def user_frame(tb: Optional[TracebackType]) -> str:
+    """The last frame of the traceback in the script's own code, as ``file:line, in
+    function: source`` (the file relative to the working directory when inside it)."""
+    skip = _ours()
+    last = None
+    for frame in traceback.extract_tb(tb):
+        path = os.path.realpath(frame.filename)
+        if not frame.filename.startswith("<") and not any(path.startswith(d) for d in skip):
+            last = frame
+    if last is None:
+        return ""
+    name = os.path.relpath(last.filename) if not os.path.relpath(last.filename).startswith("..") else last.filename
+    source = f": {last.line.strip()}" if last.line else ""
+    return f"{name}:{last.lineno}, in {last.name}{source}"
+
+
+def _carries_loss(exc: BaseException) -> bool:
+    """Whether ``exc`` is, or wraps, a communication failure that is not a mistake (a
+    DDP comm hook's error arrives wrapped in the futures it passed through)."""
+    seen = 0
+    e: Optional[BaseException] = exc
+    while e is not None and seen < 16:
+        if isinstance(e, CommError) and not is_mistake(e):
+            return True
+        e = e.__cause__ or e.__context__
+        seen += 1
+    text = str(exc)
+    return any(f"{cls}:" in text or f"{cls}(" in text for cls in
+               ("PeerLost", "CollectiveTimeout", "CommAborted", "StoreUnreachable", "ReplicaBroken"))
+
+
+def is_mistake(exc: BaseException) -> bool:
+    """A ``CommError`` that says the script used the API wrongly, or diverged, rather
+    than that a peer was lost."""
+    return isinstance(exc, MISTAKES) or type(exc).__name__ in ("StateMismatch",)
+
+
+def classify(exc: BaseException, saw_loss: bool) -> str:
+    """Why ``exc`` ending a rank is a deterministic failure, or "" when it is a fault.
+    ``saw_loss``: this process had seen a peer's loss before it (an error then is
+    taken as that loss's consequence)."""
+    if isinstance(exc, (KeyboardInterrupt, MemoryError)) or type(exc).__name__ == "OutOfMemoryError":
+        return ""  # a signal or memory pressure: recovered, unless it recurs at the same step
+    if is_mistake(exc):
+        return f"{type(exc).__name__}: a mistake in how the script uses commslayer"
+    if isinstance(exc, CommError) or _carries_loss(exc) or saw_loss:
+        return ""
+    return "an exception of the script's own code"
+
+
+def record(store: Any, exc: BaseException, tb: Optional[TracebackType], *, unit: str, key: str, life: int,
+           step: Optional[int], saw_loss: bool, error: str) -> Failure:
+    """Classify and record how this life ends (``failure/<key>/<life>``); a deterministic
+    failure, or one the previous life had at the same step and line, also goes to
+    ``job/bugs``, which stops the job. Store errors are left to the caller."""
+    failure = Failure(unit=unit, key=key, life=life, step=step, error=error, where=user_frame(tb),
+                      deterministic=classify(exc, saw_loss), pid=os.getpid(), time=time.time())
+    if not failure.deterministic and life > 0 and store.check([f"failure/{key}/{life - 1}"]):
+        before = Failure.from_json(store.get(f"failure/{key}/{life - 1}").decode())
+        if before.signature() == failure.signature() and failure.step is not None:
+            failure.deterministic = f"life {before.life} failed the same way at the same step: it recurs"
+    store.set(f"failure/{key}/{life}", failure.to_json())
+    if failure.deterministic:
+        store.append(BUGS, failure.to_json() + "\n")
+    return failure
+
+
+def record_restart(store: Any, replica: int) -> None:
+    """A restarted life of replica group ``replica`` began (its rank 0 says it)."""
+    store.append(f"{RESTARTS}/{replica}", f"{time.time()}\n")
+
+
+def restarts(store: Any, replica: int) -> List[float]:
+    """When each restarted life of replica group ``replica`` began."""
+    key = f"{RESTARTS}/{replica}"
+    return [float(x) for x in store.get(key).decode().split()] if store.check([key]) else []
+
+
+def bugs(store: Any) -> List[Failure]:
+    """The deterministic failures recorded in the job's store, earliest first."""
+    if not store.check([BUGS]):
+        return []
+    found = [Failure.from_json(line) for line in store.get(BUGS).decode().splitlines() if line.strip()]
+    return sorted(found, key=lambda f: f.time)
+
+
+def stop_message(found: List[Failure]) -> str:
+    """The launcher's one line for a job stopped by deterministic failures."""
+    first = found[0]
+    others = sorted({f.unit for f in found[1:]} - {first.unit})
+    also = f"; {', '.join(others)} failed too" if others else ""
+    return (f"{first.words()}: a deterministic failure ({first.deterministic}), not a lost process: the job stops "
+            f"and nothing is restarted{also}")
+
+
+def saw_loss() -> bool:
+    """Whether a communicator of this process has lost a peer, or failed otherwise than
+    by a mistake, since its current generation began."""
+    from commslayer.hooks import live_communicators
+
+    for comm in live_communicators():
+        life = comm.lifecycle
+        if life.closed:  # an earlier generation, replaced after a recovery, or a communicator let go
+            continue
+        if life.lost_ranks or (life.failure is not None and not is_mistake(life.failure)):
+            return True
+    return False

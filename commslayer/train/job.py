@@ -1,0 +1,584 @@
+"""The resilient job of replica groups: ``Job``, what ``commslayer.resilience.init``
+returns under ``commslayer-run --replicas`` (and under plain ``torchrun``).
+
+What ``step`` does: the gradients of the registered modules (the local
+shards of FSDP2's) are averaged across the live replica groups, begun during
+backward for FSDP2 and DDP modules and in buckets after it for the rest
+(``commslayer.train.gradients``); every rank of every live group votes that
+its part succeeded, and only then is the optimizer applied, on all of them
+(or, after a loss, the average is redone on the survivors from the same
+local gradients: the optimizer never ran on a half-averaged gradient).  A
+rank whose own group lost a member leaves (its torchrun restarts the group);
+the restarted group announces itself, is admitted at a step boundary,
+receives every registered state from a live replica (parameters, buffers,
+optimizer state, the user's objects through ``state_dict``) and continues at
+the survivors' step.  So ``steps`` yields each step exactly once per life,
+and a step is committed on every live replica or on none.
+
+Mistakes are errors, never a silent divergence: registered state that
+differs across replicas (names, keys, shapes, dtypes) raises
+``StateMismatch`` at the first step or heal, naming it and the replicas; a
+``step`` with no gradients, a loop that skips ``step``, or ``steps`` before
+``register`` raise ``InvalidArgument``.
+
+Fault points: ``resilience.register_phase_hook(fn)`` runs ``fn(job, step, phase)`` at
+``forward`` (entering the first registered module), ``backward`` (its
+output's gradient), ``allreduce`` (entering the average) and ``optimizer``
+(before the optimizer's step).  The fault harness fires its step faults
+there, in any script that uses this module.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import time
+from datetime import timedelta
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from commslayer import config, runs
+
+from commslayer.train import failures
+from commslayer.errors import CommError, InvalidArgument
+from commslayer.comm.exits import exit_now
+from commslayer.train.gradients import GradientAverage, local
+from commslayer.hooks import phase_hooks as _phase_hooks
+from commslayer.train.replicas import Replicas, fingerprint
+from commslayer.runs import Admission, Recovery
+from commslayer.train.reshard import piece
+from commslayer.agree.store import bounded, connect
+
+BUCKET_BYTES = 4 << 20  # gradient bytes per bucket of the cross-replica average
+
+
+class StateMismatch(CommError):
+    """The registered state differs across replicas (names, keys, shapes or dtypes)."""
+
+
+class _State:
+    """Everything registered, packed for a restarted replica and hashed for comparison."""
+
+    def __init__(self) -> None:
+        self.modules: Dict[str, nn.Module] = {}
+        self.optimizers: Dict[str, torch.optim.Optimizer] = {}
+        self.objects: Dict[str, Any] = {}  # anything with state_dict()/load_state_dict()
+
+    def add(self, name: str, obj: Any) -> None:
+        if name in self.modules or name in self.optimizers or name in self.objects:
+            raise InvalidArgument(f"register: {name!r} is registered already", op="register")
+        if isinstance(obj, nn.Module):
+            self.modules[name] = obj
+        elif isinstance(obj, torch.optim.Optimizer):
+            self.optimizers[name] = obj
+        elif callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+            self.objects[name] = obj
+        else:
+            raise InvalidArgument(f"register: {name!r} is a {type(obj).__name__}, not a module, an optimizer or "
+                                  "an object with state_dict() and load_state_dict()", op="register")
+
+    def params(self) -> List[torch.Tensor]:
+        return [p for m in self.modules.values() for p in m.parameters()]
+
+    def check_training(self) -> None:
+        """``InvalidArgument`` if what is registered would not train as the loop expects:
+        ``step`` applies the registered optimizers to the registered modules' parameters
+        and heals both, so an optimizer missing, parameters no registered optimizer
+        holds, an optimizer over parameters of no registered module (built before
+        ``fully_shard``, or over another model), or an LR scheduler driving an optimizer
+        but not registered (a restarted replica would start its schedule over) would
+        each train wrong, silently."""
+        if not self.optimizers:
+            raise InvalidArgument("no optimizer is registered, so step() would train nothing: register it "
+                                  "with the model, job.register(model=model, optimizer=opt)", op="step")
+        held = {id(p) for opt in self.optimizers.values() for g in opt.param_groups for p in g["params"]}
+        orphans = [f"{name}.{pname}" for name, m in self.modules.items() for pname, p in m.named_parameters()
+                   if p.requires_grad and id(p) not in held]
+        if orphans:
+            raise InvalidArgument(f"{len(orphans)} trainable parameter(s) of the registered modules are held by no "
+                                  f"registered optimizer ({', '.join(orphans[:3])}{', ...' if len(orphans) > 3 else ''}"
+                                  "): they would never change; register the optimizer that holds them", op="step")
+        mine = {id(p) for p in self.params()}
+        for name, opt in self.optimizers.items():
+            if any(id(p) not in mine for g in opt.param_groups for p in g["params"]):
+                raise InvalidArgument(f"optimizer {name!r} updates parameters of no registered module (built before "
+                                      "fully_shard, or over another model?): their gradients would not be averaged "
+                                      "across replicas and their state would not heal; register the module it "
+                                      "trains, and build the optimizer after sharding it", op="step")
+            driven = any("initial_lr" in g for g in opt.param_groups)  # an LRScheduler's mark on its optimizer
+            if driven and not any(getattr(o, "optimizer", None) is opt for o in self.objects.values()):
+                raise InvalidArgument(f"optimizer {name!r} is driven by a learning-rate scheduler that is not "
+                                      "registered: a restarted replica would start its schedule over; register "
+                                      "it too, job.register(..., scheduler=sched)", op="step")
+
+    def _module_tensors(self) -> Dict[str, List[torch.Tensor]]:
+        return {name: [local(t).detach() for t in list(m.parameters()) + list(m.buffers())]
+                for name, m in self.modules.items()}
+
+    def _optimizer_state(self, opt: torch.optim.Optimizer) -> Dict[str, Any]:
+        params = [p for g in opt.param_groups for p in g["params"]]
+        state = []
+        for p in params:
+            entry = {}
+            for k, v in opt.state.get(p, {}).items():
+                entry[k] = (local(v).detach(), hasattr(v, "to_local")) if isinstance(v, torch.Tensor) else (v, False)
+            state.append(entry)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        return {"state": state, "groups": groups}
+
+    def snapshot(self) -> Dict[str, Any]:
+        return {"modules": self._module_tensors(),
+                "optimizers": {n: self._optimizer_state(o) for n, o in self.optimizers.items()},
+                "objects": {n: o.state_dict() for n, o in self.objects.items()}}
+
+    # -------------------------------------------------------------- Healable
+    def pack(self) -> bytes:
+        buf = io.BytesIO()
+        torch.save(self.snapshot(), buf)
+        return buf.getvalue()
+
+    def unpack(self, data: bytes) -> None:
+        self.load(torch.load(io.BytesIO(data), weights_only=True))
+
+    def load(self, got: Dict[str, Any]) -> None:
+        """Overwrite the state with a snapshot of the same layout (``snapshot``'s format)."""
+        mismatch = _differences(signature(got), signature(self.snapshot(), optimizer_state=False),
+                                optimizer_state=False)
+        if mismatch:
+            raise StateMismatch(f"the state a live replica sent does not fit this one's: {mismatch}", op="heal")
+        with torch.no_grad():
+            for name, tensors in got["modules"].items():
+                for mine, theirs in zip(self._module_tensors()[name], tensors):
+                    mine.copy_(theirs)
+        for name, opt in self.optimizers.items():
+            self._load_optimizer(opt, got["optimizers"][name])
+        for name, obj in self.objects.items():
+            obj.load_state_dict(got["objects"][name])
+
+    @staticmethod
+    def _load_optimizer(opt: torch.optim.Optimizer, got: Dict[str, Any]) -> None:
+        from torch.distributed.tensor import DTensor
+
+        params = [p for g in opt.param_groups for p in g["params"]]
+        for p, entry in zip(params, got["state"]):
+            state = opt.state[p]
+            for k, (v, sharded) in entry.items():
+                if not sharded:
+                    state[k] = v.clone() if isinstance(v, torch.Tensor) else v
+                elif k in state:
+                    with torch.no_grad():
+                        local(state[k]).copy_(v)
+                else:
+                    state[k] = DTensor.from_local(v.clone(), p.device_mesh, p.placements, run_check=False,
+                                                  shape=p.size(), stride=p.stride())
+        for group, saved in zip(opt.param_groups, got["groups"]):
+            group.update(saved)
+
+    def fingerprint(self) -> int:
+        return digest(self.snapshot())
+
+    # ------------------------------------------------------------ resharding
+    def sharded(self) -> Dict[str, List[bool]]:
+        """Per registered module, per tensor (parameters, then buffers): whether it is a shard."""
+        return {name: [hasattr(t, "to_local") for t in list(m.parameters()) + list(m.buffers())]
+                for name, m in self.modules.items()}
+
+    def load_whole(self, whole: Dict[str, Any], objects_of: int) -> None:
+        """Take this rank's part of the whole state (``reshard.merge``) for the current
+        layout, and the objects of rank ``objects_of`` of the layout it came from."""
+        params = {name: list(m.parameters()) + list(m.buffers()) for name, m in self.modules.items()}
+        optimizers = {}
+        for name, opt in self.optimizers.items():
+            mine = [p for g in opt.param_groups for p in g["params"]]
+            got = whole["optimizers"][name]
+            optimizers[name] = {"state": [{k: (piece(v, p) if flag else v, flag) for k, (v, flag) in entry.items()}
+                                          for p, entry in zip(mine, got["state"])], "groups": got["groups"]}
+        self.load({"modules": {name: [piece(w, t) for w, t in zip(tensors, params[name])]
+                               for name, tensors in whole["modules"].items()},
+                   "optimizers": optimizers, "objects": whole["objects"][objects_of]})
+
+
+def digest(obj: Any) -> int:
+    """A 63-bit hash of a snapshot (tensors by their bytes, the rest by ``repr``)."""
+    h = hashlib.blake2b(digest_size=8)
+    _digest(obj, h)
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+def _digest(obj: Any, h: "hashlib.blake2b") -> None:
+    if isinstance(obj, torch.Tensor):
+        h.update(fingerprint([obj]).to_bytes(8, "little"))
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            h.update(repr(k).encode())
+            _digest(v, h)
+    elif isinstance(obj, (list, tuple)):
+        h.update(b"[")
+        for v in obj:
+            _digest(v, h)
+        h.update(b"]")
+    else:
+        h.update(repr(obj).encode())
+
+
+def signature(snapshot: Dict[str, Any], *, optimizer_state: bool = True) -> Dict[str, str]:
+    """Path -> "dtype[shape]" (or the type's name) of every leaf of a snapshot: what must
+    be the same on every replica. Optimizer state is created lazily (a fresh replica has
+    none yet), so healing compares it only where both have it."""
+    out: Dict[str, str] = {}
+
+    def walk(path: str, obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            out[path] = f"{str(obj.dtype).replace('torch.', '')}{list(obj.shape)}"
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{path}.{k}", v)
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(f"{path}[{i}]", v)
+        else:
+            out[path] = type(obj).__name__
+
+    for kind in ("modules", "objects"):
+        for name, v in snapshot[kind].items():
+            walk(name, v)
+    for name, opt in snapshot["optimizers"].items():
+        out[f"{name}.param_groups"] = str(len(opt["groups"]))
+        out[f"{name}.params"] = str(len(opt["state"]))
+        if optimizer_state:
+            walk(f"{name}.state", opt["state"])
+    return out
+
+
+def _differences(a: Dict[str, str], b: Dict[str, str], *, optimizer_state: bool = True, limit: int = 4) -> str:
+    """What differs between two signatures, in words (empty if nothing)."""
+    out = []
+    for path in sorted(set(a) | set(b)):
+        if not optimizer_state and ".state[" in path:
+            continue
+        if a.get(path) != b.get(path):
+            out.append(f"{path}: {a.get(path, 'missing')} vs {b.get(path, 'missing')}")
+    more = f" (+{len(out) - limit} more)" if len(out) > limit else ""
+    return "; ".join(out[:limit]) + more
+
+
+class Job:
+    """This process's place in a resilient job; made by ``init``."""
+
+    def __init__(self, *, timeout: timedelta, bucket_bytes: int, overlap: bool, run_dir: Optional[str],
+                 heal_timeout_s: float) -> None:
+        self.started = time.time()
+        self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.restart = config.restart_count()
+        self.run_dir = run_dir if run_dir is not None else config.run_dir()
+        self._average = GradientAverage(bucket_bytes)
+        self._overlap = overlap
+        self._heal_timeout_s = heal_timeout_s
+        self.store, self.replica, self.replicas = self._connect(timeout)
+        self.process_group = dist.group.WORLD
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.mesh = init_device_mesh("cpu", (self.world_size,))
+        self.member = self.replica * self.world_size + self.rank
+        if self.restart and self.rank == 0 and config.job_store() and config.restart_unit() != "rank":
+            # a new life of this group: its launcher's crash-loop rule counts them
+            failures.record_restart(self.store, self.replica)
+        if self.restart and self.store.check(["job/finished"]):
+            print(f"[replica {self.replica} rank {self.rank}] the job finished while this group restarted",
+                  flush=True)
+            exit_now(0)
+        self._timeout = timeout
+        self._replicas: Optional[Replicas] = None  # built by steps(): a restarted group announces itself
+        # only once its model is built, so that the survivors admitting it do not wait for that
+        self._state = _State()
+        self.overlapped: List[str] = []  # the registered modules whose average begins during backward
+        self.start_step: Optional[int] = None  # known once ``steps`` begins (after a heal)
+        self.healed_at: Optional[int] = None  # the step a restarted life healed to
+        self.step_index = -1  # the step the loop is in
+        self.losses: Dict[int, float] = {}
+        self.step_s: List[float] = []
+        self._stepped = True
+        self._admissions_reported = 0
+        self._checked = False
+        self._training_checked = False  # check_training ran (at the first step)
+        self._total: Optional[int] = None
+        self._begin = 0.0
+
+    # --------------------------------------------------------------- stores
+    def _connect(self, timeout: timedelta) -> Tuple[dist.Store, int, int]:
+        """Make the default process group; the job's store, this replica's id and the count."""
+        dist.init_process_group("commslayer", store=self._group_store(timeout), rank=self.rank,
+                                world_size=self.world_size, timeout=timeout)
+        return self._job_store(timeout)
+
+    def _group_store(self, timeout: timedelta) -> dist.Store:
+        """This replica group's store (torchrun's), under a per-restart prefix: a restarted
+        group must not read the addresses its previous life left there."""
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timeout, use_libuv=True)
+        return dist.PrefixStore(f"restart{self.restart}/", store)
+
+    def _job_store(self, timeout: timedelta) -> Tuple[dist.Store, int, int]:
+        """The launcher's job store (``COMMSLAYER_JOB_STORE``) with this replica's id and the
+        count; under plain torchrun, this torchrun's store as the one replica group."""
+        address = config.job_store()
+        if not address:
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            return bounded(_get_default_store(), f"job{self.restart}/"), 0, 1
+        return bounded(connect(address, timeout)), config.replica_id() or 0, int(os.environ["COMMSLAYER_REPLICAS"])
+
+    # ---------------------------------------------------------------- state
+    def register(self, **state: Any) -> None:
+        """Register what must heal, by name: modules (their parameters and buffers; the
+        gradients of their parameters are the ones ``step`` averages), optimizers, and
+        any object with ``state_dict()``/``load_state_dict()`` (an LR scheduler, a data
+        position, RNG state, counters). Every replica registers the same names, before
+        ``steps``. Registered state must be the same on every replica (it is what a
+        restarted replica receives, and ``finish`` compares it): a data stream that
+        differs per replica keeps its position as state and derives the rest from
+        ``job.replica`` and ``job.rank``. Objects' state must be made of tensors,
+        numbers, strings, lists and dicts (it is loaded with
+        ``torch.load(weights_only=True)``)."""
+        if self.start_step is not None:
+            raise InvalidArgument("register() after steps() began: register everything first", op="register")
+        for name, obj in state.items():
+            self._state.add(name, obj)
+        for name, obj in state.items():
+            if isinstance(obj, nn.Module) and self._overlap and self.replicas > 1 and self._average.attach(obj):
+                self.overlapped.append(name)
+            if isinstance(obj, nn.Module) and obj is next(iter(self._state.modules.values())):
+                obj.register_forward_pre_hook(lambda *_: self._phase("forward"))
+                obj.register_forward_hook(self._on_output)
+            elif isinstance(obj, torch.optim.Optimizer):
+                obj.register_step_pre_hook(lambda *_: self._phase("optimizer"))
+
+    def _on_output(self, module: nn.Module, inputs: Any, output: Any) -> None:
+        """The first module's output: its gradient is where backward begins."""
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad: self._phase("backward"))
+
+    def _phase(self, phase: str) -> None:
+        """Run the phase hooks; unlike op hooks, what they raise propagates (a fault
+        that raises must raise in the job's own code)."""
+        if self.step_index >= 0:
+            for fn in _phase_hooks.fns:
+                fn(self, self.step_index, phase)
+
+    # ---------------------------------------------------------------- steps
+    @property
+    def _replica_groups(self) -> Replicas:
+        """The replica groups, once ``steps()`` began."""
+        if self._replicas is None:
+            raise InvalidArgument("the job has not begun: loop over job.steps(total) first", op="steps")
+        return self._replicas
+
+    @property
+    def live_replicas(self) -> List[int]:
+        """The replica groups in the current generation."""
+        return self._replica_groups.live
+
+    @property
+    def generation(self) -> int:
+        return self._replica_groups.generation
+
+    @property
+    def admissions(self) -> List[Admission]:
+        return self._replica_groups.admissions
+
+    @property
+    def recoveries(self) -> List[Recovery]:
+        return self._replica_groups.recoveries
+
+    def steps(self, total: int) -> Iterator[int]:
+        """The steps this life runs: ``start_step`` (0, or where a restarted group healed
+        to) up to ``total``. At each boundary, restarted replica groups are admitted."""
+        self._begin_loop(total)
+        rejoin = self.restart > 0 and "COMMSLAYER_JOB_STORE" in os.environ  # under plain torchrun a restart
+        # is the whole job's: there is no live replica to heal from, it starts again at step 0
+        self._replicas = Replicas(replica=self.replica, replicas=self.replicas, shard=self.rank,
+                                  shards=self.world_size, store=self.store, rejoin=rejoin, timeout=self._timeout)
+        self._average.replicas = self._replicas
+        if rejoin:
+            self.start_step = self.healed_at = self._replicas.heal(self._state)
+            self._checked = True  # the heal compared this state with a live replica's
+            if self.rank == 0:
+                print(f"[replica {self.replica}] restarted (restart {self.restart}): healed from a live replica, "
+                      f"continuing at step {self.start_step} in generation {self.generation}", flush=True)
+        else:
+            self.start_step = 0
+        self._begin = time.perf_counter()
+        for step in range(self.start_step, total):
+            self._t0 = time.perf_counter()
+            self._replicas.admit(self._state, step)
+            self._report_admissions()
+            self.step_index, self._stepped = step, False
+            self._average.discard()
+            yield step
+            if not self._stepped:
+                raise InvalidArgument(f"step {step} ended without job.step(): call it once per step, after "
+                                      "backward", op="steps")
+        self.step_index = -1
+
+    def _begin_loop(self, total: int) -> None:
+        if not (self._state.modules or self._state.optimizers or self._state.objects):
+            raise InvalidArgument("steps() before register(): register the model and optimizer first",
+                                  op="steps")
+        self._total = total
+
+    def step(self, loss: Optional[torch.Tensor] = None) -> bool:
+        """After ``loss.backward()``: average the gradients across the live replica groups,
+        commit, apply every registered optimizer and zero the gradients. When this
+        returns the step is committed on every live replica (a loss during it was
+        recovered by redoing the average on the survivors): True. ``loss``, if given, is
+        averaged over the job and recorded in ``losses`` (and the run's results)."""
+        step, params, grads = self._begin_step()
+        if not self._checked:
+            self._check_same_state()
+        extra = None
+        if loss is not None:
+            extra = loss.detach().reshape(1).to(local(grads[0]).dtype) / self.world_size
+            dist.all_reduce(extra)
+        self._phase("allreduce")
+        averaged_loss = self._average.average(params, extra, step)
+        if averaged_loss is not None:
+            self.losses[step] = averaged_loss.item()
+        self._apply()
+        self.step_s.append(time.perf_counter() - self._t0)
+        self._report_recovery(step)
+        return True
+
+    def _begin_step(self) -> Tuple[int, List[torch.Tensor], List[torch.Tensor]]:
+        """``step``'s checks: the step, the registered parameters and their gradients."""
+        step = self.step_index
+        if step < 0:
+            raise InvalidArgument("step() outside steps(): loop with `for step in job.steps(n)`", op="step")
+        if self._stepped:
+            raise InvalidArgument(f"step() called twice in step {step}", op="step")
+        if not self._training_checked:
+            self._training_checked = True
+            self._state.check_training()
+        params = self._state.params()
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            raise InvalidArgument(f"step() at step {step} found no gradients on the registered modules: call "
+                                  "loss.backward() first (and register the model)", op="step")
+        return step, params, grads
+
+    def _apply(self) -> None:
+        """The committed step: every registered optimizer steps, the gradients are zeroed."""
+        for opt in self._state.optimizers.values():
+            opt.step()
+            opt.zero_grad()
+        self._stepped = True
+
+    # ------------------------------------------------------- state checks
+    def _check_same_state(self) -> None:
+        """At the first step: every replica of this shard registered the same state
+        (names, keys, shapes, dtypes), or every rank raises ``StateMismatch`` naming it."""
+        self._checked = True
+        mine = signature(self._state.snapshot(), optimizer_state=False)
+        world = self._replica_groups.world
+        digest = int.from_bytes(hashlib.blake2b(json.dumps([self.rank, mine], sort_keys=True).encode(),
+                                                digest_size=8).digest(), "little") >> 1
+        hashes = torch.zeros(world.get_size(), dtype=torch.int64)
+        world.all_gather_single(hashes, torch.tensor([digest], dtype=torch.int64))
+        members = world.members
+        by_shard: Dict[int, Set[int]] = {}
+        for member, h in zip(members, hashes.tolist()):
+            by_shard.setdefault(member % self.world_size, set()).add(h)
+        if all(len(v) == 1 for v in by_shard.values()):
+            return
+        key = f"signature/g{self.generation}"
+        self.store.set(f"{key}/{self.member}", json.dumps(mine))
+        differing = []
+        for shard in sorted(s for s, v in by_shard.items() if len(v) > 1):
+            holders = [m for m in members if m % self.world_size == shard]
+            sigs = {m: json.loads(self.store.get(f"{key}/{m}")) for m in holders}
+            first = holders[0]
+            for m in holders[1:]:
+                diff = _differences(sigs[first], sigs[m], optimizer_state=False)
+                if diff:
+                    differing.append(f"shard {shard}: replica {first // self.world_size} vs replica "
+                                     f"{m // self.world_size}: {diff}")
+        raise StateMismatch("registered state differs across replicas: " + "; ".join(differing),
+                            comm=world.get_name(), op="step")
+
+    # ------------------------------------------------------------ reporting
+    def _report_admissions(self) -> None:
+        """Record in the job's store and print the admissions not reported yet (by the
+        first survivor of each)."""
+        for a in self.admissions[self._admissions_reported:]:
+            first = min(m for m in self._replica_groups.world.members if m // self.world_size not in a.replicas)
+            if self.member == first:
+                runs.record(self.store, a)
+                print(f"admitted replica(s) {a.replicas} at step {a.step}: generation {a.generation}, join and "
+                      f"state transfer {a.heal_s:.3f}s", flush=True)
+        self._admissions_reported = len(self.admissions)
+
+    def _report_recovery(self, step: int) -> None:
+        """World rank 0 records (in the job's store, which outlives every rank) and prints
+        the recovery that this step's commit ended."""
+        r = self.recoveries[-1] if self.recoveries else None
+        if r is None or r.step != step or r.committed_at is None or self._replica_groups.world.get_rank() != 0:
+            return
+        runs.record(self.store, r)
+        print(f"recovered: lost replica(s) {r.lost_replicas} at step {step}; generation {r.generation} built "
+              f"{r.resumed_at - r.detected_at:.3f}s and the step committed {r.committed_at - r.detected_at:.3f}s "
+              f"after the loss was seen", flush=True)
+
+    def failure_unit(self) -> Tuple[str, str]:
+        """This rank in the launcher's words, and as a key of the job's store."""
+        return f"replica group {self.replica} rank {self.rank}", f"replica{self.replica}.rank{self.rank}"
+
+    @property
+    def reports(self) -> bool:
+        """Whether this rank is the one that prints the job's progress (world rank 0)."""
+        return self._replica_groups.world.get_rank() == 0
+
+    # ------------------------------------------------------------------ end
+    def finish(self, *, exit: bool = True) -> List[int]:
+        """The end of the job, on every rank: keep admitting restarted replica groups
+        until all are back or their launchers gave up, compare the replicas' state
+        (printed by each shard's first rank), write this rank's result into the run
+        directory, and end the process with status 0 (``exit=False``: return the
+        fingerprints instead; Gloo may abort during interpreter teardown)."""
+        if self._total is None or self.step_index >= 0:
+            raise InvalidArgument("finish() before the loop over steps() ended", op="finish")
+        elapsed = time.perf_counter() - self._begin
+        rep = self._replica_groups
+        rep.wait_for(self._state, self._total, lambda r: self.store.check([f"replica/{r}/gone"]),
+                     self._heal_timeout_s)
+        self._report_admissions()
+        prints = rep.fingerprints(self._state)
+        if rep.replicate.get_rank() == 0 and len(prints) > 1:  # one replica: nothing to compare
+            same = "identical" if len(set(prints)) == 1 else "DIFFERENT"
+            print(f"shard {self.rank}: state of replicas {[m // self.world_size for m in rep.replicate.members]} "
+                  f"fingerprints {[f'{x:016x}' for x in prints]}: {same}", flush=True)
+        if self.reports:
+            print(f"done: steps {self.start_step}..{self._total - 1} in {elapsed:.1f}s, {len(self.recoveries)} "
+                  f"recoveries, {len(self.admissions)} admissions, replicas {self.live_replicas}/{self.replicas} "
+                  f"live at the end, generation {self.generation}", flush=True)
+        self.store.set("job/finished", "1")  # a group restarting from now on has nothing to rejoin
+        if self.run_dir:
+            self._write_result(elapsed, prints)
+        if exit:
+            exit_now(0)
+        return prints
+
+    def _write_result(self, elapsed: float, prints: List[int]) -> None:
+        run_dir, total = self.run_dir, self._total
+        assert run_dir is not None and total is not None  # finish() writes one only then
+        opt = next(iter(self._state.optimizers.values()), None)
+        counts = [int(opt.state[p]["step"]) for p in self._state.params() if opt is not None and
+                  "step" in opt.state.get(p, {})]
+        runs.save(runs.RankResult(
+            member=self.member, replica=self.replica, rank=self.rank, restart=self.restart, pid=os.getpid(),
+            started=self.started, steps=total, start_step=self.start_step or 0, elapsed_s=elapsed,
+            step_s=self.step_s, losses=self.losses, optimizer_steps=counts, live=self.live_replicas,
+            fingerprints=prints, recoveries=list(self.recoveries), admissions=list(self.admissions),
+            generation=self.generation, overlapped=self.overlapped), run_dir)

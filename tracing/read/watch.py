@@ -1,0 +1,277 @@
+"""``commslayer-trace watch DIR``: a running job's traces, live in the terminal.
+
+Follows the JSON lines every rank appends (``rank<R>.jsonl``, and those of
+restarted lives in ``replica<R>-restart<N>/``), reading only what was added
+since the last look (whole lines; a line still being written waits for the
+next look), and the dumps a rank writes on a failure or SIGUSR1 (for the ops
+it has in flight: the JSON lines hold finished ops only).  Every second it
+redraws: each rank's current op (in flight per its latest dump, else the last
+one that ended) and its age, the slowest rank of the last N collectives (the
+one that arrived last most often, and how long the others waited for it),
+the live generation and membership of each resizable communicator, the
+first failure as soon as a rank reports it, and the latest recovery events.
+
+Imports neither torch nor commslayer: it runs anywhere the trace directory
+is visible (a shared file system), while the job runs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import OrderedDict
+from datetime import datetime, timezone
+from typing import Any, Dict, List, Optional, TextIO, Tuple
+
+from tracing.messages import loss_cause, short_error
+from tracing.read.story import lineage
+from tracing.read.traceio import MAX_DUMP_BYTES, MAX_LINE_BYTES, TraceFileError, find_files, life_of, loads, read_dump
+
+READ_BYTES = 8 << 20  # per file and look: a job far ahead is caught up over several looks
+KEEP_COLLECTIVES = 4096  # the latest collectives whose arrivals are kept
+MAX_MEMBERS_SHOWN = 4096
+_FAILURES = ("collective_timeout", "peer_lost", "communicator_error")
+_CLEAR = "\x1b[H\x1b[2J"
+
+
+def _clock(wall_ns: float) -> str:
+    return datetime.fromtimestamp(wall_ns / 1e9, timezone.utc).strftime("%H:%M:%S.%f")[:-3]
+
+
+class _Follower:
+    """One JSON-lines file, read as it grows."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.offset = 0
+        self.rest = b""
+        self.rank: Optional[int] = None
+        self.life = life_of(path)
+        self.offset_ns = 0  # wall - monotonic of the writing process (its trace_started line)
+
+    def new_lines(self) -> List[Dict[str, Any]]:
+        """The events appended since the last call (bad lines are skipped)."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read(READ_BYTES)
+        except OSError:
+            return []
+        self.offset += len(data)
+        lines = (self.rest + data).split(b"\n")
+        self.rest = lines.pop()
+        if len(self.rest) > MAX_LINE_BYTES:
+            self.rest = b""
+        out = []
+        for line in lines:
+            try:
+                ev = loads(line)
+            except ValueError:
+                continue
+            if isinstance(ev, dict):
+                out.append(ev)
+        return out
+
+
+class Watch:
+    """What ``watch`` knows of the job so far; ``poll()`` reads, ``frame()`` draws."""
+
+    def __init__(self, directory: str, *, last: int = 20) -> None:
+        self.directory = directory
+        self.last = last
+        self.files: Dict[str, _Follower] = {}
+        self.dumps: Dict[str, float] = {}                      # path -> mtime read
+        self.latest: Dict[int, Tuple[int, Dict[str, Any]]] = {}  # rank -> (life, last finished record)
+        self.in_flight: Dict[int, Tuple[float, List[Dict[str, Any]]]] = {}  # rank -> (dump mtime, open records)
+        self.arrivals: "OrderedDict[Tuple[str, Any, Any], Dict[int, int]]" = OrderedDict()  # by (comm, gen, seq)
+        self.generations: Dict[str, Tuple[int, List[int], int]] = {}  # "'name' (lineage)" -> (generation, members, wall)
+        self.first_failure: Optional[Tuple[int, str]] = None   # (wall ns, text): the earliest reported
+        self.events: List[Tuple[int, str]] = []
+        self.job: Optional[str] = None
+
+    # ---------------------------------------------------------------- reading
+    def poll(self) -> None:
+        """Read what the job wrote since the last call."""
+        try:
+            paths = find_files([self.directory])
+        except TraceFileError:
+            return  # nothing written yet
+        for path in sorted(paths, key=lambda p: not p.endswith(".jsonl")):  # JSON lines first: they have it all
+            if path.endswith(".jsonl"):
+                f = self.files.get(path) or self.files.setdefault(path, _Follower(path))
+                for ev in f.new_lines():
+                    self._take(f, ev)
+            else:
+                self._take_dump(path)
+
+    def _take(self, f: _Follower, ev: Dict[str, Any]) -> None:
+        kind = ev.get("event")
+        if kind == "trace_started":
+            f.rank = ev.get("rank") if type(ev.get("rank")) is int else None
+            clock = ev.get("clock") or {}
+            if isinstance(clock.get("wall_ns"), int) and isinstance(clock.get("mono_ns"), int):
+                f.offset_ns = clock["wall_ns"] - clock["mono_ns"]
+            self.job = self.job or ev.get("job")
+            return
+        rank = f.rank if f.rank is not None else ev.get("rank")
+        if type(rank) is not int:
+            return
+        if kind == "collective":
+            self._take_record(f, rank, ev)
+        elif kind in ("communicator_created", "communicator_split") and "/" not in str(ev.get("comm_id")):
+            members, size = ev.get("global_ranks"), ev.get("size")
+            if members is None and type(size) is int and size <= MAX_MEMBERS_SHOWN:
+                members = list(range(size))  # a new communicator's members are 0..size-1
+            self._membership(ev.get("comm"), ev.get("generation"), members, f, ev)
+        elif kind == "recovery":
+            if ev.get("kind") == "generation":
+                self._membership(ev.get("comm"), ev.get("generation"), ev.get("members"), f, ev)
+            what = ", ".join(f"{k} {ev[k]:.3f}" if isinstance(ev[k], float) else f"{k} {ev[k]}"
+                             for k in ("generation", "lost", "members", "step", "bytes", "seconds", "source")
+                             if ev.get(k) is not None)
+            self._event(f, ev, f"rank {rank} {ev.get('kind')}: {what}")
+            if ev.get("kind") in ("peer_lost", "fenced"):
+                self._fail(f, ev, f"rank {rank}: {ev.get('kind')} {ev.get('lost') or ''} in '{ev.get('comm')}': "
+                                  f"{loss_cause(ev.get('error') or ev.get('why'))}")
+        elif kind in _FAILURES:
+            why = loss_cause(ev.get("error")) if kind == "peer_lost" else short_error(ev.get("error"))
+            self._fail(f, ev, f"rank {rank}: {kind} in '{ev.get('comm')}': {why}")
+
+    def _take_record(self, f: _Follower, rank: int, r: Dict[str, Any]) -> None:
+        old = self.latest.get(rank)
+        if old is None or old[0] <= f.life:
+            self.latest[rank] = (f.life, dict(r, wall_end_ns=(r.get("end_ns") or r.get("enqueue_ns") or 0) + f.offset_ns))
+        if r.get("state") not in (None, "completed"):
+            self._fail(f, r, f"rank {rank}: {r.get('op')} #{r.get('seq')} of '{r.get('comm')}' {r.get('state')}: "
+                             f"{short_error(r.get('error'))}")
+        if r.get("op") in ("send", "recv") or type(r.get("enqueue_ns")) is not int:
+            return
+        key = (str(r.get("comm_id")), r.get("generation") or 0, r.get("seq"))
+        arrivals = self.arrivals.setdefault(key, {})
+        arrivals[rank] = r["enqueue_ns"] + f.offset_ns
+        while len(self.arrivals) > KEEP_COLLECTIVES:
+            self.arrivals.popitem(last=False)
+
+    def _take_dump(self, path: str) -> None:
+        try:
+            mtime = os.stat(path).st_mtime
+            if self.dumps.get(path) == mtime or os.path.getsize(path) > MAX_DUMP_BYTES:
+                return
+            doc = read_dump(path)
+        except (OSError, TraceFileError):
+            return
+        self.dumps[path] = mtime
+        f = _Follower(path)
+        f.rank = doc["rank"]
+        clock = doc.get("clock") or {}
+        if isinstance(clock.get("wall_ns"), int) and isinstance(clock.get("mono_ns"), int):
+            f.offset_ns = clock["wall_ns"] - clock["mono_ns"]
+        records = [r for r in doc["records"] if isinstance(r, dict)]
+        open_ops = [dict(r, wall_start_ns=(r.get("start_ns") or r.get("enqueue_ns") or 0) + f.offset_ns)
+                    for r in records if r.get("state") in ("started", "scheduled")]
+        self.in_flight[f.rank] = (mtime, open_ops)
+        if not any(g.rank == f.rank and g.life == f.life for g in self.files.values()):
+            # No JSON lines of this life (not asked for, or not yet flushed): the dump tells what it holds.
+            for r in records:
+                if r.get("state") not in ("started", "scheduled"):
+                    self._take_record(f, f.rank, r)
+            for ev in doc.get("events") or ():
+                if isinstance(ev, dict):
+                    self._take(f, {**ev, "event": "recovery"})
+
+    def _membership(self, name: Any, generation: Any, members: Any, f: _Follower, ev: Dict[str, Any]) -> None:
+        if type(generation) is not int or not isinstance(members, list):
+            return
+        key = f"'{name}' ({lineage(str(ev.get('comm_id')))})"
+        known = self.generations.get(key)
+        if known is None or generation >= known[0]:
+            self.generations[key] = (generation, members, (ev.get("mono_ns") or 0) + f.offset_ns)
+
+    def _event(self, f: _Follower, ev: Dict[str, Any], text: str) -> None:
+        wall = (ev.get("mono_ns") or 0) + f.offset_ns
+        self.events.append((wall, f"{_clock(wall)} {text}"))
+        self.events = sorted(self.events)[-5:]
+
+    def _fail(self, f: _Follower, ev: Dict[str, Any], text: str) -> None:
+        wall = (ev.get("mono_ns") or ev.get("end_ns") or 0) + f.offset_ns
+        if self.first_failure is None or wall < self.first_failure[0]:
+            self.first_failure = (wall, f"{_clock(wall)} {text}")
+
+    # ---------------------------------------------------------------- drawing
+    def slowest(self) -> Optional[Tuple[int, int, int, float]]:
+        """Over the last N collectives with two or more ranks: (rank that arrived last
+        most often, how often, of how many, seconds the others waited for it)."""
+        keys = sorted((k for k, a in self.arrivals.items() if len(a) > 1),
+                      key=lambda k: max(self.arrivals[k].values()))[-self.last:]
+        if not keys:
+            return None
+        count: Dict[int, int] = {}
+        waited: Dict[int, int] = {}
+        for k in keys:
+            a = self.arrivals[k]
+            late = max(a, key=lambda rank: a[rank])
+            count[late] = count.get(late, 0) + 1
+            waited[late] = waited.get(late, 0) + sum(a[late] - t for t in a.values())
+        top = max(count, key=lambda r: (count[r], waited[r]))
+        return top, count[top], len(keys), waited[top] / 1e9
+
+    def frame(self, now_ns: Optional[int] = None) -> List[str]:
+        """The screen, as lines."""
+        now = time.time_ns() if now_ns is None else now_ns
+        lines = [f"commslayer-trace watch {self.directory}  ({_clock(now)} UTC; Ctrl-C quits)",
+                 f"job: {self.job or '?'}   files: {len(self.files)} JSON lines, {len(self.dumps)} dumps"]
+        if not self.files and not self.dumps:
+            lines.append("waiting for trace files (rank<R>.jsonl: set COMMSLAYER_TRACE_JSONL=1 in the job)")
+            return lines
+        for name, (gen, members, since) in sorted(self.generations.items()):
+            lines.append(f"{name}: generation {gen}, members {', '.join(map(str, members))} "
+                         f"(since {_clock(since)})")
+        lines.append(f"first failure: {self.first_failure[1] if self.first_failure else 'none so far'}")
+        lines.append("")
+        lines.append(f"{'rank':>4} {'life':>4}  {'current op':<44} {'state':<10} {'age s':>8}")
+        for rank in sorted(set(self.latest) | set(self.in_flight)):
+            life, r = self.latest.get(rank, (0, None))
+            mtime, open_ops = self.in_flight.get(rank, (0.0, []))
+            if open_ops and (r is None or mtime * 1e9 >= r["wall_end_ns"]):
+                o = open_ops[0]
+                op, state, age = f"{o.get('op')} #{o.get('seq')} of '{o.get('comm')}'", "in flight", \
+                    (now - o["wall_start_ns"]) / 1e9
+            elif r is not None:
+                op, state, age = f"{r.get('op')} #{r.get('seq')} of '{r.get('comm')}'", f"{r.get('state')}", \
+                    (now - r["wall_end_ns"]) / 1e9
+            else:
+                continue
+            lines.append(f"{rank:>4} {life + 1:>4}  {op[:44]:<44} {state:<10} {age:>8.1f}")
+        s = self.slowest()
+        lines.append("")
+        lines.append("slowest of the last collectives: " + (
+            "-" if s is None else f"rank {s[0]}, last to arrive in {s[1]} of {s[2]} "
+                                  f"(the others waited {s[3]:.3f} s for it)"))
+        if self.events:
+            lines.append("recovery events:")
+            lines += [f"  {text}" for _, text in self.events]
+        return lines
+
+
+def run(directory: str, *, interval_s: float = 1.0, last: int = 20, once: bool = False,
+        out: Optional[TextIO] = None, say: Any = None) -> int:
+    """The ``watch`` loop: poll and redraw every ``interval_s`` until Ctrl-C (or once)."""
+    out = out or sys.stdout
+    if not os.path.isdir(directory):
+        raise TraceFileError(directory, None, "not a directory")
+    w = Watch(directory, last=last)
+    try:
+        while True:
+            w.poll()
+            if not once:
+                out.write(_CLEAR)
+            for line in w.frame():
+                say(line, out)
+            out.flush()
+            if once:
+                return 0
+            time.sleep(interval_s)
+    except KeyboardInterrupt:
+        say("watch stopped", out)
+        return 0
