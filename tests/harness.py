@@ -38,7 +38,8 @@ def on_threads(*calls: Callable[[], Any], stagger_s: float = 0.0, timeout_s: flo
     return results
 
 
-_STORY = re.compile(r"lost|leaving|recovered|restarted|admitted|healed|gave up|timed out|Error|error:|done:")
+_STORY = re.compile(r"lost|leaving|recovered|restarted|admitted|healed|gave up|timed out|Error|error:|done:"
+                    r"|terminate called|what\(\):")  # the last two: a C++ abort (Gloo's)
 _BOILERPLATE = re.compile(r"elastic|error_file|traceback :|File \"|^\s*\S*\s*raise |ChildFailedError")
 
 
