@@ -34,6 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
+from commslayer.errors import ConfigError
 from commslayer.runs import read_log
 from tracing.dumps import open_append
 
@@ -113,7 +114,17 @@ def encode(faults: List[Fault]) -> str:
 
 
 def decode(text: str) -> List[Fault]:
-    return [Fault(**d) for d in json.loads(text)]
+    """The faults of a ``COMMSLAYER_FAULTS`` value; ``ConfigError`` naming the variable
+    when it is not a JSON list of fault objects or a fault is not allowed."""
+    try:
+        specs = json.loads(text)
+        if not isinstance(specs, list) or not all(isinstance(d, dict) for d in specs):
+            raise ValueError("expected a JSON list of fault objects")
+        return [Fault(**d) for d in specs]
+    except (ValueError, TypeError) as exc:  # json's errors are ValueErrors; unknown fields are TypeErrors
+        shown = text if len(text) <= 200 else text[:200] + "..."
+        raise ConfigError(f"COMMSLAYER_FAULTS={shown!r} is not allowed: {exc} (the fault harness sets it; "
+                          "unset it for a run without injected faults)") from None
 
 
 def job_rank() -> int:
@@ -173,6 +184,9 @@ class Injector:
             f.index, self._count = self._count, self._count + 1
             if f.rank == me and f.life in (None, now) and f.index not in self._fired:
                 self.faults.append(f)
+                # a value left in an environment must not fire unseen in a production job
+                print(f"[rank {me}] fault armed from COMMSLAYER_FAULTS: {f.describe()} (unset it for a run "
+                      "without injected faults)", file=sys.stderr, flush=True)
 
     # ---------------------------------------------------------- step points
     def point(self, step: int, phase: str, claim: Optional[Callable[[], bool]] = None) -> None:
@@ -206,6 +220,7 @@ class Injector:
                 if n >= f.nth:
                     if n == f.nth:
                         self.log.write("injected", fault=f.index, action=f.action, what=f.describe(), comm=name)
+                        print(f"[rank {job_rank()}] injected fault: {f.describe()}", file=sys.stderr, flush=True)
                     time.sleep(f.seconds)
                 return call(*args, **kwargs)
             if n != f.nth or f not in self.faults:

@@ -223,3 +223,36 @@ def test_the_waker_waits_for_the_stop_it_ends():
     finally:
         target.kill()
         target.wait()
+
+
+@pytest.mark.timeout(90)
+def test_a_fault_left_in_the_environment_says_so_when_armed_and_when_fired(tmp_path):
+    """A COMMSLAYER_FAULTS value left over from a fault run must not slow or kill a job
+    unseen: each fault aimed at the process is announced on stderr when armed, and
+    again when it fires (a delay fault too, which does not end the process)."""
+    spec = encode([Fault("delay", 0, op="all_reduce", seconds=0.01), Fault("raise", 0, step=9, phase="forward")])
+    script = ("import torch, commslayer; c = commslayer.new_comm('gloo', name='left', rank=0, size=1, "
+              "store=torch.distributed.HashStore()); [c.all_reduce(torch.ones(4)) for _ in range(3)]; print('done')")
+    env = dict(os.environ, COMMSLAYER_FAULTS=spec, COMMSLAYER_FAULTS_LOG="", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=80)
+    assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr[-3000:]
+    said = [x for x in proc.stderr.splitlines() if x.startswith("[rank 0]")]
+    assert said == [
+        "[rank 0] fault armed from COMMSLAYER_FAULTS: 10 ms delay of rank 0 before every all_reduce (unset it for "
+        "a run without injected faults)",
+        "[rank 0] fault armed from COMMSLAYER_FAULTS: Python exception of rank 0 at step 9 (forward) (unset it for "
+        "a run without injected faults)",
+        "[rank 0] injected fault: 10 ms delay of rank 0 before every all_reduce"], proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("value, says", [
+    ('{"action": "delay"}', "expected a JSON list of fault objects"),
+    ("[{'action': 'sigkill'}]", "Expecting property name"),
+    ('[{"action": "sigkill", "rank": 0, "step": 1, "phase": "forward", "when": 3}]', "unexpected keyword"),
+])
+def test_a_bad_faults_value_names_the_variable(tmp_path, value, says):
+    proc = _job_with_faults(value, tmp_path)
+    assert proc.returncode != 0 and "imported" not in proc.stdout  # refused when torch loads the faults
+    assert f"ConfigError: COMMSLAYER_FAULTS={value!r} is not allowed: " in proc.stderr, proc.stderr[-3000:]
+    assert says in proc.stderr, proc.stderr[-3000:]
