@@ -336,7 +336,7 @@ def isolate_writes() -> bool:
 
 
 REDUCE_SCATTER_ALGORITHMS = ("auto", "ring", "native")
-RING_MIN_BYTES = 65536  # measured: docs/benchmarks.md, "Reduce-scatter on Gloo"
+RING_MIN_BYTES = 65536  # measured: docs/bench/reduce-scatter.md
 
 
 def reduce_scatter_algorithm() -> str:

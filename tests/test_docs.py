@@ -6,7 +6,9 @@ is split where the docs write one (a fenced block's line, an inline code span),
 and its options are checked against the program they are given to: the
 launcher's before the script, the script's after it; every other ``--option``
 the docs name must belong to one of our programs, to torchrun, or to the few
-outside tools the docs quote.
+outside tools the docs quote.  Every link between the docs leads to a file that
+exists and, where it names one, to a heading of that file: pages split and
+headings renamed with the code they cite must not leave dead links.
 """
 import ast
 import re
@@ -26,6 +28,7 @@ PACKAGES = ("commslayer", "faults", "tracing", "fsdp_overlap", "launch")
 OUTSIDE = {"--allow-incomplete-ranks": "torch's fr_trace", "--short": "git rev-parse",
            "--pid": "py-spy", "--format": "py-spy", "--threads": "py-spy", "--nonblocking": "py-spy"}
 OPTION = re.compile(r"(?<![\w-])--[a-zA-Z][\w-]*")
+LINK = re.compile(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)")
 
 
 def _added_options(path: Path) -> Set[str]:
@@ -140,3 +143,25 @@ def test_every_option_the_docs_name_exists():
     unknown = sorted({(doc.name, m.group(0)) for doc in DOCS for m in OPTION.finditer(doc.read_text())
                       if m.group(0) not in known})
     assert not unknown, unknown
+
+
+def _heading_anchors(doc: Path) -> Set[str]:
+    """The anchors a Markdown renderer gives a page's headings (GitHub's rule), fenced blocks left out."""
+    text = re.sub(r"^```.*?^```", "", doc.read_text(), flags=re.S | re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.*)$", text, re.M)}
+
+
+def test_every_link_between_the_docs_leads_somewhere():
+    dead = []
+    for doc in DOCS:
+        for m in LINK.finditer(doc.read_text()):
+            path, anchor = m.group(1), m.group(2)
+            if path.startswith(("http://", "https://", "mailto:")):
+                continue
+            target = (doc.parent / path).resolve() if path else doc
+            if not target.exists():
+                dead.append((doc.relative_to(ROOT).as_posix(), m.group(0)))
+            elif anchor and target.suffix == ".md" and anchor not in _heading_anchors(target):
+                dead.append((doc.relative_to(ROOT).as_posix(), m.group(0)))
+    assert not dead, dead

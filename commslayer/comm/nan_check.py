@@ -10,7 +10,7 @@ failed op: its peers wait in the op until their deadline.
 
 A tensor costs one ``sum`` (a NaN makes the sum NaN); only a NaN sum (a NaN,
 or infinities of both signs) pays for locating the element.
-docs/benchmarks.md gives the measured cost per op.
+docs/bench/nan-check.md gives the measured cost per op.
 """
 
 from __future__ import annotations

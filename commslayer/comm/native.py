@@ -3,7 +3,7 @@
 Why native: after a real transfer every line of Python runs with cold
 caches, so a synchronous collective's checks, issue and wait cost tens of
 µs of the calling thread in Python; in C++ they cost what the backend call
-alone does (docs/benchmarks.md, "The direct path in native code").
+alone does (docs/bench/direct-path.md, "The direct path in native code").
 
 The README's commands build it once per venv (``commslayer-native``, run by
 launch/env.sh): one ``c++`` command with torch's include and library paths,

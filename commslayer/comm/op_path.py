@@ -8,7 +8,7 @@ or the ``watchdog`` enforces.  A synchronous all_reduce, all_gather_single or
 reduce_scatter_single that no hook observes takes ``_direct_run`` instead:
 the same steps without the branches only hooks, check mode, isolation and
 async ops need, its issue, wait and flight-recorder record in native code
-where ``commslayer.comm.native`` is built (docs/benchmarks.md, "The direct path").
+where ``commslayer.comm.native`` is built (docs/bench/direct-path.md).
 
 The attributes declared on ``OpPath`` are set by ``Communicator.__init__``.
 """
@@ -144,7 +144,7 @@ class OpPath:
         both), with arguments the caller has checked, while ``_direct`` holds: the
         same steps without the branches for hooks, check mode, isolation and async
         ops, because each line after a blocking wait on a transfer runs with cold
-        caches (docs/benchmarks.md, "The direct path").  Where it is built, the
+        caches (docs/bench/direct-path.md).  Where it is built, the
         issue and the wait run in native code (``DirectPath.run``)."""
         comm: "Communicator" = self  # type: ignore[assignment]  # OpPath is its base; no cast call per op
         op = DIRECT_OPS[kind]
