@@ -86,9 +86,11 @@ def _loaded_by_torch() -> bool:
 _install_old_paths()
 _route = _config.route_c10d()  # a bad value fails `import commslayer` at once, torch or not
 if "torch" in _sys.modules or not _loaded_by_torch():
+    from commslayer import gloo_exit as _gloo_exit
     from commslayer.registration import install_routing as _install_routing
     from commslayer.registration import register_backend as _register_backend
 
+    _gloo_exit.install()
     _register_backend()
     if _route:
         _install_routing()

@@ -239,6 +239,16 @@ def test_viewer_smoke():
 
 
 @pytest.mark.timeout(120)
+def test_gloo_exit_smoke():
+    out = run_bench("launch/bench/bench_gloo_exit.py", "--smoke", timeout=110)
+    found = rows(out, ["arm", "runs", "aborted", "of those, 'terminate called'", "wait at exit, ms: median", "min–max"])
+    assert [r[0] for r in found] == ["plain torch", "commslayer, wait removed", "commslayer"]
+    for row in found:
+        assert row[1] == "1" and int(row[2]) in (0, 1) and 0 <= int(row[3]) <= int(row[2]), row
+    assert found[2][2] == "0" and float(found[2][4]) >= 0, found[2]  # the wait ran (timed) and nothing aborted
+
+
+@pytest.mark.timeout(120)
 def test_watch_simulation_smoke():
     out = run_bench("launch/bench/simulate_watch.py", "--smoke", timeout=110)
     header = ["members", "topology", "jitter ms", "kill median / p99 / max ms", "stop median / p99 / max ms",
