@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -48,7 +49,7 @@ if arm == "commslayer":
     def timed():
         t0 = time.perf_counter()
         gloo_exit.wait_for_gloo_workers()
-        print(f"waited_ms {(time.perf_counter() - t0) * 1e3:.3f}", file=sys.stderr, flush=True)
+        os.write(2, f"waited_ms {(time.perf_counter() - t0) * 1e3:.3f}\\n".encode())  # one write: ranks share the pipe
     atexit.register(timed)
 dist.init_process_group("gloo")
 t = torch.ones(1024)
@@ -65,7 +66,7 @@ def one_run(script: str, arm: str, timeout: float) -> Dict[str, object]:
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            script], env=env, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
-    waited = [float(line.split()[1]) for line in out.splitlines() if line.startswith("waited_ms ")]
+    waited = [float(x) for x in re.findall(r"waited_ms (\d+\.\d{3})\n", out)]
     return {"code": proc.returncode, "terminate": "terminate called" in out, "waited_ms": waited}
 
 
