@@ -46,7 +46,7 @@ def _worker_states() -> List[str]:
         except OSError:
             continue  # the thread ended
         name, _, rest = stat.partition("(")[2].rpartition(")")
-        if name == WORKER_NAME and rest.split():
+        if name == WORKER_NAME:
             states.append(rest.split()[0])
     return states
 

@@ -28,24 +28,18 @@ def test_the_stand_in_has_the_name_gloo_gives_its_workers():
 
 
 @pytest.mark.timeout(30)
-def test_the_wait_lasts_while_a_worker_runs_and_ends_when_it_sleeps():
-    t = stand_in.start(0.5, 1.0)
+@pytest.mark.parametrize("run_s, timeout_s, then, low, high", [
+    (0.5, 5.0, "asleep", 0.4, 1.4),  # the wait lasts while the worker runs and ends when it sleeps
+    (3.0, 0.3, "running", 0.25, 1.5),  # the wait gives up at its deadline
+])
+def test_the_wait_lasts_while_a_worker_runs(run_s, timeout_s, then, low, high):
+    t = stand_in.start(run_s, 1.0 if then == "asleep" else 0.0)
     t0 = time.monotonic()
-    gloo_exit.wait_for_gloo_workers(timeout_s=5.0)
+    gloo_exit.wait_for_gloo_workers(timeout_s=timeout_s)
     took = time.monotonic() - t0
-    assert gloo_exit._worker_states() == ["S"]  # asleep, not ended: the wait saw it sleep
-    assert 0.4 < took < 1.4, took
-    t.join()
-
-
-@pytest.mark.timeout(30)
-def test_the_wait_gives_up_at_its_deadline():
-    t = stand_in.start(3.0, 0.0)
-    t0 = time.monotonic()
-    gloo_exit.wait_for_gloo_workers(timeout_s=0.3)
-    took = time.monotonic() - t0
-    assert "R" in gloo_exit._worker_states()
-    assert 0.25 < took < 1.5, took
+    states = gloo_exit._worker_states()
+    assert states == ["S"] if then == "asleep" else "R" in states, states  # asleep, not ended: the wait saw it sleep
+    assert low < took < high, took
     t.join()
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,7 @@ from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # launch/
 
-from launch.bench.measure import ROOT, measured_revision  # noqa: E402
+from launch.bench.measure import ROOT, measured_revision, median_range  # noqa: E402
 
 JOB = """
 import atexit, os, sys, time
@@ -102,7 +101,7 @@ def main() -> None:
         xs = results[arm]
         failed = [x for x in xs if x["code"] != 0]
         waited = [w for x in xs for w in x["waited_ms"]]  # type: ignore[attr-defined]
-        spread = (f"{statistics.median(waited):.3f} | {min(waited):.3f}–{max(waited):.3f}" if waited else "– | –")
+        spread = median_range(waited) if waited else "– | –"
         print(f"| {arm} | {len(xs)} | {len(failed)} | {sum(1 for x in failed if x['terminate'])} | {spread} |")
 
 
