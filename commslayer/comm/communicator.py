@@ -58,7 +58,7 @@ from commslayer.hooks import HookHandle, Hooks, OpIO, OpRecorder, created
 from commslayer.comm.isolation import IsolatedBackend
 from commslayer.comm.lifecycle import Lifecycle, Lineage, State
 from commslayer.comm.nan_check import NanCheckHook
-from commslayer.comm.op_path import DIRECT_OPS
+from commslayer.comm.op_path import DIRECT_OPS, settle_native_async
 from commslayer.comm.p2p import PointToPoint
 from commslayer.comm.process_group import register_communicator
 from commslayer.reduce_op import ReduceOp
@@ -160,8 +160,7 @@ class Communicator(Collectives, PointToPoint):
         self._take_direct_path(None if spec.name != "gloo" else native.direct_path(
             self._backend, size, spec.device_type, spec.dtypes,
             [kind for kind, op in enumerate(DIRECT_OPS) if op in self._waited_elsewhere], self.trace_ids,
-            *self._native_waits()))
-        self._update_direct()
+            *self._native_waits(), settle_native_async))
         if config.nan_check():
             NanCheckHook().register_with_comm(self)
         created(self)

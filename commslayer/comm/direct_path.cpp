@@ -22,11 +22,13 @@
 #include <time.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <deque>
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -294,22 +296,41 @@ class AllReduceScatterWork : public c10d::Work {
       : all_reduce_(std::move(all_reduce)), sum_(std::move(sum)), output_(std::move(output)), rank_(rank),
         size_(size) {}
 
+  // Completed once the all-reduce ended: a sum that arrived is copied out here
+  // (an async op's watchdog asks, and must not wait on the all-reduce itself).
   bool isCompleted() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return copied_;
+    if (!all_reduce_->isCompleted()) {
+      return false;
+    }
+    if (all_reduce_->isSuccess()) {
+      copy_out();
+    }
+    return true;
+  }
+
+  bool isSuccess() const override {
+    return all_reduce_->isSuccess();
+  }
+
+  std::exception_ptr exception() const override {
+    return all_reduce_->exception();
   }
 
   bool wait(std::chrono::milliseconds timeout) override {
     all_reduce_->wait(timeout);  // raises when the timeout runs out, or the op failed
+    copy_out();
+    return true;
+  }
+
+ private:
+  void copy_out() {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!copied_) {
       output_.copy_(sum_.chunk(size_)[rank_]);
       copied_ = true;
     }
-    return true;
   }
 
- private:
   c10::intrusive_ptr<c10d::Work> all_reduce_;
   at::Tensor sum_;
   at::Tensor output_;
@@ -317,6 +338,194 @@ class AllReduceScatterWork : public c10d::Work {
   int64_t size_;
   std::mutex mutex_;
   bool copied_ = false;
+};
+
+// The Python function that settles an async op whose wait did not simply
+// complete (commslayer.comm.op_path.settle_native_async): set once by the
+// module's set_settle and never freed, since a work may need it while the
+// interpreter ends.
+py::object* settle_function = nullptr;
+
+// The message of a backend's exception.
+std::string message_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+// An async all_reduce, all_gather_single or reduce_scatter_single issued by
+// DirectPath.issue_async: what c10d's callers (torch.distributed's async ops,
+// DDP's reducer, FSDP2) get back, with the op's deadline.  A wait that
+// completes runs no Python.  One that does not (the deadline, a slice of it
+// or the caller's timeout ran out, or the backend failed) hands the op to
+// Python (settle_native_async), which settles it as the general path's Work
+// would: it waits on in slices while a liveness monitor may break the
+// communicator, classifies the error, marks the communicator broken, and
+// raises the CommError, which this work keeps for later waits.  The
+// communicator's watchdog sweeps the works nobody waits on (DirectPath.sweep).
+class AsyncOpWork : public c10d::Work {
+ public:
+  enum Settled : int { kRunning = 0, kSettling = 1, kDone = 2, kFailed = 3 };
+
+  AsyncOpWork(c10::intrusive_ptr<c10d::Work> inner, int64_t key, int kind, int64_t op_id, int64_t seq,
+              double timeout_s, std::chrono::milliseconds slice)
+      : inner_(std::move(inner)), key_(key), kind_(kind), op_id_(op_id), seq_(seq), timeout_s_(timeout_s),
+        slice_(slice) {
+    start_ns_ = monotonic_ns();
+    deadline_ns_ = start_ns_ + static_cast<int64_t>(timeout_s * 1e9);
+  }
+
+  ~AsyncOpWork() override {
+    if (error_) {  // a Python object: let go of it with the GIL, or leave it to the OS at exit
+      if (Py_IsInitialized() && !_Py_IsFinalizing()) {
+        py::gil_scoped_acquire gil;
+        error_ = py::object();
+      } else {
+        error_.release();
+      }
+    }
+  }
+
+  bool isCompleted() override {
+    return settled_.load() >= kDone || inner_->isCompleted();
+  }
+
+  bool isSuccess() const override {
+    int settled = settled_.load();
+    return settled == kDone || (settled != kFailed && inner_->isSuccess());
+  }
+
+  std::exception_ptr exception() const override {
+    return inner_->exception();
+  }
+
+  std::vector<at::Tensor> result() override {
+    return inner_->result();
+  }
+
+  // Block until the op is done (timeout: the caller's bound, 0 for none); raise
+  // its CommError if it failed.
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (settled_.load() == kDone) {
+      return true;
+    }
+    int64_t left_ns = left(timeout);
+    if (settled_.load() == kRunning) {
+      auto first = std::chrono::milliseconds(std::max<int64_t>(1, left_ns / 1000000));  // 0: forever, for c10d
+      if (slice_.count() > 0) {
+        first = std::min(first, slice_);
+      }
+      try {
+        inner_->wait(first);
+        int running = kRunning;
+        settled_.compare_exchange_strong(running, kDone);
+        return true;
+      } catch (const std::exception&) {
+        left_ns = left(timeout);  // Python settles the op from here
+      }
+    }
+    py::gil_scoped_acquire gil;
+    settle(static_cast<double>(left_ns) / 1e9, true);
+    return true;
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    c10::intrusive_ptr<c10::ivalue::Future> inner = inner_->getFuture();
+    c10::intrusive_ptr<AsyncOpWork> self = c10::intrusive_ptr<AsyncOpWork>::reclaim_copy(this);
+    return inner->then(
+        [self](c10::ivalue::Future& done) -> c10::IValue {
+          if (done.hasError()) {
+            py::gil_scoped_acquire gil;
+            self->settle(0.0, true);  // raises the op's CommError into the future
+          } else {
+            int running = kRunning;
+            self->settled_.compare_exchange_strong(running, kDone);
+          }
+          return done.value();
+        },
+        inner->elementType());
+  }
+
+  // Whether the op completed (without running Python to find out).
+  bool completed() {
+    int settled = settled_.load();
+    return settled == kDone || (settled == kRunning && inner_->isCompleted() && inner_->isSuccess());
+  }
+
+  // The watchdog's look (GIL held): settle the op if it failed, is overdue, or its
+  // communicator broke (broken); true once it needs no more looks.
+  bool sweep(int64_t now_ns, bool broken) {
+    if (settled_.load() != kRunning) {
+      return settled_.load() != kSettling;
+    }
+    if (inner_->isCompleted()) {
+      if (inner_->isSuccess()) {
+        return true;  // its wait, if any, completes it without Python
+      }
+    } else if (now_ns < deadline_ns_ && !broken) {
+      return false;
+    }
+    settle(0.0, false);
+    return settled_.load() >= kDone;
+  }
+
+ private:
+  // Nanoseconds a wait has left: to the op's deadline, or the caller's timeout if sooner.
+  int64_t left(std::chrono::milliseconds timeout) const {
+    int64_t left_ns = deadline_ns_ - monotonic_ns();
+    if (timeout.count() > 0) {
+      left_ns = std::min<int64_t>(left_ns, timeout.count() * 1000000);
+    }
+    return left_ns;
+  }
+
+  // Hand the op to Python (GIL held), once: another thread settling it
+  // meanwhile is waited for.  raise: raise the op's error (a wait), else keep it (the watchdog).
+  void settle(double wait_left_s, bool raise) {
+    int running = kRunning;
+    if (settled_.compare_exchange_strong(running, kSettling)) {
+      int outcome = kRunning;  // Python may find the op still running (the watchdog's look at a broken group)
+      try {
+        py::object done = (*settle_function)(key_, kind_, op_id_, seq_, start_ns_, timeout_s_,
+                                             py::cast(inner_), wait_left_s);
+        outcome = done.cast<bool>() ? kDone : kRunning;
+      } catch (py::error_already_set& e) {
+        error_ = e.value();
+        outcome = kFailed;
+      }
+      settled_.store(outcome);
+      if (outcome == kRunning) {
+        return;
+      }
+    } else {
+      py::gil_scoped_release no_gil;
+      while (settled_.load() == kSettling) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    }
+    if (settled_.load() == kFailed && raise) {
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error_.ptr())), error_.ptr());
+      throw py::error_already_set();
+    }
+  }
+
+  c10::intrusive_ptr<c10d::Work> inner_;
+  int64_t key_;  // the communicator's, in settle_native_async's registry
+  int kind_;
+  int64_t op_id_;
+  int64_t seq_;
+  double timeout_s_;
+  std::chrono::milliseconds slice_;  // 0: waits block to the deadline
+  int64_t start_ns_ = 0;
+  int64_t deadline_ns_ = 0;
+  std::atomic<int> settled_{kRunning};
+  py::object error_;  // the CommError of a failed op (kFailed)
 };
 
 // One communicator's direct path: its backend, what a tensor must be to take
@@ -374,6 +583,7 @@ class DirectPath {
     reduce_scatter_.timeout = ms;
     timeout_s_ = timeout.count();
     wait_ = wait;
+    slice_ = wait < ms ? wait : std::chrono::milliseconds(0);
   }
 
   // Communicator._direct_run's check for one tensor: a plain (not a subclass)
@@ -390,10 +600,78 @@ class DirectPath {
         b->numel() == s->numel() * size_;
   }
 
+  // The communicator's key in settle_native_async's registry, given to its async ops.
+  void set_key(int64_t key) {
+    key_ = key;
+  }
+
   // Where run records its ops (a NativeRing), or None: the flight recorder sets it.
   void record_into(py::object ring) {
     ring_ = ring.is_none() ? nullptr : ring.cast<NativeRing*>();
     ring_object_ = std::move(ring);
+  }
+
+  // The async op c10d's caller asked for through the c10d adapter
+  // (CommslayerProcessGroup): issue DIRECT_OPS[kind] (a: the output, b: the
+  // input; all_reduce's one tensor is both) as op op_id, number seq, with the
+  // communicator's deadline, and return its AsyncOpWork; None when the op is not
+  // one this path takes (a tensor that does not fit, a reduce op other than a
+  // sum, a timeout in opts), for the general path.
+  py::object issue_async(int kind, py::handle a, py::handle b, py::handle opts, int64_t op_id, int64_t seq) {
+    const at::Tensor* first = tensor(a);
+    if (first == nullptr || settle_function == nullptr || !plain_options(kind, opts)) {
+      return py::none();
+    }
+    const at::Tensor* second = first;
+    if (kind != kAllReduce) {
+      second = tensor(b);
+      const at::Tensor* big = kind == kAllGather ? first : second;
+      const at::Tensor* small = kind == kAllGather ? second : first;
+      if (second == nullptr || big->scalar_type() != small->scalar_type() ||
+          big->numel() != small->numel() * size_) {
+        return py::none();
+      }
+    }
+    // References of our own, taken and dropped with the GIL: a tensor's first
+    // reference beyond its Python object's, and its last, touch that object.
+    at::Tensor output = *first;
+    at::Tensor input = *second;
+    c10::intrusive_ptr<c10d::Work> inner;
+    {
+      py::gil_scoped_release no_gil;
+      inner = issue(kind, output, input);
+    }
+    auto work = c10::make_intrusive<AsyncOpWork>(std::move(inner), key_, kind, op_id, seq, timeout_s_, slice_);
+    // Freeing an op may let go of the GIL (its tensors' Python objects), so the
+    // watchdog's sweep may run meanwhile: the ended ones are freed here once
+    // in_flight_ is whole.  Only the oldest are let go here, the sweep frees the rest.
+    std::vector<c10::intrusive_ptr<AsyncOpWork>> ended;
+    while (!in_flight_.empty() && in_flight_.front()->completed()) {
+      ended.push_back(std::move(in_flight_.front()));
+      in_flight_.pop_front();
+    }
+    in_flight_.push_back(work);
+    return py::cast(work);
+  }
+
+  // The watchdog's sweep (GIL held): settle the async ops that failed, are overdue,
+  // or whose communicator broke (broken); let go of those that ended.  How many are left.
+  size_t sweep(int64_t now_ns, bool broken) {
+    // Settling runs Python, and freeing an op may let go of the GIL: either lets
+    // another thread issue an op meanwhile, so the sweep works on the ops issued
+    // so far, taken out of in_flight_, and frees those that ended (swept) once
+    // in_flight_ is whole again.
+    std::deque<c10::intrusive_ptr<AsyncOpWork>> swept;
+    swept.swap(in_flight_);
+    std::deque<c10::intrusive_ptr<AsyncOpWork>> kept;
+    for (auto& work : swept) {
+      if (!work->sweep(now_ns, broken)) {
+        kept.push_back(work);
+      }
+    }
+    kept.insert(kept.end(), in_flight_.begin(), in_flight_.end());
+    in_flight_.swap(kept);
+    return in_flight_.size();
   }
 
   // Issue op op_id, number seq, and wait for it, without the GIL; with a ring
@@ -427,6 +705,35 @@ class DirectPath {
       return nullptr;
     }
     return &tensor;
+  }
+
+  // Whether c10d's option struct opts asks for what the direct path does: a sum,
+  // on the communicator's deadline (no timeout of its own).
+  static bool plain_options(int kind, py::handle opts) {
+    switch (kind) {
+      case kAllReduce: {
+        if (!py::isinstance<c10d::AllreduceOptions>(opts)) {
+          return false;
+        }
+        const auto& o = opts.cast<const c10d::AllreduceOptions&>();
+        return o.reduceOp.op_ == c10d::ReduceOp::SUM && o.timeout == c10d::kUnsetTimeout;
+      }
+      case kAllGather: {
+        if (!py::isinstance<c10d::AllgatherOptions>(opts)) {
+          return false;
+        }
+        return opts.cast<const c10d::AllgatherOptions&>().timeout == c10d::kUnsetTimeout;
+      }
+      case kReduceScatter: {
+        if (!py::isinstance<c10d::ReduceScatterOptions>(opts)) {
+          return false;
+        }
+        const auto& o = opts.cast<const c10d::ReduceScatterOptions&>();
+        return o.reduceOp.op_ == c10d::ReduceOp::SUM && o.timeout == c10d::kUnsetTimeout;
+      }
+      default:
+        return false;
+    }
   }
 
   // The body of run: end_ns gets the time the wait returned.
@@ -490,6 +797,9 @@ class DirectPath {
   c10d::AllgatherOptions allgather_;
   c10d::ReduceScatterOptions reduce_scatter_;
   std::chrono::milliseconds wait_{0};
+  std::chrono::milliseconds slice_{0};  // an async op's wait slice: wait_ where it is one, else 0
+  int64_t key_ = 0;  // this communicator's in settle_native_async's registry (set_key)
+  std::deque<c10::intrusive_ptr<AsyncOpWork>> in_flight_;  // async ops not yet seen to end
   double timeout_s_ = 0;  // the deadline, as the records give it
   py::object ids_;  // the communicator's (name, uid, generation), for the records
   NativeRing* ring_ = nullptr;  // where run records, kept alive by ring_object_
@@ -509,6 +819,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("records", &NativeRing::records)
       .def("take", &NativeRing::take, py::arg("op_id"))
       .def("abort", &NativeRing::abort, py::arg("uid"), py::arg("now_ns"), py::arg("error"));
+  py::class_<AsyncOpWork, c10d::Work, c10::intrusive_ptr<AsyncOpWork>>(m, "AsyncOpWork");
+  m.def("set_settle", [](py::object fn) {
+    if (settle_function == nullptr) {
+      settle_function = new py::object();
+    }
+    *settle_function = std::move(fn);
+  }, py::arg("fn"));
   py::class_<DirectPath>(m, "DirectPath")
       .def(
           py::init<c10::intrusive_ptr<c10d::Backend>, int64_t, const std::string&, const std::vector<at::ScalarType>&,
@@ -519,5 +836,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("fits", &DirectPath::fits, py::arg("t"))
       .def("fits_sized", &DirectPath::fits_sized, py::arg("big"), py::arg("small"))
       .def("record_into", &DirectPath::record_into, py::arg("ring"))
+      .def("set_key", &DirectPath::set_key, py::arg("key"))
+      .def("issue_async", &DirectPath::issue_async, py::arg("kind"), py::arg("a"), py::arg("b"), py::arg("opts"),
+           py::arg("op_id"), py::arg("seq"))
+      .def("sweep", &DirectPath::sweep, py::arg("now_ns"), py::arg("broken"))
       .def("run", &DirectPath::run, py::arg("kind"), py::arg("a"), py::arg("b"), py::arg("op_id"), py::arg("seq"));
 }

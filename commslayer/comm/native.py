@@ -28,7 +28,7 @@ import sysconfig
 import tempfile
 import threading
 from types import ModuleType
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -149,17 +149,20 @@ def _module() -> Optional[ModuleType]:
 
 
 def direct_path(backend: Any, size: int, device_type: str, dtypes: Any, untimed: List[int],
-                ids: Tuple[str, str, int], timeout: Any, wait: Any) -> Any:
+                ids: Tuple[str, str, int], timeout: Any, wait: Any, settle: Callable[..., bool]) -> Any:
     """A communicator's native direct path (``DirectPath`` in direct_path.cpp), or
     None: ``COMMSLAYER_NATIVE`` is off, or the module is not built.
 
     ``untimed`` are the kinds whose backend wait ignores its timeout (Gloo's
     reduce-scatter): it runs them as the backend does, with a wait that keeps
     its timeout.  ``ids`` name the communicator in its records
-    (``Communicator.trace_ids``)."""
+    (``Communicator.trace_ids``).  ``settle`` settles an async op whose wait
+    did not simply complete (``commslayer.comm.op_path.settle_native_async``)."""
     module = _module()
-    return None if module is None else module.DirectPath(backend, size, device_type, list(dtypes), untimed, ids,
-                                                          timeout, wait)
+    if module is None:
+        return None
+    module.set_settle(settle)
+    return module.DirectPath(backend, size, device_type, list(dtypes), untimed, ids, timeout, wait)
 
 
 def ring(capacity: int, thread_names: Dict[int, str], internal_dirs: Tuple[str, ...], threading_file: str) -> Any:

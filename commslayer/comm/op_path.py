@@ -10,6 +10,13 @@ the same steps without the branches only hooks, check mode, isolation and
 async ops need, its issue, wait and flight-recorder record in native code
 where ``commslayer.comm.native`` is built (docs/bench/direct-path.md).
 
+The same three ops issued async through the c10d adapter (what FSDP2 and
+DDP issue) take ``_issue_async``, while no hook or recorder observes the
+communicator: native code issues the op and returns a c10d ``Work`` of its
+own, whose wait runs no Python unless the op does not simply complete; then
+``settle_native_async`` settles it here, as the general path's ``Work``
+would (docs/bench/async-path.md).
+
 The attributes declared on ``OpPath`` are set by ``Communicator.__init__``.
 """
 
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, List, Optional, Tuple, cast
 
@@ -42,6 +50,34 @@ if TYPE_CHECKING:
 _op_ids = itertools.count(1)  # process-wide, monotonic
 # The ops the direct path takes (``_direct_run``), by their kind in direct_path.cpp
 DIRECT_OPS = ("all_reduce", "all_gather_single", "reduce_scatter_single")
+# The communicators with a native direct path, by the key their async ops carry
+_keys = itertools.count(1)
+_async_comms: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
+
+
+def settle_native_async(key: int, kind: int, op_id: int, seq: int, start_ns: int, timeout_s: float,
+                        backend_work: Any, wait_left_s: float) -> bool:
+    """Settle an async op of the native path (``AsyncOpWork`` in direct_path.cpp)
+    whose wait did not simply complete: wait on for ``wait_left_s`` (in slices
+    where a liveness monitor may break the communicator), or, from the
+    watchdog (``wait_left_s`` 0), fail it if it failed, is overdue or its
+    communicator broke.  True once it completed; False when it still runs
+    (the watchdog looked at a communicator that is not broken after all);
+    raises its ``CommError`` when it failed."""
+    comm = _async_comms.get(key)
+    if comm is None:  # gone: its group was destroyed while the op ran
+        raise CommError("the communicator of this op was destroyed while it ran", op=DIRECT_OPS[kind], seq=seq)
+    work = Work(comm, DIRECT_OPS[kind], seq, op_id, timeout_s, start_ns, backend_work)
+    if wait_left_s <= 0 and not backend_work.is_completed() and time.monotonic_ns() < work.deadline_ns:
+        err = work._interruption()
+        if err is None:
+            return False
+        work._fail(err, time.monotonic_ns())
+    else:
+        work._settle_from_backend(wait_left_s)
+    if work.exception() is not None:
+        raise work.exception()
+    return True
 
 
 class OpPath:
@@ -74,6 +110,7 @@ class OpPath:
     _ring_thread: Optional[Waiter]
     _native: Any
     _native_records: bool
+    _async_path: Any  # the native path of c10d's async ops (``_issue_async``), or None
     _direct: bool
     _dense: Callable[..., bool]
     _dense_sized: Callable[..., bool]
@@ -105,12 +142,17 @@ class OpPath:
         ``DirectPath``, commslayer.comm.native), or in Python (None)."""
         self._native = path
         self._native_records = False
+        if path is not None:
+            key = next(_keys)
+            _async_comms[key] = self  # type: ignore[assignment]  # OpPath is Communicator's base
+            path.set_key(key)
         if path is None:
             direct = Checker(self._name, "direct", self._rank, self._size, self._spec.device_type,
                              self._spec.dtypes)
             self._dense, self._dense_sized = direct.fits, direct.fits_sized
         else:
             self._dense, self._dense_sized = path.fits, path.fits_sized
+        self._update_direct()
 
     def record_natively(self, ring: Any) -> None:
         """The flight recorder's call: the native direct path writes its ops' records
@@ -119,12 +161,28 @@ class OpPath:
         if self._native is not None:
             self._native.record_into(ring)
             self._native_records = ring is not None
+        self._update_direct()
 
     def _update_direct(self) -> None:
         """Whether the direct path (``_direct_run``) is open: only while no hook
         observes this communicator's ops, check mode is off and writes are not isolated."""
         self._direct = self._check is None and self._ops is self._backend and not (
             self._pre.fns or self._checks.fns or self._post.fns or self.completion_hooks.fns)
+        self._async_path = self._native if self._direct and self.recorder is None else None
+
+    def _issue_async(self, kind: int, a: torch.Tensor, b: torch.Tensor, opts: Any) -> Any:
+        """An async ``DIRECT_OPS[kind]`` that c10d asked for with ``opts`` (``a``: the
+        output, ``b``: the input), issued by the native path as a c10d ``Work``
+        (``AsyncOpWork``, direct_path.cpp); None when the op does not take that path."""
+        path = self._async_path
+        if path is None or not self.lifecycle.clean or kind == 2 and self._ring_from is not None \
+                and self._takes_ring(ReduceOp.SUM, a, b.nbytes):
+            return None
+        seq = self._seq + 1
+        work = path.issue_async(kind, a, b, opts, next(_op_ids), seq)
+        if work is not None:
+            self._seq = seq
+        return work
 
     def _checker(self, op: str) -> Checker:
         chk = self._checkers.get(op)

@@ -4,7 +4,10 @@ A Python subclass of c10d's ``ProcessGroup`` that sends every collective
 c10d's Python API or C++ callers (DDP's reducer) make through a
 ``Communicator`` per device type (CPU → Gloo, CUDA → NCCL), so they get
 deadlines, classified errors and hooks; its c10d ``Work``s (``C10dWork``)
-wrap commslayer ``Work``s.  A C++ ``Backend`` cannot be subclassed from
+wrap commslayer ``Work``s, except those of an async all_reduce,
+all_gather_single or reduce_scatter_single on CPU that the native path
+issues (``Communicator._issue_async``): a c10d ``Work`` of its own, whose
+wait runs no Python while the op completes (docs/bench/async-path.md).  A C++ ``Backend`` cannot be subclassed from
 Python, so the group registers each communicator's own c10d backend object
 too: that gives the group its name (DeviceMesh needs it) and serves callers
 that go straight to the dispatcher (functional collectives), which therefore
@@ -27,6 +30,7 @@ import torch.distributed.distributed_c10d as dc
 from torch._C import _distributed_c10d as c10d
 
 from commslayer import config
+from commslayer.comm.watchdog import WATCHDOG
 from commslayer.errors import CommError, InvalidArgument
 from commslayer.startup import BACKEND_NAME
 
@@ -108,6 +112,9 @@ class CommslayerProcessGroup(dist.ProcessGroup):
         self._held: Optional[Callable[[CommError], None]] = None
         self._answers = BACKEND_NAME
         self._comms: Dict[str, Communicator] = {}
+        # the CPU communicator, whose async all_reduce, all_gather_single and
+        # reduce_scatter_single may take the native path (None while held)
+        self._cpu: Optional[Communicator] = None
         for comm in comms:
             self._attach(comm)
 
@@ -118,6 +125,13 @@ class CommslayerProcessGroup(dist.ProcessGroup):
         self._register_backend(torch.device(device_type), kind, comm._backend)
         if len(self._comms) == 1:
             self._set_default_backend(kind)
+        self._take_cpu()
+
+    def _take_cpu(self) -> None:
+        cpu = self._comms.get("cpu")
+        self._cpu = cpu if self._held is None else None
+        if self._cpu is not None:
+            WATCHDOG.sweep_native(self._cpu)
 
     def communicator(self, device_type: str = "cpu") -> Communicator:
         """The communicator that carries this group's ops on ``device_type``."""
@@ -144,6 +158,11 @@ class CommslayerProcessGroup(dist.ProcessGroup):
 
     # collectives: c10d's Python API and C++ callers use these names
     def allreduce(self, tensors, opts=None):
+        cpu = self._cpu
+        if cpu is not None and len(tensors) == 1:
+            work = cpu._issue_async(0, tensors[0], tensors[0], opts)
+            if work is not None:
+                return work
         if not hasattr(opts, "reduceOp"):  # the old allreduce(tensors, op) form
             op, opts = opts, c10d.AllreduceOptions()
             if op is not None:
@@ -157,6 +176,11 @@ class CommslayerProcessGroup(dist.ProcessGroup):
             tensors, opts.reduceOp, async_op=True, timeout=_timeout(opts))])
 
     def all_gather_single(self, output, input, opts=None):
+        cpu = self._cpu
+        if cpu is not None:
+            work = cpu._issue_async(1, output, input, opts)
+            if work is not None:
+                return work
         return self.all_gather_single_coalesced([output], [input], opts)
 
     _allgather_base = all_gather_single
@@ -175,6 +199,11 @@ class CommslayerProcessGroup(dist.ProcessGroup):
             for outs, i in zip(output_lists, inputs)])
 
     def reduce_scatter_single(self, output, input, opts=None):
+        cpu = self._cpu
+        if cpu is not None:
+            work = cpu._issue_async(2, output, input, opts)
+            if work is not None:
+                return work
         return self.reduce_scatter_single_coalesced([output], [input], opts)
 
     _reduce_scatter_base = reduce_scatter_single
@@ -256,6 +285,7 @@ class CommslayerProcessGroup(dist.ProcessGroup):
         (``commslayer.resilience``): FSDP2 and DeviceMesh run on to the step's
         end, where the step is voted down and redone."""
         self._held = on_failure
+        self._take_cpu()
 
     def replace(self, comm: Communicator) -> None:
         """Carry on over ``comm``, a later generation of this group's communicator with
@@ -268,6 +298,7 @@ class CommslayerProcessGroup(dist.ProcessGroup):
                                   f"{comm.get_size()}, the group rank {old.get_rank()} of {old.get_size()}",
                                   comm=comm.get_name(), op="replace")
         self._comms[comm.get_device().type] = comm
+        self._take_cpu()
 
     # lifecycle
     def abort(self) -> None:

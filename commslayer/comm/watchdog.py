@@ -7,6 +7,11 @@ nobody waits on is the watchdog's: it wakes at the earliest deadline it holds
 anyone is looking.  It also settles async ops of a communicator that broke
 (a lost peer) at its next sweep.
 
+It sweeps the async ops of the native path too (``AsyncOpWork`` in
+commslayer/comm/direct_path.cpp, which c10d's async ops through the adapter
+take): each communicator's ``DirectPath.sweep`` settles those that failed,
+are overdue, or whose communicator broke, every ``SWEEP_S``.
+
 It keeps dead backends too (``bury``): a Gloo op cannot be cancelled, and
 the last reference to a Gloo group joins the group's worker threads, so
 dropping a broken group whose op still waits for a stopped peer would block
@@ -27,9 +32,13 @@ import atexit
 import ctypes
 import threading
 import time
-from typing import Any, List, Optional, Tuple
+import weakref
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 from commslayer.comm.work import Work
+
+if TYPE_CHECKING:
+    from commslayer.comm.communicator import Communicator
 
 SWEEP_S = 0.25
 
@@ -38,6 +47,7 @@ class Watchdog:
     def __init__(self) -> None:
         self._works: List[Work] = []
         self._graves: List[Tuple[Any, Any]] = []  # (backend, its work still running)
+        self._swept: "weakref.WeakSet[Communicator]" = weakref.WeakSet()  # whose native async ops it sweeps
         self._cond = threading.Condition()
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
@@ -63,6 +73,12 @@ class Watchdog:
             if work.deadline_ns < time.monotonic_ns() + SWEEP_S * 1e9:
                 self._cond.notify()
 
+    def sweep_native(self, comm: "Communicator") -> None:
+        """Sweep the native path's async ops of ``comm`` from now on (while it lives)."""
+        with self._cond:
+            self._swept.add(comm)
+            self._ensure_thread()
+
     def bury(self, backend: Any, work: Any) -> None:
         """Hold ``backend`` until ``work`` (its op that outlived its ``Work``) has ended."""
         with self._cond:
@@ -87,6 +103,10 @@ class Watchdog:
                 works = self._works
             now = time.monotonic_ns()
             settled = [w for w in works if w.poll(now)]
+            for comm in list(self._swept):
+                path = comm._native
+                if path is not None:
+                    path.sweep(now, not comm.lifecycle.clean)
             with self._cond:
                 if settled:
                     done = set(map(id, settled))

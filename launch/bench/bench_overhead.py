@@ -210,6 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "layer: the floor), 'general' (commslayer's general op path, taken by naming a "
                         "timeout, where 'commslayer' takes the direct path) and 'python' (the direct path "
                         "in Python, where 'commslayer' runs it in native code)")
+    p.add_argument("--async-op", action="store_true",
+                   help="issue every op with async_op=True and wait on its work (as FSDP2 and DDP do), and "
+                        "add 'c10d-adapter': torch.distributed's call on a new_group(backend=\"commslayer\") "
+                        "group (the routed path); with --breakdown also 'adapter-comm', that group's "
+                        "communicator called directly")
     p.add_argument("--nan-check", action="store_true",
                    help="also measure commslayer with the NaN check on (commslayer.NanCheckHook), on a "
                         "communicator of its own")
@@ -247,6 +252,8 @@ class Groups:
     rank: int
     size: int
     traced: Dict[str, commslayer.Communicator] = field(default_factory=dict)  # --tracing, --nan-check variants
+    async_op: bool = False  # --async-op: every variant issues async and waits on the work
+    adapter: Optional[dist.ProcessGroup] = None  # --async-op: a new_group(backend="commslayer") group
 
 
 def setup() -> Groups:
@@ -284,23 +291,30 @@ def make_buffers(op: str, size_bytes: int, world: int) -> Buffers:
     raise ValueError(op)
 
 
-def plain_call(op: str, group: dist.ProcessGroup, inp: torch.Tensor, out: Optional[torch.Tensor]) -> None:
+def plain_call(op: str, group: dist.ProcessGroup, inp: torch.Tensor, out: Optional[torch.Tensor],
+               async_op: bool = False) -> None:
+    """The op through ``torch.distributed`` on ``group``; ``async_op``: issued async, then waited on."""
     if op == "all_reduce":
-        dist.all_reduce(inp, group=group)
+        work = dist.all_reduce(inp, group=group, async_op=async_op)
     elif op == "all_gather_single":
-        _all_gather_single(out, inp, group=group)
+        work = _all_gather_single(out, inp, group=group, async_op=async_op)
     else:
-        _reduce_scatter_single(out, inp, group=group)
+        work = _reduce_scatter_single(out, inp, group=group, async_op=async_op)
+    if async_op:
+        work.wait()
 
 
 def comm_call(op: str, comm: commslayer.Communicator, inp: torch.Tensor, out: Optional[torch.Tensor],
-              timeout: Optional[_dt.timedelta] = None) -> None:
+              timeout: Optional[_dt.timedelta] = None, async_op: bool = False) -> None:
+    """The op on ``comm``; ``async_op``: issued async, then waited on."""
     if op == "all_reduce":
-        comm.all_reduce(inp, timeout=timeout)
+        work = comm.all_reduce(inp, timeout=timeout, async_op=async_op)
     elif op == "all_gather_single":
-        comm.all_gather_single(out, inp, timeout=timeout)
+        work = comm.all_gather_single(out, inp, timeout=timeout, async_op=async_op)
     else:
-        comm.reduce_scatter_single(out, inp, timeout=timeout)
+        work = comm.reduce_scatter_single(out, inp, timeout=timeout, async_op=async_op)
+    if async_op:
+        work.wait()
 
 
 def backend_call(op: str, backend: Any, inp: torch.Tensor, out: Optional[torch.Tensor]) -> None:
@@ -314,17 +328,20 @@ def backend_call(op: str, backend: Any, inp: torch.Tensor, out: Optional[torch.T
 
 
 def variant_calls(op: str, g: Groups, b: Buffers) -> Dict[str, Op]:
+    a = g.async_op
     calls = {
-        "plain": lambda: plain_call(op, g.plain, b.inp, b.out),
-        "plain2": lambda: plain_call(op, g.plain2, b.inp, b.out),
-        "commslayer": lambda: comm_call(op, g.comm, b.inp, b.out),
+        "plain": lambda: plain_call(op, g.plain, b.inp, b.out, a),
+        "plain2": lambda: plain_call(op, g.plain2, b.inp, b.out, a),
+        "commslayer": lambda: comm_call(op, g.comm, b.inp, b.out, async_op=a),
     }
     for name, comm in g.traced.items():
-        calls[name] = lambda comm=comm: comm_call(op, comm, b.inp, b.out)
+        calls[name] = lambda comm=comm: comm_call(op, comm, b.inp, b.out, async_op=a)
+    if g.adapter is not None:
+        calls["c10d-adapter"] = lambda: plain_call(op, g.adapter, b.inp, b.out, a)
     backend = g.plain2._get_backend(torch.device("cpu"))
     calls["backend"] = lambda: backend_call(op, backend, b.inp, b.out)
     general = g.comm.get_timeout()
-    calls["general"] = lambda: comm_call(op, g.comm, b.inp, b.out, timeout=general)
+    calls["general"] = lambda: comm_call(op, g.comm, b.inp, b.out, timeout=general, async_op=a)
     return calls
 
 
@@ -671,6 +688,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             del os.environ["COMMSLAYER_NATIVE"]
         else:
             os.environ["COMMSLAYER_NATIVE"] = chosen
+    if args.async_op:
+        g.async_op = True
+        g.adapter = dist.new_group(backend="commslayer")
+        VARIANTS = VARIANTS + ("c10d-adapter",)
+        if args.breakdown:
+            VARIANTS = VARIANTS + ("adapter-comm",)
+            g.traced["adapter-comm"] = g.adapter.communicator("cpu")
     if args.nan_check:
         VARIANTS = VARIANTS + ("nan-check",)
         g.traced["nan-check"] = commslayer.new_comm("gloo", name="bench-nan-check")

@@ -1,0 +1,164 @@
+"""c10d's async ops through the adapter on the native path (``AsyncOpWork``,
+commslayer/comm/direct_path.cpp): real ranks compare every result bitwise with
+a plain Gloo group on the same inputs, and hold the path to the guarantees of
+the general one: a deadline met by the caller's wait and by the watchdog when
+nobody waits, a lost peer named, an error that stays with its op."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from commslayer.comm import native
+from tests.harness import RankDied, run_ranks
+
+needs_native = pytest.mark.skipif(native.why_not() is not None, reason=f"no native path: {native.why_not()}")
+
+
+def _ops(group, x: torch.Tensor, size: int) -> tuple:
+    """Each op the path takes, issued the ways c10d's callers issue it; (results, work types)."""
+    import torch.distributed as dist
+
+    n = x.numel() // size
+    got, kinds = [], []
+
+    def waited(work):
+        kinds.append(type(work).__name__)
+        work.wait()
+
+    t = x.clone()
+    waited(dist.all_reduce(t, group=group, async_op=True))
+    got.append(t)
+    gathered = torch.empty(x.numel() * size)
+    waited(dist.all_gather_into_tensor(gathered, x, group=group, async_op=True))
+    got.append(gathered)
+    scattered = torch.empty(n)
+    waited(dist.reduce_scatter_tensor(scattered, x, group=group, async_op=True))
+    got.append(scattered)
+    t = x.clone()  # DDP's way: a future
+    dist.all_reduce(t, group=group, async_op=True).get_future().wait()
+    got.append(t)
+    t = x.clone()  # polled until it ends, then waited
+    work = dist.all_reduce(t, group=group, async_op=True)
+    while not work.is_completed():
+        time.sleep(0.001)
+    assert work.is_success()
+    waited(work)
+    got.append(t)
+    t = x.clone()
+    dist.all_reduce(t, group=group)  # synchronous
+    got.append(t)
+    t = x.clone()  # not a sum: the general path
+    waited(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True))
+    got.append(t)
+    return got, kinds
+
+
+def _same_as_plain(rank, size, store):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.PrefixStore("world/", store), rank=rank, world_size=size)
+    plain = dist.new_group(backend="gloo")
+    routed = dist.new_group(backend="commslayer")
+    x = torch.randn(1001 * size, generator=torch.Generator().manual_seed(rank))
+    ref, _ = _ops(plain, x, size)
+    got, kinds = _ops(routed, x, size)
+    return [torch.equal(a, b) for a, b in zip(ref, got)], kinds, routed.communicator("cpu")._seq
+
+
+@needs_native
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("size", [2, 3])
+def test_async_ops_take_the_native_path_and_match_plain_gloo_bitwise(size):
+    for equal, kinds, seq in run_ranks(_same_as_plain, size, timeout=60):
+        assert equal == [True] * 7, equal
+        assert kinds == ["AsyncOpWork"] * 4 + ["C10dWork"], kinds
+        assert seq == 7  # every op numbered, whichever path it took
+
+
+def _deadline(rank, size, store):
+    import torch.distributed as dist
+
+    import commslayer
+
+    dist.init_process_group("gloo", store=dist.PrefixStore("world/", store), rank=rank, world_size=size)
+    waited = dist.new_group(backend="commslayer", timeout=timedelta(seconds=1))
+    unwaited = dist.new_group(backend="commslayer", timeout=timedelta(seconds=1))
+    if rank == 1:  # joins neither op
+        dist.TCPStore.wait(store, ["done"], timedelta(seconds=30))
+        return None
+    out = {}
+    work = dist.all_reduce(torch.ones(4), group=waited, async_op=True)
+    began = time.monotonic()
+    try:
+        work.wait()
+        out["wait"] = "completed"
+    except commslayer.CommError as err:
+        out["wait"] = (type(err).__name__, err.op, err.seq, time.monotonic() - began, type(work).__name__)
+    try:
+        work.wait()
+    except commslayer.CommError as err:
+        out["again"] = type(err).__name__
+    began = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=waited)
+    except commslayer.CommError as err:
+        out["next"] = (type(err).__name__, time.monotonic() - began)
+    # nobody waits: the watchdog declares it timed out, and breaks its communicator
+    work = dist.all_gather_into_tensor(torch.empty(8), torch.ones(4), group=unwaited, async_op=True)
+    time.sleep(2.5)
+    failure = unwaited.communicator("cpu").lifecycle.failure
+    out["watchdog"] = None if failure is None else (type(failure).__name__, failure.op)
+    try:
+        work.wait()
+    except commslayer.CommError as err:
+        out["later wait"] = type(err).__name__
+    store.set("done", "1")
+    return out
+
+
+@needs_native
+@pytest.mark.timeout(60)
+def test_an_async_op_a_peer_never_joins_ends_at_its_deadline_waited_on_or_not():
+    out = run_ranks(_deadline, 2, timeout=45)[0]
+    kind, op, seq, took, work = out["wait"]
+    assert (kind, op, seq, work) == ("CollectiveTimeout", "all_reduce", 1, "AsyncOpWork"), out
+    assert 0.9 < took < 3.0, out
+    assert out["again"] == "CollectiveTimeout"  # the error stays with the op
+    kind, took = out["next"]
+    assert kind == "CollectiveTimeout" and took < 0.5, out  # refused: the communicator is broken
+    assert out["watchdog"] == ("CollectiveTimeout", "all_gather_single"), out
+    assert out["later wait"] == "CollectiveTimeout", out
+
+
+def _lost(rank, size, store):
+    import torch.distributed as dist
+
+    import commslayer
+
+    dist.init_process_group("gloo", store=dist.PrefixStore("world/", store), rank=rank, world_size=size)
+    group = dist.new_group(backend="commslayer", timeout=timedelta(seconds=30))
+    dist.all_reduce(torch.ones(2), group=group)  # both are in: the monitor watches
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    work = dist.reduce_scatter_tensor(torch.empty(4), torch.ones(8), group=group, async_op=True)
+    began = time.monotonic()
+    try:
+        work.wait()
+        return "completed", None, time.monotonic() - began, type(work).__name__
+    except commslayer.CommError as err:
+        return type(err).__name__, err.ranks, time.monotonic() - began, type(work).__name__
+
+
+@needs_native
+@pytest.mark.timeout(60)
+def test_a_peer_killed_during_an_async_op_is_named_within_seconds():
+    ours, died = run_ranks(_lost, 2, timeout=45, allow_errors=True)
+    assert isinstance(died, RankDied) and died.exitcode == -signal.SIGKILL, died
+    kind, ranks, took, work = ours
+    assert kind == "PeerLost" and tuple(ranks) == (1,) and took < 5.0 and work == "AsyncOpWork", ours
