@@ -85,8 +85,10 @@ def _deadline(rank, size, store):
     import torch.distributed as dist
 
     import commslayer
+    from tracing.record.recorder import install
 
     dist.init_process_group("gloo", store=dist.PrefixStore("world/", store), rank=rank, world_size=size)
+    rec = install(None, signals=False)  # the flight recorder on: the native path writes the records
     waited = dist.new_group(backend="commslayer", timeout=timedelta(seconds=1))
     unwaited = dist.new_group(backend="commslayer", timeout=timedelta(seconds=1))
     if rank == 1:  # joins neither op
@@ -118,6 +120,8 @@ def _deadline(rank, size, store):
         work.wait()
     except commslayer.CommError as err:
         out["later wait"] = type(err).__name__
+    out["records"] = sorted((r["comm"].split(":")[1], r["op"], r["seq"], r["state"]) for r in rec.records()
+                            if r["comm"].startswith("c10d:") and r["op"] != "barrier")
     store.set("done", "1")
     return out
 
@@ -134,6 +138,39 @@ def test_an_async_op_a_peer_never_joins_ends_at_its_deadline_waited_on_or_not():
     assert kind == "CollectiveTimeout" and took < 0.5, out  # refused: the communicator is broken
     assert out["watchdog"] == ("CollectiveTimeout", "all_gather_single"), out
     assert out["later wait"] == "CollectiveTimeout", out
+    # each op's record taken over from the native ring as it failed, the refused one's too
+    records = out["records"]
+    assert [r[1:] for r in records] == [("all_reduce", 1, "timed_out"), ("all_reduce", 2, "failed"),
+                                        ("all_gather_single", 1, "timed_out")], records
+
+
+def _recorded(rank, size, store):
+    import torch.distributed as dist
+
+    from tracing.record.recorder import install
+
+    dist.init_process_group("gloo", store=dist.PrefixStore("world/", store), rank=rank, world_size=size)
+    rec = install(None, signals=False)
+    group = dist.new_group(backend="commslayer")
+    t = torch.ones(1000)
+    work = dist.all_reduce(t, group=group, async_op=True)
+    time.sleep(0.3)  # it ends meanwhile: its record's end comes before the wait
+    work.wait()
+    gathered = torch.empty(2000)
+    dist.all_gather_into_tensor(gathered, t, group=group)
+    ops = [r for r in rec.records() if r["comm"] == f"c10d:{group.group_name}:cpu"]
+    return type(work).__name__, [(r["op"], r["seq"], r["state"], r["async_op"]) for r in ops], \
+        ops[0]["wait_ns"] - ops[0]["end_ns"], ops[0]["call_site"], t[0].item()
+
+
+@needs_native
+@pytest.mark.timeout(60)
+def test_the_flight_recorder_records_native_async_ops_as_the_general_path_does():
+    for work, ops, late, site, value in run_ranks(_recorded, 2, timeout=40):
+        assert work == "AsyncOpWork" and value == 2.0
+        assert ops == [("all_reduce", 1, "completed", True), ("all_gather_single", 2, "completed", True)], ops
+        assert late > 0.15e9, late  # the end is the transfer's, not the wait's
+        assert site.startswith(__file__.replace(".pyc", ".py")), site  # the caller, not torch or commslayer
 
 
 def _lost(rank, size, store):

@@ -62,6 +62,9 @@ struct Slot {
   double timeout_s = 0;
   int64_t start_ns = 0;
   int64_t end_ns = -1;  // -1: not ended
+  bool async_op = false;
+  int64_t wait_ns = -1;  // an async op's first wait began (-1: not waited on)
+  int64_t wait_end_ns = -1;  // and its last one ended
   unsigned long thread = 0;
   int lasti = 0;
   py::object ids;  // the communicator's (name, uid, generation)
@@ -99,7 +102,7 @@ class NativeRing {
 
   // A new record, of an op that starts now (GIL held): its slot's index.
   size_t begin(int64_t op_id, int64_t seq, int kind, const at::Tensor& output, const at::Tensor& input,
-               const py::object& ids, double timeout_s) {
+               const py::object& ids, double timeout_s, bool async_op) {
     // What may run Python (and so let another thread in) comes before the slot is taken.
     unsigned long thread = PyThread_get_thread_ident();
     name_thread(thread);
@@ -127,17 +130,35 @@ class NativeRing {
     s.code = std::move(code);
     s.lasti = lasti;
     s.end_ns = -1;
+    s.async_op = async_op;
+    s.wait_ns = s.wait_end_ns = -1;
     s.start_ns = monotonic_ns();
     return index;
   }
 
-  // The op of slot index completed at end_ns (GIL held); a slot that another op
-  // took meanwhile, or that an abort marked, stays as it is.
-  void completed(size_t index, int64_t op_id, int64_t end_ns) {
-    Slot& s = slots_[index];
+  // The slot of a record begun (GIL held): it stays where it is while the ring grows.
+  Slot* slot(size_t index) {
+    return &slots_[index];
+  }
+
+  // The op of slot s completed at end_ns; a slot that another op took meanwhile,
+  // or that an abort marked, stays as it is.  Ints only: an async op's wait
+  // writes them without the GIL.
+  static void completed(Slot& s, int64_t op_id, int64_t end_ns) {
     if (s.op_id == op_id && s.state == kStarted) {
       s.state = kCompleted;
       s.end_ns = end_ns;
+    }
+  }
+
+  // The caller of async op op_id blocked in a wait from began_ns to end_ns (the
+  // first wait's start, the last one's end), as completed: without the GIL.
+  static void waited(Slot& s, int64_t op_id, int64_t began_ns, int64_t end_ns) {
+    if (s.op_id == op_id) {
+      if (s.wait_ns < 0) {
+        s.wait_ns = began_ns;
+      }
+      s.wait_end_ns = end_ns;
     }
   }
 
@@ -202,7 +223,9 @@ class NativeRing {
     return py::make_tuple(
         s.op_id, s.ids, s.seq, s.kind, s.dtype, in_shape, out_shape, s.timeout_s, s.state, s.start_ns,
         s.end_ns < 0 ? py::object(py::none()) : py::object(py::int_(s.end_ns)), s.thread,
-        s.code ? s.code : py::object(py::none()), s.lasti, s.step, s.error ? s.error : py::object(py::none()));
+        s.code ? s.code : py::object(py::none()), s.lasti, s.step, s.error ? s.error : py::object(py::none()),
+        s.async_op, s.wait_ns < 0 ? py::object(py::none()) : py::object(py::int_(s.wait_ns)),
+        s.wait_end_ns < 0 ? py::object(py::none()) : py::object(py::int_(s.wait_end_ns)));
   }
 
   void name_thread(unsigned long ident) {
@@ -322,6 +345,11 @@ class AllReduceScatterWork : public c10d::Work {
     return true;
   }
 
+  // The all-reduce: it ends when the transfer does.
+  const c10::intrusive_ptr<c10d::Work>& all_reduce() const {
+    return all_reduce_;
+  }
+
  private:
   void copy_out() {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -392,6 +420,11 @@ class AsyncOpWork : public c10d::Work {
     }
   }
 
+  // Where the op's record is (a NativeRing's slot, kept alive by its DirectPath), or null.
+  void record_in(Slot* slot) {
+    slot_ = slot;
+  }
+
   bool isCompleted() override {
     return settled_.load() >= kDone || inner_->isCompleted();
   }
@@ -412,7 +445,9 @@ class AsyncOpWork : public c10d::Work {
   // Block until the op is done (timeout: the caller's bound, 0 for none); raise
   // its CommError if it failed.
   bool wait(std::chrono::milliseconds timeout) override {
+    int64_t began_ns = monotonic_ns();
     if (settled_.load() == kDone) {
+      recorded(began_ns, false);
       return true;
     }
     int64_t left_ns = left(timeout);
@@ -425,6 +460,7 @@ class AsyncOpWork : public c10d::Work {
         inner_->wait(first);
         int running = kRunning;
         settled_.compare_exchange_strong(running, kDone);
+        recorded(began_ns, true);
         return true;
       } catch (const std::exception&) {
         left_ns = left(timeout);  // Python settles the op from here
@@ -446,6 +482,9 @@ class AsyncOpWork : public c10d::Work {
           } else {
             int running = kRunning;
             self->settled_.compare_exchange_strong(running, kDone);
+            if (self->slot_ != nullptr) {
+              NativeRing::completed(*self->slot_, self->op_id_, monotonic_ns());
+            }
           }
           return done.value();
         },
@@ -466,7 +505,10 @@ class AsyncOpWork : public c10d::Work {
     }
     if (inner_->isCompleted()) {
       if (inner_->isSuccess()) {
-        return true;  // its wait, if any, completes it without Python
+        if (slot_ != nullptr) {
+          NativeRing::completed(*slot_, op_id_, now_ns);  // ended by now; its wait, if any, completes it
+        }
+        return true;
       }
     } else if (now_ns < deadline_ns_ && !broken) {
       return false;
@@ -476,6 +518,18 @@ class AsyncOpWork : public c10d::Work {
   }
 
  private:
+  // A wait that began at began_ns returned now: the record says so (and that
+  // the op completed, with ended).
+  void recorded(int64_t began_ns, bool ended) {
+    if (slot_ != nullptr) {
+      int64_t end_ns = monotonic_ns();
+      NativeRing::waited(*slot_, op_id_, began_ns, end_ns);
+      if (ended) {
+        NativeRing::completed(*slot_, op_id_, end_ns);
+      }
+    }
+  }
+
   // Nanoseconds a wait has left: to the op's deadline, or the caller's timeout if sooner.
   int64_t left(std::chrono::milliseconds timeout) const {
     int64_t left_ns = deadline_ns_ - monotonic_ns();
@@ -526,6 +580,7 @@ class AsyncOpWork : public c10d::Work {
   int64_t deadline_ns_ = 0;
   std::atomic<int> settled_{kRunning};
   py::object error_;  // the CommError of a failed op (kFailed)
+  Slot* slot_ = nullptr;  // its record, or null
 };
 
 // One communicator's direct path: its backend, what a tensor must be to take
@@ -607,6 +662,9 @@ class DirectPath {
 
   // Where run records its ops (a NativeRing), or None: the flight recorder sets it.
   void record_into(py::object ring) {
+    if (ring_ != nullptr) {
+      retired_rings_.push_back(ring_object_);  // async ops in flight may still write into it
+    }
     ring_ = ring.is_none() ? nullptr : ring.cast<NativeRing*>();
     ring_object_ = std::move(ring);
   }
@@ -636,12 +694,18 @@ class DirectPath {
     // reference beyond its Python object's, and its last, touch that object.
     at::Tensor output = *first;
     at::Tensor input = *second;
+    Slot* slot = ring_ == nullptr ? nullptr
+        : ring_->slot(ring_->begin(op_id, seq, kind, output, input, ids_, timeout_s_, true));
     c10::intrusive_ptr<c10d::Work> inner;
     {
       py::gil_scoped_release no_gil;
       inner = issue(kind, output, input);
     }
+    if (slot != nullptr) {
+      record_end(inner, slot, op_id);
+    }
     auto work = c10::make_intrusive<AsyncOpWork>(std::move(inner), key_, kind, op_id, seq, timeout_s_, slice_);
+    work->record_in(slot);
     // Freeing an op may let go of the GIL (its tensors' Python objects), so the
     // watchdog's sweep may run meanwhile: the ended ones are freed here once
     // in_flight_ is whole.  Only the oldest are let go here, the sweep frees the rest.
@@ -685,11 +749,11 @@ class DirectPath {
     const at::Tensor& first = THPVariable_Unpack(a.ptr());
     const at::Tensor& second = THPVariable_Unpack(b.ptr());
     NativeRing* ring = op_id != 0 ? ring_ : nullptr;
-    size_t index = ring == nullptr ? 0 : ring->begin(op_id, seq, kind, first, second, ids_, timeout_s_);
+    size_t index = ring == nullptr ? 0 : ring->begin(op_id, seq, kind, first, second, ids_, timeout_s_, false);
     int64_t end_ns = 0;
     py::object failed = issue_and_wait(kind, first, second, &end_ns);
     if (ring != nullptr && failed.is_none()) {
-      ring->completed(index, op_id, end_ns);
+      NativeRing::completed(*ring->slot(index), op_id, end_ns);
     }
     return failed;
   }
@@ -705,6 +769,24 @@ class DirectPath {
       return nullptr;
     }
     return &tensor;
+  }
+
+  // The record of async op op_id (in slot) takes the time the transfer ends, from
+  // the backend's completion callback, as the general path's records do; a work
+  // without a future (Gloo's own reduce-scatter) records its end when waited on.
+  static void record_end(const c10::intrusive_ptr<c10d::Work>& work, Slot* slot, int64_t op_id) {
+    auto* scatter = dynamic_cast<AllReduceScatterWork*>(work.get());
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+    try {
+      future = (scatter != nullptr ? scatter->all_reduce() : work)->getFuture();
+    } catch (const std::exception&) {
+      return;
+    }
+    future->addCallback([slot, op_id](c10::ivalue::Future& done) {
+      if (!done.hasError()) {
+        NativeRing::completed(*slot, op_id, monotonic_ns());
+      }
+    });
   }
 
   // Whether c10d's option struct opts asks for what the direct path does: a sum,
@@ -804,6 +886,7 @@ class DirectPath {
   py::object ids_;  // the communicator's (name, uid, generation), for the records
   NativeRing* ring_ = nullptr;  // where run records, kept alive by ring_object_
   py::object ring_object_;
+  std::vector<py::object> retired_rings_;  // rings recorded into before, kept for the async ops' slots
 };
 
 }  // namespace

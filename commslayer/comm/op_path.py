@@ -11,11 +11,11 @@ async ops need, its issue, wait and flight-recorder record in native code
 where ``commslayer.comm.native`` is built (docs/bench/direct-path.md).
 
 The same three ops issued async through the c10d adapter (what FSDP2 and
-DDP issue) take ``_issue_async``, while no hook or recorder observes the
-communicator: native code issues the op and returns a c10d ``Work`` of its
-own, whose wait runs no Python unless the op does not simply complete; then
-``settle_native_async`` settles it here, as the general path's ``Work``
-would (docs/bench/async-path.md).
+DDP issue) take ``_issue_async``, while no hook observes the communicator
+and a flight recorder, if any, takes native records: native code issues the
+op and returns a c10d ``Work`` of its own, whose wait runs no Python unless
+the op does not simply complete; then ``settle_native_async`` settles it
+here, as the general path's ``Work`` would (docs/bench/async-path.md).
 
 The attributes declared on ``OpPath`` are set by ``Communicator.__init__``.
 """
@@ -67,7 +67,9 @@ def settle_native_async(key: int, kind: int, op_id: int, seq: int, start_ns: int
     comm = _async_comms.get(key)
     if comm is None:  # gone: its group was destroyed while the op ran
         raise CommError("the communicator of this op was destroyed while it ran", op=DIRECT_OPS[kind], seq=seq)
-    work = Work(comm, DIRECT_OPS[kind], seq, op_id, timeout_s, start_ns, backend_work)
+    # its record, if the native path wrote one, is Python's from here on
+    record = None if comm.recorder is None else comm.recorder.take_native(op_id)
+    work = Work(comm, DIRECT_OPS[kind], seq, op_id, timeout_s, start_ns, backend_work, record=record)
     if wait_left_s <= 0 and not backend_work.is_completed() and time.monotonic_ns() < work.deadline_ns:
         err = work._interruption()
         if err is None:
@@ -168,7 +170,8 @@ class OpPath:
         observes this communicator's ops, check mode is off and writes are not isolated."""
         self._direct = self._check is None and self._ops is self._backend and not (
             self._pre.fns or self._checks.fns or self._post.fns or self.completion_hooks.fns)
-        self._async_path = self._native if self._direct and self.recorder is None else None
+        self._async_path = self._native if self._direct and (self.recorder is None or self._native_records) \
+            else None
 
     def _issue_async(self, kind: int, a: torch.Tensor, b: torch.Tensor, opts: Any) -> Any:
         """An async ``DIRECT_OPS[kind]`` that c10d asked for with ``opts`` (``a``: the

@@ -106,12 +106,11 @@ class Record:
         """The record a ``NativeRing`` holds (its tuple: ``fields`` in direct_path.cpp)."""
         r = cls()
         (r.op_id, (r.comm, r.comm_id, r.generation), r.seq, kind, r.dtype, in_shape, out_shape, r.timeout_s, state,
-         r.start_ns, r.end_ns, r.thread, code, lasti, r.step, r.error) = fields
+         r.start_ns, r.end_ns, r.thread, code, lasti, r.step, r.error, r.async_op, r.wait_ns, r.wait_end_ns) = fields
         r.op = DIRECT_OPS[kind]
         r.reduce_op = None if r.op == "all_gather_single" else ReduceOp.SUM  # the direct path's only one
         r.in_sizes, r.out_sizes = [torch.Size(in_shape)], [torch.Size(out_shape)]
-        r.root = r.peer = r.stack = r.wait_ns = r.wait_end_ns = None
-        r.async_op = False
+        r.root = r.peer = r.stack = None
         r.state = STATES[state]
         r.enqueue_ns = r.start_ns
         r.duration_ms = None if r.end_ns is None else (r.end_ns - r.start_ns) / 1e6
