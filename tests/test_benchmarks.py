@@ -102,10 +102,14 @@ def test_hotpath_smoke(ranks):
 
 
 @pytest.mark.timeout(90)
-def test_overhead_smoke(tmp_path):
+@pytest.mark.parametrize("how", [[], ["--async-op"]], ids=["sync", "async"])
+def test_overhead_smoke(tmp_path, how):
     out = run_bench("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-                    "launch/bench/bench_overhead.py", "--smoke", timeout=80, env={"TMPDIR": str(tmp_path)})
-    traced = ["recorder", "recorder+jsonl", "recorder+jsonl+otel", "backend", "general", "python", "nan-check"]
+                    "launch/bench/bench_overhead.py", "--smoke", *how, timeout=80, env={"TMPDIR": str(tmp_path)})
+    traced = ["recorder", "recorder+jsonl", "recorder+jsonl+otel", "backend", "general", "python"]
+    if how:  # the routed path, traced and not, and the adapter's communicator called directly
+        traced += ["c10d-adapter", "c10d-adapter+recorder", "adapter-comm"]
+    traced += ["nan-check"]
     header = ["op", "size", "reps", "plain (A)", "plain2 (A')", "commslayer (B)", "B/A", "A'/A", "B−A"]
     header += [col for v in traced for col in (v, "/A", "−A")]
     medians = [header.index(v) for v in ("plain (A)", "plain2 (A')", "commslayer (B)", *traced)]
@@ -120,6 +124,19 @@ def test_overhead_smoke(tmp_path):
     for op in ("all_reduce", "all_gather_single", "reduce_scatter_single"):
         assert f"- {op}: equal" in out
     assert not list(tmp_path.glob("bench-overhead-*")), "the traced variants' temporary directory was left behind"
+
+
+@pytest.mark.timeout(150)
+def test_routed_smoke():
+    out = run_bench("launch/bench/bench_routed.py", "--smoke", timeout=140)
+    header = ["job", "configuration", "step ms (median)", "min–max", "vs plain (median)", "min–max"]
+    found = rows(out, header)
+    configs = ["plain", "plain (A/A)", "routed", "routed, recorder", "routed, native off"]
+    assert [r[:2] for r in found] == [[job, c] for job in ("fsdp2", "ddp") for c in configs], found
+    for row in found:
+        low, high = numbers(row[3])
+        assert 0 < low <= numbers(row[2])[0] <= high, row
+        assert row[4] == "–" if row[1] == "plain" else len(numbers(row[5])) == 2, row
 
 
 @pytest.mark.timeout(120)

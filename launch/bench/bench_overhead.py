@@ -41,7 +41,16 @@ go under ``--trace-dir``.  With ``--nan-check`` one more, ``nan-check``, runs
 commslayer with the NaN check on (``commslayer.NanCheckHook``), on a
 communicator of its own.
 
-Every op is synchronous.  Two numbers are taken around each call:
+With ``--async-op`` every variant issues its op async and waits on the work
+(``dist.all_reduce(t, async_op=True).wait()``, as FSDP2 and DDP do), and one
+more runs: ``c10d-adapter``, the same ``torch.distributed`` call on a
+``new_group(backend="commslayer")`` group, the routed path
+(docs/bench/async-path.md); with ``--tracing`` also
+``c10d-adapter+recorder``, such a group watched by a flight recorder; with
+``--breakdown`` also ``adapter-comm``, the first group's communicator called
+directly.  Otherwise every op is synchronous.
+
+Two numbers are taken around each call:
 
 * wall time (``time.perf_counter``): what the caller waits for the op;
 * the calling thread's CPU time (``time.thread_time``): the work the calling
@@ -213,8 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--async-op", action="store_true",
                    help="issue every op with async_op=True and wait on its work (as FSDP2 and DDP do), and "
                         "add 'c10d-adapter': torch.distributed's call on a new_group(backend=\"commslayer\") "
-                        "group (the routed path); with --breakdown also 'adapter-comm', that group's "
-                        "communicator called directly")
+                        "group (the routed path); with --tracing also 'c10d-adapter+recorder', such a group "
+                        "watched by a flight recorder; with --breakdown also 'adapter-comm', the first "
+                        "group's communicator called directly")
     p.add_argument("--nan-check", action="store_true",
                    help="also measure commslayer with the NaN check on (commslayer.NanCheckHook), on a "
                         "communicator of its own")
@@ -254,6 +264,7 @@ class Groups:
     traced: Dict[str, commslayer.Communicator] = field(default_factory=dict)  # --tracing, --nan-check variants
     async_op: bool = False  # --async-op: every variant issues async and waits on the work
     adapter: Optional[dist.ProcessGroup] = None  # --async-op: a new_group(backend="commslayer") group
+    adapter_traced: Optional[dist.ProcessGroup] = None  # --async-op --tracing: one watched by a flight recorder
 
 
 def setup() -> Groups:
@@ -338,6 +349,8 @@ def variant_calls(op: str, g: Groups, b: Buffers) -> Dict[str, Op]:
         calls[name] = lambda comm=comm: comm_call(op, comm, b.inp, b.out, async_op=a)
     if g.adapter is not None:
         calls["c10d-adapter"] = lambda: plain_call(op, g.adapter, b.inp, b.out, a)
+    if g.adapter_traced is not None:
+        calls["c10d-adapter+recorder"] = lambda: plain_call(op, g.adapter_traced, b.inp, b.out, a)
     backend = g.plain2._get_backend(torch.device("cpu"))
     calls["backend"] = lambda: backend_call(op, backend, b.inp, b.out)
     general = g.comm.get_timeout()
@@ -692,6 +705,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         g.async_op = True
         g.adapter = dist.new_group(backend="commslayer")
         VARIANTS = VARIANTS + ("c10d-adapter",)
+        if args.tracing:
+            from tracing.record.recorder import FlightRecorder
+
+            g.adapter_traced = dist.new_group(backend="commslayer")
+            FlightRecorder(cl_config.trace_buffer(), os.path.join(args.trace_dir, "adapter"),
+                           job=cl_config.job_id()).attach(g.adapter_traced.communicator("cpu"))
+            VARIANTS = VARIANTS + ("c10d-adapter+recorder",)
         if args.breakdown:
             VARIANTS = VARIANTS + ("adapter-comm",)
             g.traced["adapter-comm"] = g.adapter.communicator("cpu")
