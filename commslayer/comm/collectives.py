@@ -16,7 +16,7 @@ from torch._C import _distributed_c10d as c10d
 from commslayer.hooks import OpIO
 from commslayer.comm.op_path import OpPath
 from commslayer.reduce_op import ReduceOp
-from commslayer.comm.ring import RingReduceScatter, ring_fits, ring_tag
+from commslayer.comm.ring import RingReduceScatter, ring_tag
 from commslayer.comm.validation import Checker, Timeout
 from commslayer.comm.wire import averaging, in_place, premultiplied, wire
 from commslayer.comm.work import Work
@@ -227,10 +227,6 @@ class Collectives(OpPath):
             if ring else (lambda: self._ops.reduce_scatter([wire(output)], [[wire(t) for t in ins]], opts))
         return self._run(chk, OpIO(tuple(ins), (output,), op, None), issue, opts=opts,
                          finish=averaging(output, op, self._size), fp=fp, timeout=timeout, async_op=async_op)
-
-    def _takes_ring(self, op: ReduceOp, output: torch.Tensor, input_bytes: int) -> bool:
-        """Whether this reduce-scatter runs as the ring (commslayer.comm.ring) rather than Gloo's own."""
-        return self._ring_from is not None and input_bytes >= self._ring_from and ring_fits(op, output, self._size)
 
     def _ring(self, blocks: List[torch.Tensor], output: torch.Tensor) -> RingReduceScatter:
         """The ring reduce-scatter of ``blocks`` into ``output`` (run by ``_run`` on the ring thread);

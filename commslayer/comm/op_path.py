@@ -37,7 +37,7 @@ from commslayer.errors import CollectiveMismatch, CommError
 from commslayer.hooks import Hooks, OpIO, OpRecorder
 from commslayer.comm.isolation import StagedWork
 from commslayer.reduce_op import ReduceOp
-from commslayer.comm.ring import RingReduceScatter
+from commslayer.comm.ring import RingReduceScatter, ring_fits
 from commslayer.comm.validation import Checker, Timeout, timeout_seconds
 from commslayer.comm.watchdog import WATCHDOG
 from commslayer.comm.wire import BACKEND_OPS, Options
@@ -77,8 +77,9 @@ def settle_native_async(key: int, kind: int, op_id: int, seq: int, start_ns: int
         work._fail(err, time.monotonic_ns())
     else:
         work._settle_from_backend(wait_left_s)
-    if work.exception() is not None:
-        raise work.exception()
+    err = work.exception()
+    if err is not None:
+        raise err
     return True
 
 
@@ -173,13 +174,16 @@ class OpPath:
         self._async_path = self._native if self._direct and (self.recorder is None or self._native_records) \
             else None
 
+    def _takes_ring(self, op: ReduceOp, output: torch.Tensor, input_bytes: int) -> bool:
+        """Whether this reduce-scatter runs as the ring (commslayer.comm.ring) rather than Gloo's own."""
+        return self._ring_from is not None and input_bytes >= self._ring_from and ring_fits(op, output, self._size)
+
     def _issue_async(self, kind: int, a: torch.Tensor, b: torch.Tensor, opts: Any) -> Any:
         """An async ``DIRECT_OPS[kind]`` that c10d asked for with ``opts`` (``a``: the
         output, ``b``: the input), issued by the native path as a c10d ``Work``
         (``AsyncOpWork``, direct_path.cpp); None when the op does not take that path."""
         path = self._async_path
-        if path is None or not self.lifecycle.clean or kind == 2 and self._ring_from is not None \
-                and self._takes_ring(ReduceOp.SUM, a, b.nbytes):
+        if path is None or not self.lifecycle.clean or kind == 2 and self._takes_ring(ReduceOp.SUM, a, b.nbytes):
             return None
         seq = self._seq + 1
         work = path.issue_async(kind, a, b, opts, next(_op_ids), seq)
