@@ -3,15 +3,20 @@
 //
 // Why: after a blocking wait on a real transfer, every line of Python runs with
 // cold caches; the checks, the issue and the wait cost 50-60 us of the calling
-// thread in Python and a few us here (docs/benchmarks.md, "The direct path in
-// native code").  commslayer/comm/native.py builds this file and loads it;
+// thread in Python and a few us here (docs/bench/direct-path.md, "The direct
+// path in native code").  commslayer/comm/native.py builds this file and loads it;
 // Communicator._direct_run (commslayer/comm/op_path.py) decides when it runs and does the bookkeeping
 // (sequence numbers, errors) in Python, as the pure-Python path does.
+//
+// The same ops issued async through the c10d adapter (FSDP2's and DDP's) are
+// issued here too (DirectPath.issue_async): their c10d Work (AsyncOpWork)
+// waits without Python until an op does not simply complete, when Python
+// settles it (docs/bench/async-path.md).
 //
 // The flight recorder's record of such an op is written here too, into a
 // NativeRing (tracing/record/recorder.py reads it at dump time and takes a record
 // over when its op fails): filling a Python record cost 25-48 us of the
-// calling thread per op (docs/benchmarks.md, "The recorder in native code").
+// calling thread per op (docs/bench/direct-path.md, "The recorder in native code").
 
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
