@@ -200,6 +200,7 @@ class Injector:
     # ------------------------------------------------------- collective hooks
     def attach(self, comm: Any) -> None:
         """Wrap the methods of ``comm`` that a fault of this process targets; log its first failure."""
+        from commslayer.comm.op_path import DIRECT_OPS
         from commslayer.comm.wire import BACKEND_OPS
 
         name = comm.get_name()
@@ -207,10 +208,16 @@ class Injector:
         comm.register_error_hook(lambda err: self.log.write(
             "failure", comm=name, error=type(err).__name__, ranks=list(err.ranks),
             members=_members(table, err.ranks), what=err.what))
+        wrapped = set()
         for f in self.faults:
             if f.op is not None and f.comm in name:
                 for op in [o for o in BACKEND_OPS if o not in ("send", "recv", "batch_p2p")] if f.op == "*" else [f.op]:
                     setattr(comm, op, self._wrap(f, getattr(comm, op), name))
+                    wrapped.add(op)
+        if wrapped & set(DIRECT_OPS):
+            # c10d's async ops reach the native path without these methods (commslayer.comm.op_path's
+            # _issue_async): declining them there sends them through the methods, wrapped
+            comm._issue_async = lambda kind, a, b, opts: None
 
     def _wrap(self, f: Fault, call: Callable[..., Any], name: str) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
