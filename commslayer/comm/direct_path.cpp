@@ -379,19 +379,6 @@ class AllReduceScatterWork : public c10d::Work {
 // interpreter ends.
 py::object* settle_function = nullptr;
 
-// The message of a backend's exception.
-std::string message_of(const std::exception_ptr& error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    return e.what();
-  } catch (...) {
-    return "unknown error";
-  }
-}
-
 // An async all_reduce, all_gather_single or reduce_scatter_single issued by
 // DirectPath.issue_async: what c10d's callers (torch.distributed's async ops,
 // DDP's reducer, FSDP2) get back, with the op's deadline.  A wait that

@@ -145,16 +145,15 @@ class OpPath:
         ``DirectPath``, commslayer.comm.native), or in Python (None)."""
         self._native = path
         self._native_records = False
-        if path is not None:
-            key = next(_keys)
-            _async_comms[key] = self  # type: ignore[assignment]  # OpPath is Communicator's base
-            path.set_key(key)
         if path is None:
             direct = Checker(self._name, "direct", self._rank, self._size, self._spec.device_type,
                              self._spec.dtypes)
             self._dense, self._dense_sized = direct.fits, direct.fits_sized
         else:
             self._dense, self._dense_sized = path.fits, path.fits_sized
+            key = next(_keys)
+            _async_comms[key] = self  # type: ignore[assignment]  # OpPath is Communicator's base
+            path.set_key(key)
         self._update_direct()
 
     def record_natively(self, ring: Any) -> None:
