@@ -199,3 +199,35 @@ def test_a_peer_killed_during_an_async_op_is_named_within_seconds():
     assert isinstance(died, RankDied) and died.exitcode == -signal.SIGKILL, died
     kind, ranks, took, work = ours
     assert kind == "PeerLost" and tuple(ranks) == (1,) and took < 5.0 and work == "AsyncOpWork", ours
+
+
+def _lost_in_flight(rank, size, store):
+    """Rank 1 dies while rank 0's op waits for it, rank 0 reading the op's future the way
+    DDP's default comm hook does; rank 0's error, its text, and the work's type."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.PrefixStore("world/", store), rank=rank, world_size=size)
+    group = dist.new_group(backend="commslayer", timeout=timedelta(seconds=30))
+    dist.all_reduce(torch.ones(2), group=group)
+    if rank == 1:
+        time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGKILL)
+    work = dist.all_reduce(torch.ones(1 << 16), group=group, async_op=True)
+    future = work.get_future().then(lambda fut: fut.value()[0])
+    try:
+        future.wait()
+        return "completed", "", type(work).__name__
+    except RuntimeError as err:
+        return type(err).__name__, str(err), type(work).__name__
+
+
+@needs_native
+@pytest.mark.timeout(90)
+def test_a_peer_lost_while_a_future_waits_fails_it_with_peer_lost():
+    # The backend fails its future before its work: the op's future used to carry
+    # Gloo's raw error, which a resilient job took for the script's own bug.
+    for _ in range(2):
+        ours, died = run_ranks(_lost_in_flight, 2, timeout=40, allow_errors=True)
+        assert isinstance(died, RankDied) and died.exitcode == -signal.SIGKILL, died
+        kind, text, work = ours
+        assert work == "AsyncOpWork" and "PeerLost: " in text and "pair.cc" not in text.split("PeerLost")[0], ours

@@ -209,3 +209,21 @@ def test_the_resilient_script_and_its_plain_twin_print_the_same_losses_under_tor
         printed[script.stem] = [x for x in proc.stdout.splitlines() if x.startswith("step ")]
         assert "state of replicas" not in proc.stdout  # one replica: nothing to compare, nothing said
     assert len(printed["fsdp2_plain"]) == 4 and printed["fsdp2_plain"] == printed["fsdp2_resilient"], printed
+
+
+def test_a_backends_own_error_that_a_peer_went_away_is_a_fault():
+    """Gloo's raw error from a plain group, or wrapped by the futures of a DDP comm hook,
+    says a peer went away: a fault, even before this process's monitor saw the loss; a
+    script's own RuntimeError stays a bug."""
+    from commslayer.errors import PeerLost
+    from commslayer.train.failures import classify
+
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+                        "by peer [127.0.0.1]:49552. This is typically caused by a remote worker crashing.")
+    wrapped = RuntimeError(f"Got the following error when running the callback: RuntimeError: {gloo}")
+    chained = RuntimeError("the hook's future failed")
+    chained.__cause__ = gloo
+    for exc in (gloo, wrapped, chained, PeerLost("peer lost: rank(s) 1", ranks=[1])):
+        assert classify(exc, saw_loss=False) == "", exc
+    for exc in (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 9x4)"), ValueError("bad batch")):
+        assert classify(exc, saw_loss=False) == "an exception of the script's own code", exc

@@ -469,8 +469,17 @@ class AsyncOpWork : public c10d::Work {
     return inner->then(
         [self](c10::ivalue::Future& done) -> c10::IValue {
           if (done.hasError()) {
+            // The backend marks its future failed before its work: Python is told the
+            // error here, or it would find the work still running and settle nothing.
+            std::string what = "the backend's future failed";
+            try {
+              std::rethrow_exception(done.exception_ptr());
+            } catch (const std::exception& e) {
+              what = e.what();
+            } catch (...) {
+            }
             py::gil_scoped_acquire gil;
-            self->settle(0.0, true);  // raises the op's CommError into the future
+            self->settle(0.0, true, py::str(what));  // raises the op's CommError into the future
           } else {
             int running = kRunning;
             self->settled_.compare_exchange_strong(running, kDone);
@@ -533,13 +542,14 @@ class AsyncOpWork : public c10d::Work {
 
   // Hand the op to Python (GIL held), once: another thread settling it
   // meanwhile is waited for.  raise: raise the op's error (a wait), else keep it (the watchdog).
-  void settle(double wait_left_s, bool raise) {
+  // failure: the backend's error, where its future failed (else None).
+  void settle(double wait_left_s, bool raise, py::object failure = py::none()) {
     int running = kRunning;
     if (settled_.compare_exchange_strong(running, kSettling)) {
       int outcome = kRunning;  // Python may find the op still running (the watchdog's look at a broken group)
       try {
         py::object done = (*settle_function)(key_, kind_, op_id_, seq_, start_ns_, timeout_s_,
-                                             py::cast(inner_), wait_left_s);
+                                             py::cast(inner_), wait_left_s, failure);
         outcome = done.cast<bool>() ? kDone : kRunning;
       } catch (py::error_already_set& e) {
         error_ = e.value();

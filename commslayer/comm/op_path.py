@@ -56,21 +56,24 @@ _async_comms: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakVal
 
 
 def settle_native_async(key: int, kind: int, op_id: int, seq: int, start_ns: int, timeout_s: float,
-                        backend_work: Any, wait_left_s: float) -> bool:
+                        backend_work: Any, wait_left_s: float, failure: Optional[str] = None) -> bool:
     """Settle an async op of the native path (``AsyncOpWork`` in direct_path.cpp)
-    whose wait did not simply complete: wait on for ``wait_left_s`` (in slices
-    where a liveness monitor may break the communicator), or, from the
-    watchdog (``wait_left_s`` 0), fail it if it failed, is overdue or its
-    communicator broke.  True once it completed; False when it still runs
-    (the watchdog looked at a communicator that is not broken after all);
-    raises its ``CommError`` when it failed."""
+    whose wait did not simply complete: fail it with ``failure``, the backend's
+    error where its future failed (the backend's work may not say so yet); else
+    wait on for ``wait_left_s`` (in slices where a liveness monitor may break the
+    communicator), or, from the watchdog (``wait_left_s`` 0), fail it if it
+    failed, is overdue or its communicator broke.  True once it completed; False
+    when it still runs (the watchdog looked at a communicator that is not broken
+    after all); raises its ``CommError`` when it failed."""
     comm = _async_comms.get(key)
     if comm is None:  # gone: its group was destroyed while the op ran
         raise CommError("the communicator of this op was destroyed while it ran", op=DIRECT_OPS[kind], seq=seq)
     # its record, if the native path wrote one, is Python's from here on
     record = None if comm.recorder is None else comm.recorder.take_native(op_id)
     work = Work(comm, DIRECT_OPS[kind], seq, op_id, timeout_s, start_ns, backend_work, record=record)
-    if wait_left_s <= 0 and not backend_work.is_completed() and time.monotonic_ns() < work.deadline_ns:
+    if failure is not None:
+        work._backend_failed(RuntimeError(failure))
+    elif wait_left_s <= 0 and not backend_work.is_completed() and time.monotonic_ns() < work.deadline_ns:
         err = work._interruption()
         if err is None:
             return False

@@ -9,8 +9,9 @@ So a rank that ends by an exception records it here, and the launcher stops
 the whole job at once when the failure is *deterministic*:
 
 - an exception of the script's own code (anything that is not a
-  ``CommError`` and does not carry one), unless this process had already
-  seen a peer's loss: an error raised then is taken as its consequence;
+  ``CommError``, does not carry one and is not a backend's error that a
+  peer went away), unless this process had already seen a peer's loss: an
+  error raised then is taken as its consequence;
 - a ``CommError`` that is a mistake, not a loss (``MISTAKES``:
   ``InvalidArgument``, ``CollectiveMismatch``, ``StateMismatch``, ...);
 - any failure that the previous life of the same rank had at the same step,
@@ -42,7 +43,8 @@ from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any, List, Optional
 
-from commslayer.errors import CollectiveMismatch, CommError, ConfigError, InvalidArgument, NanDetected
+from commslayer.comm.backends import classify as backend_error
+from commslayer.errors import CollectiveMismatch, CommError, ConfigError, InvalidArgument, NanDetected, PeerLost
 
 BUGS = "job/bugs"
 RESTARTS = "replica-restarts"
@@ -109,11 +111,15 @@ def user_frame(tb: Optional[TracebackType]) -> str:
 
 def _carries_loss(exc: BaseException) -> bool:
     """Whether ``exc`` is, or wraps, a communication failure that is not a mistake (a
-    DDP comm hook's error arrives wrapped in the futures it passed through)."""
+    DDP comm hook's error arrives wrapped in the futures it passed through), or is a
+    backend's own error that a peer went away (Gloo's ``RuntimeError`` from a plain
+    group, or from a path that did not classify it)."""
     seen = 0
     e: Optional[BaseException] = exc
     while e is not None and seen < 16:
         if isinstance(e, CommError) and not is_mistake(e):
+            return True
+        if isinstance(e, RuntimeError) and backend_error(e) is PeerLost:
             return True
         e = e.__cause__ or e.__context__
         seen += 1
