@@ -227,3 +227,17 @@ def test_a_backends_own_error_that_a_peer_went_away_is_a_fault():
         assert classify(exc, saw_loss=False) == "", exc
     for exc in (RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 9x4)"), ValueError("bad batch")):
         assert classify(exc, saw_loss=False) == "an exception of the script's own code", exc
+
+
+def test_the_line_named_is_the_scripts_not_commslayers():
+    """An error raised inside commslayer names the script's line that called it."""
+    import torch
+
+    from commslayer.train import packing
+    from commslayer.train.failures import user_frame
+
+    try:
+        packing.unpack(torch.zeros(3, dtype=torch.uint8))  # the line named
+    except packing.BadState as exc:
+        where = user_frame(exc.__traceback__)
+    assert where.startswith(f"{os.path.relpath(__file__)}:") and "packing.unpack(torch.zeros(3" in where, where

@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any, List, Optional
 
+import commslayer
 from commslayer.comm.backends import classify as backend_error
 from commslayer.errors import CollectiveMismatch, CommError, ConfigError, InvalidArgument, NanDetected, PeerLost
 
@@ -86,7 +87,7 @@ class Failure:
 def _ours() -> List[str]:
     """Directories whose frames are not the script's: the standard library, installed
     packages (torch included), and this project's packages."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(commslayer.__file__)))  # the repository, or site-packages
     mine = [os.path.join(here, p) for p in ("commslayer", "tracing", "faults", "fsdp_overlap")]
     paths = sysconfig.get_paths()
     return [os.path.realpath(p) + os.sep for p in
