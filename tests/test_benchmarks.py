@@ -222,6 +222,35 @@ def test_resilience_smoke():
         assert 0 < detected <= stall and heal > 0, row
 
 
+@pytest.mark.timeout(240)
+def test_step_cost_smoke():
+    configs = ["plain torchrun", "plain HSDP", "replica, recorder", "per-rank, JSON lines"]
+    out = run_bench("launch/bench/bench_step_cost.py", "--smoke", "--scripts", "train.py", "--configs", *configs,
+                    timeout=230)
+    header = ["script", "configuration", "step time, median (ms)", "min–max (ms)", "vs baseline, median", "min–max"]
+    steps = rows(out, header)
+    assert [r[:2] for r in steps] == [["train.py", c] for c in configs], steps
+    for row in steps:
+        step, (lo, hi) = numbers(row[2])[0], numbers(row[3])
+        assert 0 < lo == step == hi, row  # one run
+        assert (row[4:] == ["–", "–"]) == row[1].startswith("plain"), row
+    header = ["script", "configuration", "process CPU", "min–max", "main thread", "min–max", "gc", "min–max",
+              "snapshots", "min–max", "copies' threads", "min–max", "copies' bytes per step"]
+    account = {r[1]: r for r in rows(out, header)}
+    assert list(account) == configs
+    for config, row in account.items():
+        cpu, main = numbers(row[2])[0], numbers(row[4])[0]
+        assert 0 < main <= cpu, row
+        copied = config.startswith("per-rank")
+        # per-rank mode snapshots its state and copies it to a peer every step; nothing else copies anything
+        assert (numbers(row[8])[0] > 0, numbers(row[10])[0] > 0, int(row[12]) > 0) == (copied,) * 3, row
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("| train.py: configuration |"))
+    kinds = cells(lines[at])[1:]
+    assert "MainThread" in kinds, kinds
+    assert [cells(line)[0] for line in lines[at + 2:at + 2 + len(configs)]] == configs
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
                     reason="builds network namespaces: needs root and iproute2")

@@ -30,7 +30,6 @@ there, in any script that uses this module.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import time
@@ -43,7 +42,7 @@ import torch.nn as nn
 
 from commslayer import config, runs
 
-from commslayer.train import failures
+from commslayer.train import failures, packing
 from commslayer.errors import CommError, InvalidArgument
 from commslayer.comm.exits import exit_now
 from commslayer.train.gradients import GradientAverage, local
@@ -136,13 +135,11 @@ class _State:
                 "objects": {n: o.state_dict() for n, o in self.objects.items()}}
 
     # -------------------------------------------------------------- Healable
-    def pack(self) -> bytes:
-        buf = io.BytesIO()
-        torch.save(self.snapshot(), buf)
-        return buf.getvalue()
+    def pack(self, into: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return packing.pack(self.snapshot(), into)
 
-    def unpack(self, data: bytes) -> None:
-        self.load(torch.load(io.BytesIO(data), weights_only=True))
+    def unpack(self, data: torch.Tensor) -> None:
+        self.load(packing.unpack(data))
 
     def load(self, got: Dict[str, Any]) -> None:
         """Overwrite the state with a snapshot of the same layout (``snapshot``'s format)."""

@@ -39,7 +39,6 @@ How a step survives a lost rank:
 
 from __future__ import annotations
 
-import io
 import itertools
 import json
 import os
@@ -58,6 +57,7 @@ from commslayer.comm.communicator import Communicator
 from commslayer.comm.create import join, new_comm
 from commslayer.errors import CommAborted, CommError, InvalidArgument, first_line
 from commslayer.comm.exits import before_exit, exit_now
+from commslayer.train import packing
 from commslayer.train.gradients import local
 from commslayer.hooks import recovery_hooks
 from commslayer.train.redundancy import PeerCopies, StateLost, holders
@@ -86,7 +86,7 @@ class PeerJob(Job):
         self._broken: Optional[CommError] = None
         self._recoveries: List[Recovery] = []
         self._admissions: List[Admission] = []
-        self._redo: Optional[Tuple[int, bytes]] = None  # the boundary to go back to, and this rank's state there
+        self._redo: Optional[Tuple[int, torch.Tensor]] = None  # the boundary to go back to, and this rank's state there
         self._committed = -1  # the last step committed here
         self._resharded = config.resharded()  # this process started again on the survivors of a loss
         self._epoch = self._resharded["epoch"] if self._resharded else 0
@@ -189,7 +189,7 @@ class PeerJob(Job):
             self.step_index, self._stepped = step, False
             if step % self._refresh_every == 0 and (self._copies.confirmed is None
                                                     or self._copies.confirmed.step != step):
-                self._copies.refresh(step, self._state.pack())
+                self._copies.refresh(step, self._state.pack(self._copies.spare()))
             yield step
             if not self._stepped:
                 raise InvalidArgument(f"step {step} ended without job.step(): call it once per step, after "
@@ -334,7 +334,7 @@ class PeerJob(Job):
         comm = survivors.split(list(range(survivors.get_size())), name="reshard")
         assert comm is not None
         to_step, states = self._copies.gather(comm, survivors.members)
-        snapshots = {self._launched[r]: torch.load(io.BytesIO(data), weights_only=True) for r, data in states.items()}
+        snapshots = {self._launched[r]: packing.unpack(data) for r, data in states.items()}
         whole = merge(snapshots, self._state.sharded())
         kept = [self._launched[m] for m in survivors.members]
         fd, path = tempfile.mkstemp(prefix="commslayer-reshard-", suffix=".pt", dir=config.scratch_dir() or (
@@ -391,7 +391,7 @@ class PeerJob(Job):
         """The new layout's parts, merged again, must be the whole state the survivors
         left: a real round trip through the new shards (printed by rank 0)."""
         _, states = self._copies.gather(self._copies_comm, list(range(self.world_size)))
-        snapshots = {r: torch.load(io.BytesIO(data), weights_only=True) for r, data in states.items()}
+        snapshots = {r: packing.unpack(data) for r, data in states.items()}
         after = _whole_digest(merge(snapshots, self._state.sharded()))
         if after != self._whole_before:
             raise StateLost(f"the state resharded onto {self.world_size} ranks is not the state the survivors "
@@ -401,10 +401,10 @@ class PeerJob(Job):
             print(f"resharded: {self.world_size} rank(s) at step {step}, whole state fingerprint {after:016x}, the "
                   f"same as before; ranks per node {os.environ.get('COMMSLAYER_NODE_SIZES')}", flush=True)
 
-    def _restore(self, *, joined: bool) -> Tuple[int, bytes]:
+    def _restore(self, *, joined: bool) -> Tuple[int, torch.Tensor]:
         """Agree on the boundary to go back to and get this rank's state there; every
         rank of the new generation calls it, and votes that it worked."""
-        to_step, own, source = -1, b"", self.rank
+        to_step, own, source = -1, torch.empty(0, dtype=torch.uint8), self.rank
         start = time.perf_counter()
         try:
             to_step, own, source = self._copies.restore(joined)
@@ -420,7 +420,7 @@ class PeerJob(Job):
         self._copies.confirm()
         if joined:
             recovery_hooks("healed", {"step": to_step, "generation": self.generation, "source": source,
-                                      "source_replica": None, "bytes": len(own),
+                                      "source_replica": None, "bytes": own.numel(),
                                       "seconds": time.perf_counter() - start})
         return to_step, own
 

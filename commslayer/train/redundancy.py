@@ -2,7 +2,7 @@
 
 A job sharded over every rank (FSDP2 without replica groups) holds each
 shard once: a lost rank takes its parameters and optimizer state with it.
-Here each rank's state (``Healable.pack()`` bytes: its shard of the
+Here each rank's state (``Healable.pack()``, a flat byte tensor: its shard of the
 parameters, its optimizer state, the registered objects) is also kept by
 ``degree`` other ranks, its holders, chosen on other hosts where the hosts
 are known (``holders``).  A replacement process then receives the lost
@@ -28,7 +28,6 @@ replacement from a holder's copy) and hands each rank its state there.
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -69,16 +68,9 @@ class Version:
     """Every rank's state at the boundary before ``step``, as one rank holds it."""
 
     step: int
-    own: bytes  # this rank's state
-    copies: Dict[int, bytes] = field(default_factory=dict)  # ward rank -> its state (complete copies only)
-
-
-def _as_tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-
-
-def _as_bytes(t: torch.Tensor) -> bytes:
-    return ctypes.string_at(t.data_ptr(), t.numel())
+    own: torch.Tensor  # this rank's state (``commslayer.train.packing``)
+    copies: Dict[int, torch.Tensor] = field(default_factory=dict)  # ward rank -> its state (complete copies only)
+    received: Optional[torch.Tensor] = None  # the buffer the copies are views of
 
 
 class PeerCopies:
@@ -97,6 +89,7 @@ class PeerCopies:
         self.confirmed: Optional[Version] = None
         self.pending: Optional[Version] = None
         self.bytes_sent = 0
+        self._spare: Optional[Version] = None  # the last version dropped: its buffers are reused
         self._comm = comm
         self._on_sending = on_sending
         self._thread: Optional[threading.Thread] = None
@@ -107,7 +100,12 @@ class PeerCopies:
         self._comm = comm
 
     # ------------------------------------------------------------ refreshing
-    def refresh(self, step: int, own: bytes) -> None:
+    def spare(self) -> Optional[torch.Tensor]:
+        """A buffer to pack the next refresh's state into (``Healable.pack(into=)``): the
+        one of the last version dropped, which nothing uses any more; or None."""
+        return None if self._spare is None else self._spare.own
+
+    def refresh(self, step: int, own: torch.Tensor) -> None:
         """Start sending ``own`` (this rank's state at the boundary before ``step``) to
         its holders and receiving its wards' copies; ``wait`` finishes it."""
         self.wait()
@@ -119,20 +117,23 @@ class PeerCopies:
 
     def _exchange(self, version: Version) -> None:
         try:
-            own = _as_tensor(version.own)
-            got = self._route({h: own for h in self.plan[self.rank]}, on_sizes=self._on_sending, step=version.step)
-            version.copies.update({ward: _as_bytes(t) for ward, t in got.items()})
+            own = version.own
+            into = None if self._spare is None else self._spare.received
+            got, version.received = self._route({h: own for h in self.plan[self.rank]}, on_sizes=self._on_sending,
+                                                step=version.step, into=into)
+            version.copies.update(got)
             self.bytes_sent += own.numel() * len(self.plan[self.rank])
             self._ok = True
         except CommError:
             self._ok = False  # the step's vote says no; ``restore`` finds out which copies are whole
 
-    def _route(self, sends: Dict[int, torch.Tensor], *, step: int,
-               on_sizes: Optional[Callable[[int], None]] = None) -> Dict[int, torch.Tensor]:
+    def _route(self, sends: Dict[int, torch.Tensor], *, step: int, on_sizes: Optional[Callable[[int], None]] = None,
+               into: Optional[torch.Tensor] = None) -> Tuple[Dict[int, torch.Tensor], torch.Tensor]:
         """Send each of ``sends`` (rank -> bytes) to its rank; what the others sent here, by
-        sender. Two collectives (the sizes, then an all-to-all of the bytes), not
-        point-to-point ops: a wait in a collective ends as soon as the liveness monitor
-        names a lost member, whatever it waits for."""
+        sender (views of one buffer: the front of ``into`` where it is large enough),
+        and that buffer. Two collectives (the sizes, then an all-to-all of the bytes),
+        not point-to-point ops: a wait in a collective ends as soon as the liveness
+        monitor names a lost member, whatever it waits for."""
         size = self._comm.get_size()
         row = torch.zeros(size, dtype=torch.int64)
         for dst, t in sends.items():
@@ -144,15 +145,16 @@ class PeerCopies:
         matrix = sizes.view(size, size)
         pieces = [sends[dst] for dst in sorted(sends)]
         data = pieces[0] if len(pieces) == 1 else (torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8))
-        into = matrix[:, self.rank].tolist()
-        out = torch.empty(sum(into), dtype=torch.uint8)
-        self._comm.all_to_all_single(out, data, output_split_sizes=into, input_split_sizes=matrix[self.rank].tolist())
+        splits = matrix[:, self.rank].tolist()
+        total = sum(splits)
+        out = into[:total] if into is not None and into.numel() >= total else torch.empty(total, dtype=torch.uint8)
+        self._comm.all_to_all_single(out, data, output_split_sizes=splits, input_split_sizes=matrix[self.rank].tolist())
         got, at = {}, 0
-        for src, n in enumerate(into):
+        for src, n in enumerate(splits):
             if n:
                 got[src] = out[at:at + n]
             at += n
-        return got
+        return got, out
 
     def wait(self) -> bool:
         """Wait for the refresh in flight; whether every copy of it arrived here and
@@ -166,18 +168,20 @@ class PeerCopies:
         """Every rank's refresh succeeded (the commit vote said so): it becomes the
         version to go back to."""
         if self.pending is not None:
-            self.confirmed, self.pending = self.pending, None
+            self._spare, self.confirmed, self.pending = self.confirmed, self.pending, None
 
-    def exchange(self, step: int, own: bytes) -> bool:
+    def exchange(self, step: int, own: torch.Tensor) -> bool:
         """A whole refresh, waited for: whether it succeeded here."""
         self.refresh(step, own)
         return self.wait()
 
     @property
     def held_bytes(self) -> int:
-        """Host memory the copies take on this rank now (own snapshots and wards' copies)."""
-        return sum(len(v.own) + sum(len(c) for c in v.copies.values())
-                   for v in (self.confirmed, self.pending) if v is not None)
+        """Host memory the copies take on this rank now (own snapshots and wards' copies,
+        and the buffers of the last version dropped, kept for the next refresh)."""
+        return sum(v.own.numel() + (sum(c.numel() for c in v.copies.values()) if v.received is None
+                                    else v.received.numel())
+                   for v in (self.confirmed, self.pending, self._spare) if v is not None)
 
     # ------------------------------------------------------------- recovery
     def unrecoverable(self, lost: Set[int]) -> List[int]:
@@ -219,7 +223,7 @@ class PeerCopies:
         raise StateLost(f"no surviving copy of the state of rank(s) {missing}", comm=comm.get_name(),
                         op="restore", ranks=missing)
 
-    def restore(self, joined: bool) -> Tuple[int, bytes, int]:
+    def restore(self, joined: bool) -> Tuple[int, torch.Tensor, int]:
         """After a generation change (every rank calls it; ``joined``: this process is a
         replacement and holds nothing): agree on the newest boundary whose state every
         rank can get, give every replacement its state there from a holder, and refresh
@@ -229,21 +233,20 @@ class PeerCopies:
         if joined:
             self.confirmed = self.pending = None
         step, mine, sources = self._agree(self._comm, range(len(self.plan)))
-        sends = {r: _as_tensor(mine.copies[r]) for r, c in sources.items()
-                 if c == self.rank and r != self.rank and mine is not None}
-        got = self._route(sends, step=step)
+        sends = {r: mine.copies[r] for r, c in sources.items() if c == self.rank and r != self.rank and mine is not None}
+        got, _ = self._route(sends, step=step)
         if sources[self.rank] != self.rank:
-            own = _as_bytes(got[sources[self.rank]])
+            own = got[sources[self.rank]]
         else:
             assert mine is not None  # a survivor has its own state at the chosen step
             own = mine.own
-        self.confirmed = self.pending = None
+        self.confirmed = self.pending = self._spare = None
         if not self.exchange(step, own):
             raise CommError(f"refreshing the copies at step {step} after the recovery failed",
                             comm=self._comm.get_name(), op="restore")
         return step, own, sources[self.rank]
 
-    def gather(self, comm: Communicator, ranks: Sequence[int]) -> Tuple[int, Dict[int, bytes]]:
+    def gather(self, comm: Communicator, ranks: Sequence[int]) -> Tuple[int, Dict[int, torch.Tensor]]:
         """Every job rank's state at the newest boundary the members of ``comm`` (the
         survivors, ``ranks[c]`` the job rank of member ``c``) can give, on every member:
         what resharding onto the survivors starts from. Returns the boundary's step and
@@ -255,22 +258,22 @@ class PeerCopies:
                  for r, c in sources.items() if c == me and mine is not None}
         lengths = torch.zeros(len(self.plan), dtype=torch.int64)
         for r, data in given.items():
-            lengths[r] = len(data)
+            lengths[r] = data.numel()
         table = torch.zeros(comm.get_size() * len(self.plan), dtype=torch.int64)
         comm.all_gather_single(table, lengths)
         per_member = table.view(comm.get_size(), len(self.plan))
         width = int(per_member.sum(dim=1).max())
-        mine_bytes = b"".join(given[r] for r in sorted(given))
+        mine_bytes = torch.cat([given[r] for r in sorted(given)]) if given else torch.empty(0, dtype=torch.uint8)
         padded = torch.zeros(width, dtype=torch.uint8)
-        padded[:len(mine_bytes)] = _as_tensor(mine_bytes)
+        padded[:mine_bytes.numel()] = mine_bytes
         everything = torch.empty(comm.get_size() * width, dtype=torch.uint8)
         comm.all_gather_single(everything, padded)
-        out: Dict[int, bytes] = {}
+        out: Dict[int, torch.Tensor] = {}
         for c in range(comm.get_size()):
             at = c * width
             for r in range(len(self.plan)):
                 n = int(per_member[c, r])
                 if n:
-                    out[r] = _as_bytes(everything[at:at + n])
+                    out[r] = everything[at:at + n]
                     at += n
         return step, out

@@ -253,21 +253,20 @@ class Replicas:
             return False
 
     def _transfer(self, state: "Healable", step: int, *, survivor: bool) -> int:
-        """Send ``state`` (as ``state.pack()`` bytes) and ``step`` from the first rank of
+        """Send ``state`` (``state.pack()``) and ``step`` from the first rank of
         ``replicate`` that was live before the admission (the same on every member: they
         all say which); the others ``unpack`` it."""
         comm = self.replicate
         flags = torch.zeros(comm.get_size(), dtype=torch.int64)
         comm.all_gather_single(flags, torch.tensor([int(survivor)], dtype=torch.int64))
         root = int(torch.nonzero(flags)[0])
-        payload = state.pack() if comm.get_rank() == root else b""
-        head = torch.tensor([step, len(payload)], dtype=torch.int64)
+        payload = state.pack() if comm.get_rank() == root else None
+        head = torch.tensor([step, 0 if payload is None else payload.numel()], dtype=torch.int64)
         comm.broadcast(head, root)
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
-            torch.empty(int(head[1]), dtype=torch.uint8)
+        data = payload if payload is not None else torch.empty(int(head[1]), dtype=torch.uint8)
         comm.broadcast(data, root)
         if not survivor:
-            state.unpack(ctypes.string_at(data.data_ptr(), data.numel()))
+            state.unpack(data)
             source = comm.global_ranks[root]
             self._received = {"source": source, "source_replica": source // self.shards, "bytes": data.numel()}
         return int(head[0])
@@ -307,10 +306,12 @@ class Replicas:
 class Healable(Protocol):
     """What a replica group's state must offer to be sent to a restarted group."""
 
-    def pack(self) -> bytes:
-        """This rank's whole state, to be sent to a restarted rank of the same shard."""
+    def pack(self, into: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """This rank's whole state as a 1-D ``uint8`` tensor (``commslayer.train.packing``),
+        to be sent to a restarted rank of the same shard; in the front of ``into``, a
+        buffer an earlier ``pack`` returned and nothing uses now, where it fits."""
 
-    def unpack(self, data: bytes) -> None:
+    def unpack(self, data: torch.Tensor) -> None:
         """Overwrite this rank's state with what ``pack`` gave on a live replica."""
 
     def fingerprint(self) -> int:

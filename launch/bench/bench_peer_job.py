@@ -99,7 +99,7 @@ class Probe:
         out = dict(self.record, member=member, replica=job.replica, rank=job.rank, commits=self.commits)
         copies = self._copies()
         if copies is not None:
-            out.update(state_bytes=len(copies.confirmed.own), bytes_sent=copies.bytes_sent,
+            out.update(state_bytes=copies.confirmed.own.numel(), bytes_sent=copies.bytes_sent,
                        held_bytes=copies.held_bytes, held_peak=self.held_peak, holders=copies.plan[job.rank])
         run_dir = job.run_dir or "."
         os.makedirs(run_dir, exist_ok=True)

@@ -1,0 +1,121 @@
+"""A rank's state as bytes: the format that peer copies, heals and reshards carry.
+
+A snapshot (``_State.snapshot``: nested dicts, lists and tuples of tensors,
+numbers and strings) is packed as a small header, the snapshot with each
+tensor replaced by its index, dtype and shape (``torch.save``, read back with
+``torch.load(weights_only=True)``: the bytes come from other processes), then
+every tensor's bytes, each at a 64-byte boundary, in one 1-D ``uint8``
+tensor that the collectives carry as it is.  Per-rank mode packs the state at
+every step boundary (docs/bench/step-cost.md): a ``torch.save`` of the whole
+snapshot into bytes, and the copies in and out of ``bytes`` around each
+transfer, cost a rank milliseconds of CPU per 2.6 MB here, most of it page
+faults of fresh buffers; packing into a buffer used before costs a fraction.
+
+The bytes name no version: every process of a job runs the same commslayer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import struct
+from typing import Any, List, Optional, Tuple
+
+import torch
+
+from commslayer.errors import CommError
+
+_MAGIC = b"CLST"
+_HEAD = struct.Struct("<4sQ")  # magic, header bytes
+_ALIGN = 64
+_TENSOR = "commslayer.packing.tensor"  # the header's stand-in for a tensor: (_TENSOR, index)
+
+
+class BadState(CommError):
+    """Bytes that are not a packed state (cut short, or from something else)."""
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _strip(obj: Any, tensors: List[torch.Tensor]) -> Any:
+    """``obj`` with every tensor replaced by its stand-in, the tensors appended to ``tensors``."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return (_TENSOR, len(tensors) - 1)
+    if isinstance(obj, dict):
+        return {k: _strip(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        out = [_strip(v, tensors) for v in obj]
+        return out if isinstance(obj, list) else tuple(out)
+    return obj
+
+
+def _fill(obj: Any, tensors: List[torch.Tensor]) -> Any:
+    """``_strip`` undone."""
+    if isinstance(obj, tuple) and len(obj) == 2 and obj[0] == _TENSOR:
+        return tensors[obj[1]]
+    if isinstance(obj, dict):
+        return {k: _fill(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        out = [_fill(v, tensors) for v in obj]
+        return out if isinstance(obj, list) else tuple(out)
+    return obj
+
+
+def pack(snapshot: Any, into: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``snapshot`` packed (see the module doc): a 1-D ``uint8`` tensor, in the front of
+    ``into`` where that is large enough (a buffer an earlier pack returned, no longer in
+    use: a fresh one of this size costs page faults worth more than the copy), else in
+    a new buffer.  The padding between tensors holds whatever an earlier pack into
+    the same buffer left there."""
+    tensors: List[torch.Tensor] = []
+    structure = _strip(snapshot, tensors)
+    specs: List[Tuple[str, List[int], int]] = []
+    at = 0
+    for t in tensors:
+        specs.append((str(t.dtype).removeprefix("torch."), list(t.shape), at))
+        at = _aligned(at + t.numel() * t.element_size())
+    header = io.BytesIO()
+    torch.save({"structure": structure, "tensors": specs, "bytes": at}, header)
+    prefix = _HEAD.pack(_MAGIC, header.tell()) + header.getvalue()
+    start = _aligned(len(prefix))
+    if into is None or into.numel() < start + at:
+        into = torch.zeros(start + at, dtype=torch.uint8)
+    out = into[:start + at]
+    out[:len(prefix)] = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
+    with torch.no_grad():
+        for t, (_, _, offset) in zip(tensors, specs):
+            n = t.numel() * t.element_size()
+            if n:
+                out[start + offset:start + offset + n] = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return out
+
+
+def unpack(data: torch.Tensor) -> Any:
+    """The snapshot that ``pack`` made ``data`` (a 1-D ``uint8`` tensor) of; its tensors are
+    copies of their own."""
+    if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous() or data.numel() < _HEAD.size:
+        raise BadState(f"a {data.dtype} tensor of shape {list(data.shape)} that is not a packed state", op="unpack")
+    magic, size = _HEAD.unpack(ctypes.string_at(data.data_ptr(), _HEAD.size))
+    if magic != _MAGIC or size > data.numel() - _HEAD.size:
+        raise BadState(f"{data.numel()} bytes that are not a packed state", op="unpack")
+    start = _aligned(_HEAD.size + size)
+    try:
+        header = torch.load(io.BytesIO(ctypes.string_at(data.data_ptr() + _HEAD.size, size)), weights_only=True)
+        if start + header["bytes"] != data.numel():
+            raise BadState(f"a packed state of {start + header['bytes']} bytes in {data.numel()}", op="unpack")
+        tensors = []
+        for dtype_name, shape, offset in header["tensors"]:
+            dtype = getattr(torch, dtype_name)
+            n = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+            if offset < 0 or offset + n > header["bytes"]:
+                raise BadState(f"a packed state whose tensor at {offset} overruns it", op="unpack")
+            raw = data[start + offset:start + offset + n]
+            tensors.append(raw.clone().view(dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype))
+        return _fill(header["structure"], tensors)
+    except BadState:
+        raise
+    except Exception as exc:  # a header torch.load refuses, a dtype that is not one, a malformed spec
+        raise BadState(f"a packed state that does not read back: {type(exc).__name__}: {exc}", op="unpack") from exc

@@ -1,0 +1,85 @@
+"""The packed-state format (commslayer/train/packing.py): what peer copies, heals and reshards carry.
+
+A snapshot reads back equal, tensor for tensor and bit for bit, to what went in and to
+what ``torch.save``/``torch.load`` (the format before) gives; a pack into a buffer used
+before lands in that buffer; bytes that are not a packed state raise ``BadState``, never
+a crash or a wrong state."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+import torch
+
+from commslayer.errors import CommError
+from commslayer.train import packing
+
+
+def snapshot(seed: int) -> dict:
+    """The shape of ``_State.snapshot()``: modules' tensors, optimizer state with sharded flags, objects."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "modules": {"model": [torch.randn(33, 7, generator=g), torch.randn(5, generator=g).to(torch.bfloat16),
+                              torch.zeros(0), torch.tensor(True), torch.arange(6, dtype=torch.int64).view(2, 3).t()]},
+        "optimizers": {"opt": {"state": [{"step": (torch.tensor(float(seed)), False),
+                                          "exp_avg": (torch.randn(33, 7, generator=g), True)}, {}],
+                               "groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "foreach": None, "name": "a"}]}},
+        "objects": {"sched": {"last_epoch": seed, 3: [1.5, "x", (1, 2)], "nested": {"t": torch.ones(2, 2)}}},
+    }
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def test_round_trip_equals_torch_save():
+    snap = snapshot(1)
+    packed = packing.pack(snap)
+    assert packed.dtype == torch.uint8 and packed.dim() == 1
+    back = packing.unpack(packed)
+    buf = io.BytesIO()
+    torch.save(snap, buf)
+    buf.seek(0)
+    assert same(back, snap)
+    assert same(back, torch.load(buf, weights_only=True))
+    back["modules"]["model"][0].add_(1)  # the tensors read back are their own, not views of the packed bytes
+    assert same(packing.unpack(packed), snap)
+
+
+def test_pack_into_a_buffer_used_before():
+    first = packing.pack(snapshot(1))
+    second = packing.pack(snapshot(2), into=first)
+    assert second.data_ptr() == first.data_ptr()  # no new buffer
+    assert same(packing.unpack(second), snapshot(2))
+    small = torch.zeros(16, dtype=torch.uint8)
+    third = packing.pack(snapshot(3), into=small)  # too small: a new buffer, the old one untouched
+    assert third.data_ptr() != small.data_ptr() and not small.any()
+    assert same(packing.unpack(third), snapshot(3))
+
+
+def hostile(packed: torch.Tensor) -> list:
+    header = packed[:4].clone()
+    flipped = packed.clone()
+    flipped[12:40] = 0xFF  # inside the header
+    return [torch.empty(0, dtype=torch.uint8), header, packed[:100].clone(), packed[:-1].clone(),
+            torch.cat([packed, torch.zeros(64, dtype=torch.uint8)]), flipped,
+            torch.frombuffer(bytearray(b"CLST" + b"\xff" * 60), dtype=torch.uint8),
+            packed.view(2, -1) if packed.numel() % 2 == 0 else packed[:-1].view(2, -1),
+            packed[::2], packed.to(torch.int16)]
+
+
+def test_bytes_that_are_not_a_packed_state():
+    packed = packing.pack(snapshot(1))
+    for i, data in enumerate(hostile(packed)):
+        with pytest.raises(packing.BadState) as err:
+            packing.unpack(data)
+        assert isinstance(err.value, CommError) and "unpack" in str(err.value), i
