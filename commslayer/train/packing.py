@@ -19,7 +19,7 @@ from __future__ import annotations
 import ctypes
 import io
 import struct
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -39,29 +39,37 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _strip(obj: Any, tensors: List[torch.Tensor]) -> Any:
-    """``obj`` with every tensor replaced by its stand-in, the tensors appended to ``tensors``."""
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return (_TENSOR, len(tensors) - 1)
+_SAME = object()
+
+
+def _rebuilt(obj: Any, swap: Callable[[Any], Any]) -> Any:
+    """``obj`` with every part for which ``swap`` returns something other than ``_SAME``
+    replaced by that (dicts, lists and tuples rebuilt around them)."""
+    new = swap(obj)
+    if new is not _SAME:
+        return new
     if isinstance(obj, dict):
-        return {k: _strip(v, tensors) for k, v in obj.items()}
+        return {k: _rebuilt(v, swap) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        out = [_strip(v, tensors) for v in obj]
+        out = [_rebuilt(v, swap) for v in obj]
         return out if isinstance(obj, list) else tuple(out)
     return obj
+
+
+def _strip(obj: Any, tensors: List[torch.Tensor]) -> Any:
+    """``obj`` with every tensor replaced by its stand-in, the tensors appended to ``tensors``."""
+    def swap(part: Any) -> Any:
+        if not isinstance(part, torch.Tensor):
+            return _SAME
+        tensors.append(part)
+        return (_TENSOR, len(tensors) - 1)
+    return _rebuilt(obj, swap)
 
 
 def _fill(obj: Any, tensors: List[torch.Tensor]) -> Any:
     """``_strip`` undone."""
-    if isinstance(obj, tuple) and len(obj) == 2 and obj[0] == _TENSOR:
-        return tensors[obj[1]]
-    if isinstance(obj, dict):
-        return {k: _fill(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        out = [_fill(v, tensors) for v in obj]
-        return out if isinstance(obj, list) else tuple(out)
-    return obj
+    return _rebuilt(obj, lambda part: tensors[part[1]] if isinstance(part, tuple) and len(part) == 2
+                    and part[0] == _TENSOR else _SAME)
 
 
 def pack(snapshot: Any, into: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -43,12 +43,12 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # faults/, commslayer/
 
 from launch.bench.bench_resilience import REPLICAS, RANKS, Bench  # noqa: E402
-from launch.bench.measure import cells, fail, launcher_env, series, step_cells  # noqa: E402
+from launch.bench.measure import cells, fail, launcher_env, save_runs, series, step_cells  # noqa: E402
 from commslayer.runs import load_results  # noqa: E402
 from faults.etcd import EtcdCluster, available  # noqa: E402
 
@@ -181,9 +181,7 @@ def main() -> int:
     for config in leader:
         print(f"| {config.split(', ')[1]} | {cells(figures[config], 'stall_s', 'longest_step_s')} |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": ["python"] + sys.argv, "cpus": os.cpu_count(), "revision": revision,
-                       "when": time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(began)), "runs": figures}, f, indent=1)
+        save_runs(args.json, revision, began, figures)
     return 0
 
 

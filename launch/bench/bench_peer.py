@@ -66,7 +66,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from glob import glob
 from typing import Callable, Dict, List, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # launch.bench
@@ -74,7 +73,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from commslayer.run.processes import free_port  # noqa: E402
 from commslayer.runs import load_results, load_summary  # noqa: E402
 from launch.bench.bench_training import MODEL, SMOKE, _train_args, dcp_restart  # noqa: E402
-from launch.bench.measure import cells, fail, launcher_env, median_range, series, step_cells  # noqa: E402
+from launch.bench.measure import cells, fail, launcher_env, median_range, save_runs, series, step_cells, written  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB = os.path.join(ROOT, "launch", "bench", "bench_peer_job.py")
@@ -91,11 +90,7 @@ def _log(msg: str) -> None:
 
 def probes(run_dir: str) -> List[dict]:
     """The probes launch/bench/bench_peer_job.py wrote in a run, one per process that finished."""
-    out = []
-    for path in sorted(glob(os.path.join(run_dir, "probe-*.json"))):
-        with open(path) as f:
-            out.append(json.load(f))
-    return out
+    return written(run_dir, "probe-")
 
 
 class Bench:
@@ -284,10 +279,7 @@ def main() -> int:
           f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(began))}\n")
     _tables(args, figures)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": ["python"] + sys.argv, "cpus": os.cpu_count(), "revision": revision,
-                       "when": time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(began)), "model": args.model,
-                       "runs": figures}, f, indent=1)
+        save_runs(args.json, revision, began, figures, model=args.model)
     return 0
 
 

@@ -56,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from commslayer.run.processes import free_port  # noqa: E402
 from commslayer.runs import load_results, load_summary  # noqa: E402
-from launch.bench.measure import cells, fail, launcher_env, median_range, series, step_cells  # noqa: E402
+from launch.bench.measure import cells, fail, launcher_env, median_range, save_runs, series, step_cells  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REPLICAS, RANKS = 2, 2
@@ -204,10 +204,7 @@ def main() -> int:
             xs = figures[(name, f"ours, SIGKILL in {phase}")]
             print(f"| {name} | {phase} | {cells(xs, 'stall_s', 'detected_to_committed_s', 'heal_s')} |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": ["python"] + sys.argv, "cpus": os.cpu_count(), "revision": revision,
-                       "when": time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(began)),
-                       "runs": {f"{k[0]} / {k[1]}": v for k, v in figures.items()}}, f, indent=1)
+        save_runs(args.json, revision, began, figures)
     return 0
 
 

@@ -66,7 +66,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from commslayer.run.processes import free_port  # noqa: E402
 from commslayer.runs import load_results  # noqa: E402
-from launch.bench.measure import fail, launcher_env, median_range, series, step_cells  # noqa: E402
+from launch.bench.measure import fail, launcher_env, median_range, save_runs, series, step_cells, written  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROBE = os.path.join(ROOT, "launch", "bench", "cost_probe.py")
@@ -102,15 +102,6 @@ def _log(msg: str) -> None:
 
 def baseline(config: str) -> str:
     return PLAIN_T if CONFIGS[config][0] in ("torchrun", "per-rank") else PLAIN_H
-
-
-def costs(run_dir: str) -> List[dict]:
-    """What cost_probe.py wrote in a run, one per process that finished."""
-    out = []
-    for path in sorted(glob(os.path.join(run_dir, "cost-*.json"))):
-        with open(path) as f:
-            out.append(json.load(f))
-    return out
 
 
 def account(found: List[dict], warmup: int) -> dict:
@@ -163,7 +154,7 @@ class Bench:
         with open(log_path, "w") as log:
             rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, timeout=900).returncode
-        results, found = load_results(run_dir), costs(run_dir)
+        results, found = load_results(run_dir), written(run_dir, "cost-")
         if rc != 0 or len(results) != RANKS or any(len(r.step_s) != steps for r in results) or len(found) != RANKS:
             fail(f"{run}: exit status {rc}, {len(results)} ranks' results, {len(found)} probes", log_path)
         traced = bool(glob(os.path.join(run_dir, "traces", "*")))
@@ -244,10 +235,7 @@ def main() -> int:
           f"commit {revision}; {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(began))}\n")
     tables(args, bench, figures)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": ["python"] + sys.argv, "cpus": os.cpu_count(), "revision": revision,
-                       "when": time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(began)),
-                       "runs": {f"{k[0]} / {k[1]}": v for k, v in figures.items()}}, f, indent=1)
+        save_runs(args.json, revision, began, figures)
     return 0
 
 

@@ -80,7 +80,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from commslayer.run.processes import free_port  # noqa: E402
 from commslayer.runs import load_results, load_summary, longest  # noqa: E402
-from launch.bench.measure import fail, launcher_env, measured_revision, median_range, ratio_cells, rotated  # noqa: E402
+from launch.bench.measure import fail, launcher_env, measured_revision, median_range, ratio_cells, save_runs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -403,12 +403,8 @@ def main() -> int:
           f"{[x['replayed_losses_identical'] for x in xs]}; median step time before the fault "
           f"{statistics.median(before):.1f} ms ({min(before):.1f}–{max(before):.1f} ms over runs).")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": ["python"] + sys.argv, "cpus": os.cpu_count(), "replicas": REPLICAS,
-                       "ranks_per_replica": RANKS, "revision": revision, "model": args.model, "steps": args.steps,
-                       "warmup": args.warmup, "fault_step": args.fault_step, "ckpt_every": args.ckpt_every,
-                       "when": time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(began)), "runs": figures},
-                      f, indent=1)
+        save_runs(args.json, revision, began, figures, replicas=REPLICAS, ranks_per_replica=RANKS, model=args.model,
+                  steps=args.steps, warmup=args.warmup, fault_step=args.fault_step, ckpt_every=args.ckpt_every)
     return 0
 
 

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Hashable, List, Sequence, Tuple, TypeVar
+from typing import Any, Callable, Dict, Hashable, List, Mapping, Sequence, Tuple, TypeVar
 
 from faults.netns import remove_leftovers
 
@@ -138,6 +138,26 @@ def series(runs: Dict[K, Callable[[str], dict]], repeats: int, log: Callable[[st
     shutil.rmtree(work)
     log(f"done in {time.time() - began:.0f} s")
     return figures, revision, began
+
+
+def written(run_dir: str, prefix: str) -> List[dict]:
+    """The JSON files ``<prefix>*.json`` a run's processes wrote into ``run_dir`` (one per
+    process that finished), in name order."""
+    out = []
+    for path in sorted(Path(run_dir).glob(f"{prefix}*.json")):
+        with open(path) as f:
+            out.append(json.load(f))
+    return out
+
+
+def save_runs(path: str, revision: str, began: float, figures: Mapping[Any, Any], **more: Any) -> None:
+    """A benchmark's raw figures (its ``--json``): the command, the CPUs, the revision
+    measured and when the series began, ``more``, and every run by configuration (a
+    tuple key joined with " / ")."""
+    runs = {(" / ".join(k) if isinstance(k, tuple) else k): v for k, v in figures.items()}
+    with open(path, "w") as f:
+        json.dump({"command": ["python"] + sys.argv, "cpus": os.cpu_count(), "revision": revision,
+                   "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(began)), **more, "runs": runs}, f, indent=1)
 
 
 def median_range(xs: Sequence[float], scale: float = 1.0, digits: int = 3, unit: str = "") -> str:
