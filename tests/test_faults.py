@@ -64,11 +64,12 @@ def test_fast_scenario_passes(name, tmp_path):
         assert all(f["stall_s"] is not None and f["stall_s"] < 10 for f in report["recovery"]["per_fault"])
         assert report["detection"] and all(d["after_s"] < 10 for d in report["detection"])
     if scenario.expect == "stop":
-        # What the ranks' communicators logged (the fault log) is the store's failure, or the loss of a rank
-        # that left because of it. A killed store closes its connections: world rank 0's next read of the
-        # joiners fails at once, and the job's communicators with it.
+        # What the ranks' communicators logged (the fault log), if anything, is the store's failure, or the
+        # loss of a rank that left because of it. A killed store closes its connections, so the launcher,
+        # which names the store (the harness's check), may end the ranks before any of them reads the store
+        # again: then nothing is logged (CI, 4 December: every rank ended by SIGTERM within 0.1 s of the kill).
         errors = {d["error"] for d in report["detection"]}
-        assert errors and errors <= {"PeerLost", "StoreUnreachable"}, report["detection"]
+        assert errors <= {"PeerLost", "StoreUnreachable"}, report["detection"]
     if scenario.per_rank:
         # Compared with a fault-free run (survive), or ended by the launcher naming the lost state (stop).
         name = "state bitwise identical to a fault-free run" if scenario.expect == "survive" else \
