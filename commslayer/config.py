@@ -24,6 +24,9 @@ from commslayer.errors import ConfigError
 
 MAX_TIMEOUT_S = 10 * 365 * 86400.0  # c10d keeps timeouts in int64 milliseconds
 MAX_TRACE_BUFFER = 10_000_000  # the ring is allocated whole at start-up (8 bytes a slot)
+# Beats faster than this cost a rank CPU and its peers' connections for nothing (1e-9 s: 1.48 s of
+# CPU and 160,000 frames in 5 s on an idle rank, issue 41); a peer timeout is more than 2 beats anyway.
+MIN_HEARTBEAT_S = 0.01
 _ON = ("1", "true", "yes", "on")
 _OFF = ("", "0", "false", "no", "off")
 
@@ -32,20 +35,22 @@ def _bad(name: str, raw: str, allowed: str) -> ConfigError:
     return ConfigError(f"{name}={raw!r} is not allowed: {allowed}")
 
 
-def _seconds(name: str, default: float, *, zero_is_off: bool = False) -> float:
+def _seconds(name: str, default: float, *, zero_is_off: bool = False, minimum: float = 0.0) -> float:
     """A number of seconds from the environment, or ``default`` when unset or empty.
-    With ``zero_is_off``, zero in any spelling (``0``, ``0.0``, ``0e0``) is 0.0."""
+    With ``zero_is_off``, zero in any spelling (``0``, ``0.0``, ``0e0``) is 0.0.
+    A ``minimum`` above 0 is the smallest value allowed (zero aside)."""
     raw = os.environ.get(name, "")
     if not raw.strip():
         return default
-    allowed = "a positive number of seconds below 10 years" + (", or 0 (off)" if zero_is_off else "")
+    lowest = f"from {minimum:g} s up to" if minimum > 0 else "a positive number of seconds below"
+    allowed = f"{lowest} 10 years" + (", or 0 (off)" if zero_is_off else "")
     try:
         value = float(raw)
     except ValueError:
         raise _bad(name, raw, allowed) from None
     if zero_is_off and value == 0:
         return 0.0
-    if not 0 < value < MAX_TIMEOUT_S:  # also rejects nan and inf
+    if not (0 < value < MAX_TIMEOUT_S and value >= minimum):  # also rejects nan and inf
         raise _bad(name, raw, allowed)
     return value
 
@@ -193,16 +198,16 @@ def trace_mode() -> int:
     a shared trace directory). Directories it creates get search where read is
     allowed (0700, 0750). Group and others may read at most: a trace file they
     could write could be made to lie. The umask still applies."""
-    raw = os.environ.get("COMMSLAYER_TRACE_MODE", "").strip()
-    if not raw:
+    raw = os.environ.get("COMMSLAYER_TRACE_MODE", "")
+    if not raw.strip():
         return 0o600
     try:
-        mode = int(raw, 8)
+        mode = int(raw.strip(), 8)
     except ValueError:
         mode = -1
     if mode < 0 or mode & ~0o644 or mode & 0o600 != 0o600:
-        raise ValueError(f"COMMSLAYER_TRACE_MODE={raw!r}: expected an octal file mode with owner read and write and "
-                         "at most read for group and others: 0600, 0640, 0604 or 0644")
+        raise _bad("COMMSLAYER_TRACE_MODE", raw, "an octal file mode with owner read and write and at most read "
+                   "for group and others: 0600, 0640, 0604 or 0644")
     return mode
 
 
@@ -235,9 +240,9 @@ def trace_sink_queue() -> int:
 
 def heartbeat_s() -> float:
     """``COMMSLAYER_HEARTBEAT_S``: how often each member tells its peers it is alive
-    (default 0.25 s; ``0`` turns liveness off: a lost peer is then only seen by the
-    op that talks to it, or at the op's deadline)."""
-    return _seconds("COMMSLAYER_HEARTBEAT_S", 0.25, zero_is_off=True)
+    (default 0.25 s, at least ``MIN_HEARTBEAT_S``; ``0`` turns liveness off: a lost
+    peer is then only seen by the op that talks to it, or at the op's deadline)."""
+    return _seconds("COMMSLAYER_HEARTBEAT_S", 0.25, zero_is_off=True, minimum=MIN_HEARTBEAT_S)
 
 
 def peer_timeout_s() -> float:

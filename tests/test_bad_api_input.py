@@ -228,7 +228,9 @@ def test_a_name_longer_than_the_cap_is_refused_and_the_shared_store_survives():
     ({"COMMSLAYER_HEARTBEAT_S": "10"},
      ["COMMSLAYER_PEER_TIMEOUT_S (unset, default 3)", "COMMSLAYER_HEARTBEAT_S='10'", "(> 20 s)"]),
     ({"COMMSLAYER_HEARTBEAT_S": "0.5", "COMMSLAYER_PEER_TIMEOUT_S": "1"}, ["more than 2 x"]),
-    ({"COMMSLAYER_HEARTBEAT_S": "-1"}, ["COMMSLAYER_HEARTBEAT_S='-1'", "positive number of seconds", "or 0 (off)"]),
+    ({"COMMSLAYER_HEARTBEAT_S": "-1"}, ["COMMSLAYER_HEARTBEAT_S='-1'", "from 0.01 s up to 10 years", "or 0 (off)"]),
+    ({"COMMSLAYER_HEARTBEAT_S": "1e-9"}, ["COMMSLAYER_HEARTBEAT_S='1e-9'", "from 0.01 s up to 10 years, or 0 (off)"]),
+    ({"COMMSLAYER_HEARTBEAT_S": "0.009"}, ["COMMSLAYER_HEARTBEAT_S='0.009'", "from 0.01 s up to 10 years"]),
     ({"COMMSLAYER_HEARTBEAT_S": "nan"}, ["COMMSLAYER_HEARTBEAT_S='nan'"]),
     ({"COMMSLAYER_PEER_TIMEOUT_S": "0"}, ["COMMSLAYER_PEER_TIMEOUT_S='0'", "positive number of seconds"]),
     ({"COMMSLAYER_TIMEOUT_S": "abc"}, ["COMMSLAYER_TIMEOUT_S='abc'", "positive number of seconds"]),
@@ -252,6 +254,7 @@ def test_a_name_longer_than_the_cap_is_refused_and_the_shared_store_survives():
      ["COMMSLAYER_LIVENESS_HOST='no-such-host.invalid'", "resolves"]),
     ({"COMMSLAYER_TRACE_DIR": __file__}, ["COMMSLAYER_TRACE_DIR=", "a directory"]),
     ({"COMMSLAYER_FAULTS_LOG": str(ROOT)}, ["COMMSLAYER_FAULTS_LOG=", "not a directory"]),
+    ({"COMMSLAYER_TRACE_MODE": "0777"}, ["COMMSLAYER_TRACE_MODE='0777'", "owner read and write", "0600, 0640"]),
 ])
 def test_every_bad_variable_is_named_with_its_value_and_what_is_allowed(monkeypatch, env, fragments):
     for k, v in env.items():
@@ -282,7 +285,7 @@ def test_every_spelling_of_zero_turns_the_heartbeat_off(monkeypatch, zero):
 
 
 def test_good_values_pass(monkeypatch):
-    for k, v in {"COMMSLAYER_HEARTBEAT_S": "0.1", "COMMSLAYER_PEER_TIMEOUT_S": "1.5", "COMMSLAYER_JOB_RANK": "0",
+    for k, v in {"COMMSLAYER_HEARTBEAT_S": "0.01", "COMMSLAYER_PEER_TIMEOUT_S": "1.5", "COMMSLAYER_JOB_RANK": "0",
                  "COMMSLAYER_CHECK": "Yes", "COMMSLAYER_TRACE_JSONL": "off", "COMMSLAYER_TRACE_BUFFER": "100000",
                  "COMMSLAYER_LIVENESS_HOST": "127.0.0.1"}.items():
         monkeypatch.setenv(k, v)
