@@ -184,9 +184,7 @@ class Injector:
             f.index, self._count = self._count, self._count + 1
             if f.rank == me and f.life in (None, now) and f.index not in self._fired:
                 self.faults.append(f)
-                # a value left in an environment must not fire unseen in a production job
-                print(f"[rank {me}] fault armed from COMMSLAYER_FAULTS: {f.describe()} (unset it for a run "
-                      "without injected faults)", file=sys.stderr, flush=True)
+                _announce("armed", f)
 
     # ---------------------------------------------------------- step points
     def point(self, step: int, phase: str, claim: Optional[Callable[[], bool]] = None) -> None:
@@ -227,7 +225,7 @@ class Injector:
                 if n >= f.nth:
                     if n == f.nth:
                         self.log.write("injected", fault=f.index, action=f.action, what=f.describe(), comm=name)
-                        print(f"[rank {job_rank()}] injected fault: {f.describe()}", file=sys.stderr, flush=True)
+                        _announce("fired", f)
                     time.sleep(f.seconds)
                 return call(*args, **kwargs)
             if n != f.nth or f not in self.faults:
@@ -248,7 +246,7 @@ class Injector:
     def _fire(self, f: Fault, act: bool = True, **where: Any) -> None:
         self.faults.remove(f)
         self.log.write("injected", fault=f.index, action=f.action, what=f.describe(), seconds=f.seconds, **where)
-        print(f"[rank {job_rank()}] injected fault: {f.describe()}", file=sys.stderr, flush=True)
+        _announce("fired", f)
         if not act:
             return
         if f.action == "sigkill":
@@ -267,6 +265,13 @@ class Injector:
         elif f.action == "hang":
             while True:  # alive (heartbeats go on), but never issues the next op
                 time.sleep(3600)
+
+
+def _announce(what: str, f: Fault) -> None:
+    """One line on stderr when a fault is armed and when it fires, naming the variable it
+    came from: a value left in an environment must never act unseen in a production job."""
+    print(f"[rank {job_rank()}] fault {what} from COMMSLAYER_FAULTS: {f.describe()} (unset it for a run without "
+          "injected faults)", file=sys.stderr, flush=True)
 
 
 def _members(table: List[int], ranks: Any) -> List[int]:

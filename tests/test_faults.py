@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import replace
@@ -244,7 +245,24 @@ def test_a_fault_left_in_the_environment_says_so_when_armed_and_when_fired(tmp_p
         "a run without injected faults)",
         "[rank 0] fault armed from COMMSLAYER_FAULTS: Python exception of rank 0 at step 9 (forward) (unset it for "
         "a run without injected faults)",
-        "[rank 0] injected fault: 10 ms delay of rank 0 before every all_reduce"], proc.stderr[-3000:]
+        "[rank 0] fault fired from COMMSLAYER_FAULTS: 10 ms delay of rank 0 before every all_reduce (unset it for "
+        "a run without injected faults)"], proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(90)
+def test_a_kill_left_in_the_environment_says_so_before_the_rank_dies(tmp_path):
+    """A sigkill fault left in COMMSLAYER_FAULTS ends the process; its stderr still names the
+    variable, the rank and the fault, when armed and again just before the kill (issue 41)."""
+    spec = encode([Fault("sigkill", 0, op="all_reduce", nth=2)])
+    script = ("import torch, commslayer; c = commslayer.new_comm('gloo', name='left', rank=0, size=1, "
+              "store=torch.distributed.HashStore()); [c.all_reduce(torch.ones(4)) for _ in range(3)]; print('done')")
+    env = dict(os.environ, COMMSLAYER_FAULTS=spec, COMMSLAYER_FAULTS_LOG="", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=80)
+    assert proc.returncode == -signal.SIGKILL and "done" not in proc.stdout, proc.stderr[-3000:]
+    said = [x for x in proc.stderr.splitlines() if x.startswith("[rank 0]")]
+    assert said == [f"[rank 0] fault {what} from COMMSLAYER_FAULTS: SIGKILL of rank 0 before all_reduce #2 (unset "
+                    "it for a run without injected faults)" for what in ("armed", "fired")], proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("value, says", [
