@@ -209,3 +209,39 @@ def _rendezvous_fails(rank, size, store):
 def test_a_group_whose_peer_never_comes_is_a_comm_error():
     kind, msg = run_ranks(_rendezvous_fails, 2, timeout=30)[0]
     assert "communicator 'alone'" in msg and "new_comm" in msg, (kind, msg)
+
+
+@pytest.mark.timeout(90)
+def test_a_peer_that_refuses_the_connection_at_build_is_peer_lost():
+    """Rank 1 publishes its address for the new group's rendezvous and is SIGKILLed: rank 0's
+    connection is refused (Gloo retries it until "Connect timeout"). That is a peer that cannot
+    be reached, ``PeerLost``, not a ``CollectiveTimeout`` of an op that was slow (issue 41)."""
+    import socket
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import commslayer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    peer = ("from datetime import timedelta; import torch.distributed as dist; "
+            "from torch._C._distributed_c10d import ProcessGroupGloo; "
+            f"s = dist.TCPStore('127.0.0.1', {port}, 2, False, timeout=timedelta(seconds=60)); "
+            "ProcessGroupGloo(dist.PrefixStore('commslayer/refusing/0/', s), 1, 2, timedelta(seconds=60))")
+    proc = subprocess.Popen([sys.executable, "-c", peer])
+    try:
+        deadline = time.monotonic() + 60
+        while not store.check(["commslayer/refusing/0//0/1"]):  # rank 1's address, for rank 0
+            assert time.monotonic() < deadline and proc.poll() is None, "rank 1 never published its address"
+            time.sleep(0.01)
+    finally:
+        proc.kill()
+        proc.wait()
+    with pytest.raises(commslayer.PeerLost, match="could not build the gloo group: a peer is unreachable") as info:
+        commslayer.new_comm("gloo", name="refusing", store=store, rank=0, size=2, timeout=1)
+    assert "communicator 'refusing'" in str(info.value) and "op new_comm" in str(info.value), info.value

@@ -28,17 +28,26 @@ _PEER_GONE = (
     "nccl communicator was aborted",
     "remote process exited",
 )
+# Gloo's messages when a peer's published address cannot be reached: its listener is gone
+# (a refused connection, which Gloo retries until "Connect timeout") or the network drops it.
+_UNREACHABLE = ("connect timeout", "connection refused", "no route to host", "network is unreachable")
 _TIMED_OUT = ("timed out", "timeout")
 
 
 def classify(exc: BaseException) -> Type[CommError]:
     """Map a backend's exception (plain ``RuntimeError`` text) to our class."""
     text = str(exc).lower()
-    if any(s in text for s in _PEER_GONE):
+    if any(s in text for s in _PEER_GONE) or unreachable(exc):
         return PeerLost
     if any(s in text for s in _TIMED_OUT):
         return CollectiveTimeout
     return CommError
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether a backend's exception says a peer could not be reached at all (not a slow op)."""
+    text = str(exc).lower()
+    return any(s in text for s in _UNREACHABLE)
 
 
 MAX_GLOO_THREADS = 256  # each is an OS thread; a few per group is what helps

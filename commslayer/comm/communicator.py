@@ -116,7 +116,9 @@ class Communicator(Collectives, PointToPoint):
         except StoreUnreachable:  # raised by the store inside the rendezvous: not a peer's fault
             raise
         except RuntimeError as exc:  # the rendezvous of the new group failed
-            raise backends.classify(exc)(f"could not build the {spec.name} group: {exc}", comm=name,
+            why = "a peer is unreachable (its process is gone, or the network refuses it): " \
+                if backends.unreachable(exc) else ""
+            raise backends.classify(exc)(f"could not build the {spec.name} group: {why}{exc}", comm=name,
                                          op="new_comm", timeout_s=timeout_s) from exc
         isolate = life.lineage is not None and life.lineage.isolate
         self._ops = IsolatedBackend(self._backend) if isolate else self._backend  # what op closures call
