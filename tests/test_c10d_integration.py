@@ -130,3 +130,32 @@ def _destroy_after_timeout(rank, size, store):
 def test_destroy_after_a_timeout_does_not_hang():
     outcome, took = run_ranks(_destroy_after_timeout, 2, timeout=30, env={"COMMSLAYER_TIMEOUT_S": "1"})[0]
     assert outcome == "all_reduce" and took < 1.0
+
+
+def _functional_collectives(rank, size, store):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    dist.init_process_group("commslayer", store=store, rank=rank, world_size=size)
+    group = dist.group.WORLD
+    calls = []
+    group._comms["cpu"].register_pre_hook(lambda *args, **kwargs: calls.append(1))
+
+    @torch.compile(backend="eager")
+    def compiled(x):
+        return funcol.all_reduce(x * 2, "sum", group) + 1
+
+    eager = funcol.wait_tensor(funcol.all_reduce(torch.ones(4), "sum", group))
+    seen_eager = len(calls)
+    out = compiled(torch.ones(4))
+    dist.destroy_process_group()
+    return eager.tolist(), seen_eager, out.tolist(), len(calls) - seen_eager
+
+
+@pytest.mark.timeout(120)
+def test_functional_collectives_go_through_commslayer():
+    """docs/api.md: functional collectives, eager and compiled, call the group's methods,
+    so commslayer's hooks (and deadlines) see them; they do not bypass it (issue 41)."""
+    for eager, seen_eager, out, seen_compiled in run_ranks(_functional_collectives, 2, timeout=100):
+        assert eager == [2.0] * 4 and out == [5.0] * 4
+        assert seen_eager == 1 and seen_compiled == 1, (seen_eager, seen_compiled)
