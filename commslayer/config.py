@@ -384,6 +384,13 @@ def node() -> int:
     return _integer("COMMSLAYER_NODE", 0, 0)
 
 
+def spare() -> Optional[int]:
+    """``COMMSLAYER_SPARE``: set by ``commslayer-run --spares`` for a warm spare, the spare's
+    id on its host: the process waits in ``resilience.init`` until its launcher gives it a
+    lost rank's identity (commslayer.train.spare). None when unset (a rank)."""
+    return _integer("COMMSLAYER_SPARE", None, 0)
+
+
 def redundancy() -> int:
     """``COMMSLAYER_REDUNDANCY``: how many other ranks keep a copy of each rank's state in
     a job whose restart unit is a rank (default 1: any single loss, and any losses
@@ -440,7 +447,7 @@ _CHECKED: Tuple[Callable[[], object], ...] = (
     default_timeout, check_mode, nan_check, native, route_c10d, trace_dir, job_rank, trace_buffer, trace_stack, trace_jsonl,
     trace_otel, trace_sink_queue, heartbeat_s, peer_timeout_s, liveness_timing, liveness_host, watch_peers,
     full_mesh_max, isolate_writes, faults_log, trace_mode, replica_id, run_dir, store_timeout_s,
-    average_after_backward, restart_unit, node, redundancy, refresh_every, reshard, resharded,
+    average_after_backward, restart_unit, node, spare, redundancy, refresh_every, reshard, resharded,
     reduce_scatter_algorithm, ring_min_bytes, node_sizes, job_store,
 )
 _valid: Set[Tuple[Tuple[str, str], ...]] = set()  # environments found valid (resolving a host costs)

@@ -19,7 +19,8 @@ replicated, and the job keeps the replicas in step::
 This module is the entry point: ``init`` builds the job, a ``Job``
 (commslayer.train.job: replica groups) or, without ``--replicas``, a ``PeerJob``
 (commslayer.train.peerjob: every rank its own restart unit, its state held by
-its peers), and installs the hook that makes an uncaught error leave the
+its peers; a warm spare waits here until it is given a lost rank,
+commslayer.train.spare), and installs the hook that makes an uncaught error leave the
 job in one line (``_leave``).  Without ``commslayer-run`` (plain
 ``torchrun``) the job is one replica group: the same script runs
 unchanged, without cross-group recovery.
@@ -35,7 +36,7 @@ from typing import Any, Callable, Dict, Optional
 
 from commslayer import config
 
-from commslayer.train import failures
+from commslayer.train import failures, spare
 from commslayer.errors import CommError, InvalidArgument, first_line
 from commslayer.comm.exits import exit_now
 from commslayer.hooks import register_phase_hook  # noqa: F401  (public here: where a user looks)
@@ -107,6 +108,9 @@ def init(*, timeout: timedelta = timedelta(seconds=60), bucket_mb: float = BUCKE
     common: Dict[str, Any] = dict(timeout=timeout, bucket_bytes=int(bucket_mb * 2 ** 20), overlap=overlap,
                                   run_dir=run_dir, heal_timeout_s=heal_timeout_s)
     if config.restart_unit() == "rank":
+        waiting = config.spare()
+        if waiting is not None:  # a warm spare: this returns once it is a lost rank's next life
+            spare.wait_for_rank(waiting)
         job: Job = PeerJob(redundancy=redundancy, refresh_every=refresh_every, replace_timeout_s=heal_timeout_s,
                            **common)
     else:

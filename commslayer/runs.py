@@ -150,6 +150,15 @@ def job_admissions(store: Any) -> List[Admission]:
     return [Admission(**d) for d in _lines(store, ADMISSIONS)]
 
 
+def job_spares(store: Any, nodes: int) -> Optional[Dict[str, int]]:
+    """The warm spares used and left on the job's ``nodes`` hosts (what each host's launcher
+    wrote, commslayer.run.spares); None when no host kept spares."""
+    tallies = [json.loads(store.get(f"spare/{n}/tally")) for n in range(nodes) if store.check([f"spare/{n}/tally"])]
+    if not tallies:
+        return None
+    return {"used": sum(t["used"] for t in tallies), "left": sum(t["left"] for t in tallies)}
+
+
 def _lines(store: Any, key: str) -> List[dict]:
     if not store.check([key]):
         return []
@@ -185,6 +194,7 @@ class Summary:
     recoveries: List[Recovery]  # from the job's store
     admissions: List[Admission]
     stopped: Optional[str] = None  # why the launcher stopped the job (a deterministic failure, a crash loop)
+    spares: Optional[Dict[str, int]] = None  # warm spares used and left, over every host (None: no --spares)
 
 
 def save_summary(summary: Summary, run_dir: str) -> None:
@@ -200,7 +210,8 @@ def load_summary(run_dir: str) -> Optional[Summary]:
         return None
     return Summary(ok=data["ok"], killed=data["killed"], losses={int(s): v for s, v in data["losses"].items()},
                    recoveries=[Recovery(**r) for r in data["recoveries"]],
-                   admissions=[Admission(**a) for a in data["admissions"]], stopped=data.get("stopped"))
+                   admissions=[Admission(**a) for a in data["admissions"]], stopped=data.get("stopped"),
+                   spares=data.get("spares"))
 
 
 def _write_json(path: str, data: Any, indent: Optional[int] = None) -> None:

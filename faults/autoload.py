@@ -21,6 +21,10 @@ def autoload() -> None:
 
 
 def _install() -> None:
+    from commslayer.startup import when_placed
+
     from .inject import install
 
-    install()  # a bad COMMSLAYER_FAULTS raises here: a fault run must not go on without its faults
+    # a bad COMMSLAYER_FAULTS raises here: a fault run must not go on without its faults; a warm
+    # spare arms the faults of the rank it adopts, when it adopts one
+    when_placed(install)

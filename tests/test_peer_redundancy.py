@@ -28,11 +28,11 @@ RANKS, STEPS, FAULT_STEP = 4, 120, 20
 
 
 def launch(run_dir: Path, faults: List[dict], *, restarts: int = 2, env: Dict[str, str] = None,
-           timeout: float = 150, store: List[str] = ()) -> subprocess.CompletedProcess:
+           timeout: float = 150, options: List[str] = ()) -> subprocess.CompletedProcess:
     """``commslayer-run --nproc-per-node 4`` on the FSDP2 example, from outside the repository
-    (``store``: the launcher's options that put the job's store elsewhere)."""
+    (``options``: more of the launcher's, e.g. those that put the job's store elsewhere)."""
     cmd = [sys.executable, "-m", "commslayer.run.launcher", "--nproc-per-node", str(RANKS), "--max-restarts",
-           str(restarts), "--grace", "3", "--run-dir", str(run_dir), *store, str(EXAMPLE), "--steps", str(STEPS)]
+           str(restarts), "--grace", "3", "--run-dir", str(run_dir), *options, str(EXAMPLE), "--steps", str(STEPS)]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "COMMSLAYER_TRACE_DIR": "",
                 "COMMSLAYER_FAULTS": json.dumps(faults), **(env or {})}
     return subprocess.run(cmd, env=full_env, cwd="/", capture_output=True, text=True, timeout=timeout)
@@ -138,7 +138,7 @@ def test_a_lost_rank_is_replaced_with_the_jobs_store_on_etcd(clean, tmp_path):
     cluster = EtcdCluster(tmp_path / "etcd", size=3)
     try:
         run = launch(tmp_path / "run", [{"action": "sigkill", "rank": 1, **KILLS["forward"]}],
-                     store=["--store", cluster.url("perrank")])
+                     options=["--store", cluster.url("perrank")])
     finally:
         cluster.close()
     assert run.returncode == 0, job_story(run.stdout + run.stderr)

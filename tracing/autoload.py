@@ -21,10 +21,15 @@ def autoload() -> None:
 
 def _install() -> None:
     from commslayer import config
+    from commslayer.startup import when_placed
 
     # A bad COMMSLAYER_* value fails here, at start-up (torch reports it as the cause of a
     # failed `import torch`): a job must not run on with tracing silently off.
     config.validate()
+    when_placed(_record)  # a warm spare's files are named by the rank it adopts
+
+
+def _record() -> None:
     # Anything else here would make `import torch` itself fail: warn instead.
     try:
         from tracing.record.recorder import install

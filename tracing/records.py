@@ -68,7 +68,8 @@ EVENT_KINDS = (
     "fenced",      # the others went on without this rank: why
     "recovered",   # commslayer.train.replicas: step, lost_replicas, generation, members, detected_s, resumed_s
     "admitted",    # commslayer.train.replicas: step, replicas, generation, members, seconds (reconfigure + transfer)
-    "healed",      # commslayer.train.replicas: step, generation, source (job rank), source_replica, bytes, seconds
+    "healed",      # commslayer.train.replicas: step, generation, source (job rank), source_replica, bytes, seconds,
+                   # and spare, pid for a warm spare that adopted the rank (commslayer.train.spare)
 )
 EVENT_CAPACITY = 4096  # events a recorder keeps (the oldest go first)
 

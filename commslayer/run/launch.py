@@ -65,7 +65,8 @@ def run(a: argparse.Namespace) -> int:
         print(f"{PROG}: {exc}", file=sys.stderr, flush=True)
         if isinstance(exc, Stopped) and a.run_dir and not a.coordinator:  # what the run did up to there
             procs.stop()
-            summarize(a.run_dir, store, _shards(a), None, a.loss_tolerance, per_rank=a.per_rank, stopped=str(exc))
+            summarize(a.run_dir, store, _shards(a), None, a.loss_tolerance, per_rank=a.per_rank, stopped=str(exc),
+                      nodes=_nodes(a))
         return 1
     except dist.DistNetworkError as exc:  # the job's store went away between two checks
         print(f"{PROG}: the job's store failed ({first_line(exc)}); ended the processes started here",
@@ -91,7 +92,8 @@ def run(a: argparse.Namespace) -> int:
                   f"to {a.max_restarts} restart(s)); their output is above", file=sys.stderr, flush=True)
         ok = not gave_up
     if a.run_dir and not a.coordinator:  # the coordinator has seen every replica group (or rank) end
-        summarized = summarize(a.run_dir, store, _shards(a), a.compare_to, a.loss_tolerance, per_rank=a.per_rank)
+        summarized = summarize(a.run_dir, store, _shards(a), a.compare_to, a.loss_tolerance, per_rank=a.per_rank,
+                               nodes=_nodes(a))
         if not summarized and ok:
             print(f"{PROG}: the run's summary found a problem (the 'summary:' lines above, {a.run_dir}/"
                   f"{runs.SUMMARY})", file=sys.stderr, flush=True)
@@ -101,6 +103,11 @@ def run(a: argparse.Namespace) -> int:
 def _shards(a: argparse.Namespace) -> int:
     """Ranks per replica group (in per-rank mode, the job's ranks: one replica of each)."""
     return a.world_size if a.per_rank else a.nproc_per_replica
+
+
+def _nodes(a: argparse.Namespace) -> int:
+    """The hosts whose launchers may keep warm spares (per-rank mode's)."""
+    return a.nnodes if a.per_rank else 0
 
 
 def _job_store(a: argparse.Namespace):
@@ -190,7 +197,7 @@ def _rank_job(a: argparse.Namespace) -> RankJob:
     return RankJob(command=[a.script, *a.script_args], env=dict(_worker_env(a), COMMSLAYER_SCRATCH_DIR=a.scratch), store_address=a.coordinator or a.address,
                    world_size=a.world_size, node=a.node_rank, per_node=a.nproc_per_node,
                    max_restarts=a.max_restarts, grace_s=a.grace, coordinator=a.coordinator,
-                   crash_loop=a.crash_loop, crash_window_s=a.crash_window_s)
+                   crash_loop=a.crash_loop, crash_window_s=a.crash_window_s, spares=a.spares)
 
 
 def _supervise(a: argparse.Namespace, store, procs: ProcessSet) -> Dict[int, int]:
@@ -241,12 +248,16 @@ def _stop_on_crash_loop(a: argparse.Namespace, store) -> None:
 
 # ------------------------------------------------------------------ the summary
 def summarize(run_dir: str, store, shards: int, compare_to: Optional[str], tolerance: float,
-              per_rank: bool = False, stopped: Optional[str] = None) -> bool:
+              per_rank: bool = False, stopped: Optional[str] = None, nodes: int = 0) -> bool:
     """Print what the run did and whether its invariants hold (also into
     ``summary.json``); False if one does not, if a rank ended by a deterministic
     failure (``stopped``: why the launcher stopped the job), or if there is nothing
     to compare with ``compare_to``.  ``shards``: ranks per replica group (in
-    per-rank mode, ``per_rank``, the job's ranks: one replica of each)."""
+    per-rank mode, ``per_rank``, the job's ranks: one replica of each); ``nodes``: the
+    hosts whose warm spares are counted."""
+    spares = runs.job_spares(store, nodes)
+    if spares is not None:
+        print(f"summary: warm spares: {spares['used']} used, {spares['left']} left", flush=True)
     bugs = failures.bugs(store)
     if bugs and stopped is None:
         stopped = failures.stop_message(bugs)
@@ -259,7 +270,8 @@ def summarize(run_dir: str, store, shards: int, compare_to: Optional[str], toler
             print(f"summary: no loss curve to compare with {compare_to}", flush=True)
         if stopped:
             runs.save_summary(runs.Summary(ok=False, killed=[], losses={}, recoveries=runs.job_recoveries(store),
-                                           admissions=runs.job_admissions(store), stopped=stopped), run_dir)
+                                           admissions=runs.job_admissions(store), stopped=stopped,
+                                           spares=spares), run_dir)
         return not compare_to and not stopped
     ok = not stopped
     steps = results[0].steps
@@ -294,7 +306,7 @@ def summarize(run_dir: str, store, shards: int, compare_to: Optional[str], toler
         faulted = [k["step"] for k in killed if k.get("step") is not None] + [x.step for x in recoveries]
         ok &= compare_losses(losses, ref, min(faulted, default=steps), tolerance, compare_to)
     runs.save_summary(runs.Summary(ok=bool(ok), killed=killed, losses=losses, recoveries=recoveries,
-                                   admissions=admissions, stopped=stopped), run_dir)
+                                   admissions=admissions, stopped=stopped, spares=spares), run_dir)
     return bool(ok)
 
 

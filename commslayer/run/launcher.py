@@ -18,7 +18,9 @@ TCPStore server, so a plain ``init_process_group("env://")`` would try to
 serve it again on rank 0.  ``--nproc-per-node P`` ranks on each of
 ``--nnodes M`` hosts (defaults 2 and 1); the coordinator runs node 0's
 ranks, every other host its ``--node-rank``'s; ``--max-restarts`` counts per
-rank.
+rank.  ``--spares S`` keeps S warm spares on each host (commslayer.run.spares):
+a lost rank's next life is one of them, its imports done, instead of a
+process started cold.
 
 Like torchrun, the script is the first argument that is not an option, and
 every argument after it is the script's::
@@ -123,6 +125,10 @@ def parser() -> argparse.ArgumentParser:
                         "launcher (default): the job then outlives this host")
     p.add_argument("--host", help="the address the coordinator listens on (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="the coordinator's port (default: a free one)")
+    p.add_argument("--spares", type=int, default=0,
+                   help="per-rank mode: warm spares on each host, started with the job and waiting in "
+                        "resilience.init(); a lost rank's next life is one of them instead of a cold start "
+                        "(default 0)")
     p.add_argument("--max-restarts", type=int, default=3, help="restarts of each replica group (torchrun's) or, in per-rank mode, of each rank (default 3)")
     p.add_argument("--crash-loop", metavar="K/SECONDS", default="3/600",
                    help="stop the job when one rank (in replica mode: one replica group) fails K times within "
@@ -199,6 +205,9 @@ def _replica_mode(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         if getattr(a, name) is not None:
             p.error(f"--{name.replace('_', '-')} is for per-rank mode (without --replicas); replica mode takes "
                     "--nproc-per-replica and --replica-ids")
+    if a.spares:
+        p.error("--spares is for per-rank mode (without --replicas): in replica mode torchrun restarts a "
+                "replica group's every rank together, and a spare cannot stand in for one of them")
     a.nproc_per_replica = 2 if a.nproc_per_replica is None else a.nproc_per_replica
     if a.replicas < 1:
         p.error(f"--replicas {a.replicas}: a job needs at least 1 replica group")
@@ -227,6 +236,8 @@ def _per_rank_mode(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.node_rank == 0 and a.coordinator is not None:
         p.error("--coordinator with node rank 0: the coordinator runs node rank 0's ranks; give this host's "
                 "--node-rank (1 and up)")
+    if a.spares < 0:
+        p.error(f"--spares {a.spares}: must be 0 or more")
     a.world_size = a.nnodes * a.nproc_per_node
 
 

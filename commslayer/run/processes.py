@@ -33,6 +33,7 @@ class ProcessSet:
         self._started: List[subprocess.Popen] = []  # superseded ones included
         self._grace_s = grace_s
         self._readers: List[threading.Thread] = []
+        self.exited = threading.Event()  # set when a process's output ends (it exited): a supervisor wakes
         # A caller's children from before are not ours to end.
         self._before = set(descendants(os.getpid()))
 
@@ -44,7 +45,7 @@ class ProcessSet:
                                 stdin=subprocess.DEVNULL, start_new_session=True, text=True, bufsize=1)
         self.procs[key] = proc
         self._started.append(proc)
-        t = threading.Thread(target=_relay, args=(proc, on_line), daemon=True)
+        t = threading.Thread(target=_relay, args=(proc, on_line, self.exited), daemon=True)
         t.start()
         self._readers.append(t)
         return proc
@@ -82,9 +83,10 @@ class ProcessSet:
             t.join(timeout=1)
 
 
-def _relay(proc: subprocess.Popen, on_line: Callable[[str], None]) -> None:
+def _relay(proc: subprocess.Popen, on_line: Callable[[str], None], exited: threading.Event) -> None:
     for line in proc.stdout:
         on_line(line)
+    exited.set()
 
 
 def descendants(pid: int) -> List[int]:

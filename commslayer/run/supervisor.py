@@ -32,6 +32,10 @@ What a rank and this module tell each other goes through the job's store
 - The same rank failing ``crash_loop`` times within ``crash_window_s``
   stops the job too (a crash loop), even when each failure looks like a
   fault.
+- ``spare/<node>/<id>/ready``, ``.../rank`` and ``spare/<node>/tally``
+  (``--spares``, commslayer.run.spares): a warm spare of host ``node`` is
+  ready; the lost rank's next life it is to become (written here instead
+  of starting a process); the spares used and left.
 - ``job/resharded`` = ``{"epoch": e, "ranks": [...]}`` (JSON), written by a
   rank when the survivors of a loss with no replacement went on without it:
   they start their script again as a smaller job, the ranks listed (by
@@ -57,6 +61,7 @@ from commslayer.runs import RESHARDED
 from commslayer.errors import StoreUnreachable
 from commslayer.endpoints import is_etcd
 from commslayer.run.processes import ProcessSet
+from commslayer.run.spares import Spares
 
 POLL_S = 0.1
 BUGS_SETTLE_S = 0.3  # after the first deterministic failure, the time for others' to be recorded beside it
@@ -86,6 +91,7 @@ class RankJob:
     coordinator: Optional[str]  # the coordinator this host joined; None: this host is it
     crash_loop: int = 3  # failures of one rank within crash_window_s that stop the job (0: never)
     crash_window_s: float = 600.0
+    spares: int = 0  # warm spares kept on this host (commslayer.run.spares)
 
     @property
     def ranks(self) -> List[int]:
@@ -123,11 +129,19 @@ def _supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
     failed_at: Dict[int, List[Tuple[float, str]]] = {r: [] for r in job.ranks}  # (monotonic, why) of each failure
     ended: Set[int] = set()  # done or gone
 
-    def start(rank: int, life: int) -> None:
+    spares = Spares(job.spares, job.node, store, procs, job.command, rank_env(job, job.ranks[0], 0), echo) \
+        if job.spares else None
+
+    def start(rank: int, life: int, why: str = "") -> None:
         lives[rank] = life
         store.set(f"rank/{rank}/life", str(life))
-        procs.start(rank, [sys.executable, *job.command], rank_env(job, rank, life),
-                    on_line=lambda line: echo(f"[rank {rank}] {line}"))
+        env = rank_env(job, rank, life)
+        if spares is not None and life > 0 and spares.take(rank, env, why):
+            return
+        if life > 0:
+            print(f"supervisor: rank {rank}: {why}; starting life {life} (restart {restarts[rank]} of "
+                  f"{job.max_restarts})", flush=True)
+        procs.start(rank, [sys.executable, *job.command], env, on_line=lambda line: echo(f"[rank {rank}] {line}"))
 
     def replace(rank: int, why: str) -> None:
         stop_on_bugs(store)  # written before that life exited: never restart a bug
@@ -144,14 +158,15 @@ def _supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
                   f"{job.max_restarts})", flush=True)
             return
         restarts[rank] += 1
-        print(f"supervisor: rank {rank}: {why}; starting life {lives[rank] + 1} (restart {restarts[rank]} of "
-              f"{job.max_restarts})", flush=True)
-        start(rank, lives[rank] + 1)
+        start(rank, lives[rank] + 1, why)
 
     for rank in job.ranks:
         start(rank, 0)
     retired: Set[int] = set()
     while True:
+        procs.exited.clear()
+        if spares is not None:
+            spares.fill()
         stop_on_bugs(store)
         if store.check([FAILED]):
             _fail(job, store, procs)
@@ -175,7 +190,7 @@ def _supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
                 replace(rank, f"life {life} was found lost by the other ranks")
         if len(ended) == len(job.ranks) and (job.coordinator or all_ended(store, "rank", job.world_size)):
             return [r for r in range(job.world_size) if r not in retired and store.check([f"rank/{r}/gone"])]
-        time.sleep(POLL_S)
+        procs.exited.wait(POLL_S)  # a process that exits wakes the loop at once
 
 
 def _fail(job: RankJob, store: Any, procs: ProcessSet) -> None:

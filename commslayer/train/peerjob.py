@@ -57,7 +57,7 @@ from commslayer.comm.communicator import Communicator
 from commslayer.comm.create import join, new_comm
 from commslayer.errors import CommAborted, CommError, InvalidArgument, first_line
 from commslayer.comm.exits import before_exit, exit_now
-from commslayer.train import packing
+from commslayer.train import packing, spare
 from commslayer.train.gradients import local
 from commslayer.hooks import recovery_hooks
 from commslayer.train.redundancy import PeerCopies, StateLost, holders
@@ -171,7 +171,9 @@ class PeerJob(Job):
             step, own = self._restore(joined=True)
             self._state.unpack(own)
             self.healed_at = step
-            print(f"[rank {self.rank}] replacement (life {self.restart}): state received from a holder "
+            by = f", warm spare {spare.adopted[0]} given the rank {time.time() - spare.adopted[1]:.3f}s ago" \
+                if spare.adopted else ""
+            print(f"[rank {self.rank}] replacement (life {self.restart}{by}): state received from a holder "
                   f"{self._copies.plan[self.rank]}, continuing at step {step} in generation {self.generation}",
                   flush=True)
         else:
@@ -419,9 +421,10 @@ class PeerJob(Job):
                             op="restore")
         self._copies.confirm()
         if joined:
+            spare_fields = {"spare": spare.adopted[0], "pid": os.getpid()} if spare.adopted else {}
             recovery_hooks("healed", {"step": to_step, "generation": self.generation, "source": source,
                                       "source_replica": None, "bytes": own.numel(),
-                                      "seconds": time.perf_counter() - start})
+                                      "seconds": time.perf_counter() - start, **spare_fields})
         return to_step, own
 
     def _fail(self, exc: CommError) -> None:

@@ -176,7 +176,8 @@ def print_recovery(story: Dict[str, Any]) -> None:
         say(f"  admitted {', '.join(map(str, adm['joined']))}{step}: generation {adm['generation']}, members "
             f"{adm['members_before']} -> {adm['members_after']}{took}")
         for h in adm["heals"]:
-            life = " (restarted)" if h["restarted"] else ""
+            life = "" if not h["restarted"] else " (restarted)" if h.get("spare") is None else \
+                f" (warm spare {h['spare']})"
             group = "" if h.get("source_replica") is None else f" (replica group {h['source_replica']})"
             size = "" if h["bytes"] is None else f": {h['bytes']} B"
             took = "" if h["seconds"] is None else f" in {h['seconds']:.3f} s"

@@ -20,7 +20,7 @@ Imports neither torch nor commslayer.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from tracing.messages import human_bytes, loss_cause, short_error
 from tracing.read.scan_rows import COMPLETED_CODE, END, STATE, WIDTH, arrivals
@@ -44,6 +44,11 @@ def lineage(uid: str) -> str:
 def _number(value: Any) -> Any:
     """``value`` if it is a number (a trace is hostile input: anything else reads as absent)."""
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _whole(value: Any) -> Optional[int]:
+    """``value`` if it is a whole number >= 0 (an id, a pid), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def _ranks(rs: Iterable[int]) -> str:
@@ -168,7 +173,7 @@ def recovery_story(scan: "JobScan") -> Dict[str, Any]:
     admissions = []
     heals = [{"rank": e["rank"], "t_ns": e["t_ns"], "step": e.get("step"), "generation": e.get("generation"),
               "source": e.get("source"), "source_replica": e.get("source_replica"), "bytes": _number(e.get("bytes")),
-              "seconds": _number(e.get("seconds")),
+              "seconds": _number(e.get("seconds")), "spare": _whole(e.get("spare")), "pid": _whole(e.get("pid")),
               "restarted": scan.life_of(e["rank"], e["t_ns"]) > 0}
              for e in sorted(by_kind.get("healed", ()), key=lambda e: e["t_ns"])]
     for (lin, gen), evs in sorted(gens.items()):
@@ -262,7 +267,8 @@ def _lines(losses: List[Dict[str, Any]], admissions: List[Dict[str, Any]], fence
             # printed; the survivors' admission names the step they were in (before going back)
             step = h["step"] if h and h["step"] is not None else adm["step"]
             at = "" if step is None else f" at step {step}"
-            how = " after a restart" if h and h["restarted"] else ""
+            how = "" if not h or not h["restarted"] else " after a restart" if h["spare"] is None else \
+                f", replaced by warm spare {h['spare']}" + ("" if h["pid"] is None else f" (pid {h['pid']})")
             took = "" if not h or h["seconds"] is None else f" (heal {h['seconds']:.3f} s" + (
                 "" if h["bytes"] is None else f", {human_bytes(h['bytes'])} from rank {h['source']}"
                 + ("" if h["source_replica"] is None else f" of replica group {h['source_replica']}")) + ")"

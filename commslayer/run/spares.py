@@ -1,0 +1,100 @@
+"""The launcher's side of warm spares (``commslayer-run --spares S``, per-rank mode): start them, keep S, hand one a lost rank.
+
+Each host's launcher keeps ``S`` spares of its own (per node, with
+``--nnodes``): processes of the user's script that wait in
+``resilience.init()`` with their imports done (commslayer.train.spare, which
+also says what a spare is and is not).  Where the supervisor
+(commslayer.run.supervisor) would start a lost rank's next life, it first
+asks ``take`` for a spare that is ready; the spare becomes that life (the
+process the supervisor watches for the rank) and a new spare starts in the
+background.  With no spare ready (none left, or the new one still
+starting) the replacement starts cold, as without spares.
+
+A spare that dies while it waits is no rank's loss: it is started again,
+and after ``MAX_FAILURES`` such deaths in a row (a script that cannot reach
+``init``) the host goes on without spares, saying so.  A whole host lost
+takes its spares with it; its ranks are replaced by no one and the
+survivors reshard (commslayer.train.peerjob), as without spares.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any, Callable, Dict, List, Optional
+
+from commslayer.run.processes import ProcessSet
+from commslayer.train.spare import ASSIGNED, assignment, key
+
+MAX_FAILURES = 3  # spares of one host that died waiting, in a row, before the host stops starting them
+
+
+class Spares:
+    """This host's warm spares: ``count`` of them kept started, watched, and handed out."""
+
+    def __init__(self, count: int, node: int, store: Any, procs: ProcessSet, command: List[str], env: Dict[str, str],
+                 echo: Callable[[str], None]) -> None:
+        self.count = count
+        self.used = 0  # spares that adopted a rank
+        self._node = node
+        self._store = store
+        self._procs = procs
+        self._command = command
+        self._env = {k: v for k, v in env.items() if k not in ASSIGNED}
+        self._echo = echo
+        self._waiting: Dict[int, "subprocess.Popen[str]"] = {}  # spare id -> its process, not yet given a rank
+        self._labels: Dict[int, str] = {}  # how each spare's output lines are marked: spare, then its rank
+        self._next = 0
+        self._failures = 0
+
+    def fill(self) -> None:
+        """Start spares until ``count`` wait (unless they keep dying); reap those that died;
+        the tally in the job's store says what changed."""
+        before = self.tally()
+        for sid, proc in list(self._waiting.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            del self._waiting[sid]
+            self._failures += 1
+            print(f"supervisor: spare {sid} (pid {proc.pid}) exited with {code} while it waited; it held no rank"
+                  + (f"; {MAX_FAILURES} spares died in a row: this host goes on without spares"
+                     if self._failures == MAX_FAILURES else ""), flush=True)
+        while len(self._waiting) < self.count and self._failures < MAX_FAILURES:
+            self._start()
+        if self.tally() != before:
+            self._store.set(f"spare/{self._node}/tally", self.tally())
+
+    def _start(self) -> None:
+        sid, self._next = self._next, self._next + 1
+        self._labels[sid] = f"spare {sid}"
+        env = dict(self._env, COMMSLAYER_SPARE=str(sid))
+        proc = self._procs.start(("spare", sid), [sys.executable, *self._command], env,
+                                 on_line=lambda line: self._echo(f"[{self._labels[sid]}] {line}"))
+        self._waiting[sid] = proc
+        print(f"supervisor: spare {sid} started (pid {proc.pid})", flush=True)
+
+    def take(self, rank: int, env: Dict[str, str], why: str) -> Optional["subprocess.Popen[str]"]:
+        """Hand ``rank``'s next life (its environment ``env``) to a ready spare: its process,
+        which the caller watches as the rank's from now on; None when no spare is ready."""
+        for sid, proc in sorted(self._waiting.items()):
+            if proc.poll() is None and self._store.check([key(self._node, sid, "ready")]):
+                break
+        else:
+            return None
+        del self._waiting[sid]
+        self._failures = 0
+        self.used += 1
+        self._store.set(key(self._node, sid, "rank"), assignment(env, why))
+        self._labels[sid] = f"rank {rank}"
+        self._procs.procs[rank] = self._procs.procs.pop(("spare", sid))
+        print(f"supervisor: rank {rank}: {why}; spare {sid} (pid {proc.pid}) takes life "
+              f"{env['TORCHELASTIC_RESTART_COUNT']}", flush=True)
+        self._store.set(f"spare/{self._node}/tally", self.tally())
+        self.fill()
+        return proc
+
+    def tally(self) -> str:
+        """What ``spare/<node>/tally`` holds (JSON): spares used and left on this host."""
+        return json.dumps({"used": self.used, "left": len(self._waiting)})
