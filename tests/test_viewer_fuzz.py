@@ -4,10 +4,11 @@ subcommand raise.  Hypothesis builds jobs of one to three ranks whose dumps
 (tests/viewer_traces.py) and then get fields replaced by arbitrary JSON or
 by values near the edges (wrong types, integers past int64, negative times,
 placeholders, terminal escapes), fields deleted, junk lines inserted, or
-files cut short.  Every subcommand then runs in-process; it must exit 0, 1
-(``diagnose`` only) or 2, never with a traceback or an internal error, and
-what it writes must be valid.  Derandomized, so CI sees the same examples;
-a failure is shrunk by Hypothesis to a minimal input."""
+files cut short.  Every subcommand (``watch --once`` too) then runs
+in-process; it must exit 0, 1 (``diagnose`` only) or 2, never with a
+traceback or an internal error, and what it writes must be valid.
+Derandomized, so CI sees the same examples; a failure is shrunk by
+Hypothesis to a minimal input."""
 
 from __future__ import annotations
 
@@ -128,10 +129,14 @@ def test_no_input_makes_a_subcommand_raise(files, skip_bad):
         html, chrome = os.path.join(d, "view.html"), os.path.join(d, "trace.json")
         flags = ["--skip-bad"] if skip_bad else []
         for args in (["summary", "--json"], ["diagnose"], ["diagnose", "--json"], ["overlap", "--json"],
-                     ["summary"], ["export", "--perfetto", chrome], ["view", "-o", html]):
-            rc, out, err = run_cli(*args, *flags, traces)
+                     ["summary"], ["export", "--perfetto", chrome], ["view", "-o", html], ["watch", "--once"]):
+            rc, out, err = run_cli(*args, *(flags if args[0] != "watch" else []), traces)  # watch always skips
             allowed = (0, 1, 2) if args[0] == "diagnose" else (0, 2)
             assert rc in allowed and "Traceback" not in err and "internal error" not in err, (args, rc, err)
+            if args[0] == "watch":
+                assert "\x1b" not in out + err and all(x.startswith("commslayer-trace: warning: skipped ")
+                                                      for x in err.splitlines()), err
+                continue
             if rc == 2:
                 assert err.startswith("commslayer-trace: error: ") and len(err.splitlines()) <= 2, err
                 continue

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import subprocess
+import sys
 import time
 
 import pytest
@@ -20,6 +22,7 @@ from tracing.read import analysis
 from tracing.read.traceio import MAX_LINE_BYTES, TraceFileError
 
 COMMANDS = ("summary", "diagnose", "overlap", "export", "view")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _args(command, d, tmp_path):
@@ -254,6 +257,79 @@ def test_a_line_longer_than_the_bound_is_refused_and_skipped(tmp_path):
     rc, out, err = run_cli("summary", "--json", "--skip-bad", str(tmp_path))
     assert rc == 0 and f"skipped {path}:4: line longer" in err and f"skipped {path}:6: truncated" in err
     assert sum(g["count"] for g in json.loads(out)["groups"]) == 5 + 3
+
+
+DEEP = "[" * 1000 + "]" * 1000  # within the JSON parser's depth limit (1024); a full repr raised RecursionError
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout", ["dump", "jsonl"])
+def test_a_field_nested_deep_is_a_bad_record(layout, tmp_path):
+    """A field nested ~1000 deep gave RecursionError in every command, with --skip-bad too
+    (issue 41): it is a record of the wrong type, named, and skipped by --skip-bad."""
+    job(str(tmp_path), ranks=2, ops=5, jsonl=layout == "jsonl")
+    recs = [record(i, rank=1) for i in range(1, 6)]
+    recs[2]["root"] = "@deep@"
+    if layout == "jsonl":
+        os.remove(tmp_path / "rank1.json")
+        lines = [json.dumps(e) for e in jsonl_lines(1, recs)]
+        where = f"{tmp_path / 'rank1.jsonl'}:5: "
+        (tmp_path / "rank1.jsonl").write_text("\n".join(lines).replace('"@deep@"', DEEP) + "\n")
+    else:
+        where = f"{tmp_path / 'rank1.json'}:1: record #2: "
+        (tmp_path / "rank1.json").write_text(json.dumps(dump_doc(1, recs)).replace('"@deep@"', DEEP))
+    for command in COMMANDS:
+        rc, _, err = run_cli(*_args(command, tmp_path, tmp_path))
+        assert rc == 2 and where + "'root' must be an integer or null, not a list [[[[" in _one_error_line(err), err
+    rc, out, err = run_cli("summary", "--json", "--skip-bad", str(tmp_path))
+    assert rc == 0 and "skipped " + where in err, err
+    assert sum(g["count"] for g in json.loads(out)["groups"]) == 5 + 4
+
+
+@pytest.mark.timeout(120)
+def test_a_gigabyte_of_zeros_is_refused_without_reading_it(tmp_path):
+    """A 1 GiB dump of NULs was read whole (2.1 GB of memory) before it was refused (issue 41):
+    the first chunk refuses it. A sparse file; the reader is a real process, its peak memory
+    read from the kernel (wait4)."""
+    traces = tmp_path / "t"
+    traces.mkdir()
+    with open(traces / "rank0.json", "wb") as f:
+        f.truncate(1 << 30)
+    for args in (["summary"], ["diagnose", "--skip-bad"], ["watch", "--once"]):
+        with open(tmp_path / "err", "wb") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "tracing.read.cli", *args, str(traces)],
+                                    stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT)
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+        said = (tmp_path / "err").read_text()
+        assert "not a commslayer trace dump (a NUL byte at offset 0)" in said and "Traceback" not in said, said
+        assert proc.returncode == (0 if args[0] == "watch" else 2), (args, said)
+        assert usage.ru_maxrss < 256 * 1024, f"{args}: {usage.ru_maxrss} KiB at the peak"  # KiB on Linux
+
+
+@pytest.mark.timeout(60)
+def test_watch_names_bad_lines_and_files_like_the_other_commands(tmp_path):
+    """``watch --once`` crashed with "internal error" on some malformed inputs (a clock or a
+    failure event of the wrong type) and passed over bad lines unsaid (issue 41): every line
+    is checked as the other commands check it; what is skipped is named on stderr."""
+    job(str(tmp_path), ranks=2, ops=5, jsonl=True)
+    os.remove(tmp_path / "rank1.json")
+    events = jsonl_lines(1, [record(i, rank=1) for i in range(1, 6)])
+    events[0]["clock"] = 7.5
+    events[3]["seq"] = "1"
+    events.append({"event": "peer_lost", "rank": 1, "comm": ["x"], "error": 5})
+    write(str(tmp_path / "rank1.jsonl"), events)
+    (tmp_path / "rank0.json").write_bytes(b"garbage")
+    path = tmp_path / "rank1.jsonl"
+    rc, out, err = run_cli("watch", "--once", str(tmp_path))
+    assert rc == 0 and "Traceback" not in err and "internal error" not in err, err
+    assert err.splitlines() == [
+        f"commslayer-trace: warning: skipped {path}:1: 'clock' must be an object with wall_ns and mono_ns, not 7.5",
+        f"commslayer-trace: warning: skipped {path}:4: 'seq' must be an integer, not a string '1'",
+        f"commslayer-trace: warning: skipped {path}:8: peer_lost: 'comm' must be a string or null, not a list ['x']",
+        f"commslayer-trace: warning: skipped {tmp_path / 'rank0.json'}:1: not a commslayer trace dump (it starts "
+        "with 'g', not '{')"], err
+    assert "skipped bad input: 4 lines or files" in out, out
 
 
 ESCAPES = "\x1b]0;pwned\x07\x1b[2J\x1b[31mred\u202e\nLikely culprit: rank 9 (forged)\x9b1m"

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 import re
+import reprlib
 import stat
 from dataclasses import dataclass, field
 from functools import partial
@@ -73,6 +74,7 @@ MAX_RANKS = 1 << 20           # a rank or communicator size at or above this is 
 TIME_LIMIT = 1 << 62          # ns; times at or beyond it are corrupt (aligned sums stay inside int64)
 MAX_LINE_BYTES = 1 << 20      # a JSON line (one record or event) longer than this is corrupt
 MAX_DUMP_BYTES = 1 << 30      # a larger dump is refused instead of parsed
+READ_CHUNK = 16 << 20         # a dump is read and checked this much at a time
 
 _NONE = type(None)
 # The type every record field must have (exact types: true is not an integer
@@ -152,12 +154,17 @@ class RankSource:
 
 # ---------------------------------------------------------------- checking values
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 4, 80, 80, 80
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list",
                dict: "an object", _NONE: "null"}
 
 
 def _shown(v: Any) -> str:
-    text = repr(v)
+    """``v`` for a message, at most 40 characters; values nested deeper than a few
+    levels are shown as ``[...]`` (a full repr of one nested ~1000 deep raised
+    RecursionError, which ``--skip-bad`` could not skip)."""
+    text = _REPR.repr(v)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
@@ -297,10 +304,16 @@ def find_files(paths: Sequence[str]) -> List[str]:
     return out
 
 
+def file_rank(path: str) -> Optional[int]:
+    """The rank a trace file's name gives (``rank<R>.json``, ``rank<R>.jsonl``), or None."""
+    m = _RANK_FILE.match(os.path.basename(path))
+    return int(m.group(1)) if m else None
+
+
 def _rank_file_order(name: str) -> Tuple[int, str]:
     """Sort key of a directory entry: rank files by rank number, then by name."""
-    m = _RANK_FILE.match(name)
-    return (int(m.group(1)) if m else -1, name)
+    rank = file_rank(name)
+    return (-1 if rank is None else rank, name)
 
 
 def life_of(path: str) -> int:
@@ -386,13 +399,31 @@ def _jsonl_header(path: str) -> Dict[str, Any]:
     return head
 
 
+def _json_text(f: BinaryIO, path: str) -> bytearray:
+    """A dump's bytes, read in chunks and refused at the first chunk that cannot be a
+    dump's JSON (a NUL byte, which JSON text never holds; a first character other than
+    ``{``): a 1 GiB file of zeros was read whole (2.1 GB of memory) before ``loads``
+    refused it."""
+    data, first = bytearray(), b""
+    while chunk := f.read(READ_CHUNK):
+        nul = chunk.find(b"\0")
+        if nul >= 0:
+            raise TraceFileError(path, None, f"not a commslayer trace dump (a NUL byte at offset {len(data) + nul})")
+        first = first or chunk.lstrip()[:1]
+        if first not in (b"", b"{"):
+            raise TraceFileError(path, 1, f"not a commslayer trace dump (it starts with {first.decode('latin-1')!r}, "
+                                          "not '{')")
+        data += chunk
+        if len(data) > MAX_DUMP_BYTES:
+            raise TraceFileError(path, None, f"larger than the {MAX_DUMP_BYTES} bytes this reader takes")
+    return data
+
+
 def read_dump(path: str) -> Dict[str, Any]:
     """One dump file, parsed and checked as a whole (``TraceFileError`` says
     what is wrong with it); its fields and records are checked as they are used."""
     with open_regular(path, MAX_DUMP_BYTES) as f:
-        data = f.read(MAX_DUMP_BYTES + 1)
-    if len(data) > MAX_DUMP_BYTES:
-        raise TraceFileError(path, None, f"larger than the {MAX_DUMP_BYTES} bytes this reader takes")
+        data = _json_text(f, path)
     try:
         doc = loads(data)
     except _BAD_JSON as exc:
@@ -473,7 +504,7 @@ def _note_skipped(problems: List[str], exc: TraceFileError, bad: int) -> None:
 Row = Tuple[Tuple[Any, ...], Dict[str, Any]]  # a record's field values in RECORD_FIELDS order, and the record
 
 
-def _load_dump_into(src: RankSource, skip_bad: bool, problems: List[str]) -> Dict[int, Row]:
+def load_dump(src: RankSource, skip_bad: bool, problems: List[str]) -> Dict[int, Row]:
     """Read the rank's dump (facts into ``src``); its records by op_id.  With
     ``skip_bad`` a bad record is left out; a bad dump as a whole always raises."""
     path = src.dump_path
@@ -585,10 +616,24 @@ def tail_ends(path: str, n: int) -> List[int]:
 def _other_line(src: RankSource, path: str, lineno: int, line: bytes) -> Optional[Row]:
     """A JSONL line the fast path did not take: a record (checked in full, returned),
     an event to note (None), or an error."""
+    return check_event(src, parse_line(path, lineno, line), path, lineno)
+
+
+def parse_line(path: str, lineno: int, line: bytes) -> Any:
+    """One JSON line, parsed, or ``TraceFileError``."""
     try:
-        ev = loads(line)
+        return loads(line)
     except _BAD_JSON as exc:
         raise TraceFileError(path, lineno, f"truncated or corrupt JSON line ({exc})") from None
+
+
+# The events a communicator writes when it fails (tracing.record.sinks).
+FAILURE_EVENTS = ("collective_timeout", "peer_lost", "communicator_error")
+
+
+def check_event(src: RankSource, ev: Any, path: str, lineno: int) -> Optional[Row]:
+    """A parsed JSONL event, checked: a record (returned with its values), an event
+    noted into ``src`` (None), or ``TraceFileError`` naming what is wrong."""
     kind = ev.get("event") if isinstance(ev, dict) else None
     if kind == "collective":
         return _record(ev, path, lineno), ev
@@ -604,8 +649,16 @@ def _other_line(src: RankSource, path: str, lineno: int, line: bytes) -> Optiona
         _take_event(src, ev, path, lineno)
     elif kind == "sink_dropped":
         src.jsonl_dropped += _count(ev, "dropped", path, lineno)
-    elif kind == "trace_started" and ev.get("schema") != SCHEMA_VERSION:
-        raise TraceFileError(path, lineno, f"trace schema {_shown(ev.get('schema'))}; this reader knows {SCHEMA_VERSION}")
+    elif kind in FAILURE_EVENTS:
+        why = next(filter(None, (_type_problem(k, ev.get(k), (str, _NONE)) for k in ("comm", "error"))), None)
+        if why:
+            raise TraceFileError(path, lineno, f"{kind}: {why}")
+    elif kind == "trace_started":
+        if ev.get("schema") != SCHEMA_VERSION:
+            raise TraceFileError(path, lineno,
+                                 f"trace schema {_shown(ev.get('schema'))}; this reader knows {SCHEMA_VERSION}")
+        if ev.get("clock") is not None:
+            _clock_offset(ev["clock"], path, lineno)
     elif kind is None:
         raise TraceFileError(path, lineno, "not a trace event (no 'event' field)")
     return None
@@ -711,7 +764,7 @@ def _life_rows(src: RankSource, skip_bad: bool, problems: List[str]) -> Iterator
     from_dump: Dict[int, Row] = {}
     if src.dump_path:
         try:
-            from_dump = _load_dump_into(src, skip_bad, problems)
+            from_dump = load_dump(src, skip_bad, problems)
         except TraceFileError as exc:
             if not skip_bad:
                 raise

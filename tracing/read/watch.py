@@ -22,16 +22,17 @@ import sys
 import time
 from collections import OrderedDict
 from datetime import datetime, timezone
-from typing import Any, Dict, List, Optional, TextIO, Tuple
+from typing import Any, Callable, Dict, List, Optional, TextIO, Tuple
 
 from tracing.messages import loss_cause, short_error
 from tracing.read.story import lineage
-from tracing.read.traceio import MAX_DUMP_BYTES, MAX_LINE_BYTES, TraceFileError, find_files, life_of, loads, read_dump
+from tracing.read.traceio import (FAILURE_EVENTS, MAX_LINE_BYTES, RankSource, TraceFileError, check_event, file_rank,
+                                   find_files, life_of, load_dump, parse_line)
 
 READ_BYTES = 8 << 20  # per file and look: a job far ahead is caught up over several looks
 KEEP_COLLECTIVES = 4096  # the latest collectives whose arrivals are kept
 MAX_MEMBERS_SHOWN = 4096
-_FAILURES = ("collective_timeout", "peer_lost", "communicator_error")
+MAX_PROBLEMS = 5  # bad lines or files named per file; the rest are counted
 _CLEAR = "\x1b[H\x1b[2J"
 
 
@@ -46,12 +47,15 @@ class _Follower:
         self.path = path
         self.offset = 0
         self.rest = b""
+        self.lineno = 0
         self.rank: Optional[int] = None
         self.life = life_of(path)
         self.offset_ns = 0  # wall - monotonic of the writing process (its trace_started line)
+        self.checked = RankSource(-1)  # where check_event notes communicators and events (watch keeps its own)
 
-    def new_lines(self) -> List[Dict[str, Any]]:
-        """The events appended since the last call (bad lines are skipped)."""
+    def new_lines(self, skip: Callable[[TraceFileError], None]) -> List[Dict[str, Any]]:
+        """The events appended since the last call, each checked as the other commands
+        check it; a bad line (or one longer than the bound) goes to ``skip``."""
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
@@ -61,16 +65,21 @@ class _Follower:
         self.offset += len(data)
         lines = (self.rest + data).split(b"\n")
         self.rest = lines.pop()
-        if len(self.rest) > MAX_LINE_BYTES:
+        if len(self.rest) > MAX_LINE_BYTES:  # counted as a line of its own, skipped
+            lines.append(self.rest)
             self.rest = b""
         out = []
         for line in lines:
+            self.lineno += 1
             try:
-                ev = loads(line)
-            except ValueError:
+                if len(line) > MAX_LINE_BYTES:
+                    raise TraceFileError(self.path, self.lineno, f"line longer than {MAX_LINE_BYTES} bytes")
+                ev = parse_line(self.path, self.lineno, line)
+                check_event(self.checked, ev, self.path, self.lineno)
+            except TraceFileError as exc:
+                skip(exc)
                 continue
-            if isinstance(ev, dict):
-                out.append(ev)
+            out.append(ev)
         return out
 
 
@@ -89,6 +98,8 @@ class Watch:
         self.first_failure: Optional[Tuple[int, str]] = None   # (wall ns, text): the earliest reported
         self.events: List[Tuple[int, str]] = []
         self.job: Optional[str] = None
+        self.problems: List[str] = []  # bad lines and files skipped, as the other commands word them
+        self._bad: Dict[str, int] = {}  # path -> bad lines or dumps of it seen
 
     # ---------------------------------------------------------------- reading
     def poll(self) -> None:
@@ -100,19 +111,32 @@ class Watch:
         for path in sorted(paths, key=lambda p: not p.endswith(".jsonl")):  # JSON lines first: they have it all
             if path.endswith(".jsonl"):
                 f = self.files.get(path) or self.files.setdefault(path, _Follower(path))
-                for ev in f.new_lines():
+                for ev in f.new_lines(self._skip):
                     self._take(f, ev)
             else:
                 self._take_dump(path)
+
+    def _skip(self, exc: TraceFileError) -> None:
+        """Note a bad line or file: the first few of each file by name, the rest counted."""
+        bad = self._bad[exc.path] = self._bad.get(exc.path, 0) + 1
+        if bad <= MAX_PROBLEMS:
+            self.problems.append(f"skipped {exc}")
+
+    def warnings(self) -> List[str]:
+        """What was skipped, worded as the other commands' ``--skip-bad`` warnings."""
+        more = [f"skipped {n - MAX_PROBLEMS} more bad lines of {path}"
+                for path, n in sorted(self._bad.items()) if n > MAX_PROBLEMS]
+        return self.problems + more
 
     def _take(self, f: _Follower, ev: Dict[str, Any]) -> None:
         kind = ev.get("event")
         if kind == "trace_started":
             f.rank = ev.get("rank") if type(ev.get("rank")) is int else None
-            clock = ev.get("clock") or {}
-            if isinstance(clock.get("wall_ns"), int) and isinstance(clock.get("mono_ns"), int):
+            clock = ev.get("clock")  # checked (traceio.check_event)
+            if clock is not None:
                 f.offset_ns = clock["wall_ns"] - clock["mono_ns"]
-            self.job = self.job or ev.get("job")
+            if isinstance(ev.get("job"), str):
+                self.job = self.job or ev["job"]
             return
         rank = f.rank if f.rank is not None else ev.get("rank")
         if type(rank) is not int:
@@ -134,7 +158,7 @@ class Watch:
             if ev.get("kind") in ("peer_lost", "fenced"):
                 self._fail(f, ev, f"rank {rank}: {ev.get('kind')} {ev.get('lost') or ''} in '{ev.get('comm')}': "
                                   f"{loss_cause(ev.get('error') or ev.get('why'))}")
-        elif kind in _FAILURES:
+        elif kind in FAILURE_EVENTS:
             why = loss_cause(ev.get("error")) if kind == "peer_lost" else short_error(ev.get("error"))
             self._fail(f, ev, f"rank {rank}: {kind} in '{ev.get('comm')}': {why}")
 
@@ -154,20 +178,21 @@ class Watch:
             self.arrivals.popitem(last=False)
 
     def _take_dump(self, path: str) -> None:
+        src = RankSource(file_rank(path) or 0, dump_path=path)  # find_files gives rank<R>.json names only
         try:
             mtime = os.stat(path).st_mtime
-            if self.dumps.get(path) == mtime or os.path.getsize(path) > MAX_DUMP_BYTES:
+            if self.dumps.get(path) == mtime:
                 return
-            doc = read_dump(path)
-        except (OSError, TraceFileError):
+            self.dumps[path] = mtime  # a bad dump is named once, not at every look
+            rows = load_dump(src, True, self.problems)
+        except OSError:
             return
-        self.dumps[path] = mtime
+        except TraceFileError as exc:
+            self._skip(exc)
+            return
         f = _Follower(path)
-        f.rank = doc["rank"]
-        clock = doc.get("clock") or {}
-        if isinstance(clock.get("wall_ns"), int) and isinstance(clock.get("mono_ns"), int):
-            f.offset_ns = clock["wall_ns"] - clock["mono_ns"]
-        records = [r for r in doc["records"] if isinstance(r, dict)]
+        f.rank, f.offset_ns = src.rank, src.wall_minus_mono_ns or 0
+        records = [r for _, r in rows.values()]
         open_ops = [dict(r, wall_start_ns=(r.get("start_ns") or r.get("enqueue_ns") or 0) + f.offset_ns)
                     for r in records if r.get("state") in ("started", "scheduled")]
         self.in_flight[f.rank] = (mtime, open_ops)
@@ -176,9 +201,8 @@ class Watch:
             for r in records:
                 if r.get("state") not in ("started", "scheduled"):
                     self._take_record(f, f.rank, r)
-            for ev in doc.get("events") or ():
-                if isinstance(ev, dict):
-                    self._take(f, {**ev, "event": "recovery"})
+            for ev in src.events:
+                self._take(f, {**ev, "event": "recovery"})
 
     def _membership(self, name: Any, generation: Any, members: Any, f: _Follower, ev: Dict[str, Any]) -> None:
         if type(generation) is not int or not isinstance(members, list):
@@ -228,6 +252,9 @@ class Watch:
             lines.append(f"{name}: generation {gen}, members {', '.join(map(str, members))} "
                          f"(since {_clock(since)})")
         lines.append(f"first failure: {self.first_failure[1] if self.first_failure else 'none so far'}")
+        if self.problems:
+            lines.append(f"skipped bad input: {sum(self._bad.values())} lines or files, the first: "
+                         f"{self.problems[0][len('skipped '):]}")
         lines.append("")
         lines.append(f"{'rank':>4} {'life':>4}  {'current op':<44} {'state':<10} {'age s':>8}")
         for rank in sorted(set(self.latest) | set(self.in_flight)):
@@ -270,6 +297,8 @@ def run(directory: str, *, interval_s: float = 1.0, last: int = 20, once: bool =
                 say(line, out)
             out.flush()
             if once:
+                for problem in w.warnings():
+                    say(f"commslayer-trace: warning: {problem}", sys.stderr)
                 return 0
             time.sleep(interval_s)
     except KeyboardInterrupt:
