@@ -290,3 +290,75 @@ def test_native_records_equal_python_records(tmp_path):
     assert [(r["state"], r["error"]) for r in aborted] == [("aborted", "communicator aborted")], aborted
     assert aborted[0]["end_ns"] > aborted[0]["start_ns"]
     assert os.path.exists(results[0]["dump"])
+
+
+def _load_in_child(directory):
+    """(exit status, why_not) of a fresh process that loads the module from ``directory``."""
+    done = subprocess.run([sys.executable, "-c", "from commslayer.comm import native; "
+                           f"native.load({str(directory)!r}); print(native.why_not())"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    return done.returncode, (done.stdout + done.stderr).strip()
+
+
+@pytest.mark.timeout(120)
+def test_a_module_another_user_could_have_planted_or_cut_short_is_not_loaded(tmp_path):
+    """Issue 41: the module was loaded from any directory, whoever could write it, and a
+    truncated one killed the process with SIGBUS. Each is refused with its reason in
+    ``why_not``, and communicators take the Python path; an intact copy still loads."""
+    if native.why_not() is not None:
+        pytest.skip(f"the module is not built here: {native.why_not()}")
+    built = native.module_path()
+    good = tmp_path / "good"
+    good.mkdir(mode=0o755)
+    shutil.copy2(built, good / os.path.basename(built))
+    assert _load_in_child(good) == (0, "None")
+    cases = {}
+    for case in ("open directory", "open file", "cut short", "another owner"):
+        d = tmp_path / case.replace(" ", "-")
+        shutil.copytree(good, d)
+        cases[case] = d / os.path.basename(built)
+    os.chmod(cases["open directory"].parent, 0o777)
+    os.chmod(cases["open file"], 0o666)
+    with open(cases["cut short"], "r+b") as f:
+        f.truncate(os.path.getsize(built) // 2)
+    if os.geteuid() == 0:
+        os.chown(cases["another owner"], 65534, -1)
+    else:
+        del cases["another owner"]  # only root can give a file away
+    says = {"open directory": "-directory is writable by its group and others (mode 0777): another user could",
+            "open file": "is writable by its group and others (mode 0666)",
+            "cut short": f"truncated ({os.path.getsize(built) // 2} bytes",
+            "another owner": "is owned by uid 65534, not this process's uid 0"}
+    for case, path in cases.items():
+        rc, why = _load_in_child(path.parent)
+        assert rc == 0 and why.startswith(f"{path} is not loaded: ") and says[case] in why, (case, rc, why)
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_build_leaves_no_partial_module_behind(tmp_path):
+    """A build SIGKILLed mid-way left its ``*.so.partial`` for good (issue 41): the next build
+    removes a partial whose process is gone, and keeps one whose build still runs."""
+    compiler = tmp_path / "slow-c++"
+    compiler.write_text("#!/bin/sh\nsleep 60\n")
+    compiler.chmod(0o755)
+    out = tmp_path / "build"
+    env = {**os.environ, "CXX": str(compiler)}
+    build = subprocess.Popen([sys.executable, "-c", f"from commslayer.comm import native; native.build({str(out)!r})"],
+                             env=env, cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while not (out.is_dir() and any(n.endswith(".so.partial") for n in os.listdir(out))):
+        assert time.monotonic() < deadline and build.poll() is None, "the build never started"
+        time.sleep(0.05)
+    build.kill()
+    build.wait()
+    left = [n for n in os.listdir(out) if n.endswith(".so.partial")]
+    assert len(left) == 1 and f".{build.pid}." in left[0], left  # what a killed build leaves
+    running = out / f"{native.module_name()}.{os.getpid()}.x.so.partial"  # a build still running: this process
+    running.touch()
+    with pytest.raises(RuntimeError, match=r"the compiler failed"):
+        os.environ["CXX"] = "false"
+        try:
+            native.build(str(out))
+        finally:
+            os.environ.pop("CXX")
+    assert sorted(os.listdir(out)) == [running.name]

@@ -12,7 +12,10 @@ of torch's version, so a stale build is never loaded, and a changed source
 is built anew.  Nothing builds at run time: where the module is not built
 (no compiler, or commslayer installed another way), or
 ``COMMSLAYER_NATIVE=0``, communicators take the pure-Python direct path,
-which does the same (``why_not`` says why).
+which does the same (``why_not`` says why).  Nor is a module loaded that another
+user could have planted or changed (a file not this user's, or writable by others,
+or in a directory others may write), or that is cut short (a truncated module
+would fault with SIGBUS inside the loader): those too take the Python path.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import importlib.machinery
 import importlib.util
 import os
 import shutil
+import stat
+import struct
 import subprocess
 import sys
 import sysconfig
@@ -85,13 +90,16 @@ def build(directory: Optional[str] = None) -> str:
     never sees half a file.
     """
     path = module_path(directory)
-    if os.path.exists(path):
+    if os.path.exists(path) and _elf_problem(path) is None:
         return path
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+    _remove_stale_partials(os.path.dirname(path))
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler ({compiler!r} is not on PATH)")
-    fd, partial = tempfile.mkstemp(suffix=".so.partial", dir=os.path.dirname(path))
+    # named for this process, so a later build can tell a killed build's leftover from a running one
+    fd, partial = tempfile.mkstemp(prefix=f"{module_name()}.{os.getpid()}.", suffix=".so.partial",
+                                   dir=os.path.dirname(path))
     os.close(fd)
     try:
         done = subprocess.run(compile_command(module_name(), partial), capture_output=True, text=True,
@@ -109,6 +117,76 @@ def build(directory: Optional[str] = None) -> str:
     return path
 
 
+def _remove_stale_partials(directory: str) -> None:
+    """Remove what builds killed mid-way left (``<module>.<pid>.<random>.so.partial``
+    whose process is gone); a running build's partial stays."""
+    for name in os.listdir(directory):
+        parts = name.split(".")
+        if not (name.startswith("commslayer_direct_") and name.endswith(".so.partial") and parts[1].isdigit()):
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            os.unlink(os.path.join(directory, name))
+        except PermissionError:  # alive, another user's
+            pass
+
+
+def _unsafe(path: str) -> Optional[str]:
+    """Why loading the module at ``path`` could run code another user planted (None: it
+    cannot): the file must be this user's and writable by no one else, and no directory
+    above it writable by another user unless sticky (where others cannot rename or remove
+    what is ours), nor owned by anyone but this user or root."""
+    me = os.geteuid()
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path} is not a regular file"
+    if st.st_uid != me:
+        return f"{path} is owned by uid {st.st_uid}, not this process's uid {me}"
+    if st.st_mode & 0o022:
+        return f"{path} is writable by {_writers(st.st_mode)} (mode {stat.S_IMODE(st.st_mode):04o})"
+    directory = os.path.dirname(os.path.abspath(path))
+    while True:
+        st = os.stat(directory)
+        if st.st_uid not in (me, 0):
+            return f"its directory {directory} is owned by uid {st.st_uid}, not this process's uid {me} or root"
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            return f"its directory {directory} is writable by {_writers(st.st_mode)} " \
+                   f"(mode {stat.S_IMODE(st.st_mode):04o}): another user could put code in its place"
+        if directory == os.path.dirname(directory):
+            return None
+        directory = os.path.dirname(directory)
+
+
+def _writers(mode: int) -> str:
+    return " and ".join(who for who, bit in (("its group", 0o020), ("others", 0o002)) if mode & bit)
+
+
+def _elf_problem(path: str) -> Optional[str]:
+    """Why ``path`` is not a whole 64-bit ELF file (None: it is): a truncated module
+    would be mapped by the loader and fault with SIGBUS when a missing page is touched,
+    so every program segment and the section table must lie inside the file."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(64)
+        if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] not in (1, 2):
+            return "not a 64-bit ELF file"
+        order = "<" if head[5] == 1 else ">"
+        phoff, shoff = struct.unpack_from(order + "QQ", head, 0x20)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from(order + "HHHH", head, 0x36)
+        if phoff + phnum * phentsize > size or shoff + shnum * shentsize > size or phentsize < 56:
+            return f"truncated ({size} bytes: its headers end past the end of the file)"
+        f.seek(phoff)
+        table = f.read(phnum * phentsize)
+    for i in range(phnum):
+        kind, = struct.unpack_from(order + "I", table, i * phentsize)
+        offset, = struct.unpack_from(order + "Q", table, i * phentsize + 8)
+        filesz, = struct.unpack_from(order + "Q", table, i * phentsize + 32)
+        if kind == 1 and offset + filesz > size:  # PT_LOAD
+            return f"truncated ({size} bytes; a segment ends at byte {offset + filesz})"
+    return None
+
+
 def load(directory: Optional[str] = None) -> Optional[ModuleType]:
     """The built module, or None (``why_not`` says why). Loaded once per process."""
     global _loaded, _why_not
@@ -121,6 +199,11 @@ def load(directory: Optional[str] = None) -> Optional[ModuleType]:
         return None
     if not os.path.exists(path):
         _why_not = f"not built for this source ({path} is missing; `commslayer-native` builds it)"
+        return None
+    refused = _unsafe(path)
+    broken = None if refused else _elf_problem(path)
+    if refused or broken:
+        _why_not = f"{path} is not loaded: " + (refused or f"{broken}; `commslayer-native` builds it again")
         return None
     try:
         loader = importlib.machinery.ExtensionFileLoader(name, path)
