@@ -107,6 +107,14 @@ def test_the_console_script_is_declared():
     (["."], "script '.': is a directory"),
     ([], "name the script to run"),
     (["--compare-to", "{tmp}", "--run-dir", "out", "{script}"], "no result files there"),
+    # sizes no host can run: refused before anything starts (the launcher once grew to 22 GB on the first)
+    (["--nproc-per-node", "1000000000", "{script}"], "a job of 1000000000 ranks: at most 65536"),
+    (["--replicas", "100000", "--replica-ids", "none"], "a job of 200000 ranks: at most 65536"),
+    (["--replicas", "2", "--nproc-per-replica", "1000", "{script}"],
+     "2 replica group(s) of --nproc-per-replica 1000 (and a torchrun agent each): 2002 processes on this host"),
+    (["--nproc-per-node", "4", "--spares", "1", "--max-local-procs", "4", "{script}"],
+     "--nproc-per-node 4 and --spares 1: 5 processes on this host, more than 4: --max-local-procs"),
+    (["--spares", "-1", "{script}"], "--spares -1: must be 0 or more"),
 ])
 def test_nonsense_is_one_line_and_exit_2(tmp_path, args, says):
     script = tmp_path / "job.py"
@@ -176,3 +184,37 @@ def test_one_replica_group_and_the_results_contract(tmp_path):
     summary = runs.load_summary(str(tmp_path / "out"))
     assert summary is not None and summary.ok and summary.losses == {0: 2.0, 1: 1.5}
     assert not tagged(tag)
+
+
+SLEEPER = """
+import os, sys, time
+os.write(1, f"up {os.getpid()}\\n".encode())
+time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", [["--nproc-per-node", "2"], ["--replicas", "1", "--nproc-per-replica", "2"]])
+def test_what_a_sigkilled_launcher_started_dies_with_it(tmp_path, mode):
+    """SIGKILL leaves the launcher no chance to end anything: its ranks (per-rank mode) and its
+    torchrun agents (replica mode, which end their workers) get SIGTERM from the kernel."""
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    tag = uuid.uuid4().hex
+    env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="", COMMSLAYER_TEST_TAG=tag)
+    proc = subprocess.Popen([*LAUNCHER, *mode, "sleeper.py"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    up = []
+    for line in proc.stdout:
+        if " up " in line or line.startswith("up "):
+            up.append(int(line.split("up ")[1]))
+        if len(up) == 2:
+            break
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while tagged(f"COMMSLAYER_TEST_TAG={tag}".encode()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = tagged(f"COMMSLAYER_TEST_TAG={tag}".encode())
+    for pid in left:
+        os.kill(pid, 9)
+    assert len(up) == 2 and not left, (up, left)

@@ -95,6 +95,9 @@ from commslayer.endpoints import host_port, is_etcd, parse_url
 from commslayer.runs import PROG
 
 GRACE_S = 5.0  # default --grace: SIGTERM to SIGKILL when the launcher ends its processes
+MAX_WORLD = 65_536  # ranks in a job: the job's store holds keys per rank, which the coordinator scans
+PROCS_PER_CPU = 4  # default --max-local-procs: this many per CPU of the host (at least MIN_LOCAL_PROCS)
+MIN_LOCAL_PROCS = 8
 
 
 class _Parser(argparse.ArgumentParser):
@@ -129,6 +132,10 @@ def parser() -> argparse.ArgumentParser:
                    help="per-rank mode: warm spares on each host, started with the job and waiting in "
                         "resilience.init(); a lost rank's next life is one of them instead of a cold start "
                         "(default 0)")
+    p.add_argument("--max-local-procs", type=int,
+                   help="refuse to start more processes than this on this host (ranks and spares; in replica "
+                        f"mode torchrun agents and their workers) (default {PROCS_PER_CPU} per CPU, at least "
+                        f"{MIN_LOCAL_PROCS})")
     p.add_argument("--max-restarts", type=int, default=3, help="restarts of each replica group (torchrun's) or, in per-rank mode, of each rank (default 3)")
     p.add_argument("--crash-loop", metavar="K/SECONDS", default="3/600",
                    help="stop the job when one rank (in replica mode: one replica group) fails K times within "
@@ -176,6 +183,7 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
         _per_rank_mode(p, a)
     else:
         _replica_mode(p, a)
+    _bounded(p, a)
     if a.script is None:
         if a.per_rank or a.ids:
             p.error(f"name the script to run: {PROG} [options] script.py [script args]")
@@ -239,6 +247,29 @@ def _per_rank_mode(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.spares < 0:
         p.error(f"--spares {a.spares}: must be 0 or more")
     a.world_size = a.nnodes * a.nproc_per_node
+
+
+def _bounded(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Refuse, before anything starts, a job larger than the job's store is meant for or
+    more processes than this host can run (an extra zero in ``--nproc-per-node`` must be
+    a one-line error, not a launcher that fills the host's memory)."""
+    world = a.world_size if a.per_rank else a.replicas * a.nproc_per_replica
+    if world > MAX_WORLD:
+        p.error(f"a job of {world} ranks: at most {MAX_WORLD}")
+    if a.per_rank:
+        here, what = a.nproc_per_node + a.spares, f"--nproc-per-node {a.nproc_per_node}" + (
+            f" and --spares {a.spares}" if a.spares else "")
+    else:
+        here = len(a.ids) * (a.nproc_per_replica + 1)
+        what = f"{len(a.ids)} replica group(s) of --nproc-per-replica {a.nproc_per_replica} (and a torchrun agent each)"
+    cpus = os.cpu_count() or 1
+    limit = a.max_local_procs if a.max_local_procs is not None else max(MIN_LOCAL_PROCS, PROCS_PER_CPU * cpus)
+    if a.max_local_procs is not None and a.max_local_procs < 1:
+        p.error(f"--max-local-procs {a.max_local_procs}: must be 1 or more")
+    if here > limit:
+        why = "--max-local-procs" if a.max_local_procs is not None else \
+            f"this host's {cpus} CPU(s) allow {limit} (--max-local-procs to allow more)"
+        p.error(f"{what}: {here} processes on this host, more than {limit}: {why}")
 
 
 def _crash_loop(p: argparse.ArgumentParser, spec: str) -> Tuple[int, float]:

@@ -5,7 +5,11 @@ A job's launcher (``commslayer.run.launcher``) and the fault harness
 their own (torchrun does for its workers), and both must leave nothing
 behind however they exit.  This process becomes a subreaper, so what
 outlives its parent is re-parented here and found among this process's
-descendants in ``/proc`` (Linux).
+descendants in ``/proc`` (Linux).  And what it starts dies with it: each
+process starts through ``_TIED``, which asks the kernel to SIGTERM it when
+its parent dies (``PR_SET_PDEATHSIG``, kept across ``exec``), so a launcher
+that is SIGKILLed, and cannot end anything itself, leaves no rank running
+on (a torchrun agent ends its workers on that SIGTERM).
 """
 
 from __future__ import annotations
@@ -15,11 +19,20 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from typing import Callable, Dict, Hashable, List
 
 PR_SET_CHILD_SUBREAPER = 36
+# Run as ``python -S -c _TIED <parent pid> <command...>`` (no site: a few ms): SIGTERM on the
+# parent's death, then the command in this process. A parent that died before the request
+# was made is seen as a changed parent pid.
+_TIED = ("import ctypes, os, signal, sys\n"
+         "ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG\n"
+         "if os.getppid() != int(sys.argv[1]):\n"
+         "    os._exit(1)\n"
+         "os.execvp(sys.argv[2], sys.argv[2:])\n")
 
 
 class ProcessSet:
@@ -40,7 +53,11 @@ class ProcessSet:
     def start(self, key: Hashable, cmd: List[str], env: Dict[str, str],
               on_line: Callable[[str], None]) -> subprocess.Popen:
         """Start ``cmd`` in the caller's working directory; stdout and stderr, merged,
-        go to ``on_line`` one line at a time."""
+        go to ``on_line`` one line at a time. Started from the main thread, it is ended
+        by the kernel when this process dies (the parent-death signal follows the thread
+        that started the child, and only the main thread lives as long as the process)."""
+        if threading.current_thread() is threading.main_thread() and sys.platform == "linux":
+            cmd = [sys.executable, "-S", "-c", _TIED, str(os.getpid()), *cmd]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, text=True, bufsize=1)
         self.procs[key] = proc
