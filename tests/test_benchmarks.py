@@ -358,10 +358,10 @@ def pair(row: List[str], i: int) -> float:
     return median_in_range(f"{row[i]} {row[i + 1]}")
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_peer_smoke():
-    # three runs of 4 ranks: 15-18 s each on a loaded 2-core machine
-    out = run_bench("launch/bench/bench_peer.py", "--smoke", timeout=110)
+    # four runs of 4 ranks: 15-18 s each on a loaded 2-core machine
+    out = run_bench("launch/bench/bench_peer.py", "--smoke", timeout=170)
     header = ["configuration", "stall: kill → step F committed again", "min–max", "steps redone",
               "replacement: kill → process started", "min–max", "process start (→ model built)", "min–max",
               "stall − process start", "min–max"]
@@ -376,6 +376,14 @@ def test_peer_smoke():
     [parts] = rows(out, header)
     up, torch_, other, build = (pair(parts, i) for i in (1, 3, 5, 7))
     assert min(up, torch_, other, build) > 0 and up + torch_ + other + build <= start + 0.001, parts
+    header = ["configuration", "stall", "min–max", "steps redone", "fault → spare given the rank", "min–max",
+              "→ init() returned", "min–max", "→ model build begins", "min–max", "model build", "min–max",
+              "→ step F committed", "min–max"]
+    [spared] = rows(out, header)
+    assert spared[0] == "peer + 1 warm spare"
+    stall, parts = pair(spared, 1), [pair(spared, i) for i in (4, 6, 8, 10, 12)]
+    # the parts follow one another from the kill to the commit: they add up to the stall
+    assert min(parts) >= 0 and parts[3] > 0 and abs(sum(parts) - stall) < 0.005 and stall < 60, spared
     header = ["configuration", "step time, median (ms)", "min–max (ms)", "vs plain torchrun, median", "min–max"]
     free = rows(out, header)
     assert [r[0] for r in free] == ["plain torchrun", "peer, refresh every step"]

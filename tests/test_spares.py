@@ -12,9 +12,11 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Dict, List, Tuple
 
 import pytest
 
+from commslayer.runs import RankResult
 from tests.harness import job_story
 from tests.test_peer_redundancy import (EXAMPLE, FAULT_STEP, KILLS, RANKS, STEPS, assert_same_as_clean, by_rank,
                                         clean, launch)
@@ -29,56 +31,54 @@ def adopted(log: str, rank: int, spare: int) -> bool:
     return re.search(rf"supervisor: rank {rank}: .*; spare {spare} \(pid \d+\) takes life", log) is not None
 
 
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("where, target", [("forward", 0), ("backward", 2), ("optimizer", 3)])
-def test_a_spare_adopts_a_killed_rank_and_nothing_is_lost(clean, tmp_path, where, target):
-    run = launch(tmp_path, [{"action": "sigkill", "rank": target, **KILLS[where]}], options=SPARES)
+def run_with_a_spare(tmp_path, clean, faults: List[dict]) -> Tuple[str, Dict[int, RankResult]]:
+    """The job with one spare and ``faults``: it must finish with the fault-free run's state
+    (bitwise); its output (stdout first) and every rank's last life's result."""
+    run = launch(tmp_path, faults, options=SPARES)
     log = run.stdout + run.stderr
     assert run.returncode == 0, job_story(log)
     results = by_rank(tmp_path)
     assert_same_as_clean(results, clean, log[-8000:])
+    return log, results
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("where, target", [("forward", 0), ("backward", 2), ("optimizer", 3)])
+def test_a_spare_adopts_a_killed_rank_and_nothing_is_lost(clean, tmp_path, where, target):
+    log, results = run_with_a_spare(tmp_path, clean, [{"action": "sigkill", "rank": target, **KILLS[where]}])
     took = re.search(rf"spare 0 \(pid (\d+)\) takes life 1", log)
     assert took and adopted(log, target, 0), log[-8000:]
     assert results[target].restart == 1 and results[target].pid == int(took.group(1))  # the spare finished it
     assert f"spare 0 adopted rank {target} (life 1" in log
     assert "supervisor: spare 1 started" in log  # S restored in the background
-    assert "summary: warm spares: 1 used, 1 left" in run.stdout
+    assert "summary: warm spares: 1 used, 1 left" in log
     assert "starting life" not in log  # no cold start
 
 
 @pytest.mark.timeout(200)
 def test_two_losses_in_a_row_take_the_spare_then_its_successor(clean, tmp_path):
     """The second loss comes 80 steps after the first, when the spare started after it is warm."""
-    faults = [{"action": "sigkill", "rank": 2, **KILLS["backward"]},
-              {"action": "sigkill", "rank": 1, "step": FAULT_STEP + 80, "phase": "backward"}]
-    run = launch(tmp_path, faults, options=SPARES)
-    log = run.stdout + run.stderr
-    assert run.returncode == 0, job_story(log)
-    results = by_rank(tmp_path)
-    assert_same_as_clean(results, clean, log[-8000:])
+    log, _ = run_with_a_spare(tmp_path, clean, [
+        {"action": "sigkill", "rank": 2, **KILLS["backward"]},
+        {"action": "sigkill", "rank": 1, "step": FAULT_STEP + 80, "phase": "backward"}])
     assert adopted(log, 2, 0) and adopted(log, 1, 1), log[-8000:]
-    assert "summary: warm spares: 2 used, 1 left" in run.stdout
+    assert "summary: warm spares: 2 used, 1 left" in log
 
 
 @pytest.mark.timeout(200)
 def test_a_loss_while_the_new_spare_still_starts_falls_back_to_a_cold_replacement(clean, tmp_path):
-    faults = [{"action": "sigkill", "rank": 2, **KILLS["backward"]},
-              {"action": "sigkill", "rank": 1, "step": FAULT_STEP + 1, "phase": "backward"}]
-    run = launch(tmp_path, faults, options=SPARES)
-    log = run.stdout + run.stderr
-    assert run.returncode == 0, job_story(log)
-    assert_same_as_clean(by_rank(tmp_path), clean, log[-8000:])
+    log, _ = run_with_a_spare(tmp_path, clean, [
+        {"action": "sigkill", "rank": 2, **KILLS["backward"]},
+        {"action": "sigkill", "rank": 1, "step": FAULT_STEP + 1, "phase": "backward"}])
     assert adopted(log, 2, 0), log[-8000:]
     assert "supervisor: rank 1: life 0 was killed by SIGKILL; starting life 1" in log, log[-8000:]
 
 
 @pytest.mark.timeout(200)
 def test_a_stopped_rank_is_replaced_by_the_spare_and_fenced_when_it_resumes(clean, tmp_path):
-    run = launch(tmp_path, [{"action": "sigstop", "rank": 2, "step": FAULT_STEP, "phase": "forward",
-                             "seconds": 5.0}], options=SPARES)
-    log = run.stdout + run.stderr
-    assert run.returncode == 0, job_story(log)
-    assert_same_as_clean(by_rank(tmp_path), clean, log[-8000:])  # nothing the resumed process did got in
+    # the final state is the fault-free one: nothing the resumed process did got in
+    log, _ = run_with_a_spare(tmp_path, clean, [{"action": "sigstop", "rank": 2, "step": FAULT_STEP,
+                                                 "phase": "forward", "seconds": 5.0}])
     assert re.search(r"supervisor: rank 2: life 0 was found lost by the other ranks; spare 0 \(pid \d+\) takes "
                      r"life 1", log), log[-8000:]
     fenced = [line for line in log.splitlines() if line.startswith("[rank 2]") and "leaving (CommAborted" in line]

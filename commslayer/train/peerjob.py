@@ -230,6 +230,8 @@ class PeerJob(Job):
         if self._commit(copied and self._broken is None):
             self._copies.confirm()
             self._apply()
+            if self._committed < 0 and self.rank == 0 and not self._joined:
+                spare.publish_modules(self.store)  # what warm spares import while they wait
             self._committed = step
             if average is not None:
                 self.losses[step] = average.item()

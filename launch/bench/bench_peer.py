@@ -60,16 +60,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # launch.bench
 
+from commslayer.config import peer_timeout_s  # noqa: E402
 from commslayer.run.processes import free_port  # noqa: E402
 from commslayer.runs import load_results, load_summary  # noqa: E402
 from launch.bench.bench_training import MODEL, SMOKE, _train_args, dcp_restart  # noqa: E402
@@ -79,9 +81,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 JOB = os.path.join(ROOT, "launch", "bench", "bench_peer_job.py")
 RANKS, VICTIM = 4, 2
 PEER, GROUPS, DCP = "peer redundancy (per-rank mode)", "replica groups (2 x 2)", "torchrun + DCP"
+SPARE, STOP, SPARE_STOP = "peer + 1 warm spare", "peer, SIGSTOP", "peer + 1 warm spare, SIGSTOP"
 BASE, AA, EVERY, SOME = "plain torchrun", "plain torchrun (A/A)", "peer, refresh every step", "peer, refresh every K"
-LOST, CONFIGS = (PEER, GROUPS, DCP), (PEER, GROUPS, DCP, BASE, AA, EVERY, SOME)
-SMOKE_CONFIGS = [PEER, BASE, EVERY]
+EVERY_SPARE = "peer, refresh every step + 1 warm spare"
+LOST = (PEER, SPARE, STOP, SPARE_STOP, GROUPS, DCP)
+CONFIGS = (PEER, SPARE, STOP, SPARE_STOP, GROUPS, DCP, BASE, AA, EVERY, EVERY_SPARE, SOME)
+WITH_SPARE = (SPARE, SPARE_STOP, EVERY_SPARE)
+SMOKE_CONFIGS = [PEER, SPARE, BASE, EVERY]
+STOP_S = 10.0  # how long a SIGSTOPped rank stays stopped: it resumes long after its replacement took over
+SPARE_STARTED = re.compile(r"supervisor: spare \d+ started \(pid (\d+)\)")
 
 
 def _log(msg: str) -> None:
@@ -97,8 +105,11 @@ class Bench:
     def __init__(self, args: argparse.Namespace, work: str) -> None:
         self.args, self.work = args, work
 
-    def _launch(self, mode: str, run: str, steps: int, env: Dict[str, str]) -> Tuple[str, str, int]:
-        """One run of the job (``mode``: per-rank, replicas or torchrun): its run directory, log, exit status."""
+    def _launch(self, mode: str, run: str, steps: int, env: Dict[str, str],
+                options: Sequence[str] = ()) -> Tuple[str, str, int, int]:
+        """One run of the job (``mode``: per-rank, replicas or torchrun; ``options``: more of the
+        launcher's): its run directory, log, exit status, and the most resident memory (bytes)
+        a warm spare held while it waited (0: no spare)."""
         run_dir, log_path = os.path.join(self.work, run), os.path.join(self.work, run + ".log")
         script = [JOB, *_train_args(argparse.Namespace(steps=steps, model=self.args.model))]
         if mode == "torchrun":
@@ -108,23 +119,36 @@ class Bench:
         else:
             shape = ["--nproc-per-node", str(RANKS)] if mode == "per-rank" else ["--replicas", "2",
                                                                                  "--nproc-per-replica", "2"]
-            cmd = [sys.executable, "-m", "commslayer.run.launcher", *shape, "--run-dir", run_dir, *script]
+            cmd = [sys.executable, "-m", "commslayer.run.launcher", *shape, *options, "--run-dir", run_dir, *script]
+        spare_rss = 0
         with open(log_path, "w") as log:
-            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, timeout=600).returncode
-        return run_dir, log_path, rc
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL)
+            deadline = time.monotonic() + 600
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.25)
+                spare_rss = max([spare_rss] + [_rss(pid) for pid in _spares(log_path)])
+            if proc.poll() is None:
+                proc.kill()
+            rc = proc.wait()
+        return run_dir, log_path, rc, spare_rss
 
     def fault_free(self, config: str, run: str) -> dict:
         args, env = self.args, launcher_env(trace=False)
-        if config in (EVERY, SOME):
-            env["COMMSLAYER_REFRESH_EVERY"] = str(1 if config == EVERY else args.refresh_every)
-        run_dir, log_path, rc = self._launch("torchrun" if config in (BASE, AA) else "per-rank", run, args.steps, env)
+        if config in (EVERY, SOME, EVERY_SPARE):
+            env["COMMSLAYER_REFRESH_EVERY"] = str(args.refresh_every if config == SOME else 1)
+        run_dir, log_path, rc, spare_rss = self._launch("torchrun" if config in (BASE, AA) else "per-rank", run,
+                                                        args.steps, env, _options(config))
         results = load_results(run_dir)
         if rc != 0 or len(results) != RANKS or any(len(r.step_s) != args.steps for r in results):
             fail(f"{run}: exit status {rc}, {len(results)} ranks' results", log_path)
         slowest = [max(r.step_s[s] for r in results) for s in range(args.warmup, args.steps)]
         out: dict = {"step_s": statistics.median(slowest), "slowest_rank_step_s": slowest}
-        if config in (EVERY, SOME):
+        if config == EVERY_SPARE:
+            if not spare_rss:
+                fail(f"{run}: no waiting spare's memory was read", log_path)
+            out["spare_rss_bytes"] = spare_rss
+        if config in (EVERY, SOME, EVERY_SPARE):
             found = probes(run_dir)
             if len(found) != RANKS or any("state_bytes" not in p for p in found):
                 fail(f"{run}: {len(found)} probes with copies", log_path)
@@ -142,9 +166,11 @@ class Bench:
                                                   ckpt_every=args.ckpt_every, warmup=args.warmup),
                                self.work, run, replicas=1)
         env = launcher_env(trace=False)
-        env["COMMSLAYER_FAULTS"] = json.dumps([{"action": "sigkill", "rank": VICTIM, "step": args.fault_step,
+        stop = {"action": "sigstop", "seconds": STOP_S} if config in (STOP, SPARE_STOP) else {"action": "sigkill"}
+        env["COMMSLAYER_FAULTS"] = json.dumps([{**stop, "rank": VICTIM, "step": args.fault_step,
                                                 "phase": "forward", "life": None}])
-        run_dir, log_path, rc = self._launch("per-rank" if config == PEER else "replicas", run, args.fault_steps, env)
+        run_dir, log_path, rc, _ = self._launch("replicas" if config == GROUPS else "per-rank", run,
+                                                args.fault_steps, env, _options(config))
         summary = load_summary(run_dir)
         if rc != 0 or summary is None or not summary.ok or len(summary.killed) != 1:
             fail(f"{run}: exit status {rc}, summary {summary and (summary.ok, summary.killed)}", log_path)
@@ -160,6 +186,15 @@ class Bench:
             fail(f"{run}: rank 0 never committed step {args.fault_step} after the kill", log_path)
         since = {k: fresh[k] - killed for k in ("exec_at", "script_at", "torch_at", "imports_at", "build_from",
                                                 "built_at")}
+        if config in WITH_SPARE:
+            if "adopted_at" not in fresh:
+                fail(f"{run}: rank {VICTIM}'s next life was not the warm spare", log_path)
+            return {"stall_s": done - killed, "launcher_stall_s": summary.killed[0]["stall_s"],
+                    "steps_redone": len([s for s, _ in after if s < args.fault_step]),
+                    "to_adoption_s": fresh["adopted_at"] - killed, "adoption_to_init_s": fresh["init_at"] -
+                    fresh["adopted_at"], "init_to_build_s": fresh["build_from"] - fresh["init_at"],
+                    "model_build_s": fresh["built_at"] - fresh["build_from"], "built_to_commit_s": done -
+                    fresh["built_at"], "peer_timeout_s": peer_timeout_s()}
         return {"stall_s": done - killed, "launcher_stall_s": summary.killed[0]["stall_s"],
                 "steps_redone": len([s for s, _ in after if s < args.fault_step]),
                 "replacement_since_kill_s": since,
@@ -168,13 +203,34 @@ class Bench:
                 "python_up_s": fresh["script_at"] - fresh["exec_at"],
                 "torch_import_s": fresh["torch_at"] - fresh["script_at"],
                 "other_imports_s": fresh["imports_at"] - fresh["torch_at"],
-                "model_build_s": fresh["built_at"] - fresh["build_from"]}
+                "model_build_s": fresh["built_at"] - fresh["build_from"], "peer_timeout_s": peer_timeout_s()}
+
+
+def _options(config: str) -> List[str]:
+    """The launcher's options a configuration adds."""
+    return ["--spares", "1"] if config in WITH_SPARE else []
+
+
+def _spares(log_path: str) -> List[int]:
+    """The pids of the warm spares a run's launcher said it started."""
+    with open(log_path, errors="replace") as f:
+        return [int(m.group(1)) for m in SPARE_STARTED.finditer(f.read())]
+
+
+def _rss(pid: int) -> int:
+    """Resident memory of ``pid`` (bytes); 0 once it is gone. (A spare of a fault-free run
+    waits all along; in a run with a loss it becomes a rank, and its figure is not used.)"""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
 
 
 def _tables(args: argparse.Namespace, figures: Dict[str, List[dict]]) -> None:
     """The Markdown tables, a row per configuration run."""
     def ours(config: str) -> bool:
-        return config in (PEER, GROUPS) and config in figures
+        return config in (PEER, STOP, GROUPS) and config in figures
 
     if any(c in figures for c in LOST):
         print(f"A rank lost: rank 2 SIGKILLed at the start of step {args.fault_step} (F) of {args.fault_steps} "
@@ -184,7 +240,7 @@ def _tables(args: argparse.Namespace, figures: Dict[str, List[dict]]) -> None:
               "replacement: kill → process started | min–max | process start (→ model built) | min–max | "
               "stall − process start | min–max |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for config in filter(ours, (PEER, GROUPS)):
+    for config in filter(ours, (PEER, STOP, GROUPS)):
         xs = figures[config]
         print(f"| {config} | {cells(xs, 'stall_s')} | {sorted({x['steps_redone'] for x in xs})} | "
               f"{median_range([x['replacement_since_kill_s']['exec_at'] for x in xs])} | "
@@ -202,7 +258,7 @@ def _tables(args: argparse.Namespace, figures: Dict[str, List[dict]]) -> None:
         print("| configuration | exec → interpreter up | min–max | import torch | min–max | other imports | "
               "min–max | model build (FSDP2) | min–max | checkpoint load | min–max |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for config in filter(ours, (PEER, GROUPS)):
+    for config in filter(ours, (PEER, STOP, GROUPS)):
         xs = figures[config]
         parts = cells(xs, 'python_up_s', 'torch_import_s', 'other_imports_s', 'model_build_s')
         print(f"| {config} | {parts} | – | – |")
@@ -211,6 +267,32 @@ def _tables(args: argparse.Namespace, figures: Dict[str, List[dict]]) -> None:
               "– | – | "
               f"{median_range([x['built_s'] - x['imported_s'] for x in dcp])} | "
               f"{median_range([x['checkpoint_loaded_s'] - x['built_s'] for x in dcp])} |")
+    spared = [c for c in (SPARE, SPARE_STOP) if c in figures]
+    if spared:
+        print("\nWith a warm spare (`--spares 1`): the stall per part (seconds; median and min–max over runs): "
+              "fault → the launcher gives the spare the rank (for SIGSTOP: the peer timeout, the survivors' "
+              "decision, the launcher reading it) → `init()` returns in the spare (it joins the next generation) "
+              "→ the script reaches its model build → model built (FSDP2) → step F committed on rank 0 (state "
+              "received from the holder, the interrupted step redone).\n")
+        print("| configuration | stall | min–max | steps redone | fault → spare given the rank | min–max | → init() "
+              "returned | min–max | → model build begins | min–max | model build | min–max | → step F committed "
+              "| min–max |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for config in spared:
+        xs = figures[config]
+        print(f"| {config} | {cells(xs, 'stall_s')} | {sorted({x['steps_redone'] for x in xs})} | "
+              f"{cells(xs, 'to_adoption_s', 'adoption_to_init_s', 'init_to_build_s', 'model_build_s')} | "
+              f"{cells(xs, 'built_to_commit_s')} |")
+    stopped = [c for c in (STOP, SPARE_STOP) if c in figures]
+    if stopped:
+        print(f"\nSIGSTOP (rank 2 stopped for {STOP_S:g} s, fenced when it resumes): the stall beyond the peer "
+              "timeout (`COMMSLAYER_PEER_TIMEOUT_S`, the time a stopped rank takes to be found lost):\n")
+        print("| configuration | peer timeout (s) | stall − peer timeout (s) | min–max |")
+        print("|---|---:|---:|---:|")
+    for config in stopped:
+        xs = figures[config]
+        print(f"| {config} | {xs[0]['peer_timeout_s']:g} | "
+              f"{median_range([x['stall_s'] - x['peer_timeout_s'] for x in xs])} |")
     if BASE not in figures:
         return
 
@@ -219,9 +301,13 @@ def _tables(args: argparse.Namespace, figures: Dict[str, List[dict]]) -> None:
           "repeat − 1.\n")
     print("| configuration | step time, median (ms) | min–max (ms) | vs plain torchrun, median | min–max |")
     print("|---|---:|---:|---:|---:|")
-    named = {c: f"{c} (K={args.refresh_every})" if c == SOME else c for c in (BASE, AA, EVERY, SOME)}
-    for config in (c for c in (BASE, AA, EVERY, SOME) if c in figures):
+    named = {c: f"{c} (K={args.refresh_every})" if c == SOME else c for c in (BASE, AA, EVERY, EVERY_SPARE, SOME)}
+    for config in (c for c in (BASE, AA, EVERY, EVERY_SPARE, SOME) if c in figures):
         print(f"| {named[config]} | {step_cells(figures[config], figures[BASE], 'vs_plain')} |")
+    if EVERY_SPARE in figures:
+        print(f"\nA waiting spare's resident memory (the most sampled every 0.25 s over a run; median and min–max "
+              f"over runs): {median_range([x['spare_rss_bytes'] for x in figures[EVERY_SPARE]], 2 ** -20, 1, ' MiB')}"
+              .replace(" | ", " (") + ").")
     if not any(c in figures for c in (EVERY, SOME)):
         return
     print("\nThe copies, per rank (every rank of every run: median and min–max): one rank's packed state at the "
@@ -230,7 +316,7 @@ def _tables(args: argparse.Namespace, figures: Dict[str, List[dict]]) -> None:
     print("| configuration | packed state (bytes) | min–max | sent per step (bytes) | min–max | "
           "held at the end / state | min–max | peak held / state | min–max |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for config in (c for c in (EVERY, SOME) if c in figures):
+    for config in (c for c in (EVERY, EVERY_SPARE, SOME) if c in figures):
         xs = figures[config]
 
         def every(key: str) -> List[float]:
@@ -266,7 +352,7 @@ def main() -> int:
 
     work = tempfile.mkdtemp(prefix="bench-peer-")
     bench = Bench(args, work)
-    if any(c in args.configs for c in (AA, EVERY, SOME)) and BASE not in args.configs:
+    if any(c in args.configs for c in (AA, EVERY, EVERY_SPARE, SOME)) and BASE not in args.configs:
         p.error(f"{BASE!r} is the fault-free baseline: run it too")
     runs: Dict[str, Callable[[str], dict]] = {}
     for config in args.configs:

@@ -10,8 +10,10 @@ directory (``$COMMSLAYER_RUN_DIR``) with this process's:
   process, ``/proc/self/stat``: a resolution of one clock tick, 10 ms);
   ``script_at``: when this script began (the interpreter up);
   ``torch_at``: ``import torch`` done; ``imports_at``: train.py and
-  commslayer imported; ``build_from``/``built_at``: train.py's ``build``
-  (the model made and sharded with FSDP2);
+  commslayer imported; ``init_from``/``init_at``: ``resilience.init``
+  called and returned (a warm spare waits in it for its rank: then
+  ``adopted_at`` is when it was given one); ``build_from``/``built_at``:
+  train.py's ``build`` (the model made and sharded with FSDP2);
 - ``commits``: ``[step, wall clock]`` for each step the job committed, in
   order (a step redone after a loss appears again);
 - with peer redundancy (``job.copies``, per-rank mode): ``state_bytes``,
@@ -37,6 +39,7 @@ from typing import Any, Dict, List, Optional  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # launch/: train.py
 import train  # noqa: E402
 from commslayer import config, resilience  # noqa: E402
+from commslayer.train import spare  # noqa: E402
 
 IMPORTS_AT = time.time()
 
@@ -66,7 +69,11 @@ class Probe:
         return model
 
     def init(self, **kwargs: Any) -> Any:
+        self.record["init_from"] = time.time()
         self.job = job = INIT(**kwargs)
+        self.record.update(init_at=time.time(), restart=config.restart_count())  # a spare's life is known now
+        if spare.adopted is not None:
+            self.record["adopted_at"] = spare.adopted[1]
         step, finish = job.step, job.finish
 
         def probed_step(loss: Optional[torch.Tensor] = None) -> None:
