@@ -16,6 +16,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
+from commslayer.run.processes import free_port
 from commslayer.runs import RankResult
 from tests.harness import job_story
 from tests.test_peer_redundancy import (EXAMPLE, FAULT_STEP, KILLS, RANKS, STEPS, assert_same_as_clean, by_rank,
@@ -133,3 +134,25 @@ def test_spares_are_refused_in_replica_mode(tmp_path):
                           str(EXAMPLE)], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
     assert "--spares is for per-rank mode" in run.stderr
+
+
+@pytest.mark.timeout(200)
+def test_each_host_keeps_its_own_spares_and_gives_them_to_its_own_ranks(clean, tmp_path):
+    """Two launchers as two hosts (2 ranks and 1 spare each): rank 3, on node 1, is killed;
+    node 1's spare takes it; the coordinator's summary counts both hosts' spares."""
+    faults = [{"action": "sigkill", "rank": 3, **KILLS["backward"]}]
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COMMSLAYER_TRACE_DIR": "", "COMMSLAYER_FAULTS": json.dumps(faults)}
+    common = [sys.executable, "-m", "commslayer.run.launcher", "--nnodes", "2", "--nproc-per-node", "2",
+              "--max-restarts", "2", "--grace", "3", *SPARES]
+    script = [str(EXAMPLE), "--steps", str(STEPS)]
+    pipes = dict(env=env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    coordinator = subprocess.Popen([*common, "--port", str(port), "--run-dir", str(tmp_path), *script], **pipes)
+    other = subprocess.Popen([*common, "--coordinator", f"127.0.0.1:{port}", "--node-rank", "1", "--run-dir",
+                              str(tmp_path), *script], **pipes)
+    outs = [p.communicate(timeout=180)[0] for p in (other, coordinator)]
+    log = "\n".join(outs)
+    assert (other.returncode, coordinator.returncode) == (0, 0), job_story(log)
+    assert adopted(outs[0], 3, 0) and "takes life" not in outs[1], log[-8000:]  # node 1's own spare
+    assert_same_as_clean(by_rank(tmp_path), clean, log[-8000:])
+    assert "summary: warm spares: 1 used, 2 left" in outs[1], outs[1][-4000:]
