@@ -115,6 +115,7 @@ def test_the_console_script_is_declared():
     (["--nproc-per-node", "4", "--spares", "1", "--max-local-procs", "4", "{script}"],
      "--nproc-per-node 4 and --spares 1: 5 processes on this host, more than 4: --max-local-procs"),
     (["--spares", "-1", "{script}"], "--spares -1: must be 0 or more"),
+    (["--spares", "1", "--max-restarts", "0", "{script}"], "--spares 1 with --max-restarts 0: a spare becomes"),
 ])
 def test_nonsense_is_one_line_and_exit_2(tmp_path, args, says):
     script = tmp_path / "job.py"

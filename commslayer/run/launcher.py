@@ -246,6 +246,9 @@ def _per_rank_mode(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
                 "--node-rank (1 and up)")
     if a.spares < 0:
         p.error(f"--spares {a.spares}: must be 0 or more")
+    if a.spares and a.max_restarts == 0:
+        p.error(f"--spares {a.spares} with --max-restarts 0: a spare becomes a lost rank's next life, and "
+                "--max-restarts 0 starts none")
     a.world_size = a.nnodes * a.nproc_per_node
 
 

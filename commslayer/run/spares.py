@@ -58,9 +58,12 @@ class Spares:
                 continue
             del self._waiting[sid]
             self._failures += 1
-            print(f"supervisor: spare {sid} (pid {proc.pid}) exited with {code} while it waited; it held no rank"
-                  + (f"; {MAX_FAILURES} spares died in a row: this host goes on without spares"
-                     if self._failures == MAX_FAILURES else ""), flush=True)
+            where = "while it waited" if self._store.check([key(self._node, sid, "ready")]) else \
+                "before it reached resilience.init()"
+            print(f"supervisor: spare {sid} (pid {proc.pid}) exited with {code} {where}; it held no rank"
+                  + (f"; {MAX_FAILURES} spares died in a row: this host goes on without spares (a spare runs the "
+                     "script with no rank up to resilience.init(): a script that reads RANK before it, or never "
+                     "calls it, cannot have spares)" if self._failures == MAX_FAILURES else ""), flush=True)
         while len(self._waiting) < self.count and self._failures < MAX_FAILURES:
             self._start()
         if self.tally() != before:
