@@ -201,7 +201,7 @@ def run(name: str, out_dir: str, options: Optional[Options] = None) -> Dict[str,
     shape = ["--nproc-per-node", str(layout.ranks)] if layout.per_rank else \
         ["--replicas", str(layout.replicas), "--nproc-per-replica", str(layout.per_replica)]
     base = [sys.executable, "-m", "commslayer.run.launcher", *shape, "--max-restarts", str(scenario.max_restarts),
-            "--run-dir", run_dir]
+            "--run-dir", run_dir, *(["--spares", str(scenario.spares)] if scenario.spares else [])]
     job_args = [options.job, "--steps", str(options.steps), "--heal-timeout", "90", *options.job_args]
     reference = reference_fingerprints(options, layout, out_dir, job_args) \
         if scenario.per_rank and scenario.expect == "survive" and options.reference else None
@@ -426,6 +426,10 @@ def evaluate(scenario: Scenario, layout: Layout, options: Options, run_dir: str,
         if outside:
             checks.append(_store_fault_ridden_out(outside[0], injected, events, recoveries, results))
         checks.append(_recovered_from_every_fault(recovery, options.steps))
+    if scenario.spares:
+        used = summary.spares["used"] if summary and summary.spares else 0
+        checks.append(Check("a warm spare took the rank", used == len(killed),
+                            f"spares used {used}, ranks lost {len(killed)} (the launcher's summary)"))
     if scenario.stopped:
         checks.append(_fenced(events, recoveries, results, layout, target_pids, trace_dir, run_dir))
     diagnosis = _diagnose(trace_dir, layout, scenario)

@@ -83,6 +83,7 @@ class Scenario:
     stopped: bool = False                    # the target is stopped and resumed: it must be fenced
     per_rank: bool = False                   # a job without replica groups (see the module doc)
     rank: Optional[int] = None               # the default target (default: the last rank)
+    spares: int = 0                          # per-rank jobs: commslayer-run --spares (a warm spare takes the rank)
 
 
 def _at_step(action: str, phase: str, **kw) -> Callable[[Layout], List[Fault]]:
@@ -245,6 +246,18 @@ SCENARIOS += [
              "on SIGCONT the old process finds itself fenced (CommAborted) and never commits a step; the state "
              "ends as a fault-free run's", _at_step("sigstop", "forward", seconds=8.0), per_rank=True,
              stopped=True, fast=False),
+    Scenario("rank-kill-spare", "peer-redundancy", f"per-rank job with a warm spare (--spares 1): SIGKILL of a "
+             f"rank at step {FAULT_STEP}, in forward",
+             "the launcher hands the rank's next life to the spare, already waiting in resilience.init() with its "
+             "imports done, instead of starting a process; it gets the rank's state from its holder, the "
+             "interrupted step is redone and every rank ends with the state of a fault-free run, bit for bit",
+             _at_step("sigkill", "forward"), per_rank=True, culprit=True, fast=False, spares=1),
+    Scenario("rank-stop-spare", "peer-redundancy", f"per-rank job with a warm spare (--spares 1): SIGSTOP of a "
+             f"rank for 8 s at step {FAULT_STEP} (then SIGCONT)",
+             "after the peer timeout (3 s) the survivors mark it lost; the spare takes its next life while the "
+             "stopped process still exists; on SIGCONT the old process finds itself fenced and never commits a "
+             "step; the state ends as a fault-free run's", _at_step("sigstop", "forward", seconds=8.0),
+             per_rank=True, stopped=True, fast=False, spares=1),
     Scenario("buddy-pair-kill", "peer-redundancy", "per-rank job: a rank and the holder of its state (default "
              f"ranks 1 and 2) SIGKILLed in the same all-gather of step {FAULT_STEP}",
              "the rank's state has no copy left: the job stops. Every survivor raises StateLost naming the rank and "
