@@ -150,10 +150,15 @@ def job_admissions(store: Any) -> List[Admission]:
     return [Admission(**d) for d in _lines(store, ADMISSIONS)]
 
 
+def spare_tally_key(node: int) -> str:
+    """Where host ``node``'s launcher keeps the count of its warm spares (commslayer.run.spares)."""
+    return f"spare/{node}/tally"
+
+
 def job_spares(store: Any, nodes: int) -> Optional[Dict[str, int]]:
     """The warm spares used and left on the job's ``nodes`` hosts (what each host's launcher
     wrote, commslayer.run.spares); None when no host kept spares."""
-    tallies = [json.loads(store.get(f"spare/{n}/tally")) for n in range(nodes) if store.check([f"spare/{n}/tally"])]
+    tallies = [json.loads(store.get(spare_tally_key(n))) for n in range(nodes) if store.check([spare_tally_key(n)])]
     if not tallies:
         return None
     return {"used": sum(t["used"] for t in tallies), "left": sum(t["left"] for t in tallies)}

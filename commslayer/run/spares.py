@@ -25,6 +25,7 @@ import sys
 from typing import Any, Callable, Dict, List, Optional
 
 from commslayer.run.processes import ProcessSet
+from commslayer.runs import spare_tally_key
 from commslayer.train.spare import ASSIGNED, assignment, key
 
 MAX_FAILURES = 3  # spares of one host that died waiting, in a row, before the host stops starting them
@@ -67,7 +68,7 @@ class Spares:
         while len(self._waiting) < self.count and self._failures < MAX_FAILURES:
             self._start()
         if self.tally() != before:
-            self._store.set(f"spare/{self._node}/tally", self.tally())
+            self._store.set(spare_tally_key(self._node), self.tally())
 
     def _start(self) -> None:
         sid, self._next = self._next, self._next + 1
@@ -94,7 +95,7 @@ class Spares:
         self._procs.procs[rank] = self._procs.procs.pop(("spare", sid))
         print(f"supervisor: rank {rank}: {why}; spare {sid} (pid {proc.pid}) takes life "
               f"{env['TORCHELASTIC_RESTART_COUNT']}", flush=True)
-        self._store.set(f"spare/{self._node}/tally", self.tally())
+        self._store.set(spare_tally_key(self._node), self.tally())
         self.fill()
         return proc
 

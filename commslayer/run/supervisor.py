@@ -44,7 +44,8 @@ What a rank and this module tell each other goes through the job's store
   would start with the job's first layout.
 
 Keys are read with ``store.check``, which does not block, every
-``POLL_S``.
+``POLL_S``, and at once when a process started here exits (its output
+closes: ``ProcessSet.exited``).
 """
 
 from __future__ import annotations
