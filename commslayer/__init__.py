@@ -39,6 +39,7 @@ from commslayer.errors import (
     ConfigError,
     InvalidArgument,
     NanDetected,
+    OutOfFiles,
     PeerLost,
     StoreUnreachable,
 )
@@ -60,7 +61,7 @@ _HOMES = {"Communicator": "comm.communicator", "join": "comm.create", "new_comm"
 __all__ = [
     "new_comm", "join", "Communicator", "register_communicator_hook", "live_communicators", "Work", "WorkStatus", "ReduceOp", "HookHandle",
     "CommError", "CollectiveTimeout", "PeerLost", "CommAborted", "InvalidArgument", "CollectiveMismatch",
-    "StoreUnreachable", "ConfigError", "NanDetected", "NanCheckHook",
+    "StoreUnreachable", "ConfigError", "NanDetected", "NanCheckHook", "OutOfFiles",
 ]
 
 

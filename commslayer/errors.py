@@ -118,6 +118,12 @@ class NanDetected(CommError):
     this rank. Nothing was sent; like any failed op it breaks the communicator."""
 
 
+class OutOfFiles(CommError):
+    """This process cannot open another socket: it holds as many file descriptors as its
+    limit allows (``RLIMIT_NOFILE``, ``ulimit -n``), or the host's table is full. The
+    message names the limit; raise it, or open fewer communicators."""
+
+
 class StoreUnreachable(CommError):
     """The store that decides membership and commits cannot be reached: the process
     that hosts it (torchrun's agent, rank 0, or a job's coordinator) is gone or cut off."""

@@ -118,3 +118,205 @@ def test_a_member_that_chose_another_topology_is_a_config_error_not_an_unwatched
     for g in got:
         if isinstance(g, Liveness):
             g.close()
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _flooded(rank, size, store):
+    """Rank 2 floods rank 1's listener with silent connections (more than rank 1's 256
+    file descriptors: the usual 1024, scaled to what this host's loopback accepts in a few
+    seconds) while rank 0 connects; rank 1 samples how many it holds."""
+    import resource
+    import threading
+    from commslayer.detect.liveness import Liveness
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if rank == 2:
+        flood = 700
+        published = dist.PrefixStore("flood", store)
+        published.wait(["liveness/1"])
+        host, port, _key = published.get("liveness/1").decode().rsplit(":", 2)
+        held = []
+        for i in range(flood):
+            try:
+                held.append(socket.create_connection((host, int(port)), timeout=1))
+            except OSError:
+                pass
+            if len(held) == 300:  # more than rank 1 may hold
+                store.set("flooding", "1")
+        store.wait(["mesh-up"])
+        for s in held:
+            s.close()
+        return flood, len(held)
+
+    logged = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            logged.append(record.getMessage())
+
+    logging.getLogger("commslayer").addHandler(Keep(level=logging.WARNING))
+    peak, done = [_fds()], threading.Event()
+    if rank == 1:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+
+        def sample():
+            while not done.is_set():
+                peak.append(_fds())
+                time.sleep(0.002)
+
+        threading.Thread(target=sample, daemon=True).start()
+    else:
+        store.wait(["flooding"])
+    start = time.monotonic()
+    mesh = Liveness(dist.PrefixStore("flood", store), rank, 2, heartbeat_s=0.1, peer_timeout_s=1.0,
+                    connect_timeout_s=60, on_lost=lambda ranks, why: None, on_left=lambda ranks: None, label="flood")
+    setup_s = time.monotonic() - start
+    done.set()
+    if rank == 1:
+        store.set("mesh-up", "1")
+    mesh.close()
+    return setup_s, max(peak) - peak[0], mesh.connections_dropped, logged
+
+
+@pytest.mark.timeout(120)
+def test_a_connection_flood_at_set_up_is_bounded_and_counted():
+    from commslayer.detect.liveness import PENDING_MAX
+
+    (_, _, dropped0, _), (setup1, extra_fds, dropped1, logged1), (flood, held) = run_ranks(_flooded, 3, timeout=100)
+    assert held > 300, (flood, held)  # more than rank 1 could ever hold at once
+    assert setup1 < 30, setup1
+    assert dropped0 == 0 and dropped1 >= held - PENDING_MAX - 1, (dropped1, held)
+    assert extra_fds <= PENDING_MAX + 8, extra_fds  # listener, selector, the peer, the sampler's listdir
+    one_by_one = [m for m in logged1 if "dropped a liveness connection" in m]
+    assert 1 <= len(one_by_one) <= 8 and any(f"dropped {dropped1} liveness connections in all" in m for m in logged1)
+
+
+def _starved(rank, size, store):
+    """Rank 1 builds a liveness member with k file descriptors left, for k = 0..7, while
+    rank 0 (no member: it never says a valid hello) keeps connecting junk to it."""
+    import resource
+    from commslayer.detect.liveness import Liveness
+
+    if rank == 0:
+        for k in range(8):
+            published = dist.PrefixStore(f"starved{k}", store)
+            while not store.check([f"done{k}"]):
+                if published.check(["liveness/1"]):
+                    host, port, _ = published.get("liveness/1").decode().rsplit(":", 2)
+                    try:
+                        socket.create_connection((host, int(port)), timeout=1).sendall(b"junk" * 11)
+                    except OSError:
+                        pass
+                time.sleep(0.01)
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    outcomes = []
+    for k in range(8):
+        fillers = []
+        try:
+            while True:
+                fillers.append(open("/dev/null"))
+        except OSError:
+            pass
+        for f in fillers[len(fillers) - k:] if k else []:
+            f.close()
+        try:
+            Liveness(dist.PrefixStore(f"starved{k}", store), 1, 2, heartbeat_s=0.1, peer_timeout_s=1.0,
+                     connect_timeout_s=3, on_lost=lambda ranks, why: None, on_left=lambda ranks: None,
+                     label="starved").close()
+            outcomes.append(("built", ""))
+        except Exception as exc:  # what a user would see
+            outcomes.append((type(exc).__name__, str(exc)))
+        for f in fillers:
+            f.close()
+        store.set(f"done{k}", "1")
+    return outcomes
+
+
+@pytest.mark.timeout(120)
+def test_a_member_out_of_file_descriptors_gets_out_of_files_naming_the_limit():
+    _, outcomes = run_ranks(_starved, 2, timeout=100)
+    kinds = [kind for kind, _ in outcomes]
+    assert set(kinds) <= {"OutOfFiles", "PeerLost"}, outcomes  # never a raw OSError
+    assert kinds[0] == "OutOfFiles" and "RLIMIT_NOFILE" in outcomes[0][1] and "256" in outcomes[0][1]
+    assert kinds[-1] == "PeerLost", outcomes  # enough descriptors: the junk was dropped, rank 0 never came
+    assert all("RLIMIT_NOFILE" in msg for kind, msg in outcomes if kind == "OutOfFiles")
+
+
+def _liar(rank, size, store):
+    """A full mesh of 3: rank 2 is a member (it read the store and says valid heartbeats,
+    by hand) that lies: rank 1 hung up, in its own name and in rank 0's; then floods
+    reports of made-up serials; then hangs up for real, which must still be seen at once."""
+    import resource
+    from commslayer.detect.liveness import Liveness
+    from commslayer.detect.watch import HUNG_UP, SILENT
+
+    if rank == 2:
+        return _lie(dist.PrefixStore("liar", store), store, struct.Struct("!cIIIBI"), HUNG_UP, SILENT)
+    lost = []
+    mesh = Liveness(dist.PrefixStore("liar", store), rank, 3, heartbeat_s=0.1, peer_timeout_s=1.0,
+                    connect_timeout_s=60, on_lost=lambda ranks, why: lost.append((time.monotonic(), ranks, why)),
+                    on_left=lambda ranks: None, label="liar")
+    store.wait(["lied"])
+    lied_lost = list(lost)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    store.wait(["flooded"])
+    time.sleep(1.0)  # the frames read and handled
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    watch = mesh._watch
+    tables = sum(len(t) for t in (watch._latest, watch._refuted, watch._early, watch._reports, watch._vouch))
+    store.set(f"measured{rank}", "1")
+    store.wait(["hung-up"])
+    time.sleep(1.0)
+    hung_up_at = float(store.get("hung-up").decode()) + time.monotonic() - time.time()
+    mesh.close()
+    return lied_lost, watch.refused, grown_kib, tables, [at - hung_up_at for at, ranks, _ in lost if 2 in ranks]
+
+
+def _lie(published, store, report, hung_up, silent):
+    """Rank 2's part: accept ranks 0 and 1 (they dial the higher rank), beat, lie, flood."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    published.set("liveness/2", f"127.0.0.1:{listener.getsockname()[1]}:{os.urandom(32).hex()}")
+    socks = {}
+    for _ in range(2):
+        s, _ = listener.accept()
+        socks[struct.unpack("!I", s.recv(44)[4:8])[0]] = s  # its hello: the sender's rank
+    listener.close()
+
+    def send(data):
+        for s in socks.values():
+            s.sendall(data)
+
+    def beat_for(seconds):
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            send(b".")
+            time.sleep(0.05)
+
+    beat_for(0.5)
+    send(report.pack(b"R", 1, 2, 1, hung_up, 0) + report.pack(b"R", 1, 0, 1, hung_up, 0))  # "rank 1 hung up"
+    beat_for(2.0)  # past the grace (0.5 s)
+    store.set("lied", "1")
+    send(b"".join(report.pack(b"R", i & 1, 2, 2 + i, silent, 100) + b"." for i in range(200_000)))
+    store.set("flooded", "1")
+    while not store.check(["measured0", "measured1"]):
+        beat_for(0.1)
+    store.set("hung-up", repr(time.time()))
+    for s in socks.values():
+        s.close()  # no goodbye: a crash, as they see it
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_one_lying_member_gets_no_healthy_rank_declared_and_a_report_flood_stays_bounded():
+    results = run_ranks(_liar, 3, timeout=100)
+    for rank, (lied_lost, refused, grown_kib, tables, seen_after) in enumerate(results[:2]):
+        assert lied_lost == [], (rank, lied_lost)  # nobody took rank 1 (nor anyone) for lost
+        assert refused >= 1, rank  # the report in rank 0's name: refused in the full mesh
+        assert grown_kib < 20_000, (rank, grown_kib)  # 200,000 reports: once a set of every frame seen
+        assert tables <= 3 * 3, (rank, tables)
+        assert len(seen_after) == 1 and seen_after[0] < 0.5, (rank, seen_after)  # the real hang-up, at once

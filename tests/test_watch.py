@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from commslayer.detect.watch import BEAT, HUNG_UP, SILENT, Topology, Watch
+from commslayer.detect.watch import BEAT, BROKEN, HUNG_UP, SILENT, Topology, Watch
 from commslayer.detect.watchsim import Simulation
 
 
@@ -159,8 +159,42 @@ def test_frames_split_anywhere_are_read_whole():
     for i in range(len(report)):
         watch.received(1, report[i:i + 1], now=0.1)
     watch.received(1, BEAT + BEAT, now=0.2)
-    _, lost, _ = watch.take()
-    assert lost == {2: "its process exited (connection closed), seen by rank 1"}
+    assert watch.take()[1] == {}  # rank 1's word alone: this member's own link to rank 2 says nothing yet
+    watch.hung_up(2, now=0.21, how=BROKEN)  # its own evidence, a second observer: rank 1's report was read whole
+    assert watch.take()[1] == {2: "its connection broke"}
+
+
+def test_one_members_word_that_a_peer_hung_up_is_refuted_at_the_peers_next_beat():
+    watch = _mesh_member()
+    watch.received(1, struct.pack("!cIIIBI", b"R", 2, 1, 1, HUNG_UP, 0), now=0.1)
+    watch.received(2, BEAT, now=0.2)  # rank 2 is alive: this member refutes rank 1's report
+    out, lost, _ = watch.take()
+    assert lost == {} and (1, struct.pack("!cIIII", b"A", 2, 0, 1, 1)) in out
+    watch.tick(now=3.0)  # long past confirm_s: the refuted report never stood
+    assert watch.take()[1] == {} and not watch.lost
+
+
+def test_in_the_full_mesh_a_member_speaks_only_for_itself(caplog):
+    watch = _mesh_member(size=4)
+    with caplog.at_level(logging.WARNING, logger="commslayer"):
+        watch.received(1, struct.pack("!cIIIBI", b"R", 2, 3, 1, SILENT, 900), now=0.1)  # in rank 3's name
+        watch.received(1, struct.pack("!cIIIBI", b"R", 2, 0, 7, SILENT, 900), now=0.1)  # in this rank's own
+        watch.received(1, struct.pack("!cI", b"L", 2), now=0.1)  # "rank 2 left", said by rank 1
+    assert watch.refused == 3 and caplog.text.count("in another member's name") == 1
+    watch.received(3, struct.pack("!cIIIBI", b"R", 2, 3, 1, SILENT, 900), now=0.2)  # rank 3 itself: taken
+    watch.tick(now=0.2 + 1.6)  # one report, unrefuted for confirm_s
+    assert list(watch.take()[1]) == [2] and watch.left == set()
+
+
+def test_a_report_flood_keeps_the_tables_bounded():
+    watch = _mesh_member(size=4)
+    flood = b"".join(struct.pack("!cIIIBI", b"R", t, 1, serial, SILENT, 100)
+                     for serial in range(1, 100_001) for t in (2, 3))
+    watch.received(1, flood, now=0.1)
+    refute = b"".join(struct.pack("!cIIII", b"A", 2, 1, 3, serial) for serial in range(1, 50_001))
+    watch.received(1, refute, now=0.1)
+    tables = (watch._latest, watch._refuted, watch._early, watch._reports, watch._vouch)
+    assert sum(len(t) for t in tables) <= 4 * 3 * len(tables), [len(t) for t in tables]
 
 
 def test_a_frame_this_version_does_not_know_is_dropped_with_a_warning(caplog):
@@ -189,7 +223,9 @@ def test_the_simulator_holds_a_thousand_members(size):
 def test_a_member_reported_silent_and_then_killed_is_declared_at_the_hang_up():
     """A ring of 4 (one watcher each): member 2's watcher (1) reports its silence, and with
     the link to its other neighbour (3) cut nobody seconds it, so the grace would take half
-    the peer timeout; the hang-up when it dies ends the wait at once."""
+    the peer timeout; the hang-up when it dies ends the wait at once for the watcher, which
+    saw it. The others have only the watcher's word, one observer's: they wait out the grace
+    that began with its first report, and not a new one from the hang-up."""
     sim = Simulation(4, k=1, mesh_max=1, peer_timeout_s=2.0, seed=3)
     assert sim.topology.watchers(2) == (1,) and set(sim.topology.neighbours(2)) == {1, 3}
     sim.run(0.5)
@@ -199,6 +235,8 @@ def test_a_member_reported_silent_and_then_killed_is_declared_at_the_hang_up():
     assert sim.declared == {}
     sim.kill(2, at=2.6)
     sim.run(2.7)
+    assert sorted(sim.declared.get(2, {})) == [1]
+    sim.run(3.6)
     assert sorted(sim.declared.get(2, {})) == [0, 1, 3]
 
 

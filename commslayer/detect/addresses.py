@@ -36,6 +36,7 @@ Anything else: no layout, and watchers are chosen without regard to hosts.
 from __future__ import annotations
 
 import bisect
+import errno
 import fcntl
 import itertools
 import os
@@ -49,6 +50,7 @@ from commslayer.errors import InvalidArgument
 
 LOOPBACK = "127.0.0.1"
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)  # not a bad address: raised for the caller to name
 
 
 def resolve(host: str, what: str) -> str:
@@ -56,6 +58,8 @@ def resolve(host: str, what: str) -> str:
     try:
         return socket.gethostbyname(host)
     except (OSError, UnicodeError) as exc:
+        if isinstance(exc, OSError) and exc.errno in OUT_OF_FILES:
+            raise  # out of file descriptors, not a bad name: the caller names it
         raise InvalidArgument(f"{what}={host!r} does not resolve to an IPv4 address ({exc})") from None
 
 
@@ -106,7 +110,9 @@ def advertised_host(store: Any = None) -> str:
         return LOOPBACK
     try:
         return address_towards(*target)
-    except OSError:  # no route to the store from here: only loopback can be right
+    except OSError as exc:  # no route to the store from here: only loopback can be right
+        if exc.errno in OUT_OF_FILES:
+            raise
         return LOOPBACK
 
 

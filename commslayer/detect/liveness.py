@@ -35,8 +35,13 @@ reads only its neighbours' keys.  A connection counts only once its hello
 receiver's key, so a process that cannot read the store cannot join, pose
 as a rank or stall the set-up: junk,
 forged hellos and silent sockets are logged and dropped (a silent one after
-``HELLO_TIMEOUT_S``) while the real peers connect.  The listener closes once
-every neighbour is in.  Set-up failures are ``PeerLost`` naming the peer; a
+``HELLO_TIMEOUT_S``) while the real peers connect.  What others can make it
+hold is bounded: the accept backlog, and ``PENDING_MAX`` connections beyond
+the awaited peers waiting for their hello (a new one evicts the oldest; a
+hello already there is read at accept, so a flood of connections passes the
+real peers through); past the first few, drops are counted, not logged one by
+one.  A process out of file descriptors gets ``OutOfFiles`` naming its limit.
+The listener closes once every neighbour is in.  Set-up failures are ``PeerLost`` naming the peer; a
 peer that chose another topology (a setting or a host layout that differs
 between ranks, which would leave members unwatched) is a ``ConfigError``.
 ``close()`` (``finalize``, and every monitor at normal interpreter exit)
@@ -51,9 +56,11 @@ told apart from a normal exit: it says goodbye.
 from __future__ import annotations
 
 import atexit
+import errno
 import hashlib
 import hmac
 import logging
+import resource
 import secrets
 import selectors
 import socket
@@ -67,8 +74,8 @@ from typing import Callable, Dict, Optional, Sequence, Set, Tuple
 
 import torch.distributed as dist
 
-from commslayer.detect.addresses import advertised_host
-from commslayer.errors import ConfigError, PeerLost
+from commslayer.detect.addresses import OUT_OF_FILES, advertised_host
+from commslayer.errors import ConfigError, OutOfFiles, PeerLost
 from commslayer.detect.watch import BEAT, BROKEN, HUNG_UP, Topology, Watch
 
 log = logging.getLogger("commslayer")
@@ -78,6 +85,9 @@ _HELLO = struct.Struct("!4sIII32s")  # magic, sender's rank, receiver's rank, to
 _OUT_MAX = 1 << 20  # bytes queued for a peer that is not reading, beyond which frames to it are dropped
 HELLO_TIMEOUT_S = 2.0  # a connection that has not said a valid hello by then is dropped
 HANG_UP_WAIT_S = 0.1  # how long close(goodbye=False) lets the monitor thread hang up before it does so itself
+PENDING_MAX = 64  # connections held at set-up before their hello is checked, beyond the peers awaited
+_BACKLOG_MAX = 256  # the listener's accept backlog at most
+_DROPS_LOGGED = 8  # dropped connections logged one by one at set-up; the rest are counted
 
 _open: "weakref.WeakSet[Liveness]" = weakref.WeakSet()
 
@@ -141,13 +151,19 @@ class Liveness:
         self._out: Dict[int, bytearray] = {}
         self._closing = False
         self._goodbye = True
-        self._wake_r, self._wake_w = socket.socketpair()  # close() wakes the thread through it
+        self.connections_dropped = 0  # connections to the listener dropped at set-up
         try:
-            self._connect(store, connect_timeout_s)
-        except BaseException:
-            for s in list(self._socks.values()) + [self._wake_r, self._wake_w]:
-                s.close()
-            raise
+            self._wake_r, self._wake_w = socket.socketpair()  # close() wakes the thread through it
+            try:
+                self._connect(store, connect_timeout_s)
+            except BaseException:
+                for s in list(self._socks.values()) + [self._wake_r, self._wake_w]:
+                    s.close()
+                raise
+        except OSError as exc:
+            if exc.errno not in OUT_OF_FILES:
+                raise
+            raise self._out_of_files(exc) from None
         self._watch = Watch(rank, self.topology, heartbeat_s=heartbeat_s, peer_timeout_s=peer_timeout_s,
                             now=time.monotonic())
         _open.add(self)
@@ -175,7 +191,7 @@ class Liveness:
                             self._label, host, exc.strerror or exc)
                 listener.bind(("0.0.0.0", 0))
             neighbours = self.topology.neighbours(self.rank)
-            listener.listen(max(len(neighbours), 16))
+            listener.listen(min(len(neighbours) + 16, _BACKLOG_MAX))
             key = secrets.token_bytes(32)
             deadline = time.monotonic() + timeout_s
             store.set(f"liveness/{self.rank}", f"{host}:{listener.getsockname()[1]}:{key.hex()}")
@@ -188,6 +204,13 @@ class Liveness:
     def _setup_failed(self, ranks: Set[int], why: str) -> PeerLost:
         return PeerLost(f"liveness set-up: {why}", comm=self._label, op="new_comm", ranks=ranks)
 
+    def _out_of_files(self, exc: OSError) -> OutOfFiles:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return OutOfFiles(f"liveness set-up: cannot open a socket ({exc.strerror or exc}): this process may hold "
+                          f"{soft} file descriptors (RLIMIT_NOFILE; raise it with ulimit -n, or open fewer "
+                          "communicators)" + (", and the host's table is full" if exc.errno == errno.ENFILE else ""),
+                          comm=self._label, op="new_comm")
+
     def _dial(self, peer: int, published: str, deadline: float) -> None:
         try:
             h, p, key = published.rsplit(":", 2)
@@ -198,6 +221,8 @@ class Liveness:
         try:
             s = socket.create_connection(addr, timeout=max(0.05, deadline - time.monotonic()))
         except OSError as exc:
+            if exc.errno in OUT_OF_FILES:
+                raise
             raise self._setup_failed({peer}, f"cannot reach rank {peer}'s liveness listener at {h}:{p} "
                                              f"({exc.strerror or exc})") from None
         try:
@@ -211,8 +236,9 @@ class Liveness:
     def _accept(self, listener: socket.socket, key: bytes, wanted: Set[int], deadline: float) -> None:
         """Accept until every rank in ``wanted`` has said a valid hello. Anything else
         that connects (junk, a forged hello, a silent socket) is logged and dropped
-        without holding up the others."""
-        pending: Dict[socket.socket, Tuple[bytes, float, str]] = {}  # bytes read, since, where from
+        without holding up the others; at most ``PENDING_MAX`` of them at once."""
+        pending: Dict[socket.socket, Tuple[bytes, float, str]] = {}  # bytes read, since, where from (oldest first)
+        cap = PENDING_MAX + len(wanted)
         listener.setblocking(False)
         sel = selectors.DefaultSelector()
         sel.register(listener, selectors.EVENT_READ, None)
@@ -226,30 +252,49 @@ class Liveness:
                     if now - since > HELLO_TIMEOUT_S:
                         self._reject(sel, pending, s, who, f"no hello within {HELLO_TIMEOUT_S:g}s")
                 for sel_key, _ in sel.select(timeout=min(0.1, deadline - now)):
-                    if sel_key.fileobj is listener:
-                        self._take(listener, sel, pending)
-                    else:
-                        peer = self._read_hello(sel_key.fileobj, key, wanted, sel, pending)
-                        if peer is not None:
-                            wanted.discard(peer)
+                    s = self._take(listener, sel, pending, cap) if sel_key.fileobj is listener else sel_key.fileobj
+                    peer = None if s is None else self._read_hello(s, key, wanted, sel, pending)
+                    if peer is not None:
+                        wanted.discard(peer)
         finally:
             for s in pending:
                 s.close()
             sel.close()
+            if self.connections_dropped > _DROPS_LOGGED:
+                log.warning("commslayer %s: dropped %d liveness connections in all during set-up (the first %d "
+                            "are logged)", self._label, self.connections_dropped, _DROPS_LOGGED)
 
-    @staticmethod
-    def _take(listener: socket.socket, sel: selectors.BaseSelector, pending: Dict) -> None:
+    def _take(self, listener: socket.socket, sel: selectors.BaseSelector, pending: Dict,
+              cap: int) -> Optional[socket.socket]:
+        """Accept one connection, first making room for it by dropping the oldest pending one;
+        out of file descriptors, drop the oldest to make room, or raise ``OutOfFiles``."""
+        if len(pending) >= cap:
+            self._evict_oldest(sel, pending, f"{cap} connections waited for a hello already")
         try:
             s, where = listener.accept()
         except (BlockingIOError, InterruptedError):
-            return
+            return None
+        except OSError as exc:
+            if exc.errno not in OUT_OF_FILES:  # one that was reset before it was accepted
+                return None
+            if not pending:
+                raise self._out_of_files(exc) from None
+            self._evict_oldest(sel, pending, "this process ran out of file descriptors")
+            return None
         s.setblocking(False)
         sel.register(s, selectors.EVENT_READ, None)
         pending[s] = (b"", time.monotonic(), "%s:%s" % where[:2])
+        return s
+
+    def _evict_oldest(self, sel: selectors.BaseSelector, pending: Dict, why: str) -> None:
+        oldest = next(iter(pending))
+        self._reject(sel, pending, oldest, pending[oldest][2], f"{why}: the oldest is dropped")
 
     def _read_hello(self, s: socket.socket, key: bytes, wanted: Set[int], sel: selectors.BaseSelector,
                     pending: Dict) -> "int | None":
         """Read what ``s`` sent; adopt it once it is a whole, valid hello (its rank)."""
+        if s not in pending:
+            return None  # dropped since the selector returned it (making room for a newer one)
         got, since, who = pending[s]
         try:
             chunk = s.recv(_HELLO.size - len(got))
@@ -282,7 +327,9 @@ class Liveness:
         return peer
 
     def _reject(self, sel: selectors.BaseSelector, pending: Dict, s: socket.socket, who: str, why: str) -> None:
-        log.warning("commslayer %s: dropped a liveness connection from %s: %s", self._label, who, why)
+        self.connections_dropped += 1
+        if self.connections_dropped <= _DROPS_LOGGED:
+            log.warning("commslayer %s: dropped a liveness connection from %s: %s", self._label, who, why)
         sel.unregister(s)
         del pending[s]
         s.close()

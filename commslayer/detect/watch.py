@@ -23,20 +23,33 @@ so a message flooded over the connections reaches every member in
 **Evidence.**  A watcher reports a peer when its connection ends or when
 its heartbeats stop for the peer timeout.  A member declares a peer lost when
 
-* one observer (a member connected to the peer) saw the connection hung up:
-  only the peer's own kernel closes it cleanly, so the process is gone, and
-  no slow watcher can make that up; or
-* two observers reported it (silence, or a connection that broke, which a cut
-  link can cause), or
+* it saw its own connection to the peer hung up: only the peer's own kernel
+  closes it cleanly, so the process is gone, and no slow watcher can make
+  that up; or
+* two observers reported it (silence, a connection that broke, which a cut
+  link can cause, or a hang-up: another member's word for one is a claim like
+  any other, and in a real loss every member connected to the peer sees its
+  own hang-up at the same moment), or
 * every observer of the peer still alive reported it (one, in a set of two),
   or
 * one report stood for ``confirm_s`` and no observer refuted it.
 
-A watcher that hears from a reported peer after a report of silence or a
-broken connection (or the reported peer itself, if it hears of it) refutes
-that report.  So one slow or cut-off
+A watcher that hears from a reported peer after another member's report of
+it, whatever its cause (or the reported peer itself, if it hears of it),
+refutes that report.  So one slow or cut-off
 watcher cannot get a healthy member declared lost: its report waits for a
-second, and the peer's other watchers refute it.
+second, and the peer's other watchers refute it.  Nor can one member that
+lies: in the full mesh nothing is forwarded, so a report, a refutation or a
+departure counts only from the member it names, on that member's own
+connection (anything else is dropped and counted in ``refused``), and a lie
+that rank X hung up is one report, refuted at X's next heartbeat.  Above the
+full mesh, a report forwarded by a member is taken in its observer's name
+unchecked (nothing signs it): two lying reports in two names are enough
+there, which ``docs/recovery.md`` lists as a limit.
+
+**Bounded state.**  Whatever peers send, the tables hold at most one entry
+per (peer, observer) pair of the topology: a flooded frame is known by the
+highest serial seen from its observer, not by a set of every frame seen.
 
 **Spreading.**  Reports, refutations and departures (a member's goodbye)
 are flooded: each member forwards each one once to its neighbours (in the
@@ -227,9 +240,12 @@ class Watch:
         self._serial = 0
         self._reported: Dict[int, int] = {}  # peers this member reported, not heard from since -> serial
         self._reports: Dict[int, Dict[int, Tuple[int, int, int, float]]] = {}  # target -> observer -> report
-        self._refuted: Set[Tuple[int, int, int]] = set()  # (target, observer, serial)
-        self._vouch: Dict[int, Set[Tuple[int, int]]] = {}  # target -> reports to refute at its next beat
-        self._seen: Set[Tuple[int, ...]] = set()  # flooded frames handled already
+        self._latest: Dict[Tuple[int, int], int] = {}  # (target, observer) -> highest report serial seen
+        self._refuted: Dict[Tuple[int, int], int] = {}  # (target, observer) -> highest serial refuted
+        self._early: Dict[Tuple[int, int], Tuple[int, int]] = {}  # a refutation ahead of its report: serial, refuter
+        self._vouch: Dict[int, Dict[int, int]] = {}  # target -> observer -> serial, to refute at its next beat
+        self._refused_from: Set[int] = set()  # neighbours whose refused frames were logged already
+        self.refused = 0  # frames dropped because the member that sent them may not say that
         self.lost: Dict[int, str] = {}
         self.left: Set[int] = set()
         self.outbox: List[Tuple[int, bytes]] = []
@@ -335,11 +351,10 @@ class Watch:
         if peer in self._last_seen:
             self._last_seen[peer] = now
         if peer in self._reported:  # heard again after reporting it: take the report back
-            serial = self._reported.pop(peer)
-            self._vouch.setdefault(peer, set()).add((self.me, serial))
+            self._vouch.setdefault(peer, {})[self.me] = self._reported.pop(peer)
         pending = self._vouch.pop(peer, None)
         if pending and peer not in self.lost:
-            for observer, serial in sorted(pending):
+            for observer, serial in sorted(pending.items()):
                 self._refute(peer, observer, serial, source=None)
 
     def _report(self, target: int, how: int, silent_ms: int, now: float) -> None:
@@ -352,45 +367,66 @@ class Watch:
         size = self.topology.size
         if tag == b"R":
             _, target, observer, serial, how, silent_ms = _REPORT.unpack(frame)
-            if target < size and observer in self.topology.neighbours(target) and how in (HUNG_UP, BROKEN, SILENT):
+            if (target < size and observer in self.topology.neighbours(target) and how in (HUNG_UP, BROKEN, SILENT)
+                    and self._author_may(peer, observer, "a report", frame)):
                 self._take_report(target, observer, serial, how, silent_ms, now, source=peer)
         elif tag == b"A":
             _, target, refuter, observer, serial = _REFUTE.unpack(frame)
-            if target < size and (refuter == target or refuter in self.topology.watchers(target)):
+            if (target < size and (refuter == target or refuter in self.topology.watchers(target))
+                    and observer in self.topology.neighbours(target)
+                    and self._author_may(peer, refuter, "a refutation", frame)):
                 self._refute(target, observer, serial, source=peer, refuter=refuter)
         else:
             _, target = _LEFT.unpack(frame)
-            if target < size:
+            if target < size and self._author_may(peer, None, "a departure", frame):
                 self._departed(target, peer)
+
+    def _author_may(self, peer: int, author: Optional[int], what: str, frame: bytes) -> bool:
+        """Whether ``peer`` may pass on ``frame``, written by ``author`` (None: a departure,
+        which its author says with a goodbye): anyone above the full mesh, where frames are
+        forwarded; in the full mesh only the author itself."""
+        if author == peer or not self.topology.full_mesh:
+            return True
+        self.refused += 1
+        if peer not in self._refused_from:
+            self._refused_from.add(peer)
+            log.warning("commslayer liveness: rank %d sent %s in another member's name in the full mesh (%r); "
+                        "dropped, and so is every such frame from it (counted, not logged)", peer, what, frame)
+        return False
 
     def _take_report(self, target: int, observer: int, serial: int, how: int, silent_ms: int, now: float,
                      source: Optional[int]) -> None:
-        key = (0, target, observer, serial)
-        if key in self._seen:
-            return
-        self._seen.add(key)
-        if target in self.left or target in self.lost or (target, observer, serial) in self._refuted:
+        if serial <= self._latest.get((target, observer), 0) or (observer == self.me and source is not None):
+            return  # seen already, older than one seen, or in this member's name (which knows its own)
+        self._latest[target, observer] = serial
+        if target in self.left or target in self.lost or serial <= self._refuted.get((target, observer), 0):
             return
         self._flood(_REPORT.pack(b"R", target, observer, serial, how, silent_ms), source)
         if target == self.me:  # reported, and alive to read it: refute at once
             self._refute(self.me, observer, serial, source=None)
             return
-        self._reports.setdefault(target, {})[observer] = (how, silent_ms, serial, now)
-        if how != HUNG_UP and observer != self.me and target in self._last_seen:  # vouch at its next beat
-            self._vouch.setdefault(target, set()).add((observer, serial))
+        reports = self._reports.setdefault(target, {})
+        since = reports[observer][3] if observer in reports else now  # its grace began with its first report
+        reports[observer] = (how, silent_ms, serial, since)
+        if observer != self.me and target in self._last_seen:  # vouch at its next beat
+            self._vouch.setdefault(target, {})[observer] = serial
+        early = self._early.pop((target, observer), None)
+        if early is not None and early[0] == serial:
+            self._refute(target, observer, serial, source=None, refuter=early[1])
         self._judge(target, now)
 
     def _refute(self, target: int, observer: int, serial: int, source: Optional[int],
                 refuter: Optional[int] = None) -> None:
         refuter = self.me if refuter is None else refuter
-        key = (1, target, refuter, observer, serial)
-        if key in self._seen:
+        if serial <= self._refuted.get((target, observer), 0):
+            return  # refuted already
+        if serial > self._latest.get((target, observer), 0):  # ahead of its report (a faster path): it waits for
+            self._early[target, observer] = (serial, refuter)  # that one report only, so a made-up serial bars nothing
             return
-        self._seen.add(key)
-        self._refuted.add((target, observer, serial))
+        self._refuted[target, observer] = serial
         self._flood(_REFUTE.pack(b"A", target, refuter, observer, serial), source)
         reports = self._reports.get(target)
-        if reports and observer in reports and reports[observer][2] == serial and reports[observer][0] != HUNG_UP:
+        if reports and observer in reports and reports[observer][2] == serial:
             del reports[observer]
 
     def _judge(self, target: int, now: float) -> None:
@@ -398,7 +434,8 @@ class Watch:
         if not reports or target in self.lost:
             return
         alive = [o for o in self.topology.neighbours(target) if o not in self.lost and o not in self.left]
-        if (len(reports) >= min(2, max(1, len(alive))) or any(r[0] == HUNG_UP for r in reports.values())
+        mine = reports.get(self.me)
+        if (len(reports) >= min(2, max(1, len(alive))) or (mine is not None and mine[0] == HUNG_UP)
                 or now - min(r[3] for r in reports.values()) >= self.confirm_s):
             self._declare(target, reports, now)
 
@@ -419,14 +456,11 @@ class Watch:
             self._judge(other, now)
 
     def _departed(self, target: int, source: Optional[int]) -> None:
-        key = (2, target)
-        if key in self._seen or target == self.me:
-            return
-        self._seen.add(key)
-        if target in self.lost:
+        if target == self.me or target in self.left or target in self.lost:
             return
         self.left.add(target)
         self.news_left.add(target)
         self._last_seen.pop(target, None)
         self._reports.pop(target, None)
-        self._flood(_LEFT.pack(b"L", target), source)
+        if not self.topology.full_mesh:  # in the full mesh its goodbye reached every member
+            self._flood(_LEFT.pack(b"L", target), source)
