@@ -33,7 +33,8 @@ dials its higher-ranked neighbours and accepts its lower-ranked ones, so it
 reads only its neighbours' keys.  A connection counts only once its hello
 (sender, receiver, the topology's checksum) carries the HMAC of the
 receiver's key, so a process that cannot read the store cannot join, pose
-as a rank or stall the set-up: junk,
+as a rank or stall the set-up (c10d's TCPStore has no authentication: any
+process that reaches it can read it, ``docs/recovery.md`` says what follows): junk,
 forged hellos and silent sockets are logged and dropped (a silent one after
 ``HELLO_TIMEOUT_S``) while the real peers connect.  What others can make it
 hold is bounded: the accept backlog, and ``PENDING_MAX`` connections beyond
