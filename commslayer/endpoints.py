@@ -18,7 +18,7 @@ def is_etcd(address: str) -> bool:
 
 
 def parse_url(url: str) -> Tuple[List[Tuple[str, int]], str]:
-    """``etcd://h1:2379,h2:2379/job`` as ((host, port) pairs, key prefix ``job/``; none
+    """``etcd://h1:2379,h2:2379/job`` as ((host, port) pairs, the job's name ``job``; empty
     without a path); ``ValueError`` saying why not."""
     if not is_etcd(url):
         raise ValueError(f"{url!r} is not an etcd:// address")
@@ -32,7 +32,7 @@ def parse_url(url: str) -> Tuple[List[Tuple[str, int]], str]:
             out.append(host_port(part))
         except ValueError:
             raise ValueError(f"{part!r} in {url!r} is not host:port") from None
-    return out, f"{path}/" if path else ""
+    return out, path
 
 
 def host_port(text: str) -> Tuple[str, int]:

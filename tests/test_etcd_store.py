@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from commslayer.errors import StoreUnreachable
 from commslayer.endpoints import parse_url
-from commslayer.agree.etcdstore import EtcdStore
+from commslayer.agree.etcdstore import RECEIPTS, EtcdStore
 from commslayer.agree.membership import Membership
 from commslayer.agree.store import bounded
 from faults.etcd import EtcdCluster, available
@@ -68,12 +68,12 @@ def _calls(store):
 
 def test_every_call_answers_as_a_c10d_store_does(etcd):
     _, endpoint = etcd
-    assert _calls(EtcdStore([endpoint], prefix="calls/")) == _calls(dist.HashStore())
+    assert _calls(EtcdStore([endpoint], job="calls")) == _calls(dist.HashStore())
 
 
 def test_a_wait_ends_when_another_client_writes_and_times_out_naming_the_keys(etcd):
     _, endpoint = etcd
-    waiter, writer = EtcdStore([endpoint], prefix="w/"), EtcdStore([endpoint], prefix="w/")
+    waiter, writer = EtcdStore([endpoint], job="w"), EtcdStore([endpoint], job="w")
     threading.Timer(0.3, lambda: writer.set("k", "v")).start()
     start = time.monotonic()
     assert waiter.get("k") == b"v"  # a get of a key not written yet waits for it
@@ -86,7 +86,7 @@ def test_a_wait_ends_when_another_client_writes_and_times_out_naming_the_keys(et
 
 def test_the_membership_protocol_runs_on_etcd(etcd):
     _, endpoint = etcd
-    stores = [bounded(EtcdStore([endpoint], prefix="m/")) for _ in range(3)]
+    stores = [bounded(EtcdStore([endpoint], job="m")) for _ in range(3)]
     memberships = [Membership(s, "on-etcd") for s in stores]
     for m in memberships:  # their waits block on etcd (a watch), on a clone of the store
         assert m.waits is not None and m.waits.opened(5.0)
@@ -100,7 +100,7 @@ def test_the_membership_protocol_runs_on_etcd(etcd):
 def _all_reduce_on_etcd(rank, size, _tcp, endpoint):
     import commslayer
 
-    comm = commslayer.new_comm("gloo", name="etcd", store=EtcdStore([tuple(endpoint)], prefix="job/"), rank=rank,
+    comm = commslayer.new_comm("gloo", name="etcd", store=EtcdStore([tuple(endpoint)], job="job"), rank=rank,
                                size=size, timeout=60)
     t = torch.full((4,), float(rank + 1))
     comm.all_reduce(t)
@@ -118,7 +118,7 @@ def test_a_communicator_runs_on_etcd_and_matches_plain_results(etcd):
 
 def test_an_etcd_that_is_gone_is_store_unreachable_within_the_deadline(etcd):
     cluster, endpoint = etcd
-    store = bounded(EtcdStore([endpoint], prefix="gone/", request_timeout_s=1.0), deadline_s=3.0)
+    store = bounded(EtcdStore([endpoint], job="gone", request_timeout_s=1.0), deadline_s=3.0)
     store.set("k", "v")
     cluster.kill(0)
     start = time.monotonic()
@@ -132,7 +132,7 @@ def test_an_etcd_that_is_gone_is_store_unreachable_within_the_deadline(etcd):
 def test_adds_and_appends_are_exactly_once_while_the_leader_is_lost(cluster, fault):
     """Four clients add and append while the leader is SIGKILLed (or SIGSTOPped, when the
     requests in flight to it get no answer at all): every one of them counted once."""
-    stores = [EtcdStore(cluster.endpoints, prefix="once/") for _ in range(4)]
+    stores = [EtcdStore(cluster.endpoints, job="once") for _ in range(4)]
     leader = cluster.leader()
     for s in stores:
         s._good = leader  # every client starts on the leader: the loss hits requests in flight
@@ -157,7 +157,7 @@ def test_adds_and_appends_are_exactly_once_while_the_leader_is_lost(cluster, fau
 
 @pytest.mark.timeout(120)
 def test_a_lost_quorum_is_store_unreachable_within_the_deadline_and_a_restored_one_serves(cluster):
-    store = bounded(EtcdStore(cluster.endpoints, prefix="q/", request_timeout_s=4.0), deadline_s=6.0)
+    store = bounded(EtcdStore(cluster.endpoints, job="q", request_timeout_s=4.0), deadline_s=6.0)
     store.set("k", "v")
     leader = cluster.leader()
     others = [i for i in range(3) if i != leader]
@@ -167,7 +167,7 @@ def test_a_lost_quorum_is_store_unreachable_within_the_deadline_and_a_restored_o
     with pytest.raises(StoreUnreachable, match=r"etcd://.*/q.*did not serve"):
         store.set("k", "w")
     assert 3.5 < time.monotonic() - start < 6.5
-    restored = bounded(EtcdStore(cluster.endpoints, prefix="q/", request_timeout_s=8.0), deadline_s=10.0)
+    restored = bounded(EtcdStore(cluster.endpoints, job="q", request_timeout_s=8.0), deadline_s=10.0)
     threading.Timer(1.0, lambda: cluster.start(leader)).start()  # back before the deadline
     start = time.monotonic()
     restored.set("k", "x")
@@ -176,7 +176,7 @@ def test_a_lost_quorum_is_store_unreachable_within_the_deadline_and_a_restored_o
 
 def test_etcd_addresses_parse_or_say_why_not():
     assert parse_url("etcd://h1:2379,10.0.0.2:2380") == ([("h1", 2379), ("10.0.0.2", 2380)], "")
-    assert parse_url("etcd://h1:2379/run7/") == ([("h1", 2379)], "run7/")
+    assert parse_url("etcd://h1:2379/run7/") == ([("h1", 2379)], "run7")
     for bad in ("http://h:1", "etcd://h1", "etcd://:2379", "etcd://h:99999/x", "etcd://h:1/a b"):
         with pytest.raises(ValueError):
             parse_url(bad)
@@ -188,7 +188,7 @@ def test_a_clone_made_through_a_prefix_store_keeps_working(etcd):
     import gc
 
     _, endpoint = etcd
-    store = EtcdStore([endpoint], prefix="c/")  # kept, as every store that commslayer wraps is
+    store = EtcdStore([endpoint], job="c")  # kept, as every store that commslayer wraps is
     clone = dist.PrefixStore("p", store).clone()
     gc.collect()
     clone.set("k", "v")
@@ -204,12 +204,12 @@ def test_a_claim_is_exclusive_and_goes_with_its_holder(etcd):
     _, (host, port) = etcd
     holder = subprocess.Popen(
         [sys.executable, "-c", "import time\nfrom commslayer.agree.etcdstore import EtcdStore\n"
-         f"claim = EtcdStore([({host!r}, {port})], 'cl/').claim('job', 'first', 2.0)\n"
+         f"claim = EtcdStore([({host!r}, {port})], 'cl').claim('job', 'first', 2.0)\n"
          "print('held' if claim else 'refused', flush=True)\ntime.sleep(60)"],
         stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        store = EtcdStore([(host, port)], prefix="cl/")
+        store = EtcdStore([(host, port)], job="cl")
         time.sleep(3.0)  # longer than the time to live: the holder's renewals keep it
         assert store.claim("job", "second", 2.0) is None and store.get("job") == b"first"
     finally:
@@ -222,3 +222,40 @@ def test_a_claim_is_exclusive_and_goes_with_its_holder(etcd):
     assert store.get("job") == b"second"
     mine.release()
     assert not store.check(["job"])
+
+
+def _count_under(endpoint, prefix: bytes) -> int:
+    """How many keys of the cluster begin with ``prefix``, read raw (no job's view)."""
+    import base64
+    import http.client
+    import json
+
+    conn = http.client.HTTPConnection(*endpoint, timeout=5)
+    end = prefix[:-1] + bytes([prefix[-1] + 1])
+    conn.request("POST", "/v3/kv/range", json.dumps({"key": base64.b64encode(prefix).decode(), "count_only": True,
+                                                      "range_end": base64.b64encode(end).decode()}))
+    return int(json.loads(conn.getresponse().read()).get("count", 0))
+
+
+def test_jobs_whose_names_nest_or_mimic_internal_keys_stay_apart(etcd, monkeypatch):
+    """Job ``team`` started on a cluster where job ``team/exp`` runs leaves its keys alone, and
+    ``team/exp`` stays held by its launcher; a job named like the receipts' keys deletes none."""
+    from commslayer.run import launch
+    from commslayer.run.supervisor import Failed
+
+    monkeypatch.setattr(launch, "CLAIM_TTL_S", 2.0)  # a refusal within 3 s
+    _, endpoint = etcd
+    exp = EtcdStore([endpoint], job="team/exp")
+    held = launch._start_on_etcd(exp)
+    exp.set("rank/0/lost/0", "x")
+    exp.add("counter", 1)  # writes a receipt
+    receipts = _count_under(endpoint, RECEIPTS)
+    assert receipts >= 1
+    claims = [launch._start_on_etcd(EtcdStore([endpoint], job=job))
+              for job in ("team", "commslayer/receipts", "commslayer", "", "../receipts", "team%2Fexp")]
+    assert exp.check(["rank/0/lost/0", "counter", launch.STARTED]) and exp.get("counter") == b"1"
+    assert _count_under(endpoint, RECEIPTS) == receipts
+    with pytest.raises(Failed, match=r"the job at etcd://127\.0\.0\.1:\d+/team/exp is running"):
+        launch._start_on_etcd(EtcdStore([endpoint], job="team/exp"))
+    for claim in (held, *claims):
+        claim.release()

@@ -14,7 +14,7 @@ stack comes into the job.  Which etcd primitive does what:
 * ``add`` and ``append``: a read, then a transaction that writes only if the
   key's modification revision is still the one read, repeated on a race;
   exactly once, even when an answer is lost: the transaction also writes a
-  receipt (its own key, outside the prefix, under a lease that ends it after
+  receipt (its own key, outside every job's, under a lease that ends it after
   ``RECEIPT_TTL_S``) and applies only where that receipt does not exist, so
   the same transaction is simply sent again, and either applies or answers
   with the receipt;
@@ -24,7 +24,9 @@ stack comes into the job.  Which etcd primitive does what:
 * ``claim``: a key under a lease that a thread renews, gone soon after its
   holder (the launcher that started a job holds the job this way).
 
-Every key lives under ``prefix``.  Losing a member, the leader included, is
+A job's keys live under ``JOBS`` + its name, percent-encoded (``job_prefix``): a
+name holds no ``/`` there, so no job's keys are a part of another's (``team`` and
+``team/exp``), and the receipts, outside ``JOBS``, are part of none.  Losing a member, the leader included, is
 survived: each request goes to the member that served last, which gets
 ``ATTEMPT_S`` to answer (a member that is stopped, or that waits for a new
 leader, answers nothing), then to the next, round after round, for up to
@@ -42,6 +44,7 @@ import itertools
 import json
 import threading
 import time
+import urllib.parse
 import uuid
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -55,11 +58,20 @@ REQUEST_TIMEOUT_S = 8.0  # one call, tried on every endpoint in turn until one s
 ATTEMPT_S = 1.0  # one request to one endpoint: a member that is stopped, or waits for a leader, is left after this
 RELEASE_S = 2.0  # how long revoking a claim's lease may take (Claim.release)
 RECEIPT_TTL_S = 60  # how long the receipt of an add or append outlives it (its retries end well before)
-RECEIPTS = b"commslayer-receipts/"  # where receipts live: outside every prefix, so no job's keys count them
+NAMESPACE = b"commslayer/"  # every key commslayer writes on a cluster begins so
+JOBS = NAMESPACE + b"jobs/"  # each job's keys: here, under its encoded name (job_prefix)
+RECEIPTS = NAMESPACE + b"receipts/"  # where receipts live: outside JOBS, so no job's keys count or delete them
 
 
 class _NotServed(Exception):
     """One endpoint did not serve a request (refused, reset, silent, or an error answer)."""
+
+
+def job_prefix(job: str) -> bytes:
+    """Where the keys of ``job`` live: under ``JOBS``, the name percent-encoded so that it
+    holds no ``/``, ended by one; so no job's prefix begins another's (``team/`` and
+    ``team%2Fexp/``) and none is the receipts'.  The job without a name is ``JOBS//``."""
+    return JOBS + urllib.parse.quote(job, safe="").encode() + b"/"
 
 
 def _b64(data: bytes) -> str:
@@ -91,16 +103,17 @@ def _bytes(value: Any) -> bytes:
 
 
 class EtcdStore(dist.Store):
-    """The keys under ``prefix`` of the etcd cluster at ``endpoints`` ((host, port)
-    pairs), as a c10d store; ``EtcdStore.at(url)`` for an ``etcd://`` address."""
+    """The keys of ``job`` on the etcd cluster at ``endpoints`` ((host, port) pairs), as
+    a c10d store; ``EtcdStore.at(url)`` for an ``etcd://`` address."""
 
-    def __init__(self, endpoints: Sequence[Tuple[str, int]], prefix: str = "",
+    def __init__(self, endpoints: Sequence[Tuple[str, int]], job: str = "",
                  timeout: timedelta = DEFAULT_TIMEOUT, request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
         super().__init__()
         self.endpoints = list(endpoints)
         if not self.endpoints:
             raise ValueError("an etcd store needs at least one endpoint")
-        self.prefix = prefix.encode()
+        self.job = job
+        self.prefix = job_prefix(job)
         self.request_timeout_s = request_timeout_s
         self._good = 0  # the endpoint that answered last
         self._local = threading.local()  # each thread's kept-alive connections, by endpoint
@@ -113,17 +126,16 @@ class EtcdStore(dist.Store):
     @classmethod
     def at(cls, url: str, timeout: timedelta = DEFAULT_TIMEOUT,
            request_timeout_s: float = REQUEST_TIMEOUT_S) -> "EtcdStore":
-        """The store at ``etcd://h1:2379,h2:2379/job`` (keys under ``job/``)."""
-        endpoints, prefix = parse_url(url)
-        return cls(endpoints, prefix, timeout, request_timeout_s)
+        """The store of ``job`` at ``etcd://h1:2379,h2:2379/job``."""
+        endpoints, job = parse_url(url)
+        return cls(endpoints, job, timeout, request_timeout_s)
 
     @property
     def address(self) -> str:
-        path = self.prefix.decode().rstrip("/")
-        return SCHEME + ",".join(f"{h}:{p}" for h, p in self.endpoints) + (f"/{path}" if path else "")
+        return SCHEME + ",".join(f"{h}:{p}" for h, p in self.endpoints) + (f"/{self.job}" if self.job else "")
 
     def clone(self) -> "EtcdStore":
-        twin = EtcdStore(self.endpoints, self.prefix.decode(), self._store_timeout(), self.request_timeout_s)
+        twin = EtcdStore(self.endpoints, self.job, self._store_timeout(), self.request_timeout_s)
         # c10d's PrefixStore.clone keeps only a C++ reference to what this returns; without a Python
         # one the object goes, and its methods with it ("Tried to call pure virtual function")
         self._clones.append(twin)
@@ -248,11 +260,8 @@ class EtcdStore(dist.Store):
         return int(data.get("count", 0))
 
     def delete_all(self, keep: str = "") -> int:
-        """Delete every key under the prefix but ``keep`` (a job starting afresh on a
-        cluster that keeps what earlier jobs wrote); how many there were. Refused
-        without a prefix."""
-        if not self.prefix:
-            raise ValueError("delete_all needs a prefix: it would empty the whole cluster")
+        """Delete every key of the job but ``keep`` (a job starting afresh on a cluster
+        that keeps what earlier jobs wrote); how many there were."""
         everything = self._everything()
         if not keep:
             return int(self._post("/v3/kv/deleterange", everything).get("deleted", 0))
@@ -263,11 +272,9 @@ class EtcdStore(dist.Store):
         return sum(int(r["response_delete_range"].get("deleted", 0)) for r in data.get("responses", []))
 
     def _everything(self) -> Dict[str, str]:
-        """The range of every key under the prefix (the whole key space without one)."""
-        if not self.prefix:
-            return {"key": _b64(b"\0"), "range_end": _b64(b"\0")}
-        end = self.prefix.rstrip(b"\xff")
-        return {"key": _b64(self.prefix), "range_end": _b64(end[:-1] + bytes([end[-1] + 1]))}
+        """The range of every key of the job: from its prefix to the prefix with its
+        closing ``/`` one higher (``0``)."""
+        return {"key": _b64(self.prefix), "range_end": _b64(self.prefix[:-1] + b"0")}
 
     def claim(self, key: str, value: Any, ttl_s: float) -> Optional["Claim"]:
         """Write ``key`` if nobody holds it, under a lease of ``ttl_s`` seconds that a
@@ -279,7 +286,7 @@ class EtcdStore(dist.Store):
         holder = None if data.get("succeeded") else (data["responses"][0]["response_range"].get("kvs") or [{}])[0]
         if holder is None or holder.get("lease") == lease:  # ours, perhaps from a try that was applied
             # renewed on a store of its own, whose calls give up in time for the next renewal
-            return Claim(EtcdStore(self.endpoints, self.prefix.decode(), self._store_timeout(), ttl_s / 3),
+            return Claim(EtcdStore(self.endpoints, self.job, self._store_timeout(), ttl_s / 3),
                          lease, ttl_s)
         self._post("/v3/lease/revoke", {"ID": lease})
         return None
@@ -352,7 +359,7 @@ class EtcdStore(dist.Store):
             left = deadline - time.monotonic()
             if left <= 0 or not self._watch(missing[0], revision + 1, left):
                 raise dist.DistStoreError(f"wait timeout after {timeout.total_seconds() * 1000:.0f}ms, keys: "
-                                          + ", ".join(self.prefix.decode() + k for k in keys))
+                                          + ", ".join(f"{self.job}/{k}" if self.job else k for k in keys))
 
     def _watch(self, key: str, from_revision: int, timeout_s: float) -> bool:
         """Whether ``key`` was written at or after ``from_revision`` within ``timeout_s``."""
