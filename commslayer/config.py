@@ -387,8 +387,16 @@ def node() -> int:
 def spare() -> Optional[int]:
     """``COMMSLAYER_SPARE``: set by ``commslayer-run --spares`` for a warm spare, the spare's
     id on its host: the process waits in ``resilience.init`` until its launcher gives it a
-    lost rank's identity (commslayer.train.spare). None when unset (a rank)."""
-    return _integer("COMMSLAYER_SPARE", None, 0)
+    lost rank's identity (commslayer.train.spare). None when unset (a rank). Only per-rank
+    mode has spares: set without ``COMMSLAYER_RESTART_UNIT=rank`` it is refused (a value
+    left in an environment would otherwise hold back the recorder and the faults, which
+    wait for a spare to get its rank)."""
+    value = _integer("COMMSLAYER_SPARE", None, 0)
+    if value is not None and restart_unit() != "rank":
+        raise _bad("COMMSLAYER_SPARE", os.environ["COMMSLAYER_SPARE"],
+                   "set only by commslayer-run --spares, in per-rank mode (with COMMSLAYER_RESTART_UNIT=rank); "
+                   "unset it")
+    return value
 
 
 def redundancy() -> int:

@@ -50,8 +50,8 @@ def mark_ready() -> None:
 def when_placed(fn: Callable[[], None]) -> None:
     """Run ``fn()`` once this process has its rank: now, unless it is a warm spare still
     waiting for one (then when ``mark_placed`` is called). Idempotent as ``when_ready``."""
-    if not os.environ.get("COMMSLAYER_SPARE", "").strip():
-        fn()
+    if not os.environ.get("COMMSLAYER_SPARE", "").strip() or os.environ.get("COMMSLAYER_RESTART_UNIT") != "rank":
+        fn()  # (a spare outside per-rank mode is refused by commslayer.config.spare)
     elif fn not in _unplaced:
         _unplaced.append(fn)
 
