@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from typing import Any, Callable, Dict, List, Optional
 
 from commslayer.run.processes import ProcessSet
@@ -48,6 +49,7 @@ class Spares:
         self._labels: Dict[int, str] = {}  # how each spare's output lines are marked: spare, then its rank
         self._next = 0
         self._failures = 0
+        self._started: Dict[int, float] = {}  # spare id -> when it started, until it is seen ready
 
     def fill(self) -> None:
         """Start spares until ``count`` wait (unless they keep dying); reap those that died;
@@ -56,6 +58,9 @@ class Spares:
         for sid, proc in list(self._waiting.items()):
             code = proc.poll()
             if code is None:
+                if sid in self._started and self._store.check([key(self._node, sid, "ready")]):
+                    print(f"supervisor: spare {sid} ready, {time.monotonic() - self._started.pop(sid):.1f}s after "
+                          "its start", flush=True)
                 continue
             del self._waiting[sid]
             self._failures += 1
@@ -77,6 +82,7 @@ class Spares:
         proc = self._procs.start(("spare", sid), [sys.executable, *self._command], env,
                                  on_line=lambda line: self._echo(f"[{self._labels[sid]}] {line}"))
         self._waiting[sid] = proc
+        self._started[sid] = time.monotonic()
         print(f"supervisor: spare {sid} started (pid {proc.pid})", flush=True)
 
     def take(self, rank: int, env: Dict[str, str], why: str) -> Optional["subprocess.Popen[str]"]:
