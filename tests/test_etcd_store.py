@@ -4,8 +4,11 @@ calls; waits that end when another client writes; the membership protocol and a 
 communicator on it; and a server that is gone is ``StoreUnreachable``, not a hang.
 tests/run.sh installs etcd (Debian's etcd-server) where it may; without it these skip."""
 
+import http.server
+import json
 import threading
 import time
+import tracemalloc
 from datetime import timedelta
 
 import pytest
@@ -259,3 +262,143 @@ def test_jobs_whose_names_nest_or_mimic_internal_keys_stay_apart(etcd, monkeypat
         launch._start_on_etcd(EtcdStore([endpoint], job="team/exp"))
     for claim in (held, *claims):
         claim.release()
+
+
+# ------------------------------------------------------------- hostile endpoints
+HEADER = {"cluster_id": "1", "member_id": "2", "revision": "5", "raft_term": "1"}
+
+
+class _Fake(http.server.BaseHTTPRequestHandler):
+    """Answers every request with what its server's ``answer(request) -> (status, body)`` says;
+    a body that is a callable writes the answer itself."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self):
+        request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        status, body = self.server.answer(request)
+        if callable(body):
+            return body(self)
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake():
+    """A fake etcd endpoint served by a thread here: set ``fake.answer``; ``fake.endpoint``."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Fake)
+    server.daemon_threads = True
+    server.handle_error = lambda request, address: None  # a client that left mid-answer: expected here
+    server.endpoint = ("127.0.0.1", server.server_address[1])
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def _read_key(request):
+    """The key the first read of a transaction (or a range) asks for."""
+    return request["success"][0]["request_range"]["key"] if "success" in request else request.get("key")
+
+
+def _answer(**fields):
+    return lambda request: (200, json.dumps({"header": HEADER, **fields}).encode())
+
+
+def _kv(**fields):
+    """A transaction answer whose one read found the key asked for, with ``fields``."""
+    return lambda request: (200, json.dumps({"header": HEADER, "succeeded": True, "responses": [
+        {"response_range": {"kvs": [{"key": _read_key(request), **fields}]}}]}).encode())
+
+
+HOSTILE = {
+    "not JSON": lambda request: (200, b"<html>hello</html>"),
+    "a list": lambda request: (200, b"[1]"),
+    "nested 100000 deep": lambda request: (200, b"[" * 100000 + b"]" * 100000),
+    "only a revision": lambda request: (200, b'{"header":{"revision":"1"}}'),
+    "no header": lambda request: (200, b'{"succeeded":true,"responses":[]}'),
+    "a revision that is no number": _answer(header={**HEADER, "revision": "abc"}),
+    "no responses": _answer(succeeded=True),
+    "succeeded a string": _answer(succeeded="yes", responses=[{"response_range": {}}]),
+    "a put's response to a read": _answer(succeeded=True, responses=[{"response_put": {}}]),
+    "kvs a string": _answer(succeeded=True, responses=[{"response_range": {"kvs": "x"}}]),
+    "another key": _answer(succeeded=True, responses=[{"response_range": {"kvs": [
+        {"key": "b3RoZXI=", "value": "", "mod_revision": "3"}]}}]),
+    "bad base64": _kv(value="!!not base64", mod_revision="3"),
+    "a value that is a number": _kv(value=7, mod_revision="3"),
+    "no mod_revision": _kv(value="eA=="),
+    "an error as a list": lambda request: (500, b"[1]"),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(HOSTILE))
+def test_a_wrong_shaped_answer_is_the_endpoint_not_serving(fake, shape):
+    """Every wrong shape: no KeyError, no AssertionError, no key found or waited for that was
+    never written; after the deadline, DistNetworkError naming the endpoint and what was wrong."""
+    fake.answer = HOSTILE[shape]
+    store = EtcdStore([fake.endpoint], job="j", request_timeout_s=0.2)
+    where = rf"127\.0\.0\.1:{fake.endpoint[1]}: (a wrong-shaped answer|an answer that is not JSON|HTTP 500)"
+    for call in (lambda: store.check(["k"]), lambda: store.wait(["k"], timedelta(seconds=0.5)),
+                 lambda: store.get("k"), lambda: store.multi_get(["k"]), lambda: store.add("n", 1)):
+        with pytest.raises(dist.DistNetworkError, match=where):
+            call()
+
+
+def test_a_wrong_shaped_answer_sends_the_request_to_the_next_member(fake, etcd):
+    """The issue's ``{"header":{"revision":"1"}}``, from the first of two endpoints: every
+    call is served by the real member, with its true answers."""
+    _, endpoint = etcd
+    fake.answer = HOSTILE["only a revision"]
+    store = EtcdStore([fake.endpoint, endpoint], job="next", request_timeout_s=3.0)
+    assert not store.check(["missing"])
+    with pytest.raises(dist.DistStoreError, match="wait timeout"):
+        store.wait(["missing"], timedelta(seconds=0.3))
+    store._good = 0  # back to the fake first
+    store.set("k", "v")
+    assert store.get("k") == b"v" and store.add("n", 2) == 2 and store.check(["k", "n"])
+
+
+def _endless(handler):
+    """An answer with no Content-Length that never ends (1 MiB at a time until the client goes)."""
+    handler.send_response(200)
+    handler.send_header("Connection", "close")
+    handler.end_headers()
+    chunk = b"x" * (1 << 20)
+    try:
+        for _ in range(400):
+            handler.wfile.write(chunk)
+    except OSError:
+        pass
+
+
+def _huge_length(handler):
+    """An answer that says it holds 400 MB (and sends 1 MiB of it)."""
+    handler.send_response(200)
+    handler.send_header("Content-Length", str(400 << 20))
+    handler.end_headers()
+    try:
+        handler.wfile.write(b"x" * (1 << 20))
+    except OSError:
+        pass
+
+
+@pytest.mark.parametrize("body", [_endless, _huge_length], ids=["endless", "huge-content-length"])
+def test_an_answer_over_the_cap_is_refused_having_read_at_most_the_cap(fake, monkeypatch, body):
+    from commslayer.agree import etcdstore
+
+    monkeypatch.setattr(etcdstore, "MAX_REPLY_BYTES", 4 << 20)  # the real cap is 64 MiB: the same code, smaller
+    fake.answer = lambda request: (200, body)
+    store = EtcdStore([fake.endpoint], job="big", request_timeout_s=1.0)
+    tracemalloc.start()
+    try:
+        with pytest.raises(dist.DistNetworkError, match=r"an answer of (over )?\d+ bytes"):
+            store.check(["k"])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 12 << 20, peak  # the cap and one chunk, not 400 MB

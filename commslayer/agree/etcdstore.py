@@ -34,6 +34,15 @@ leader, answers nothing), then to the next, round after round, for up to
 When no member serves within that time (no quorum: the members answer with
 errors, or nothing), the call raises ``DistNetworkError``, which
 ``commslayer.agree.store.bounded`` turns into ``StoreUnreachable``.
+
+An answer is taken only as etcd gives it: a JSON object with the header every
+etcd answer has, each field of the type and form the request calls for (a
+transaction's answers one per operation, each read's key the one asked for,
+values valid base64), and a body of at most ``MAX_REPLY_BYTES``.  Anything
+else is that endpoint not serving, as a silent one: the request goes to the
+next, and ``DistNetworkError`` names the endpoint and what was wrong with its
+answer; never a wrong answer taken for a right one (a key that ``check``
+finds, a ``wait`` that ends, where none was written).
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ import time
 import urllib.parse
 import uuid
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, TypeVar
 
 import torch.distributed as dist
 
@@ -61,10 +70,21 @@ RECEIPT_TTL_S = 60  # how long the receipt of an add or append outlives it (its 
 NAMESPACE = b"commslayer/"  # every key commslayer writes on a cluster begins so
 JOBS = NAMESPACE + b"jobs/"  # each job's keys: here, under its encoded name (job_prefix)
 RECEIPTS = NAMESPACE + b"receipts/"  # where receipts live: outside JOBS, so no job's keys count or delete them
+# The most of an answer read before it is refused.  etcd takes requests of at most 1.5 MiB
+# (--max-request-bytes; its docs advise at most 10 MiB), so one key's value is at most that, and a
+# read of a few keys in one transaction, in base64 (4/3) and JSON, a few times that; 64 MiB leaves
+# room for a cluster configured for larger values, and bounds what a member (or something posing as
+# one) can make a rank hold: the issue's 400 MB value was read whole.
+MAX_REPLY_BYTES = 64 << 20
+CHUNK_BYTES = 1 << 20  # an answer is read this much at a time, its deadline checked between reads
+_DIGITS = 20  # the longest int64 (or uint64) etcd writes: a longer "number" is not one
+
+T = TypeVar("T")
 
 
 class _NotServed(Exception):
-    """One endpoint did not serve a request (refused, reset, silent, or an error answer)."""
+    """One endpoint did not serve a request (refused, reset, silent, an error answer, or
+    one of the wrong shape or size)."""
 
 
 def job_prefix(job: str) -> bytes:
@@ -100,6 +120,159 @@ def _bytes(value: Any) -> bytes:
     if isinstance(value, str):
         return value.encode()
     return bytes(value)  # c10d hands over lists of ints for std::vector<uint8_t>
+
+
+# ----------------------------------------------------------------- answers
+class Kv(NamedTuple):
+    """A key as etcd answered it: its value, the revision that last wrote it, its lease
+    (``"0"`` for none)."""
+
+    value: bytes
+    mod_revision: int
+    lease: str
+
+
+class Txn(NamedTuple):
+    """A transaction's answer: whether its comparisons held, what each operation of the
+    branch that ran read (its key's ``Kv``, None for a missing key or an operation
+    that is not a read), how many keys its deletes deleted, the store's revision."""
+
+    succeeded: bool
+    kvs: List[Optional[Kv]]
+    deleted: int
+    revision: int
+
+
+def _object(data: Any, what: str) -> Dict[str, Any]:
+    if not isinstance(data, dict):
+        raise _NotServed(f"a wrong-shaped answer: {what} is not a JSON object")
+    return data
+
+
+def _number(data: Dict[str, Any], name: str, default: Optional[int] = None) -> int:
+    """``data[name]``, an integer as etcd writes one (a decimal string; ``default`` where
+    etcd leaves a zero out)."""
+    value = data.get(name)
+    if value is None and default is not None:
+        return default
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if not isinstance(value, str) or not 0 < len(value) <= _DIGITS or not value.lstrip("-").isdigit():
+        raise _NotServed(f"a wrong-shaped answer: {name!r} is {str(value)[:40]!r}, not a number")
+    return int(value)
+
+
+def _revision(data: Dict[str, Any]) -> int:
+    """The store's revision in the header every etcd answer has (naming its cluster and
+    member too: ``{"header": {"revision": "1"}}`` is not etcd's)."""
+    header = _object(data.get("header"), "the header")
+    _number(header, "cluster_id")
+    _number(header, "member_id")
+    return _number(header, "revision")
+
+
+def _decoded(text: Any, name: str) -> bytes:
+    if not isinstance(text, str):
+        raise _NotServed(f"a wrong-shaped answer: {name!r} is not a string")
+    try:
+        return base64.b64decode(text, validate=True)
+    except ValueError:
+        raise _NotServed(f"a wrong-shaped answer: {name!r} is not base64") from None
+
+
+def _one(answer: Dict[str, Any], key: str) -> Optional[Kv]:
+    """The ``Kv`` of ``key`` (base64, as sent) in a range's answer; None if it does not exist."""
+    kvs = answer.get("kvs", [])
+    if not isinstance(kvs, list) or len(kvs) > 1:
+        raise _NotServed("a wrong-shaped answer: 'kvs' is not a list of at most the one key read")
+    if not kvs:
+        return None
+    kv = _object(kvs[0], "a kv")
+    if kv.get("key") != key:
+        raise _NotServed("a wrong-shaped answer: a kv of another key than the one read")
+    return Kv(_decoded(kv.get("value", ""), "value"), _number(kv, "mod_revision"), str(_number(kv, "lease", 0)))
+
+
+def _ranged(key: str) -> Callable[[Dict[str, Any]], Tuple[Optional[Kv], int]]:
+    """The parser of a range's answer for ``key`` (base64): (its ``Kv`` or None, the revision)."""
+    def parse(data: Dict[str, Any]) -> Tuple[Optional[Kv], int]:
+        revision = _revision(data)
+        return _one(data, key), revision
+    return parse
+
+
+def _counted(name: str) -> Callable[[Dict[str, Any]], int]:
+    """The parser of an answer that counts keys in ``name`` (``deleted``, ``count``)."""
+    def parse(data: Dict[str, Any]) -> int:
+        _revision(data)
+        return _number(data, name, 0)
+    return parse
+
+
+def _lease_id(data: Dict[str, Any]) -> str:
+    """A granted lease's ID (as etcd writes it)."""
+    _revision(data)
+    lease = _number(data, "ID")
+    if lease <= 0:
+        raise _NotServed(f"a wrong-shaped answer: lease ID {lease}")
+    return str(lease)
+
+
+def _kept_alive(data: Dict[str, Any]) -> int:
+    """A lease's seconds left in a keep-alive's answer (0: it expired)."""
+    result = _object(data.get("result"), "'result'")
+    _revision(result)
+    return _number(result, "TTL", 0)
+
+
+def _transacted(success: List[Dict[str, Any]], failure: List[Dict[str, Any]]) -> Callable[[Dict[str, Any]], Txn]:
+    """The parser of the answer to a transaction of these operations: one answer per
+    operation of the branch that ran, each of its kind."""
+    def parse(data: Dict[str, Any]) -> Txn:
+        revision = _revision(data)
+        succeeded = data.get("succeeded", False)
+        if not isinstance(succeeded, bool):
+            raise _NotServed("a wrong-shaped answer: 'succeeded' is not a boolean")
+        ops = success if succeeded else failure
+        responses = data.get("responses", [])
+        if not isinstance(responses, list) or len(responses) != len(ops):
+            raise _NotServed(f"a wrong-shaped answer: not {len(ops)} responses, one per operation")
+        kvs: List[Optional[Kv]] = []
+        deleted = 0
+        for op, response in zip(ops, responses):
+            (kind, request), = op.items()
+            answer = _object(_object(response, "a response").get(kind.replace("request_", "response_")),
+                             f"the response to a {kind}")
+            kvs.append(_one(answer, request["key"]) if kind == "request_range" else None)
+            deleted += _number(answer, "deleted", 0) if kind == "request_delete_range" else 0
+        return Txn(succeeded, kvs, deleted, revision)
+    return parse
+
+
+def _body(response: http.client.HTTPResponse, deadline: float) -> bytes:
+    """An answer's body, read ``CHUNK_BYTES`` at a time until ``deadline``; ``_NotServed``
+    for one over ``MAX_REPLY_BYTES``, refused having read at most that much (at once, if
+    its Content-Length says so)."""
+    if response.length is not None and response.length > MAX_REPLY_BYTES:
+        raise _NotServed(f"an answer of {response.length} bytes, over the cap of {MAX_REPLY_BYTES}")
+    chunks: List[bytes] = []
+    size = 0
+    while chunk := response.read(min(CHUNK_BYTES, MAX_REPLY_BYTES + 1 - size)):
+        size += len(chunk)
+        if size > MAX_REPLY_BYTES:
+            raise _NotServed(f"an answer of over {MAX_REPLY_BYTES} bytes, the cap")
+        if time.monotonic() > deadline:
+            raise _NotServed("an answer still arriving at its deadline")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parsed(raw: bytes) -> Dict[str, Any]:
+    """An answer's body as the JSON object it must be."""
+    try:
+        return _object(json.loads(raw or b"{}"), "the answer")
+    except (ValueError, RecursionError) as exc:
+        raise _NotServed(f"an answer that is not JSON ({type(exc).__name__})") from None
 
 
 class EtcdStore(dist.Store):
@@ -146,12 +319,14 @@ class EtcdStore(dist.Store):
         return self.timeout  # type: ignore[attr-defined,no-any-return]  # c10d's property, untyped
 
     # ------------------------------------------------------------- transport
-    def _post(self, path: str, body: Dict[str, Any], timeout_s: Optional[float] = None) -> Dict[str, Any]:
+    def _post(self, path: str, body: Dict[str, Any], parse: Callable[[Dict[str, Any]], T],
+              timeout_s: Optional[float] = None) -> T:
         """One call: its request to the endpoints in turn, from the one that served last,
-        each given ``ATTEMPT_S``, round after round until one serves it or
-        ``timeout_s`` (default ``request_timeout_s``) passes (``DistNetworkError``).  A
-        request that got no answer may have been applied, so every request made here
-        must be one that can be applied twice (``_update`` makes add and append so)."""
+        each given ``ATTEMPT_S``, round after round until one serves it, with an answer
+        that ``parse`` takes, or ``timeout_s`` (default ``request_timeout_s``) passes
+        (``DistNetworkError``).  A request that got no answer may have been applied, so
+        every request made here must be one that can be applied twice (``_update``
+        makes add and append so)."""
         timeout_s = self.request_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         failures: List[str] = []
@@ -161,7 +336,7 @@ class EtcdStore(dist.Store):
                 if left <= 0:
                     break
                 try:
-                    data = self._attempt(index, host, port, path, body, min(ATTEMPT_S, left))
+                    data = parse(self._attempt(index, host, port, path, body, min(ATTEMPT_S, left)))
                 except _NotServed as exc:
                     failures.append(f"{host}:{port}: {exc}")
                     continue
@@ -177,9 +352,10 @@ class EtcdStore(dist.Store):
                  timeout_s: float) -> Dict[str, Any]:
         """The request to one endpoint, on this thread's kept-alive connection to it (a
         fresh one if there is none, or if the kept one had been closed before the
-        request went out); ``_NotServed`` saying why not."""
+        request went out): its answer, a JSON object; ``_NotServed`` saying why not."""
         kept: Dict[int, http.client.HTTPConnection] = self._local.__dict__.setdefault("conns", {})
         conn = kept.pop(index, None)
+        deadline = time.monotonic() + timeout_s
         for fresh in (conn is None, True):
             if conn is None:
                 conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
@@ -188,16 +364,20 @@ class EtcdStore(dist.Store):
             try:
                 conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
                 response = conn.getresponse()
-                data: Dict[str, Any] = json.loads(response.read() or b"{}")
+                raw = _body(response, deadline)
             except (OSError, http.client.HTTPException, ValueError) as exc:
                 conn.close()
                 conn = None
                 if fresh or isinstance(exc, TimeoutError):
                     raise _NotServed(str(exc) or type(exc).__name__) from None
                 continue  # the server had closed the kept connection: once more on a fresh one
+            except _NotServed:
+                conn.close()  # the rest of a refused answer is never read
+                raise
             kept[index] = conn
+            data = _parsed(raw)
             if response.status != 200:  # the member cannot serve now (no leader, no quorum, timed out)
-                raise _NotServed(f"HTTP {response.status} {data.get('error') or data.get('message')}")
+                raise _NotServed(f"HTTP {response.status} {str(data.get('error') or data.get('message'))[:200]}")
             return data
         raise AssertionError("unreachable")
 
@@ -209,67 +389,63 @@ class EtcdStore(dist.Store):
     def _key(self, key: str) -> str:
         return _b64(self.prefix + key.encode())
 
-    def _range(self, key: str) -> Tuple[Optional[Dict[str, Any]], int]:
-        """(the key's kv, or None; the store's revision)."""
-        data = self._post("/v3/kv/range", {"key": self._key(key)})
-        kvs = data.get("kvs") or []
-        return (kvs[0] if kvs else None), int(data["header"]["revision"])
+    def _range(self, key: str) -> Tuple[Optional[Kv], int]:
+        """(the key's ``Kv``, or None; the store's revision)."""
+        return self._post("/v3/kv/range", {"key": self._key(key)}, _ranged(self._key(key)))
 
     def _txn(self, compare: List[Dict[str, Any]], success: List[Dict[str, Any]],
-             failure: List[Dict[str, Any]]) -> Dict[str, Any]:
-        return self._post("/v3/kv/txn", {"compare": compare, "success": success, "failure": failure})
-
-    @staticmethod
-    def _value(kv: Dict[str, Any]) -> bytes:
-        return base64.b64decode(kv.get("value", ""))
+             failure: List[Dict[str, Any]]) -> Txn:
+        return self._post("/v3/kv/txn", {"compare": compare, "success": success, "failure": failure},
+                          _transacted(success, failure))
 
     # ------------------------------------------------------------- requests
     def set(self, key: str, value: Any) -> None:
-        self._post("/v3/kv/put", _write(self._key(key), _bytes(value))["request_put"])
+        self._post("/v3/kv/put", _write(self._key(key), _bytes(value))["request_put"], _revision)
 
     def get(self, key: str) -> bytes:
-        kv, _ = self._range(key)
-        if kv is None:
-            self.wait([key])
-            kv, _ = self._range(key)
-            assert kv is not None  # keys are never deleted under a waiter in commslayer's use
-        return self._value(kv)
+        return self._present([key])[0].value
 
-    def _kvs(self, keys: Sequence[str]) -> Tuple[List[List[Dict[str, Any]]], int]:
-        """(each key's kvs, empty where it does not exist; the store's revision), read in
+    def _kvs(self, keys: Sequence[str]) -> Tuple[List[Optional[Kv]], int]:
+        """(each key's ``Kv``, None where it does not exist; the store's revision), read in
         one transaction."""
-        data = self._txn([], [_read(self._key(k)) for k in keys], [])
-        return [r["response_range"].get("kvs") or [] for r in data.get("responses", [])], \
-            int(data["header"]["revision"])
+        txn = self._txn([], [_read(self._key(k)) for k in keys], [])
+        return txn.kvs, txn.revision
+
+    def _present(self, keys: List[str]) -> List[Kv]:
+        """Each key's ``Kv``, once every one of them exists (waiting as ``wait`` does)."""
+        while True:
+            found, _ = self._kvs(keys)
+            kvs = [kv for kv in found if kv is not None]
+            if len(kvs) == len(keys):
+                return kvs
+            self.wait(keys)
 
     def check(self, keys: List[str]) -> bool:
-        return all(self._kvs(keys)[0])
+        return all(kv is not None for kv in self._kvs(keys)[0])
 
     def multi_get(self, keys: List[str]) -> List[bytes]:
-        self.wait(list(keys))
-        return [self._value(kvs[0]) for kvs in self._kvs(keys)[0]]
+        return [kv.value for kv in self._present(list(keys))]
 
     def multi_set(self, keys: List[str], values: List[Any]) -> None:
         self._txn([], [_write(self._key(k), _bytes(v)) for k, v in zip(keys, values)], [])
 
     def delete_key(self, key: str) -> bool:
-        return int(self._post("/v3/kv/deleterange", {"key": self._key(key)}).get("deleted", 0)) > 0
+        return self._post("/v3/kv/deleterange", {"key": self._key(key)}, _counted("deleted")) > 0
 
     def num_keys(self) -> int:
-        data = self._post("/v3/kv/range", {**self._everything(), "count_only": True})
-        return int(data.get("count", 0))
+        return self._post("/v3/kv/range", {**self._everything(), "count_only": True}, _counted("count"))
 
     def delete_all(self, keep: str = "") -> int:
         """Delete every key of the job but ``keep`` (a job starting afresh on a cluster
         that keeps what earlier jobs wrote); how many there were."""
         everything = self._everything()
         if not keep:
-            return int(self._post("/v3/kv/deleterange", everything).get("deleted", 0))
+            return self._post("/v3/kv/deleterange", everything, _counted("deleted"))
         kept = self._key(keep)
         after = _b64(self.prefix + keep.encode() + b"\0")
-        data = self._txn([], [{"request_delete_range": {"key": everything["key"], "range_end": kept}},
-                              {"request_delete_range": {"key": after, "range_end": everything["range_end"]}}], [])
-        return sum(int(r["response_delete_range"].get("deleted", 0)) for r in data.get("responses", []))
+        return self._txn([], [{"request_delete_range": {"key": everything["key"], "range_end": kept}},
+                              {"request_delete_range": {"key": after, "range_end": everything["range_end"]}}],
+                         []).deleted
 
     def _everything(self) -> Dict[str, str]:
         """The range of every key of the job: from its prefix to the prefix with its
@@ -280,15 +456,15 @@ class EtcdStore(dist.Store):
         """Write ``key`` if nobody holds it, under a lease of ``ttl_s`` seconds that a
         thread renews (``Claim``): the key disappears at most ``ttl_s`` after this
         process ends or loses the cluster. None if the key exists (someone holds it)."""
-        lease = self._post("/v3/lease/grant", {"TTL": max(1, round(ttl_s))})["ID"]
-        data = self._txn([_absent(self._key(key))], [_write(self._key(key), _bytes(value), lease)],
-                         [_read(self._key(key))])
-        holder = None if data.get("succeeded") else (data["responses"][0]["response_range"].get("kvs") or [{}])[0]
-        if holder is None or holder.get("lease") == lease:  # ours, perhaps from a try that was applied
+        lease = self._post("/v3/lease/grant", {"TTL": max(1, round(ttl_s))}, _lease_id)
+        txn = self._txn([_absent(self._key(key))], [_write(self._key(key), _bytes(value), lease)],
+                        [_read(self._key(key))])
+        holder = txn.kvs[0]
+        if txn.succeeded or (holder is not None and holder.lease == lease):  # ours, perhaps from a try applied
             # renewed on a store of its own, whose calls give up in time for the next renewal
             return Claim(EtcdStore(self.endpoints, self.job, self._store_timeout(), ttl_s / 3),
                          lease, ttl_s)
-        self._post("/v3/lease/revoke", {"ID": lease})
+        self._post("/v3/lease/revoke", {"ID": lease}, _revision)
         return None
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
@@ -297,11 +473,11 @@ class EtcdStore(dist.Store):
             compare = {"key": self._key(key), "target": "VALUE", "result": "EQUAL", "value": _b64(expected_b)}
         else:
             compare = _absent(self._key(key))
-        data = self._txn([compare], [_write(self._key(key), desired_b)], [_read(self._key(key))])
-        if data.get("succeeded"):
+        txn = self._txn([compare], [_write(self._key(key), desired_b)], [_read(self._key(key))])
+        if txn.succeeded:
             return desired_b
-        kvs = data["responses"][0]["response_range"].get("kvs")
-        return self._value(kvs[0]) if kvs else expected_b  # c10d: a missing key is left alone
+        kv = txn.kvs[0]
+        return kv.value if kv is not None else expected_b  # c10d: a missing key is left alone
 
     def add(self, key: str, amount: int) -> int:
         return int(self._update(key, lambda old: str(int(old or b"0") + amount).encode()))
@@ -319,18 +495,17 @@ class EtcdStore(dist.Store):
         receipt, target = _b64(self._receipt()), self._key(key)
         kv, _ = self._range(key)
         while True:
-            new = change(None if kv is None else self._value(kv))
+            new = change(None if kv is None else kv.value)
             unchanged = _absent(target) if kv is None else \
-                {"key": target, "target": "MOD", "result": "EQUAL", "mod_revision": kv["mod_revision"]}
-            data = self._txn([_absent(receipt), unchanged],
-                             [_write(target, new), _write(receipt, new, self._receipt_lease())],
-                             [_read(receipt), _read(target)])
-            if data.get("succeeded"):
+                {"key": target, "target": "MOD", "result": "EQUAL", "mod_revision": str(kv.mod_revision)}
+            txn = self._txn([_absent(receipt), unchanged],
+                            [_write(target, new), _write(receipt, new, self._receipt_lease())],
+                            [_read(receipt), _read(target)])
+            if txn.succeeded:
                 return new
-            mine, theirs = (r["response_range"].get("kvs") for r in data["responses"])
-            if mine:  # an earlier try was applied
-                return self._value(mine[0])
-            kv = theirs[0] if theirs else None
+            mine, kv = txn.kvs
+            if mine is not None:  # an earlier try was applied
+                return mine.value
 
     def _receipt(self) -> bytes:
         """A key no other call, of this store or any other, ever uses."""
@@ -341,7 +516,7 @@ class EtcdStore(dist.Store):
         earliest (a new one each half of that)."""
         now = time.monotonic()
         if self._lease is None or now - self._lease[1] > RECEIPT_TTL_S / 2:
-            self._lease = (self._post("/v3/lease/grant", {"TTL": RECEIPT_TTL_S})["ID"], now)
+            self._lease = (self._post("/v3/lease/grant", {"TTL": RECEIPT_TTL_S}, _lease_id), now)
         return self._lease[0]
 
     def has_extended_api(self) -> bool:
@@ -381,19 +556,31 @@ class EtcdStore(dist.Store):
                     if conn.sock is not None:
                         conn.sock.settimeout(left)
                     try:
-                        line = response.readline()
+                        line = response.readline(MAX_REPLY_BYTES + 1)
                     except TimeoutError:
                         return False
-                    if not line:
-                        raise OSError("the watch stream ended")
-                    result = json.loads(line).get("result", {})
-                    if result.get("events"):
+                    if _watched(line):
                         return True
-            except (OSError, http.client.HTTPException, ValueError) as exc:
+            except (OSError, http.client.HTTPException, ValueError, _NotServed) as exc:
                 failures.append(f"{host}:{port}: {exc}")
             finally:
                 conn.close()
         raise dist.DistNetworkError(f"etcd at {self.address} could not watch {key!r}: " + "; ".join(failures))
+
+
+def _watched(line: bytes) -> bool:
+    """Whether one line of a watch's answer reports a write; ``_NotServed`` for the end of
+    the stream, or a line that is not etcd's."""
+    if not line:
+        raise _NotServed("the watch stream ended")
+    if len(line) > MAX_REPLY_BYTES:
+        raise _NotServed(f"a line of over {MAX_REPLY_BYTES} bytes, the cap")
+    result = _object(_parsed(line).get("result"), "'result'")
+    _revision(result)
+    events = result.get("events", [])
+    if not isinstance(events, list):
+        raise _NotServed("a wrong-shaped answer: 'events' is not a list")
+    return bool(events)
 
 
 class Claim:
@@ -410,8 +597,7 @@ class Claim:
     def _renew(self) -> None:
         while not self._released.wait(self._ttl_s / 3):
             try:
-                left = int(self._store._post("/v3/lease/keepalive", {"ID": self._lease}).get("result", {})
-                           .get("TTL", 0))
+                left = self._store._post("/v3/lease/keepalive", {"ID": self._lease}, _kept_alive)
             except dist.DistNetworkError as exc:
                 self.lost = str(exc)
                 continue  # the lease may still be alive: try again while it can be
@@ -422,12 +608,13 @@ class Claim:
 
     def put(self, key: str, value: Any) -> None:
         """Write ``key`` under this claim's lease: it goes when the claim does."""
-        self._store._post("/v3/kv/put", _write(self._store._key(key), _bytes(value), self._lease)["request_put"])
+        self._store._post("/v3/kv/put", _write(self._store._key(key), _bytes(value), self._lease)["request_put"],
+                          _revision)
 
     def release(self) -> None:
         """Stop renewing and delete the keys now (the lease revoked)."""
         self._released.set()
         try:  # briefly: the process that releases is ending, and a lease not revoked expires on its own
-            self._store._post("/v3/lease/revoke", {"ID": self._lease}, timeout_s=RELEASE_S)
+            self._store._post("/v3/lease/revoke", {"ID": self._lease}, _revision, timeout_s=RELEASE_S)
         except dist.DistNetworkError:
             pass
