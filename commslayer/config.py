@@ -279,6 +279,21 @@ def job_store() -> Optional[str]:
     return raw.strip()
 
 
+def etcd_auth() -> Optional[Tuple[str, str]]:
+    """``COMMSLAYER_ETCD_USER`` and ``COMMSLAYER_ETCD_PASSWORD``: the user a job's store on
+    etcd authenticates as (etcd's auth enabled), both or neither; None when neither is
+    set. The password is never shown, in an error or anywhere else."""
+    user = os.environ.get("COMMSLAYER_ETCD_USER", "")
+    password = os.environ.get("COMMSLAYER_ETCD_PASSWORD", "")
+    if not user and not password:
+        return None
+    if not password:
+        raise _bad("COMMSLAYER_ETCD_USER", user, "set with COMMSLAYER_ETCD_PASSWORD, which is unset or empty")
+    if not user:
+        raise ConfigError("COMMSLAYER_ETCD_PASSWORD is set (its value not shown) without COMMSLAYER_ETCD_USER")
+    return user, password
+
+
 def node_sizes() -> Optional[List[int]]:
     """``COMMSLAYER_NODE_SIZES``: how many ranks each node holds, in rank order, for
     a launcher that lays ranks out in blocks per node but is neither torchrun nor
@@ -456,7 +471,7 @@ _CHECKED: Tuple[Callable[[], object], ...] = (
     trace_otel, trace_sink_queue, heartbeat_s, peer_timeout_s, liveness_timing, liveness_host, watch_peers,
     full_mesh_max, isolate_writes, faults_log, trace_mode, replica_id, run_dir, store_timeout_s,
     average_after_backward, restart_unit, node, spare, redundancy, refresh_every, reshard, resharded,
-    reduce_scatter_algorithm, ring_min_bytes, node_sizes, job_store,
+    reduce_scatter_algorithm, ring_min_bytes, node_sizes, job_store, etcd_auth,
 )
 _valid: Set[Tuple[Tuple[str, str], ...]] = set()  # environments found valid (resolving a host costs)
 

@@ -23,6 +23,9 @@ def parse_url(url: str) -> Tuple[List[Tuple[str, int]], str]:
     if not is_etcd(url):
         raise ValueError(f"{url!r} is not an etcd:// address")
     hosts, _, path = url[len(SCHEME):].partition("/")
+    if "@" in hosts:  # the address itself is not shown: it may hold a password
+        raise ValueError("an etcd:// address holds no user or password (addresses are printed and logged): set "
+                         "COMMSLAYER_ETCD_USER and COMMSLAYER_ETCD_PASSWORD")
     path = path.strip("/")
     if any(c.isspace() or not c.isprintable() for c in path):
         raise ValueError(f"the path {path!r} of {url!r} is not a plain key prefix")

@@ -402,3 +402,76 @@ def test_an_answer_over_the_cap_is_refused_having_read_at_most_the_cap(fake, mon
     finally:
         tracemalloc.stop()
     assert peak < 12 << 20, peak  # the cap and one chunk, not 400 MB
+
+
+# ------------------------------------------------------------- auth
+def _gateway(endpoint, path, body, token=None):
+    """One request to etcd's JSON gateway, as an operator's tool would make it: (status, answer)."""
+    import http.client
+
+    conn = http.client.HTTPConnection(*endpoint, timeout=5)
+    conn.request("POST", path, json.dumps(body), {"Authorization": token} if token else {})
+    response = conn.getresponse()
+    return response.status, json.loads(response.read() or b"{}")
+
+
+@pytest.fixture
+def secured(etcd):
+    """The one-member cluster with etcd's auth enabled: user root, password ``s3cret-pw``."""
+    _, endpoint = etcd
+    for path, body in (("/v3/auth/user/add", {"name": "root", "password": "s3cret-pw"}),
+                       ("/v3/auth/role/add", {"name": "root"}),
+                       ("/v3/auth/user/grant", {"user": "root", "role": "root"}),
+                       ("/v3/auth/enable", {})):
+        status, answer = _gateway(endpoint, path, body)
+        assert status == 200, (path, answer)
+    return endpoint
+
+
+def test_with_auth_enabled_only_the_jobs_own_store_writes_its_keys(secured, monkeypatch):
+    """The issue's forgery (``job/failed``) from a client without the password is refused, and
+    its message never shows the password; the job's store, given the user by environment,
+    writes and reads, and authenticates again when etcd no longer takes its token."""
+    endpoint = secured
+    url = f"etcd://127.0.0.1:{endpoint[1]}/secure"
+    monkeypatch.setenv("COMMSLAYER_ETCD_USER", "root")
+    monkeypatch.setenv("COMMSLAYER_ETCD_PASSWORD", "s3cret-pw")
+    job = EtcdStore.at(url, request_timeout_s=3.0)
+    job.set("rank/0/ok", "1")
+    for forger, why in ((EtcdStore([endpoint], job="secure", request_timeout_s=0.5), "user name is empty"),
+                        (EtcdStore([endpoint], job="secure", request_timeout_s=0.5, auth=("root", "guess")),
+                         "authenticating as 'root'")):
+        with pytest.raises(dist.DistNetworkError, match=why) as refused:
+            forger.set("job/failed", "forged")
+        assert "s3cret" not in str(refused.value) and "guess" not in str(refused.value)
+    assert not job.check(["job/failed"]) and job.get("rank/0/ok") == b"1"
+    job._token = "bogus.token"  # as if it had expired
+    threading.Timer(0.5, lambda: EtcdStore.at(url).set("late", "1")).start()
+    assert job.get("late") == b"1"  # a watch refused for its token: authenticated again, it sees the write
+    job._token = "bogus.token"
+    with pytest.raises(dist.DistNetworkError, match="watch was cancelled: .*invalid auth token"):
+        job._watch("never", 1, 1.0)
+    assert job._token is None  # the next request authenticates again
+    job._token = "bogus.token"
+    job.set("job/failed", "real")
+    assert job.get("job/failed") == b"real" and job.add("n", 1) == 1
+    claim = job.claim("launcher", "me", 3.0)  # leases too
+    assert claim is not None and job.check(["launcher"])
+    claim.release()
+
+
+def test_etcd_credentials_come_both_or_neither_and_never_in_an_address(monkeypatch):
+    from commslayer import config
+    from commslayer.errors import ConfigError
+
+    monkeypatch.setenv("COMMSLAYER_ETCD_PASSWORD", "s3cret-pw")
+    with pytest.raises(ConfigError, match="COMMSLAYER_ETCD_PASSWORD is set .* without COMMSLAYER_ETCD_USER") as bad:
+        config.etcd_auth()
+    assert "s3cret" not in str(bad.value)
+    monkeypatch.delenv("COMMSLAYER_ETCD_PASSWORD")
+    monkeypatch.setenv("COMMSLAYER_ETCD_USER", "root")
+    with pytest.raises(ConfigError, match="COMMSLAYER_ETCD_USER='root' .* COMMSLAYER_ETCD_PASSWORD"):
+        config.etcd_auth()
+    with pytest.raises(ValueError, match="set COMMSLAYER_ETCD_USER and COMMSLAYER_ETCD_PASSWORD") as bad:
+        parse_url("etcd://root:s3cret-pw@h1:2379/job")
+    assert "s3cret" not in str(bad.value)

@@ -35,6 +35,13 @@ When no member serves within that time (no quorum: the members answer with
 errors, or nothing), the call raises ``DistNetworkError``, which
 ``commslayer.agree.store.bounded`` turns into ``StoreUnreachable``.
 
+On a cluster with etcd's auth enabled the store authenticates as ``auth`` (user,
+password; ``COMMSLAYER_ETCD_USER`` and ``COMMSLAYER_ETCD_PASSWORD`` for ``at``),
+sends the token etcd gives in every request's ``Authorization`` header, and
+authenticates again when etcd refuses it (an expired token): a process without
+the password can then neither read nor write the job's keys.  The password is
+never part of an address, a message or a log line.
+
 An answer is taken only as etcd gives it: a JSON object with the header every
 etcd answer has, each field of the type and form the request calls for (a
 transaction's answers one per operation, each read's key the one asked for,
@@ -60,6 +67,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import torch.distributed as dist
 
+from commslayer import config
 from commslayer.endpoints import SCHEME, parse_url
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)  # c10d's default store timeout: how long get and wait wait for a key
@@ -77,6 +85,7 @@ RECEIPTS = NAMESPACE + b"receipts/"  # where receipts live: outside JOBS, so no 
 # one) can make a rank hold: the issue's 400 MB value was read whole.
 MAX_REPLY_BYTES = 64 << 20
 CHUNK_BYTES = 1 << 20  # an answer is read this much at a time, its deadline checked between reads
+INVALID_TOKEN = "invalid auth token"  # how etcd says that a token expired or is unknown
 _DIGITS = 20  # the longest int64 (or uint64) etcd writes: a longer "number" is not one
 
 T = TypeVar("T")
@@ -218,6 +227,15 @@ def _lease_id(data: Dict[str, Any]) -> str:
     return str(lease)
 
 
+def _token(data: Dict[str, Any]) -> str:
+    """The token in an authentication's answer."""
+    _revision(data)
+    token = data.get("token")
+    if not isinstance(token, str) or not token.isprintable() or not 0 < len(token) <= 4096:
+        raise _NotServed("a wrong-shaped answer: no token")
+    return token
+
+
 def _kept_alive(data: Dict[str, Any]) -> int:
     """A lease's seconds left in a keep-alive's answer (0: it expired)."""
     result = _object(data.get("result"), "'result'")
@@ -277,10 +295,12 @@ def _parsed(raw: bytes) -> Dict[str, Any]:
 
 class EtcdStore(dist.Store):
     """The keys of ``job`` on the etcd cluster at ``endpoints`` ((host, port) pairs), as
-    a c10d store; ``EtcdStore.at(url)`` for an ``etcd://`` address."""
+    a c10d store, authenticated as ``auth`` (user, password) if given;
+    ``EtcdStore.at(url)`` for an ``etcd://`` address."""
 
     def __init__(self, endpoints: Sequence[Tuple[str, int]], job: str = "",
-                 timeout: timedelta = DEFAULT_TIMEOUT, request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+                 timeout: timedelta = DEFAULT_TIMEOUT, request_timeout_s: float = REQUEST_TIMEOUT_S,
+                 auth: Optional[Tuple[str, str]] = None) -> None:
         super().__init__()
         self.endpoints = list(endpoints)
         if not self.endpoints:
@@ -288,6 +308,8 @@ class EtcdStore(dist.Store):
         self.job = job
         self.prefix = job_prefix(job)
         self.request_timeout_s = request_timeout_s
+        self._auth = auth
+        self._token: Optional[str] = None  # etcd's, while it takes it
         self._good = 0  # the endpoint that answered last
         self._local = threading.local()  # each thread's kept-alive connections, by endpoint
         self._id = uuid.uuid4().hex  # names this store's receipts
@@ -299,16 +321,17 @@ class EtcdStore(dist.Store):
     @classmethod
     def at(cls, url: str, timeout: timedelta = DEFAULT_TIMEOUT,
            request_timeout_s: float = REQUEST_TIMEOUT_S) -> "EtcdStore":
-        """The store of ``job`` at ``etcd://h1:2379,h2:2379/job``."""
+        """The store of ``job`` at ``etcd://h1:2379,h2:2379/job``, authenticated as the
+        user of ``COMMSLAYER_ETCD_USER`` if set."""
         endpoints, job = parse_url(url)
-        return cls(endpoints, job, timeout, request_timeout_s)
+        return cls(endpoints, job, timeout, request_timeout_s, config.etcd_auth())
 
     @property
     def address(self) -> str:
         return SCHEME + ",".join(f"{h}:{p}" for h, p in self.endpoints) + (f"/{self.job}" if self.job else "")
 
     def clone(self) -> "EtcdStore":
-        twin = EtcdStore(self.endpoints, self.job, self._store_timeout(), self.request_timeout_s)
+        twin = EtcdStore(self.endpoints, self.job, self._store_timeout(), self.request_timeout_s, self._auth)
         # c10d's PrefixStore.clone keeps only a C++ reference to what this returns; without a Python
         # one the object goes, and its methods with it ("Tried to call pure virtual function")
         self._clones.append(twin)
@@ -349,10 +372,12 @@ class EtcdStore(dist.Store):
             time.sleep(0.05)  # every endpoint failed at once (none up yet): pace the next round
 
     def _attempt(self, index: int, host: str, port: int, path: str, body: Dict[str, Any],
-                 timeout_s: float) -> Dict[str, Any]:
+                 timeout_s: float, authorized: bool = True) -> Dict[str, Any]:
         """The request to one endpoint, on this thread's kept-alive connection to it (a
         fresh one if there is none, or if the kept one had been closed before the
-        request went out): its answer, a JSON object; ``_NotServed`` saying why not."""
+        request went out), with the token unless not ``authorized``: its answer, a JSON
+        object; ``_NotServed`` saying why not."""
+        headers = self._headers(index, host, port, timeout_s) if authorized else {}
         kept: Dict[int, http.client.HTTPConnection] = self._local.__dict__.setdefault("conns", {})
         conn = kept.pop(index, None)
         deadline = time.monotonic() + timeout_s
@@ -362,7 +387,7 @@ class EtcdStore(dist.Store):
             elif conn.sock is not None:
                 conn.sock.settimeout(timeout_s)
             try:
-                conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+                conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json", **headers})
                 response = conn.getresponse()
                 raw = _body(response, deadline)
             except (OSError, http.client.HTTPException, ValueError) as exc:
@@ -377,9 +402,30 @@ class EtcdStore(dist.Store):
             kept[index] = conn
             data = _parsed(raw)
             if response.status != 200:  # the member cannot serve now (no leader, no quorum, timed out)
+                self._refused(response.status)
                 raise _NotServed(f"HTTP {response.status} {str(data.get('error') or data.get('message'))[:200]}")
             return data
         raise AssertionError("unreachable")
+
+    def _headers(self, index: int, host: str, port: int, timeout_s: float) -> Dict[str, str]:
+        """A request's own headers: with ``auth``, etcd's token, got from this endpoint first
+        if none is held."""
+        if self._auth is None:
+            return {}
+        if self._token is None:
+            user, password = self._auth
+            try:
+                self._token = _token(self._attempt(index, host, port, "/v3/auth/authenticate",
+                                                   {"name": user, "password": password}, timeout_s, authorized=False))
+            except _NotServed as exc:
+                raise _NotServed(f"authenticating as {user!r}: {exc}") from None
+        return {"Authorization": self._token}
+
+    def _refused(self, status: int) -> None:
+        """An answer of ``status``: 401 (an expired or unknown token) drops the token, so
+        that the next try authenticates again."""
+        if status == 401:
+            self._token = None
 
     def _in_turn(self) -> List[Tuple[int, str, int]]:
         """(index, host, port) of every endpoint, from the one that answered last."""
@@ -462,7 +508,7 @@ class EtcdStore(dist.Store):
         holder = txn.kvs[0]
         if txn.succeeded or (holder is not None and holder.lease == lease):  # ours, perhaps from a try applied
             # renewed on a store of its own, whose calls give up in time for the next renewal
-            return Claim(EtcdStore(self.endpoints, self.job, self._store_timeout(), ttl_s / 3),
+            return Claim(EtcdStore(self.endpoints, self.job, self._store_timeout(), ttl_s / 3, self._auth),
                          lease, ttl_s)
         self._post("/v3/lease/revoke", {"ID": lease}, _revision)
         return None
@@ -539,13 +585,15 @@ class EtcdStore(dist.Store):
     def _watch(self, key: str, from_revision: int, timeout_s: float) -> bool:
         """Whether ``key`` was written at or after ``from_revision`` within ``timeout_s``."""
         failures = []
-        for _, host, port in self._in_turn():
+        for index, host, port in self._in_turn():
             conn = http.client.HTTPConnection(host, port, timeout=min(timeout_s, ATTEMPT_S))
             try:
                 conn.request("POST", "/v3/watch", json.dumps(
-                    {"create_request": {"key": self._key(key), "start_revision": str(from_revision)}}))
+                    {"create_request": {"key": self._key(key), "start_revision": str(from_revision)}}),
+                    self._headers(index, host, port, min(timeout_s, ATTEMPT_S)))
                 response = conn.getresponse()
                 if response.status != 200:
+                    self._refused(response.status)
                     failures.append(f"{host}:{port}: HTTP {response.status}")
                     continue
                 deadline = time.monotonic() + timeout_s
@@ -562,6 +610,8 @@ class EtcdStore(dist.Store):
                     if _watched(line):
                         return True
             except (OSError, http.client.HTTPException, ValueError, _NotServed) as exc:
+                if INVALID_TOKEN in str(exc):
+                    self._token = None  # authenticate again for the next watch
                 failures.append(f"{host}:{port}: {exc}")
             finally:
                 conn.close()
@@ -569,14 +619,20 @@ class EtcdStore(dist.Store):
 
 
 def _watched(line: bytes) -> bool:
-    """Whether one line of a watch's answer reports a write; ``_NotServed`` for the end of
-    the stream, or a line that is not etcd's."""
+    """Whether one line of a watch's answer reports a write (or that the revision watched
+    from was compacted: the caller reads the key again); ``_NotServed`` for the end of the
+    stream, a watch that etcd cancelled (its token refused, say), or a line that is not
+    etcd's."""
     if not line:
         raise _NotServed("the watch stream ended")
     if len(line) > MAX_REPLY_BYTES:
         raise _NotServed(f"a line of over {MAX_REPLY_BYTES} bytes, the cap")
     result = _object(_parsed(line).get("result"), "'result'")
     _revision(result)
+    if result.get("canceled"):
+        if _number(result, "compact_revision", 0) > 0:
+            return True
+        raise _NotServed(f"the watch was cancelled: {str(result.get('cancel_reason'))[:200]}")
     events = result.get("events", [])
     if not isinstance(events, list):
         raise _NotServed("a wrong-shaped answer: 'events' is not a list")
