@@ -294,6 +294,27 @@ def etcd_auth() -> Optional[Tuple[str, str]]:
     return user, password
 
 
+def etcd_tls() -> Optional[Tuple[str, Optional[str], Optional[str]]]:
+    """``COMMSLAYER_ETCD_CA``, ``COMMSLAYER_ETCD_CERT``, ``COMMSLAYER_ETCD_KEY``: a job's store
+    on etcd speaks TLS to its members, trusting the certificate authority in the CA file,
+    and shows the client certificate (CERT, KEY: both or neither) where given; None when
+    none is set."""
+    names = ("COMMSLAYER_ETCD_CA", "COMMSLAYER_ETCD_CERT", "COMMSLAYER_ETCD_KEY")
+    ca, cert, key = (os.environ.get(name, "").strip() for name in names)
+    if not (ca or cert or key):
+        return None
+    if not ca:
+        raise ConfigError("COMMSLAYER_ETCD_CERT or COMMSLAYER_ETCD_KEY is set without COMMSLAYER_ETCD_CA (the "
+                          "certificate authority that signed the etcd members' certificates)")
+    if bool(cert) != bool(key):
+        name, raw = (names[1], cert) if cert else (names[2], key)
+        raise _bad(name, raw, "set with the other of COMMSLAYER_ETCD_CERT and COMMSLAYER_ETCD_KEY")
+    for name, path in zip(names, (ca, cert, key)):
+        if path and not os.path.isfile(path):
+            raise _bad(name, path, "an existing file (PEM)")
+    return ca, cert or None, key or None
+
+
 def node_sizes() -> Optional[List[int]]:
     """``COMMSLAYER_NODE_SIZES``: how many ranks each node holds, in rank order, for
     a launcher that lays ranks out in blocks per node but is neither torchrun nor
@@ -471,7 +492,7 @@ _CHECKED: Tuple[Callable[[], object], ...] = (
     trace_otel, trace_sink_queue, heartbeat_s, peer_timeout_s, liveness_timing, liveness_host, watch_peers,
     full_mesh_max, isolate_writes, faults_log, trace_mode, replica_id, run_dir, store_timeout_s,
     average_after_backward, restart_unit, node, spare, redundancy, refresh_every, reshard, resharded,
-    reduce_scatter_algorithm, ring_min_bytes, node_sizes, job_store, etcd_auth,
+    reduce_scatter_algorithm, ring_min_bytes, node_sizes, job_store, etcd_auth, etcd_tls,
 )
 _valid: Set[Tuple[Tuple[str, str], ...]] = set()  # environments found valid (resolving a host costs)
 

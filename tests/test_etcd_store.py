@@ -5,6 +5,7 @@ communicator on it; and a server that is gone is ``StoreUnreachable``, not a han
 tests/run.sh installs etcd (Debian's etcd-server) where it may; without it these skip."""
 
 import http.server
+import shutil
 import json
 import threading
 import time
@@ -460,7 +461,7 @@ def test_with_auth_enabled_only_the_jobs_own_store_writes_its_keys(secured, monk
     claim.release()
 
 
-def test_etcd_credentials_come_both_or_neither_and_never_in_an_address(monkeypatch):
+def test_etcd_credentials_and_tls_files_are_checked_and_never_in_an_address(monkeypatch):
     from commslayer import config
     from commslayer.errors import ConfigError
 
@@ -472,6 +473,75 @@ def test_etcd_credentials_come_both_or_neither_and_never_in_an_address(monkeypat
     monkeypatch.setenv("COMMSLAYER_ETCD_USER", "root")
     with pytest.raises(ConfigError, match="COMMSLAYER_ETCD_USER='root' .* COMMSLAYER_ETCD_PASSWORD"):
         config.etcd_auth()
+    monkeypatch.setenv("COMMSLAYER_ETCD_CERT", "/etc/hostname")
+    with pytest.raises(ConfigError, match="COMMSLAYER_ETCD_CERT or COMMSLAYER_ETCD_KEY is set without COMMSLAYER_ETCD_CA"):
+        config.etcd_tls()
+    monkeypatch.setenv("COMMSLAYER_ETCD_CA", "/nonexistent/ca.pem")
+    with pytest.raises(ConfigError, match="COMMSLAYER_ETCD_CERT='/etc/hostname' is not allowed: set with the other"):
+        config.etcd_tls()
+    monkeypatch.delenv("COMMSLAYER_ETCD_CERT")
+    with pytest.raises(ConfigError, match="COMMSLAYER_ETCD_CA='/nonexistent/ca.pem' is not allowed: an existing"):
+        config.etcd_tls()
     with pytest.raises(ValueError, match="set COMMSLAYER_ETCD_USER and COMMSLAYER_ETCD_PASSWORD") as bad:
         parse_url("etcd://root:s3cret-pw@h1:2379/job")
     assert "s3cret" not in str(bad.value)
+
+
+# ------------------------------------------------------------- TLS
+def _certificates(where):
+    """A certificate authority, a server certificate for 127.0.0.1 (a client one too: etcd's
+    JSON gateway shows it to etcd itself) and a client one, made with openssl in ``where``:
+    their paths by name (``ca``, ``server``, ``client``: pem, key)."""
+    import subprocess
+
+    def run(*args):
+        subprocess.run(["openssl", *args], cwd=where, check=True, capture_output=True, timeout=60)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+        "-subj", "/CN=commslayer-test-ca")
+    for name, ext in (("server", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth"),
+                      ("client", "extendedKeyUsage=clientAuth")):
+        (where / f"{name}.ext").write_text(ext + "\n")
+        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj",
+            f"/CN={name}")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
+            f"{name}.pem", "-days", "1", "-extfile", f"{name}.ext")
+    return {n: (str(where / f"{n}.pem"), str(where / f"{n}.key")) for n in ("ca", "server", "client")}
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+def test_over_tls_with_a_client_certificate_only_a_holder_of_one_is_served(tmp_path, monkeypatch):
+    """etcd serving HTTPS and asking for client certificates: the job's store, given the CA
+    and its certificate by environment, is served (a watch included); one without a
+    certificate, or speaking plain HTTP, is not."""
+    import subprocess
+
+    from commslayer.agree.etcdstore import tls_context
+    from commslayer.run.processes import free_port
+
+    files = _certificates(tmp_path)
+    port, peer = free_port(), free_port()
+    url = f"https://127.0.0.1:{port}"
+    member = subprocess.Popen(
+        ["etcd", "--data-dir", str(tmp_path / "data"), "--listen-client-urls", url, "--advertise-client-urls", url,
+         "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls",
+         f"http://127.0.0.1:{peer}", "--initial-cluster", f"default=http://127.0.0.1:{peer}",
+         "--cert-file", files["server"][0], "--key-file", files["server"][1], "--client-cert-auth",
+         "--trusted-ca-file", files["ca"][0]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        monkeypatch.setenv("COMMSLAYER_ETCD_CA", files["ca"][0])
+        monkeypatch.setenv("COMMSLAYER_ETCD_CERT", files["client"][0])
+        monkeypatch.setenv("COMMSLAYER_ETCD_KEY", files["client"][1])
+        job = EtcdStore.at(f"etcd://127.0.0.1:{port}/tls", request_timeout_s=20.0)  # etcd starting
+        job.set("k", "v")
+        threading.Timer(0.3, lambda: EtcdStore.at(f"etcd://127.0.0.1:{port}/tls").set("late", "1")).start()
+        assert job.get("k") == b"v" and job.get("late") == b"1"
+        for stranger in (EtcdStore([("127.0.0.1", port)], job="tls", request_timeout_s=0.5),
+                         EtcdStore([("127.0.0.1", port)], job="tls", request_timeout_s=0.5,
+                                   tls=tls_context(files["ca"][0]))):
+            with pytest.raises(dist.DistNetworkError, match=rf"127\.0\.0\.1:{port}: "):
+                stranger.set("job/failed", "forged")
+        assert not job.check(["job/failed"])
+    finally:
+        member.kill()
+        member.wait()

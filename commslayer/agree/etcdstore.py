@@ -40,7 +40,10 @@ password; ``COMMSLAYER_ETCD_USER`` and ``COMMSLAYER_ETCD_PASSWORD`` for ``at``),
 sends the token etcd gives in every request's ``Authorization`` header, and
 authenticates again when etcd refuses it (an expired token): a process without
 the password can then neither read nor write the job's keys.  The password is
-never part of an address, a message or a log line.
+never part of an address, a message or a log line.  With ``tls`` (an
+``ssl.SSLContext``; ``COMMSLAYER_ETCD_CA``, ``COMMSLAYER_ETCD_CERT`` and
+``COMMSLAYER_ETCD_KEY`` for ``at``: ``tls_context``) it speaks HTTPS, showing a
+client certificate where the context holds one.
 
 An answer is taken only as etcd gives it: a JSON object with the header every
 etcd answer has, each field of the type and form the request calls for (a
@@ -58,6 +61,7 @@ import base64
 import http.client
 import itertools
 import json
+import ssl
 import threading
 import time
 import urllib.parse
@@ -68,6 +72,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch.distributed as dist
 
 from commslayer import config
+from commslayer.errors import ConfigError
 from commslayer.endpoints import SCHEME, parse_url
 
 DEFAULT_TIMEOUT = timedelta(seconds=300)  # c10d's default store timeout: how long get and wait wait for a key
@@ -101,6 +106,20 @@ def job_prefix(job: str) -> bytes:
     holds no ``/``, ended by one; so no job's prefix begins another's (``team/`` and
     ``team%2Fexp/``) and none is the receipts'.  The job without a name is ``JOBS//``."""
     return JOBS + urllib.parse.quote(job, safe="").encode() + b"/"
+
+
+def tls_context(ca: str, cert: Optional[str] = None, key: Optional[str] = None) -> ssl.SSLContext:
+    """A TLS context that trusts the certificate authority in ``ca`` (PEM) and shows the
+    client certificate ``cert`` with its ``key`` if given; ``ConfigError`` naming the
+    files where they do not load."""
+    try:
+        context = ssl.create_default_context(cafile=ca)
+        if cert:
+            context.load_cert_chain(cert, key)
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        raise ConfigError(f"cannot load the etcd TLS files (COMMSLAYER_ETCD_CA={ca!r}, COMMSLAYER_ETCD_CERT={cert!r}, "
+                          f"COMMSLAYER_ETCD_KEY={key!r}): {exc}") from None
+    return context
 
 
 def _b64(data: bytes) -> str:
@@ -295,12 +314,12 @@ def _parsed(raw: bytes) -> Dict[str, Any]:
 
 class EtcdStore(dist.Store):
     """The keys of ``job`` on the etcd cluster at ``endpoints`` ((host, port) pairs), as
-    a c10d store, authenticated as ``auth`` (user, password) if given;
-    ``EtcdStore.at(url)`` for an ``etcd://`` address."""
+    a c10d store, authenticated as ``auth`` (user, password) if given, over TLS with
+    ``tls`` if given; ``EtcdStore.at(url)`` for an ``etcd://`` address."""
 
     def __init__(self, endpoints: Sequence[Tuple[str, int]], job: str = "",
                  timeout: timedelta = DEFAULT_TIMEOUT, request_timeout_s: float = REQUEST_TIMEOUT_S,
-                 auth: Optional[Tuple[str, str]] = None) -> None:
+                 auth: Optional[Tuple[str, str]] = None, tls: Optional[ssl.SSLContext] = None) -> None:
         super().__init__()
         self.endpoints = list(endpoints)
         if not self.endpoints:
@@ -309,6 +328,7 @@ class EtcdStore(dist.Store):
         self.prefix = job_prefix(job)
         self.request_timeout_s = request_timeout_s
         self._auth = auth
+        self._tls = tls
         self._token: Optional[str] = None  # etcd's, while it takes it
         self._good = 0  # the endpoint that answered last
         self._local = threading.local()  # each thread's kept-alive connections, by endpoint
@@ -322,16 +342,18 @@ class EtcdStore(dist.Store):
     def at(cls, url: str, timeout: timedelta = DEFAULT_TIMEOUT,
            request_timeout_s: float = REQUEST_TIMEOUT_S) -> "EtcdStore":
         """The store of ``job`` at ``etcd://h1:2379,h2:2379/job``, authenticated as the
-        user of ``COMMSLAYER_ETCD_USER`` if set."""
+        user of ``COMMSLAYER_ETCD_USER`` if set, over TLS if ``COMMSLAYER_ETCD_CA`` is."""
         endpoints, job = parse_url(url)
-        return cls(endpoints, job, timeout, request_timeout_s, config.etcd_auth())
+        tls = config.etcd_tls()
+        return cls(endpoints, job, timeout, request_timeout_s, config.etcd_auth(), tls_context(*tls) if tls else None)
 
     @property
     def address(self) -> str:
         return SCHEME + ",".join(f"{h}:{p}" for h, p in self.endpoints) + (f"/{self.job}" if self.job else "")
 
     def clone(self) -> "EtcdStore":
-        twin = EtcdStore(self.endpoints, self.job, self._store_timeout(), self.request_timeout_s, self._auth)
+        twin = EtcdStore(self.endpoints, self.job, self._store_timeout(), self.request_timeout_s, self._auth,
+                         self._tls)
         # c10d's PrefixStore.clone keeps only a C++ reference to what this returns; without a Python
         # one the object goes, and its methods with it ("Tried to call pure virtual function")
         self._clones.append(twin)
@@ -383,7 +405,7 @@ class EtcdStore(dist.Store):
         deadline = time.monotonic() + timeout_s
         for fresh in (conn is None, True):
             if conn is None:
-                conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+                conn = self._connection(host, port, timeout_s)
             elif conn.sock is not None:
                 conn.sock.settimeout(timeout_s)
             try:
@@ -406,6 +428,12 @@ class EtcdStore(dist.Store):
                 raise _NotServed(f"HTTP {response.status} {str(data.get('error') or data.get('message'))[:200]}")
             return data
         raise AssertionError("unreachable")
+
+    def _connection(self, host: str, port: int, timeout_s: float) -> http.client.HTTPConnection:
+        """A new connection to one endpoint (HTTPS with ``tls``)."""
+        if self._tls is not None:
+            return http.client.HTTPSConnection(host, port, timeout=timeout_s, context=self._tls)
+        return http.client.HTTPConnection(host, port, timeout=timeout_s)
 
     def _headers(self, index: int, host: str, port: int, timeout_s: float) -> Dict[str, str]:
         """A request's own headers: with ``auth``, etcd's token, got from this endpoint first
@@ -508,7 +536,8 @@ class EtcdStore(dist.Store):
         holder = txn.kvs[0]
         if txn.succeeded or (holder is not None and holder.lease == lease):  # ours, perhaps from a try applied
             # renewed on a store of its own, whose calls give up in time for the next renewal
-            return Claim(EtcdStore(self.endpoints, self.job, self._store_timeout(), ttl_s / 3, self._auth),
+            return Claim(EtcdStore(self.endpoints, self.job, self._store_timeout(), ttl_s / 3, self._auth,
+                                   self._tls),
                          lease, ttl_s)
         self._post("/v3/lease/revoke", {"ID": lease}, _revision)
         return None
@@ -586,7 +615,7 @@ class EtcdStore(dist.Store):
         """Whether ``key`` was written at or after ``from_revision`` within ``timeout_s``."""
         failures = []
         for index, host, port in self._in_turn():
-            conn = http.client.HTTPConnection(host, port, timeout=min(timeout_s, ATTEMPT_S))
+            conn = self._connection(host, port, min(timeout_s, ATTEMPT_S))
             try:
                 conn.request("POST", "/v3/watch", json.dumps(
                     {"create_request": {"key": self._key(key), "start_revision": str(from_revision)}}),
