@@ -488,8 +488,8 @@ def faults_log() -> str:
 
 # What validate() reads: every accessor that can refuse a value.
 _CHECKED: Tuple[Callable[[], object], ...] = (
-    default_timeout, check_mode, nan_check, native, route_c10d, trace_dir, job_rank, trace_buffer, trace_stack, trace_jsonl,
-    trace_otel, trace_sink_queue, heartbeat_s, peer_timeout_s, liveness_timing, liveness_host, watch_peers,
+    default_timeout, check_mode, nan_check, native, route_c10d, trace_dir, job_rank, trace_buffer, trace_stack,
+    trace_jsonl, trace_otel, trace_sink_queue, heartbeat_s, peer_timeout_s, liveness_timing, liveness_host, watch_peers,
     full_mesh_max, isolate_writes, faults_log, trace_mode, replica_id, run_dir, store_timeout_s,
     average_after_backward, restart_unit, node, spare, redundancy, refresh_every, reshard, resharded,
     reduce_scatter_algorithm, ring_min_bytes, node_sizes, job_store, etcd_auth, etcd_tls,

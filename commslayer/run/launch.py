@@ -194,7 +194,8 @@ def _worker_env(a: argparse.Namespace) -> Dict[str, str]:
 
 
 def _rank_job(a: argparse.Namespace) -> RankJob:
-    return RankJob(command=[a.script, *a.script_args], env=dict(_worker_env(a), COMMSLAYER_SCRATCH_DIR=a.scratch), store_address=a.coordinator or a.address,
+    return RankJob(command=[a.script, *a.script_args], env=dict(_worker_env(a), COMMSLAYER_SCRATCH_DIR=a.scratch),
+                   store_address=a.coordinator or a.address,
                    world_size=a.world_size, node=a.node_rank, per_node=a.nproc_per_node,
                    max_restarts=a.max_restarts, grace_s=a.grace, coordinator=a.coordinator,
                    crash_loop=a.crash_loop, crash_window_s=a.crash_window_s, spares=a.spares)

@@ -136,7 +136,8 @@ def parser() -> argparse.ArgumentParser:
                    help="refuse to start more processes than this on this host (ranks and spares; in replica "
                         f"mode torchrun agents and their workers) (default {PROCS_PER_CPU} per CPU, at least "
                         f"{MIN_LOCAL_PROCS})")
-    p.add_argument("--max-restarts", type=int, default=3, help="restarts of each replica group (torchrun's) or, in per-rank mode, of each rank (default 3)")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="restarts of each replica group (torchrun's) or, in per-rank mode, of each rank (default 3)")
     p.add_argument("--crash-loop", metavar="K/SECONDS", default="3/600",
                    help="stop the job when one rank (in replica mode: one replica group) fails K times within "
                         "SECONDS, even if each failure looks like a fault (default 3/600; off: never)")

@@ -1,4 +1,5 @@
-"""The launcher's side of warm spares (``commslayer-run --spares S``, per-rank mode): start them, keep S, hand one a lost rank.
+"""The launcher's side of warm spares (``commslayer-run --spares S``, per-rank mode): start
+them, keep S, hand one a lost rank.
 
 Each host's launcher keeps ``S`` spares of its own (per node, with
 ``--nnodes``): processes of the user's script that wait in
