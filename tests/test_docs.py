@@ -26,7 +26,8 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 PACKAGES = ("commslayer", "faults", "tracing", "fsdp_overlap", "launch")
 # options of outside tools the docs quote, by tool
 OUTSIDE = {"--allow-incomplete-ranks": "torch's fr_trace", "--short": "git rev-parse",
-           "--pid": "py-spy", "--format": "py-spy", "--threads": "py-spy", "--nonblocking": "py-spy"}
+           "--pid": "py-spy", "--format": "py-spy", "--threads": "py-spy", "--nonblocking": "py-spy",
+           "--client-cert-auth": "etcd"}
 OPTION = re.compile(r"(?<![\w-])--[a-zA-Z][\w-]*")
 LINK = re.compile(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)")
 
