@@ -44,7 +44,11 @@ def run_with_a_spare(tmp_path, clean, faults: List[dict]) -> Tuple[str, Dict[int
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("where, target", [("forward", 0), ("backward", 2), ("optimizer", 3)])
+@pytest.mark.parametrize("where, target", [
+    ("backward", 2),
+    # the same adoption from other points of the step (also the fault harness's rank-kill-spare, in forward)
+    pytest.param("forward", 0, marks=pytest.mark.slow), pytest.param("optimizer", 3, marks=pytest.mark.slow),
+])
 def test_a_spare_adopts_a_killed_rank_and_nothing_is_lost(clean, tmp_path, where, target):
     log, results = run_with_a_spare(tmp_path, clean, [{"action": "sigkill", "rank": target, **KILLS[where]}])
     took = re.search(rf"spare 0 \(pid (\d+)\) takes life 1", log)
@@ -122,7 +126,9 @@ def test_a_spare_that_dies_while_it_waits_is_replaced_and_costs_no_rank(clean, t
     code = proc.wait(timeout=30)
     log = "".join(lines)
     assert killed.is_set() and code == 0, job_story(log)
-    assert re.search(r"supervisor: spare 0 \(pid \d+\) exited with -9 while it waited; it held no rank", log), log
+    # killed while it waited, or (on a loaded machine) while it still imported torch: no rank either way
+    assert re.search(r"supervisor: spare 0 \(pid \d+\) exited with -9 (while it waited|before it reached "
+                     r"resilience\.init\(\)); it held no rank", log), log
     assert adopted(log, 1, 1), log[-8000:]
     results = by_rank(tmp_path)
     assert_same_as_clean(results, clean, log[-8000:])
