@@ -66,6 +66,32 @@ def test_pack_into_a_buffer_used_before():
     assert same(packing.unpack(third), snapshot(3))
 
 
+def test_a_packer_reused_across_steps_and_buffers():
+    """Per-rank mode's use: one packer, a pack per step into the buffers the copies
+    rotate, the structure mostly unchanged. Each pack reads back as the snapshot it
+    was given, also where only a number's type changed (1 and 1.0 and True pickle
+    differently), where a value, a shape or the set of tensors changed, and in the
+    buffers whose views the packer kept from before such a change."""
+    packer = packing.Packer()
+    buffers = [packer.pack(snapshot(0)) for _ in range(3)]
+    changes = [lambda s: s, lambda s: s["optimizers"]["opt"]["groups"][0].update(lr=1),
+               lambda s: s["optimizers"]["opt"]["groups"][0].update(lr=1.0),
+               lambda s: s["optimizers"]["opt"]["groups"][0].update(lr=True),
+               lambda s: s["objects"]["sched"].update(last_epoch=-1),
+               lambda s: s["modules"]["model"].append(torch.randn(3, 4)),
+               lambda s: s["modules"]["model"].__setitem__(0, torch.randn(7, 33)),
+               lambda s: s["optimizers"]["opt"]["state"][1].update(step=(torch.tensor(2.0), False))]
+    for step in range(3 * len(changes)):
+        snap = snapshot(step)
+        changes[step // 3](snap)
+        buf = buffers[step % len(buffers)]
+        packed = packer.pack(snap, into=buf)
+        assert packed.data_ptr() == buf.data_ptr() or buf.numel() < packed.numel(), step
+        assert same(packing.unpack(packed), snap), step
+        assert same(packing.unpack(packed), packing.unpack(packing.pack(snap))), step
+        buffers[step % len(buffers)] = packed if packed.data_ptr() != buf.data_ptr() else buf
+
+
 def hostile(packed: torch.Tensor) -> list:
     header = packed[:4].clone()
     flipped = packed.clone()

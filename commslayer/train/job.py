@@ -66,6 +66,7 @@ class _State:
         self.modules: Dict[str, nn.Module] = {}
         self.optimizers: Dict[str, torch.optim.Optimizer] = {}
         self.objects: Dict[str, Any] = {}  # anything with state_dict()/load_state_dict()
+        self._packer = packing.Packer()
 
     def add(self, name: str, obj: Any) -> None:
         if name in self.modules or name in self.optimizers or name in self.objects:
@@ -130,13 +131,14 @@ class _State:
         return {"state": state, "groups": groups}
 
     def snapshot(self) -> Dict[str, Any]:
-        return {"modules": self._module_tensors(),
-                "optimizers": {n: self._optimizer_state(o) for n, o in self.optimizers.items()},
-                "objects": {n: o.state_dict() for n, o in self.objects.items()}}
+        with torch.no_grad():  # a DTensor's to_local() is then its local tensor, not an autograd call
+            return {"modules": self._module_tensors(),
+                    "optimizers": {n: self._optimizer_state(o) for n, o in self.optimizers.items()},
+                    "objects": {n: o.state_dict() for n, o in self.objects.items()}}
 
     # -------------------------------------------------------------- Healable
     def pack(self, into: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return packing.pack(self.snapshot(), into)
+        return self._packer.pack(self.snapshot(), into)
 
     def unpack(self, data: torch.Tensor) -> None:
         self.load(packing.unpack(data))
