@@ -44,6 +44,9 @@ torchrun for per-rank mode, plain HSDP for replica mode), minus 1.  The CPU
 account (cost_probe.py) is per rank and step, summed over the ranks: process
 CPU per iteration, the main thread's, the garbage collector's time, the
 snapshots' and the copies' thread; and per thread kind for the whole run.
+Around the ranks, per run: the CPU of the job's other processes (launcher,
+torchrun agents, store) and of the rest of the machine, which tell a run slowed
+by its own work from one slowed by a neighbour.
 Repeats rotate the order of the configurations.  Progress goes to stderr, the
 Markdown tables to stdout.
 """
@@ -66,7 +69,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from commslayer.run.processes import free_port  # noqa: E402
 from commslayer.runs import load_results  # noqa: E402
-from launch.bench.measure import fail, launcher_env, median_range, save_runs, series, step_cells, written  # noqa: E402
+from launch.bench.measure import CpuAround, fail, launcher_env, median_range, save_runs, series, step_cells, written  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROBE = os.path.join(ROOT, "launch", "bench", "cost_probe.py")
@@ -151,7 +154,7 @@ class Bench:
                      ["--replicas", "2", "--nproc-per-replica", str(RANKS // 2)])
             cmd = [sys.executable, "-m", "commslayer.run.launcher", *shape, "--run-dir", run_dir, PROBE,
                    *([PLAIN] if launch == "plain replicas" else []), *script]
-        with open(log_path, "w") as log:
+        with open(log_path, "w") as log, CpuAround() as around:
             rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, timeout=900).returncode
         results, found = load_results(run_dir), written(run_dir, "cost-")
@@ -162,7 +165,10 @@ class Bench:
             fail(f"{run}: traces written: {traced}", log_path)
         warmup = min(self.args.warmup, steps - 1)
         slowest = [max(r.step_s[s] for r in results) for s in range(warmup, steps)]
-        return {"step_s": statistics.median(slowest), **account(found, warmup)}
+        figures = {"step_s": statistics.median(slowest), **account(found, warmup)}
+        ranks_s = sum(c["process_cpu_s"] for c in found)
+        return {**figures, "run_wall_s": around.wall_s, "ranks_cpu_s": ranks_s,
+                "around_ranks_cpu_s": around.job_s - ranks_s, "outside_cpu_s": around.outside_s}
 
 
 def _per_step(xs: List[dict], key: str, steps: int, scale: float = 1e3) -> str:
@@ -204,6 +210,18 @@ def tables(args: argparse.Namespace, bench: Bench, figures: Dict[Tuple[str, str]
             print(f"| {config} | " + " | ".join(
                 f"{statistics.median(x['threads_cpu_s'].get(k, 0.0) for x in xs):.2f}" for k in kinds) + " |")
         print()
+    print("CPU around the ranks over a whole run (s, median and min–max over runs): the ranks' (all their "
+          "threads), the rest of the job's processes (launcher, torchrun agents, store), and the machine's "
+          f"other busy time, out of {os.cpu_count()} cores × the run's wall time:\n")
+    print("| script | configuration | run wall | min–max | ranks | min–max | launcher, agents, store | min–max "
+          "| outside the job | min–max |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name in args.scripts:
+        for config in CONFIGS:
+            xs = figures[(name, config)]
+            print(f"| {name} | {config} | " + " | ".join(
+                median_range([x[k] for x in xs], 1, 2) for k in
+                ("run_wall_s", "ranks_cpu_s", "around_ranks_cpu_s", "outside_cpu_s")) + " |")
 
 
 def main() -> int:

@@ -21,6 +21,7 @@ it writes ``cost-<pid>.json`` into ``$COMMSLAYER_RUN_DIR`` with:
 - ``copies_cpu_s``, ``copies`` and ``copies_bytes``: the copies' exchanges
   (``PeerCopies._exchange``, each in a thread of its own), their CPU time in
   all, their count, and the bytes they sent;
+- ``process_cpu_s``: the whole process's CPU at the end, threads that ended too
 - ``threads_cpu_s``: CPU time per thread still running at the end, by name
   (digits at the end of a name dropped, so that one kind of thread adds up;
   threads that are not Python's by the kernel's name, in parentheses), from
@@ -107,7 +108,7 @@ def threads_cpu() -> Dict[str, float]:
 
 def _write(_status: int, _why: str) -> None:
     run_dir = os.environ.get("COMMSLAYER_RUN_DIR") or "."
-    out = dict(FIGURES, threads_cpu_s=threads_cpu(), pid=os.getpid(), rank=os.environ.get("RANK"),
+    out = dict(FIGURES, threads_cpu_s=threads_cpu(), process_cpu_s=time.process_time(), pid=os.getpid(), rank=os.environ.get("RANK"),
                replica=os.environ.get("COMMSLAYER_REPLICA"))
     path = os.path.join(run_dir, f"cost-{os.getpid()}.json")
     with open(path + ".tmp", "w") as f:

@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import statistics
 import signal
@@ -138,6 +139,36 @@ def series(runs: Dict[K, Callable[[str], dict]], repeats: int, log: Callable[[st
     shutil.rmtree(work)
     log(f"done in {time.time() - began:.0f} s")
     return figures, revision, began
+
+
+class CpuAround:
+    """Where the machine's CPU went while a command ran: ``job_s``, the CPU of the
+    processes this one started and waited for, and of all theirs (a launcher, its
+    agents and store, the ranks); ``outside_s``, the rest of the machine's busy time
+    (other processes, the kernel's own threads); ``wall_s``.  Whatever this process
+    did meanwhile counts as outside."""
+
+    def __enter__(self) -> "CpuAround":
+        self._began = (time.perf_counter(), _machine_busy_s(), _children_cpu_s())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall, busy, job = self._began
+        self.wall_s = time.perf_counter() - wall
+        self.job_s = _children_cpu_s() - job
+        self.outside_s = _machine_busy_s() - busy - self.job_s
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds every core spent busy since boot (/proc/stat: all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in f.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def written(run_dir: str, prefix: str) -> List[dict]:
