@@ -231,3 +231,36 @@ def test_a_peer_lost_while_a_future_waits_fails_it_with_peer_lost():
         assert isinstance(died, RankDied) and died.exitcode == -signal.SIGKILL, died
         kind, text, work = ours
         assert work == "AsyncOpWork" and "PeerLost: " in text and "pair.cc" not in text.split("PeerLost")[0], ours
+
+
+def _held(rank, size, store):
+    """Rank 1 dies while rank 0 has two async ops in flight on a held group (per-rank
+    mode's FSDP2 group: a failure is reported, the step redone), one waited on and one
+    read through its future; what rank 0 saw."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.PrefixStore("world/", store), rank=rank, world_size=size)
+    group = dist.new_group(backend="commslayer", timeout=timedelta(seconds=30))
+    dist.all_reduce(torch.ones(2), group=group)
+    taken: list = []
+    group.hold(taken.append)
+    if rank == 1:
+        time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGKILL)
+    waited = dist.all_reduce(torch.ones(1 << 16), group=group, async_op=True)
+    read = dist.all_reduce(torch.ones(1 << 16), group=group, async_op=True)
+    began = time.monotonic()
+    done = waited.wait()
+    value = read.get_future().wait()
+    return ([type(waited).__name__, type(read).__name__], done, type(value).__name__, time.monotonic() - began,
+            [(type(e).__name__, tuple(e.ranks or ())) for e in taken])
+
+
+@needs_native
+@pytest.mark.timeout(60)
+def test_a_held_groups_native_ops_report_a_lost_peer_to_the_hold_instead_of_raising():
+    ours, died = run_ranks(_held, 2, timeout=45, allow_errors=True)
+    assert isinstance(died, RankDied) and died.exitcode == -signal.SIGKILL, died
+    kinds, done, value, took, taken = ours
+    assert kinds == ["AsyncOpWork", "AsyncOpWork"] and done is True and value == "list", ours
+    assert taken == [("PeerLost", (1,))] * 2 and took < 5.0, ours

@@ -480,6 +480,7 @@ class AsyncOpWork : public c10d::Work {
             }
             py::gil_scoped_acquire gil;
             self->settle(0.0, true, py::str(what));  // raises the op's CommError into the future
+            return c10::IValue(self->inner_->result());  // unless a held group took it: done, outputs as they are
           } else {
             int running = kRunning;
             self->settled_.compare_exchange_strong(running, kDone);

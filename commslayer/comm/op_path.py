@@ -64,7 +64,9 @@ def settle_native_async(key: int, kind: int, op_id: int, seq: int, start_ns: int
     communicator), or, from the watchdog (``wait_left_s`` 0), fail it if it
     failed, is overdue or its communicator broke.  True once it completed; False
     when it still runs (the watchdog looked at a communicator that is not broken
-    after all); raises its ``CommError`` when it failed."""
+    after all); raises its ``CommError`` when it failed, unless the c10d group that
+    issued it is held (``CommslayerProcessGroup.hold``): then the hold's callback
+    takes the error and the op counts as done."""
     comm = _async_comms.get(key)
     if comm is None:  # gone: its group was destroyed while the op ran
         raise CommError("the communicator of this op was destroyed while it ran", op=DIRECT_OPS[kind], seq=seq)
@@ -82,7 +84,9 @@ def settle_native_async(key: int, kind: int, op_id: int, seq: int, start_ns: int
         work._settle_from_backend(wait_left_s)
     err = work.exception()
     if err is not None:
-        raise err
+        if comm.held_failures is None:
+            raise err
+        comm.held_failures(err)
     return True
 
 
@@ -117,6 +121,9 @@ class OpPath:
     _native: Any
     _native_records: bool
     _async_path: Any  # the native path of c10d's async ops (``_issue_async``), or None
+    # where a failed native async op's error goes instead of its waiter: the hold of
+    # the c10d group that issues them (CommslayerProcessGroup.hold), or None
+    held_failures: Optional[Callable[[CommError], None]] = None
     _direct: bool
     _dense: Callable[..., bool]
     _dense_sized: Callable[..., bool]

@@ -113,7 +113,7 @@ class CommslayerProcessGroup(dist.ProcessGroup):
         self._answers = BACKEND_NAME
         self._comms: Dict[str, Communicator] = {}
         # the CPU communicator, whose async all_reduce, all_gather_single and
-        # reduce_scatter_single may take the native path (None while held)
+        # reduce_scatter_single may take the native path
         self._cpu: Optional[Communicator] = None
         for comm in comms:
             self._attach(comm)
@@ -128,10 +128,10 @@ class CommslayerProcessGroup(dist.ProcessGroup):
         self._take_cpu()
 
     def _take_cpu(self) -> None:
-        cpu = self._comms.get("cpu")
-        self._cpu = cpu if self._held is None else None
-        if self._cpu is not None:
-            WATCHDOG.sweep_native(self._cpu)
+        cpu = self._cpu = self._comms.get("cpu")
+        if cpu is not None:
+            cpu.held_failures = self._held  # a held group's native async ops report to the hold too
+            WATCHDOG.sweep_native(cpu)
 
     def communicator(self, device_type: str = "cpu") -> Communicator:
         """The communicator that carries this group's ops on ``device_type``."""
