@@ -26,9 +26,11 @@ from commslayer import config, runs
 from commslayer.train import failures
 from commslayer.errors import first_line
 from commslayer.agree.etcdstore import Claim, EtcdStore
+from commslayer.run import status
 from commslayer.run.processes import ProcessSet, become_subreaper, free_port
 from commslayer.runs import PROG
 from commslayer.agree.store import bounded, connect
+from commslayer.endpoints import parse_url
 from commslayer.run.supervisor import Failed, RankJob, Stopped, all_ended, check_reachable, echo, stop_on_bugs, supervise_ranks
 
 STORE_TIMEOUT = timedelta(seconds=60)
@@ -42,6 +44,12 @@ def run(a: argparse.Namespace) -> int:
     become_subreaper()
     procs = ProcessSet(a.grace)
     store = None
+    try:  # before any process starts: a port in use ends the launcher here
+        served = None if a.status_port is None else status.StatusServer.listen(a.status_host, a.status_port,
+                                                                                 _layout(a))
+    except OSError as exc:
+        print(f"{PROG}: error: {status.bind_error(a.status_host, a.status_port, exc)}", file=sys.stderr, flush=True)
+        return 2
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
@@ -52,6 +60,9 @@ def run(a: argparse.Namespace) -> int:
         signal.signal(sig, on_signal)
     try:
         store = _job_store(a)
+        if served is not None:
+            served.start(a.address)
+            print(f"coordinator: status at {served.address} (also /metrics, /healthz)", flush=True)
         if a.per_rank:
             a.scratch = tempfile.mkdtemp(prefix="commslayer-run-", dir="/dev/shm" if os.path.isdir("/dev/shm")
                                          else None)
@@ -76,6 +87,8 @@ def run(a: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second Ctrl-C must not cut the ending short
             signal.signal(sig, signal.SIG_IGN)
         procs.stop()
+        if served is not None:
+            served.close()
         if getattr(a, "scratch", None):  # the ranks' files in host memory (a reshard's whole state)
             shutil.rmtree(a.scratch, ignore_errors=True)
         if getattr(a, "claim", None) is not None:
@@ -103,6 +116,15 @@ def run(a: argparse.Namespace) -> int:
 def _shards(a: argparse.Namespace) -> int:
     """Ranks per replica group (in per-rank mode, the job's ranks: one replica of each)."""
     return a.world_size if a.per_rank else a.nproc_per_replica
+
+
+def _layout(a: argparse.Namespace) -> status.Layout:
+    """The job as the status server shows it (commslayer.run.status)."""
+    name = parse_url(a.store)[1] if a.store else os.path.basename(a.run_dir) if a.run_dir else \
+        os.path.basename(a.script or PROG)
+    group = a.nproc_per_node if a.per_rank else a.nproc_per_replica
+    return status.Layout(name=name, per_rank=a.per_rank, world=a.world_size if a.per_rank else a.replicas * group,
+                         group=group, nodes=_nodes(a), max_restarts=a.max_restarts, run_dir=a.run_dir)
 
 
 def _nodes(a: argparse.Namespace) -> int:

@@ -143,6 +143,11 @@ def parser() -> argparse.ArgumentParser:
                         "SECONDS, even if each failure looks like a fault (default 3/600; off: never)")
     p.add_argument("--grace", type=float, default=GRACE_S,
                    help=f"seconds between SIGTERM and SIGKILL on exit (default {GRACE_S:g})")
+    p.add_argument("--status-port", type=int, metavar="PORT",
+                   help="serve the job's status on this port: an HTML page at /, Prometheus metrics at /metrics, "
+                        "/healthz (unauthenticated; the coordinator only; 0: a free port; default: off)")
+    p.add_argument("--status-host", default="127.0.0.1",
+                   help="the address --status-port listens on (default 127.0.0.1)")
     p.add_argument("--run-dir", help="results, the fault log and traces go here")
     p.add_argument("--compare-to", metavar="RUN_DIR", help="a fault-free run's --run-dir: compare the loss curves")
     p.add_argument("--loss-tolerance", type=float, default=0.05,
@@ -179,6 +184,11 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
         _etcd_address(p, "--store", a.store)
     elif a.port is not None and not 0 <= a.port <= 65535:
         p.error(f"--port {a.port}: a TCP port is 0..65535")
+    if a.status_port is not None:
+        if a.coordinator is not None:
+            p.error("--status-port is served by the launcher that starts the job; this one joins it (--coordinator)")
+        if not 0 <= a.status_port <= 65535:
+            p.error(f"--status-port {a.status_port}: a TCP port is 0..65535")
     a.per_rank = a.replicas is None
     if a.per_rank:
         _per_rank_mode(p, a)

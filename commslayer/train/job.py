@@ -55,6 +55,14 @@ from commslayer.agree.store import bounded, connect
 BUCKET_BYTES = 4 << 20  # gradient bytes per bucket of the cross-replica average
 
 
+STATUS_EVERY_S = 1.0  # a rank writes its status record at most this often
+
+
+def status_key(unit_key: str) -> str:
+    """The job store's key of a rank's status record (``Job.failure_unit``'s key names the rank)."""
+    return f"status/{unit_key}"
+
+
 class StateMismatch(CommError):
     """The registered state differs across replicas (names, keys, shapes or dtypes)."""
 
@@ -306,6 +314,8 @@ class Job:
         self._training_checked = False  # check_training ran (at the first step)
         self._total: Optional[int] = None
         self._begin = 0.0
+        self._status_at = -STATUS_EVERY_S  # when this rank last wrote its status record (monotonic)
+        self._committed_here = 0  # steps committed in this life
 
     # --------------------------------------------------------------- stores
     def _connect(self, timeout: timedelta) -> Tuple[dist.Store, int, int]:
@@ -474,6 +484,24 @@ class Job:
             opt.step()
             opt.zero_grad()
         self._stepped = True
+        self._write_status()
+
+    def _write_status(self) -> None:
+        """At a committed step, at most once every ``STATUS_EVERY_S``: this rank's status
+        record in the job's store (``status_key``; JSON: its launcher's rank, life, pid,
+        the step committed, the steps committed in this life, that step's time, the
+        generation, the wall clock), which ``commslayer-run --status-port`` serves
+        (commslayer.run.status). One store write a second, never inside an op."""
+        now = time.monotonic()
+        self._committed_here += 1
+        if now - self._status_at < STATUS_EVERY_S or not config.job_store():
+            return
+        self._status_at = now
+        unit, key = self.failure_unit()
+        self.store.set(status_key(key), json.dumps({
+            "unit": unit, "life": self.restart, "pid": os.getpid(), "step": self.step_index,
+            "steps": self._committed_here, "step_s": time.perf_counter() - self._t0, "generation": self.generation,
+            "t": time.time()}))
 
     # ------------------------------------------------------- state checks
     def _check_same_state(self) -> None:

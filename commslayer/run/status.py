@@ -1,0 +1,492 @@
+"""``commslayer-run --status-port``: the coordinator's status server, a running job seen over HTTP.
+
+This module owns the server and what it shows: a view of the job (``View``)
+built from the job's store by one thread of its own, about once a second,
+and three renderings of the latest view, served to any number of clients
+without touching the store:
+
+- ``/``: an HTML page that reloads itself every ``REFRESH_S``: the job, each
+  rank's state (``STATES``), life, last committed step, that step's time and
+  the age of the rank's last status record, the recoveries so far, the
+  warm spares, and the fault log's injections when the fault harness runs;
+- ``/metrics``: the Prometheus text format, written by ``prometheus_client``
+  from a private registry (``Metrics``, a collector over the latest view);
+- ``/healthz``: 200 while the job runs and every rank is accounted for, 503
+  with the reason (naming the ranks) otherwise (``View.health``).
+
+Where the figures come from: the store keys the launcher and the ranks
+already share (commslayer.run.supervisor: ``rank/<r>/life``, ``.../gone``,
+``.../done``, ``replica/<g>/done`` and ``gone``, ``job/resharded``,
+``job/failed``, ``job/bugs``; commslayer.runs: the recoveries, admissions and
+spares), the run directory's fault log, and each rank's status record
+(``commslayer.train.job.status_key``), which a rank writes at a committed
+step at most once a second. No rank opens a port, and an op's path is
+unchanged. The server reads the store through a client of its own (the
+coordinator's TCPStore or the etcd cluster), so a client of the page never
+waits on the store, and the store never waits on a client.
+
+Hostile clients: unknown paths get 404; a request line or header over
+http.server's bounds (64 KiB a line, 100 headers) gets 414 or 431; every
+connection has a socket timeout (``CLIENT_TIMEOUT_S``), so a slow client
+holds one thread for that long at most; at most ``MAX_CLIENTS`` connections
+are served at once, and those beyond are closed unanswered. The server is
+unauthenticated: bind it to loopback (the default) or to a network that
+may read the job's state.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from commslayer import runs
+from commslayer.agree.store import bounded, connect
+from commslayer.train import failures
+from commslayer.train.job import status_key
+from commslayer.run.supervisor import FAILED
+
+POLL_S = 1.0  # the view is read from the store this often
+REFRESH_S = 2  # the page reloads itself this often
+CLIENT_TIMEOUT_S = 10.0  # a connection that sends or reads nothing for this long is closed
+MAX_CLIENTS = 64  # connections served at once
+STORE_TIMEOUT = timedelta(seconds=10)
+STATES = ("starting", "running", "lost", "restarting", "replaced", "fenced", "finished")
+SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+@dataclass
+class Layout:
+    """The job as its coordinator started it."""
+
+    name: str  # the run directory's name, the etcd job's, or the script's
+    per_rank: bool  # per-rank mode (each rank its own restart unit); else replica groups
+    world: int  # ranks in the job
+    group: int  # ranks per replica group (per-rank mode: per host)
+    nodes: int  # hosts whose launchers keep warm spares (per-rank mode), else 0
+    max_restarts: int
+    run_dir: Optional[str]  # the fault log is read from here
+
+    def unit(self, rank: int) -> Tuple[str, str]:
+        """The restart unit of ``rank`` in the store's words: (``rank`` or ``replica``, its number)."""
+        return ("rank", str(rank)) if self.per_rank else ("replica", str(rank // self.group))
+
+    def status_key(self, rank: int) -> str:
+        """The store key of ``rank``'s status record (``Job.failure_unit``'s key)."""
+        return status_key(f"rank{rank}" if self.per_rank else f"replica{rank // self.group}.rank{rank % self.group}")
+
+    def lost_unit(self, rank: int) -> int:
+        """What a recovery lists as lost for ``rank``: its rank, or its replica group."""
+        return rank if self.per_rank else rank // self.group
+
+
+@dataclass
+class RankView:
+    """One rank as the coordinator last saw it."""
+
+    rank: int
+    state: str  # one of STATES
+    life: int  # its current life (restarts so far)
+    why: str = ""  # why it is lost, fenced or restarting
+    record: Optional[Dict[str, Any]] = None  # its latest status record (commslayer.train.job._write_status)
+
+
+@dataclass
+class RecoveryView:
+    """One recovery, with what the fault log and the admissions add to the store's record."""
+
+    recovery: runs.Recovery
+    cause: str  # the injected fault's action, or "unknown"
+    fault_t: Optional[float]  # when the fault was injected
+    stall_s: Optional[float]  # fault (else detection) to the next committed step, as the launcher's summary
+    heal_s: Optional[float]  # the admission of the lost units: join and state transfer
+
+
+@dataclass
+class View:
+    """The job at one moment (``read_view``)."""
+
+    layout: Layout
+    taken: float  # wall clock
+    ranks: List[RankView]
+    recoveries: List[RecoveryView]
+    heals: List[float]  # every admission's heal time
+    injected: List[Dict[str, Any]]  # the fault log's injections
+    errors: Dict[str, int]  # error type -> count (the fault log's first failures, deterministic failures)
+    spares: Optional[Dict[str, int]]
+    failed: Optional[str] = None  # job/failed, or the deterministic failure that stops the job
+    store_error: Optional[str] = None  # the store did not answer the last read
+    generation: Optional[int] = None
+    counts: Dict[str, int] = field(default_factory=dict)  # state -> ranks
+
+    def health(self) -> Tuple[bool, str]:
+        """(healthy, the reason): unhealthy when the job failed, its store does not answer, or
+        a rank is lost with no restart left."""
+        if self.failed:
+            return False, f"the job failed: {self.failed}"
+        if self.store_error:
+            return False, f"the job's store does not answer: {self.store_error}"
+        lost = [r for r in self.ranks if r.state == "lost" and r.why.startswith("no restart left")]
+        if lost:
+            return False, "; ".join(f"rank {r.rank} lost: {r.why}" for r in lost)
+        if all(r.state == "finished" for r in self.ranks):
+            return True, "ok: every rank finished"
+        return True, f"ok: {self.layout.world} rank(s) accounted for"
+
+
+def read_view(layout: Layout, store: Any) -> View:
+    """The job as ``store`` (the job's, bounded) and the run directory show it now."""
+    injected = runs.injections(layout.run_dir, layout.world if layout.per_rank else layout.group) \
+        if layout.run_dir else []
+    log = runs.read_log(os.path.join(layout.run_dir, runs.FAULT_LOG)) if layout.run_dir else []
+    errors: Dict[str, int] = {}
+    for e in log:
+        if e.get("event") == "failure":
+            errors[str(e.get("error"))] = errors.get(str(e.get("error")), 0) + 1
+    recoveries, admissions = runs.job_recoveries(store), runs.job_admissions(store)
+    bugs = failures.bugs(store)
+    for b in bugs:
+        errors[b.error.split(":", 1)[0]] = errors.get(b.error.split(":", 1)[0], 0) + 1
+    failed = store.get(FAILED).decode(errors="replace").strip() if store.check([FAILED]) else None
+    if bugs:
+        failed = failures.stop_message(bugs)
+    kept = json.loads(store.get(runs.RESHARDED))["ranks"] if store.check([runs.RESHARDED]) else None
+    ranks = [_rank(layout, store, r, recoveries, admissions, kept) for r in range(layout.world)]
+    view = View(layout=layout, taken=time.time(), ranks=ranks,
+                recoveries=[_recovery(layout, x, injected, admissions, recoveries) for x in recoveries],
+                heals=[a.heal_s for a in admissions], injected=injected, errors=errors,
+                spares=runs.job_spares(store, layout.nodes), failed=failed)
+    generations = [r.record["generation"] for r in ranks if r.record and r.record.get("generation") is not None]
+    view.generation = max(generations, default=None)
+    for r in ranks:
+        view.counts[r.state] = view.counts.get(r.state, 0) + 1
+    return view
+
+
+def _get(store: Any, key: str) -> Optional[str]:
+    return store.get(key).decode(errors="replace") if store.check([key]) else None
+
+
+def _rank(layout: Layout, store: Any, rank: int, recoveries: List[runs.Recovery],
+          admissions: List[runs.Admission], kept: Optional[List[int]]) -> RankView:
+    """One rank's state: finished, fenced (resharded out), lost (no restart left; in replica
+    mode also its group dropped by a recovery and not admitted back yet), restarting (a new
+    life that has not committed a step), running or replaced (a later life), or starting."""
+    unit, number = layout.unit(rank)
+    raw = _get(store, layout.status_key(rank))
+    record = json.loads(raw) if raw else None
+    life_text = _get(store, f"rank/{rank}/life") if layout.per_rank else None
+    life = int(life_text) if life_text else (record["life"] if record else 0)
+    view = RankView(rank=rank, state="starting", life=life, record=record)
+    gone = _get(store, f"{unit}/{number}/gone")
+    if store.check([f"{unit}/{number}/done"]):
+        view.state = "finished"
+    elif kept is not None and rank not in kept:
+        view.state, view.why = "fenced", "the survivors went on resharded without it"
+    elif gone is not None:
+        view.state = "lost"
+        view.why = f"no restart left (--max-restarts {layout.max_restarts}): " + (
+            gone if layout.per_rank else f"its torchrun exited {gone}")
+    elif not layout.per_rank and _dropped(layout.lost_unit(rank), recoveries, admissions):
+        view.state, view.why = "lost", "dropped by the survivors; its torchrun restarts it"
+    elif record is None or record["life"] < life:
+        view.state = "restarting" if life else "starting"
+    else:
+        view.state = "replaced" if life else "running"
+    return view
+
+
+def _dropped(unit: int, recoveries: List[runs.Recovery], admissions: List[runs.Admission]) -> bool:
+    """Whether the latest recovery that lost ``unit`` came after its latest admission."""
+    lost = [x.generation for x in recoveries if unit in x.lost_replicas]
+    back = [a.generation for a in admissions if unit in a.replicas]
+    return bool(lost) and max(lost) > max(back, default=-1)
+
+
+def _recovery(layout: Layout, rec: runs.Recovery, injected: List[Dict[str, Any]],
+              admissions: List[runs.Admission], recoveries: List[runs.Recovery]) -> RecoveryView:
+    """``rec`` with its fault (the latest injection into a lost unit before it was detected,
+    as the launcher's summary matches them) and the admission that healed it."""
+    unit_of = "rank" if layout.per_rank else "replica"
+    fault = None
+    for k in injected:
+        if k[unit_of] in rec.lost_replicas and k["t"] <= rec.detected_at:
+            fault = k
+    start = fault["t"] if fault else rec.detected_at
+    stall = rec.committed_at - start if rec.committed_at is not None else None
+    heal = next((a.heal_s for a in admissions if set(rec.lost_replicas) & set(a.replicas)
+                 and a.generation > rec.generation), None)
+    return RecoveryView(recovery=rec, cause=fault["action"] if fault else "unknown",
+                        fault_t=fault["t"] if fault else None, stall_s=stall, heal_s=heal)
+
+
+# ------------------------------------------------------------------ metrics
+class Metrics(Collector):
+    """The latest view as Prometheus metrics (registered in a private ``CollectorRegistry``)."""
+
+    def __init__(self, latest: "Watcher") -> None:
+        self._latest = latest
+
+    def collect(self) -> Iterator[Metric]:
+        view = self._latest.view
+        if view is None:
+            return
+        info = GaugeMetricFamily("commslayer_job_info", "The job: its name, mode and ranks",
+                                 labels=["job", "mode", "world"])
+        info.add_metric([view.layout.name, "per-rank" if view.layout.per_rank else "replicas",
+                         str(view.layout.world)], 1)
+        yield info
+        states = GaugeMetricFamily("commslayer_ranks", "Ranks in each state", labels=["state"])
+        for state in STATES:
+            states.add_metric([state], view.counts.get(state, 0))
+        yield states
+        step = GaugeMetricFamily("commslayer_rank_step", "The last step each rank committed", labels=["rank"])
+        steps = CounterMetricFamily("commslayer_rank_steps_committed", "Steps each rank committed in its current "
+                                    "life (a new life starts again at 0)", labels=["rank"])
+        step_s = GaugeMetricFamily("commslayer_rank_step_seconds", "The time of each rank's last reported step",
+                                   labels=["rank"])
+        life = GaugeMetricFamily("commslayer_rank_life", "Each rank's life (its restarts so far)", labels=["rank"])
+        age = GaugeMetricFamily("commslayer_rank_status_age_seconds", "Seconds since each rank's last status "
+                                "record (a rank that holds at a stall stops writing)", labels=["rank"])
+        for r in view.ranks:
+            life.add_metric([str(r.rank)], r.life)
+            if r.record is not None:
+                step.add_metric([str(r.rank)], r.record["step"])
+                steps.add_metric([str(r.rank)], r.record["steps"])
+                step_s.add_metric([str(r.rank)], r.record["step_s"])
+                age.add_metric([str(r.rank)], max(0.0, view.taken - r.record["t"]))
+        yield from (step, steps, step_s, life, age)
+        committed = [r.record["step"] + 1 for r in view.ranks if r.record is not None]
+        yield CounterMetricFamily("commslayer_steps_committed", "Steps the job committed (the furthest rank's)",
+                                  value=max(committed, default=0))
+        if view.generation is not None:
+            yield GaugeMetricFamily("commslayer_generation", "The job's resilient communicator's generation",
+                                    value=view.generation)
+        causes = CounterMetricFamily("commslayer_recoveries", "Losses the survivors recovered from, by cause "
+                                     "(the injected fault's action; unknown without one)", labels=["cause"])
+        by_cause: Dict[str, int] = {}
+        for x in view.recoveries:
+            by_cause[x.cause] = by_cause.get(x.cause, 0) + 1
+        for cause, n in sorted(by_cause.items()):
+            causes.add_metric([cause], n)
+        yield causes
+        yield _histogram("commslayer_survivor_stall_seconds", "Fault (else detection) to the survivors' next "
+                         "committed step", [x.stall_s for x in view.recoveries if x.stall_s is not None])
+        yield _histogram("commslayer_heal_seconds", "A restarted unit's join and state transfer", view.heals)
+        errors = CounterMetricFamily("commslayer_errors", "Errors by type: each communicator's first failure in "
+                                     "the fault log, and deterministic failures", labels=["type"])
+        for kind, n in sorted(view.errors.items()):
+            errors.add_metric([kind], n)
+        yield errors
+        if view.spares is not None:
+            spares = GaugeMetricFamily("commslayer_spares", "Warm spares used and left", labels=["state"])
+            spares.add_metric(["used"], view.spares["used"])
+            spares.add_metric(["left"], view.spares["left"])
+            yield spares
+        yield GaugeMetricFamily("commslayer_healthy", "1 while /healthz answers 200", value=int(view.health()[0]))
+
+
+def _histogram(name: str, doc: str, values: List[float]) -> HistogramMetricFamily:
+    buckets = [(repr(b), sum(v <= b for v in values)) for b in SECONDS_BUCKETS] + [("+Inf", len(values))]
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=sum(values))
+
+
+# --------------------------------------------------------------------- page
+def _ago(seconds: Optional[float]) -> str:
+    return "" if seconds is None else f"{seconds:.1f}s ago"
+
+
+def _secs(seconds: Optional[float]) -> str:
+    return "n/a" if seconds is None else f"{seconds:.3f}s"
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d} UTC"
+
+
+def _table(head: List[str], rows: List[List[str]], classes: Optional[List[str]] = None) -> str:
+    """An HTML table of ``rows`` (text, escaped here), each row of class ``classes[i]`` if given."""
+    cells = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+    body = "".join(f"<tr class='{html.escape(classes[i]) if classes else ''}'>"
+                   + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for i, row in enumerate(rows))
+    return f"<table><tr>{cells}</tr>{body}</table>"
+
+
+def page(view: Optional[View]) -> str:
+    """The status page of ``view`` (None: not read yet)."""
+    head = (f"<!doctype html><html><head><meta charset='utf-8'><meta http-equiv='refresh' content='{REFRESH_S}'>"
+            "<title>commslayer job status</title><style>body{font:14px sans-serif;margin:1.5em}"
+            "table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #bbb;padding:3px 8px;"
+            "text-align:left}th{background:#eee}.lost td{background:#fdd}.restarting td,.fenced td{background:#ffe}"
+            ".replaced td{background:#eef}.finished td{color:#666}.bad{color:#b00;font-weight:bold}</style>"
+            "</head><body>")
+    if view is None:
+        return head + "<p>reading the job's store...</p></body></html>"
+    lay = view.layout
+    healthy, reason = view.health()
+    shape = f"{lay.world // lay.group} replica group(s) of {lay.group}" if not lay.per_rank else \
+        f"{lay.world} rank(s), {lay.group} per host, each its own restart unit"
+    parts = [head, f"<h1>{html.escape(lay.name)}</h1>",
+             f"<p>{'per-rank mode' if lay.per_rank else 'replica mode'}: {html.escape(shape)}; "
+             f"--max-restarts {lay.max_restarts}"
+             + (f"; generation {view.generation}" if view.generation is not None else "")
+             + (f"; warm spares: {view.spares['used']} used, {view.spares['left']} left" if view.spares else "")
+             + f"; read {_clock(view.taken)}</p>",
+             f"<p class='{'' if healthy else 'bad'}'>health: {html.escape(reason)}</p>"]
+    rows, classes = [], []
+    for r in view.ranks:
+        rec = r.record
+        group = [] if lay.per_rank else [str(r.rank // lay.group)]
+        rows.append([str(r.rank), *group, r.state, str(r.life),
+                     "" if rec is None else str(rec["step"]), "" if rec is None else f"{rec['step_s'] * 1000:.1f} ms",
+                     "" if rec is None else f"step {rec['step']} committed, {_ago(view.taken - rec['t'])}", r.why])
+        classes.append(r.state)
+    parts += ["<h2>Ranks</h2>", _table(["rank", *([] if lay.per_rank else ["replica group"]), "state", "life",
+                                        "step", "step time", "last report", "why"], rows, classes)]
+    unit = "rank" if lay.per_rank else "replica group"
+    parts += [f"<h2>Recoveries ({len(view.recoveries)})</h2>", _table(
+        ["step", f"lost {unit}(s)", "cause", "detected", "detection", "survivor stall", "heal", "generation"],
+        [[str(x.recovery.step), ", ".join(map(str, x.recovery.lost_replicas)), x.cause, _clock(x.recovery.detected_at),
+          _secs(None if x.fault_t is None else x.recovery.detected_at - x.fault_t), _secs(x.stall_s),
+          _secs(x.heal_s), str(x.recovery.generation)] for x in view.recoveries])]
+    if view.injected:
+        parts += ["<h2>Fault log</h2>", _table(["time", unit, "fault", "step"], [
+            [_clock(k["t"]), str(k["rank"] if lay.per_rank else k["replica"]), str(k.get("what", k.get("action"))),
+             str(k.get("step", ""))] for k in view.injected])]
+    if view.errors:
+        parts += ["<h2>Errors</h2>", _table(["type", "count"], [[k, str(n)] for k, n in sorted(view.errors.items())])]
+    parts.append("<p>also: <a href='/metrics'>/metrics</a> (Prometheus), <a href='/healthz'>/healthz</a></p>"
+                 "</body></html>")
+    return "".join(parts)
+
+
+# ------------------------------------------------------------------- server
+class Watcher:
+    """The thread that reads the job's view from its store every ``POLL_S``."""
+
+    def __init__(self, layout: Layout) -> None:
+        self.view: Optional[View] = None
+        self._layout, self._address = layout, ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="commslayer-status-watch", daemon=True)
+
+    def start(self, address: str) -> None:
+        """Read the job's store at ``address`` from now on."""
+        self._address = address
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        store = None
+        while not self._stop.is_set():
+            try:
+                if store is None:
+                    store = bounded(connect(self._address, STORE_TIMEOUT))
+                self.view = read_view(self._layout, store)
+            except (RuntimeError, OSError, ValueError) as exc:  # the store went away, or a record was cut
+                if self.view is not None:
+                    self.view.store_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                store = None
+            self._stop.wait(POLL_S)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = False  # a port in use is an error, not shared
+
+    def __init__(self, address: Tuple[str, int], watcher: Watcher) -> None:
+        super().__init__(address, _Handler)
+        self.watcher = watcher
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(Metrics(watcher))
+        self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread per connection, up to ``MAX_CLIENTS``; past that the connection is closed."""
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    timeout = CLIENT_TIMEOUT_S  # the connection's socket timeout: a slow client is dropped
+    server: _Server
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        view = self.server.watcher.view
+        if path == "/":
+            self._send(200, "text/html; charset=utf-8", page(view).encode())
+        elif path == "/metrics":
+            self._send(200, "text/plain; version=0.0.4; charset=utf-8", generate_latest(self.server.registry))
+        elif path == "/healthz":
+            healthy, reason = view.health() if view is not None else (False, "the job's store was not read yet")
+            self._send(200 if healthy else 503, "text/plain; charset=utf-8", (reason + "\n").encode())
+        else:
+            self._send(404, "text/plain; charset=utf-8", b"not found: try /, /metrics or /healthz\n")
+
+    def _send(self, code: int, kind: str, body: bytes) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Quiet: the launcher's output is the job's."""
+
+
+class StatusServer:
+    """The status server of one job: ``listen`` at start (before any process of the job), then
+    ``start`` once the job's store exists; ``close`` at the end."""
+
+    def __init__(self, server: _Server, watcher: Watcher) -> None:
+        self._server, self._watcher = server, watcher
+        self._thread = threading.Thread(target=server.serve_forever, name="commslayer-status-http", daemon=True)
+
+    @classmethod
+    def listen(cls, host: str, port: int, layout: Layout) -> "StatusServer":
+        """Bind ``host:port`` (``OSError`` if it cannot: a port in use, an address not here)."""
+        watcher = Watcher(layout)
+        return cls(_Server((host, port), watcher), watcher)
+
+    @property
+    def address(self) -> str:
+        host, port = self._server.socket.getsockname()[:2]
+        return f"http://{host}:{port}/"
+
+    def start(self, store_address: str) -> None:
+        """Read the job's store at ``store_address`` (its ``host:port`` or etcd:// address) and serve."""
+        self._watcher.start(store_address)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._watcher.stop()
+        if self._thread.is_alive():
+            self._server.shutdown()
+        self._server.server_close()
+
+
+def bind_error(host: str, port: int, exc: OSError) -> str:
+    """The launcher's one line for a status port it cannot listen on."""
+    return f"--status-port {port}: cannot listen on {host}:{port}: {exc.strerror or exc}"
