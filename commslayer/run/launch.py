@@ -44,12 +44,7 @@ def run(a: argparse.Namespace) -> int:
     become_subreaper()
     procs = ProcessSet(a.grace)
     store = None
-    try:  # before any process starts: a port in use ends the launcher here
-        served = None if a.status_port is None else status.StatusServer.listen(a.status_host, a.status_port,
-                                                                                 _layout(a))
-    except OSError as exc:
-        print(f"{PROG}: error: {status.bind_error(a.status_host, a.status_port, exc)}", file=sys.stderr, flush=True)
-        return 2
+    served = None if a.status_socket is None else status.StatusServer(a.status_socket, _layout(a))
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt

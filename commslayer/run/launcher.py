@@ -87,6 +87,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import socket
 import sys
 from typing import List, NoReturn, Optional, Tuple
 
@@ -337,6 +338,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     before torch is imported (seconds on a loaded machine), so that ``--help`` and a
     usage error answer at once; then ``commslayer.run.launch`` runs the job."""
     a = parse(argv)
+    a.status_socket = None
+    if a.status_port is not None:  # before any process starts (and before torch): a port in use ends it here
+        family = socket.AF_INET6 if ":" in a.status_host else socket.AF_INET
+        try:
+            a.status_socket = socket.create_server((a.status_host, a.status_port), family=family)
+        except OSError as exc:
+            print(f"{PROG}: error: --status-port {a.status_port}: cannot listen on {a.status_host}:{a.status_port}: "
+                  f"{os.strerror(exc.errno) if exc.errno else exc}", file=sys.stderr, flush=True)
+            return 2
     from commslayer.run.launch import run
 
     return run(a)

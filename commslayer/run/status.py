@@ -39,6 +39,7 @@ from __future__ import annotations
 import html
 import json
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -179,9 +180,10 @@ def _get(store: Any, key: str) -> Optional[str]:
 
 def _rank(layout: Layout, store: Any, rank: int, recoveries: List[runs.Recovery],
           admissions: List[runs.Admission], kept: Optional[List[int]]) -> RankView:
-    """One rank's state: finished, fenced (resharded out), lost (no restart left; in replica
-    mode also its group dropped by a recovery and not admitted back yet), restarting (a new
-    life that has not committed a step), running or replaced (a later life), or starting."""
+    """One rank's state: finished, fenced (resharded out, once the survivors committed a
+    step without it), lost (no restart left; in replica mode also its group dropped by a
+    recovery and not admitted back yet), restarting (a new life that has not committed a
+    step), running or replaced (a later life), or starting."""
     unit, number = layout.unit(rank)
     raw = _get(store, layout.status_key(rank))
     record = json.loads(raw) if raw else None
@@ -191,8 +193,8 @@ def _rank(layout: Layout, store: Any, rank: int, recoveries: List[runs.Recovery]
     gone = _get(store, f"{unit}/{number}/gone")
     if store.check([f"{unit}/{number}/done"]):
         view.state = "finished"
-    elif kept is not None and rank not in kept:
-        view.state, view.why = "fenced", "the survivors went on resharded without it"
+    elif kept is not None and rank not in kept and any(rank in x.lost_replicas for x in recoveries):
+        view.state, view.why = "fenced", "the survivors went on resharded without it"  # and committed a step
     elif gone is not None:
         view.state = "lost"
         view.why = f"no restart left (--max-restarts {layout.max_restarts}): " + (
@@ -404,10 +406,11 @@ class Watcher:
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
-    allow_reuse_address = False  # a port in use is an error, not shared
 
-    def __init__(self, address: Tuple[str, int], watcher: Watcher) -> None:
-        super().__init__(address, _Handler)
+    def __init__(self, listening: socket.socket, watcher: Watcher) -> None:
+        super().__init__(listening.getsockname()[:2], _Handler, bind_and_activate=False)
+        self.socket.close()
+        self.socket = listening  # bound by the launcher before anything started
         self.watcher = watcher
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(Metrics(watcher))
@@ -457,23 +460,20 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class StatusServer:
-    """The status server of one job: ``listen`` at start (before any process of the job), then
-    ``start`` once the job's store exists; ``close`` at the end."""
+    """The status server of one job, on a socket the launcher already listens on (its port
+    taken before any process of the job started); ``start`` once the job's store exists,
+    ``close`` at the end."""
 
-    def __init__(self, server: _Server, watcher: Watcher) -> None:
-        self._server, self._watcher = server, watcher
-        self._thread = threading.Thread(target=server.serve_forever, name="commslayer-status-http", daemon=True)
-
-    @classmethod
-    def listen(cls, host: str, port: int, layout: Layout) -> "StatusServer":
-        """Bind ``host:port`` (``OSError`` if it cannot: a port in use, an address not here)."""
-        watcher = Watcher(layout)
-        return cls(_Server((host, port), watcher), watcher)
+    def __init__(self, listening: socket.socket, layout: Layout) -> None:
+        self._watcher = Watcher(layout)
+        self._server = _Server(listening, self._watcher)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="commslayer-status-http",
+                                        daemon=True)
 
     @property
     def address(self) -> str:
         host, port = self._server.socket.getsockname()[:2]
-        return f"http://{host}:{port}/"
+        return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
 
     def start(self, store_address: str) -> None:
         """Read the job's store at ``store_address`` (its ``host:port`` or etcd:// address) and serve."""
@@ -485,8 +485,3 @@ class StatusServer:
         if self._thread.is_alive():
             self._server.shutdown()
         self._server.server_close()
-
-
-def bind_error(host: str, port: int, exc: OSError) -> str:
-    """The launcher's one line for a status port it cannot listen on."""
-    return f"--status-port {port}: cannot listen on {host}:{port}: {exc.strerror or exc}"

@@ -1,0 +1,307 @@
+"""``commslayer-run --status-port`` (commslayer.run.status): real jobs, real SIGKILLs, real sockets.
+
+A 2x2 replica job with a replica group SIGKILLed, scraped while it runs: the recovery
+counter goes from 0 to 1, the steps committed keep increasing through the recovery, the
+stall histogram's one sample is the launcher's summary's stall, and the page shows the
+group lost, then replaced (also in headless Chromium, and scraped by a real Prometheus
+server where one is installed). A per-rank job that loses a rank with no restart allowed
+answers 503 on /healthz, naming the rank, during the stall. Hostile clients: unknown
+paths, huge headers, slow clients, a port already in use.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from commslayer import runs
+from commslayer.run.processes import free_port
+from commslayer.run.status import CLIENT_TIMEOUT_S
+from tests.harness import job_story
+
+ROOT = Path(__file__).resolve().parent.parent
+DDP = ROOT / "launch" / "examples" / "ddp_resilient.py"
+FSDP2 = ROOT / "launch" / "examples" / "fsdp2_resilient.py"
+SLEEPER = ROOT / "tests" / "jobs" / "rank_unit_job.py"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+PROMETHEUS = "/usr/bin/prometheus"
+KILL_STEP = 200
+DDP_STEPS = 2500  # about 25 s here: the killed group restarts, heals and runs on well before the end
+
+
+class Launched:
+    """``commslayer-run`` with ``--status-port`` in the background: its output collected by a
+    thread, its status server's URL once it said it."""
+
+    def __init__(self, args: List[str], run_dir: Path, faults: List[dict], port: int = 0) -> None:
+        cmd = [sys.executable, "-m", "commslayer.run.launcher", "--status-port", str(port), "--grace", "3",
+               "--run-dir", str(run_dir), *args]
+        env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="", COMMSLAYER_FAULTS=json.dumps(faults))
+        self.proc = subprocess.Popen(cmd, env=env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
+        self.lines: List[str] = []
+        self.url: Optional[str] = None
+        self._seen = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        assert self._seen.wait(60) and self.url, self.log()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            found = re.match(r"coordinator: status at (\S+)", line)
+            if found:
+                self.url = found.group(1)
+                self._seen.set()
+        self._seen.set()
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.terminate()
+            self.proc.wait(timeout=20)
+            pytest.fail(f"the launcher ran past {timeout}s:\n{job_story(self.log())}")
+
+
+def get(url: str, timeout: float = 5.0) -> Tuple[int, str]:
+    """(status, body) of a GET; (0, why) when nothing answered."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except (urllib.error.URLError, OSError) as exc:
+        return 0, str(exc)
+
+
+def samples(text: str) -> Dict[str, float]:
+    """Each sample of a /metrics answer, by name and labels (``name{k="v"}``), parsed by
+    prometheus_client's own parser."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def recoveries(m: Dict[str, float]) -> float:
+    return sum(v for k, v in m.items() if k.startswith("commslayer_recoveries_total"))
+
+
+def ddp_job(tmp_path: Path, port: int = 0) -> Launched:
+    """The 2x2 DDP job, replica group 1's rank 2 SIGKILLed at step ``KILL_STEP``."""
+    fault = [{"action": "sigkill", "rank": 2, "step": KILL_STEP, "phase": "forward", "life": None}]
+    return Launched(["--replicas", "2", "--nproc-per-replica", "2", "--max-restarts", "2", str(DDP),
+                     "--steps", str(DDP_STEPS)], tmp_path, fault, port)
+
+
+@pytest.mark.timeout(300)
+def test_a_recovery_is_counted_and_steps_go_on_in_metrics_and_the_page(tmp_path):
+    job = ddp_job(tmp_path / "run")
+    scrapes: List[Dict[str, float]] = []
+    states: List[str] = []  # rank 2's state on the page, each time it changed
+    page = ""
+    while job.running():
+        code, text = get(job.url + "metrics")
+        if code == 200 and "commslayer_steps_committed_total" in text:  # the store read once at least
+            scrapes.append(samples(text))
+        code, body = get(job.url)
+        row = re.search(r"<tr class='(\w+)'><td>2</td>", body) if code == 200 else None
+        if row and (not states or states[-1] != row.group(1)):
+            states.append(row.group(1))
+            page = body if row.group(1) == "replaced" else page
+        time.sleep(0.5)
+    assert job.wait(60) == 0, job_story(job.log())
+    counted = [recoveries(m) for m in scrapes]
+    assert counted[0] == 0 and counted[-1] == 1 and sorted(counted) == counted, counted
+    first = counted.index(1)
+    steps = [m["commslayer_steps_committed_total"] for m in scrapes]
+    assert steps == sorted(steps) and steps[-1] > steps[first] > steps[0], steps  # on through the recovery
+    assert scrapes[-1]['commslayer_recoveries_total{cause="sigkill"}'] == 1
+    summary = runs.load_summary(str(tmp_path / "run"))
+    assert summary is not None and summary.ok
+    [killed] = summary.killed
+    assert scrapes[-1]["commslayer_survivor_stall_seconds_count"] == 1
+    assert abs(scrapes[-1]["commslayer_survivor_stall_seconds_sum"] - killed["stall_s"]) <= 0.010
+    assert scrapes[-1]["commslayer_heal_seconds_count"] == 1
+    assert scrapes[-1]['commslayer_rank_life{rank="2"}'] == 1 and scrapes[-1]['commslayer_rank_life{rank="0"}'] == 0
+    # rank 2's group: lost (dropped by the survivors), then back at life 1 (seen at least once each)
+    assert "lost" in states and "replaced" in states and states.index("lost") < states.index("replaced"), states
+    assert "sigkill" in page and "SIGKILL of rank 2" in page
+
+
+def dom(tmp_path: Path, url: str, *args: str) -> subprocess.CompletedProcess:
+    profile = tmp_path / f"profile-{time.monotonic_ns()}"
+    cmd = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           f"--user-data-dir={profile}", "--window-size=1200,900", *args, url]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (tests/run.sh installs it)")
+def test_the_page_in_headless_chromium_shows_the_group_lost_then_replaced(tmp_path):
+    job = ddp_job(tmp_path / "run")
+    seen: List[str] = []
+    shot = tmp_path / "status.png"
+    while job.running() and "replaced" not in seen:
+        page = dom(tmp_path, job.url, "--dump-dom")
+        row = re.search(r'<tr class="(\w+)"><td>2</td>', page.stdout)
+        if row and (not seen or seen[-1] != row.group(1)):
+            seen.append(row.group(1))
+    assert "lost" in seen and "replaced" in seen and seen.index("lost") < seen.index("replaced"), seen
+    run = dom(tmp_path, job.url, f"--screenshot={shot}")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert job.wait(60) == 0, job_story(job.log())
+
+
+@pytest.mark.timeout(300)
+def test_healthz_names_the_rank_lost_with_no_restart_during_the_stall(tmp_path):
+    """A per-rank job, 4 ranks, ``--max-restarts 0``: rank 2 SIGKILLed at step 40. Until the
+    survivors, resharded, commit a step without it, /healthz answers 503 naming it; after,
+    200 again (rank 2 fenced out)."""
+    fault = [{"action": "sigkill", "rank": 2, "step": 40, "phase": "backward"}]
+    job = Launched(["--nproc-per-node", "4", "--max-restarts", "0", str(FSDP2), "--steps", "300"],
+                   tmp_path / "run", fault)
+    answers: List[Tuple[int, str]] = []
+    while job.running():
+        code, body = get(job.url + "healthz")
+        if code and "not read yet" not in body and (not answers or answers[-1] != (code, body)):
+            answers.append((code, body))
+        time.sleep(0.1)
+    assert job.wait(60) == 0, job_story(job.log())
+    codes = [c for c, _ in answers]
+    assert codes[0] == 200 and 503 in codes, answers
+    bad = answers[codes.index(503)][1]
+    assert bad.startswith("rank 2 lost: no restart left (--max-restarts 0): life 0 was killed by SIGKILL"), bad
+    assert 200 in codes[codes.index(503):], answers  # fenced out once the survivors went on
+
+
+@pytest.fixture
+def sleeping(tmp_path):
+    """A per-rank job of 2 ranks that sleep, with its status server."""
+    job = Launched(["--nproc-per-node", "2", str(SLEEPER), "sleep", str(tmp_path)], tmp_path / "run", [])
+    yield job
+    job.proc.terminate()
+    job.proc.wait(timeout=30)
+
+
+def raw(url: str, request: bytes, timeout: float = 10.0) -> bytes:
+    """What the server answers ``request`` (bytes as sent) with, until it closes."""
+    host, port = urllib.parse.urlsplit(url).hostname, urllib.parse.urlsplit(url).port
+    with socket.create_connection((host, port), timeout=timeout) as s:
+        s.sendall(request)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+
+
+@pytest.mark.timeout(120)
+def test_hostile_requests(sleeping):
+    url = sleeping.url
+    assert get(url + "nothing-here")[0] == 404
+    assert get(url + "metrics/../../etc/passwd")[0] == 404
+    assert raw(url, b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n").startswith(b"HTTP/1.0 431")
+    many = b"".join(b"X-H%d: 1\r\n" % i for i in range(200))
+    assert raw(url, b"GET / HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n").startswith(b"HTTP/1.0 431")
+    assert raw(url, b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.0 414")
+    # slow clients: 10 connections that send half a request and wait; the page still answers at once
+    opened = time.monotonic()
+    slow = [socket.create_connection((urllib.parse.urlsplit(url).hostname, urllib.parse.urlsplit(url).port))
+            for _ in range(10)]
+    for s in slow:
+        s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")
+    began = time.monotonic()
+    code, body = get(url, timeout=5)
+    assert code == 200 and "rank" in body and time.monotonic() - began < 2
+    assert get(url + "healthz")[0] == 200 and get(url + "metrics")[0] == 200
+    slow[0].settimeout(CLIENT_TIMEOUT_S + 10)
+    assert slow[0].recv(100) == b""  # dropped after the server's socket timeout, unanswered
+    assert CLIENT_TIMEOUT_S - 1 <= time.monotonic() - opened < CLIENT_TIMEOUT_S + 5
+    for s in slow:
+        s.close()
+    assert sleeping.running()  # the job never noticed
+
+
+@pytest.mark.timeout(60)
+def test_a_port_in_use_is_one_line_and_exit_2_before_any_rank(tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        run = subprocess.run([sys.executable, "-m", "commslayer.run.launcher", "--nproc-per-node", "2",
+                              "--status-port", str(port), str(SLEEPER), "exit", str(tmp_path)],
+                             capture_output=True, text=True, timeout=30)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr == f"commslayer-run: error: --status-port {port}: cannot listen on 127.0.0.1:{port}: Address " \
+                         "already in use\n"
+    assert not list(tmp_path.glob("rank*"))  # no rank started
+    run = subprocess.run([sys.executable, "-m", "commslayer.run.launcher", "--nproc-per-node", "2",
+                          "--coordinator", "127.0.0.1:1", "--node-rank", "1", "--status-port", "0", str(SLEEPER),
+                          "exit", str(tmp_path)], capture_output=True, text=True, timeout=30)
+    assert run.returncode == 2 and "--status-port is served by the launcher that starts the job" in run.stderr
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not os.access(PROMETHEUS, os.X_OK), reason="prometheus is not installed (tests/run.sh installs it)")
+def test_a_real_prometheus_server_scrapes_the_recovery(tmp_path):
+    port, prom_port = free_port(), free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(f"global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n"
+                      f"  - job_name: commslayer\n    static_configs:\n      - targets: ['127.0.0.1:{port}']\n")
+    prom = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                             f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    api = f"http://127.0.0.1:{prom_port}/api/v1/"
+    try:
+        began = time.time()
+        job = ddp_job(tmp_path / "run", port)
+        assert job.wait(200) == 0, job_story(job.log())
+        time.sleep(2)  # a last scrape is in
+
+        def series(query: str) -> List[float]:
+            args = urllib.parse.urlencode({"query": query, "start": began, "end": time.time(), "step": 1})
+            code, body = get(f"{api}query_range?{args}")
+            assert code == 200, body
+            result = json.loads(body)["data"]["result"]
+            assert len(result) == 1, (query, result)
+            return [float(v) for _, v in result[0]["values"]]
+
+        # while the target was up: the counter's sum, or 0 before it had a series
+        counted = series("sum(commslayer_recoveries_total) or sum(up{job='commslayer'} == 1) * 0")
+        assert counted[0] == 0 and counted[-1] == 1 and sorted(counted) == counted, (counted, series("up"))
+        steps = series("commslayer_steps_committed_total")
+        first = counted.index(1)
+        assert steps == sorted(steps) and steps[-1] > steps[first] > steps[0]
+        summary = runs.load_summary(str(tmp_path / "run"))
+        assert summary is not None
+        code, body = get(api + "query?" + urllib.parse.urlencode({"query": "last_over_time(commslayer_survivor_"
+                                                                    "stall_seconds_sum[5m])"}))
+        [stall] = json.loads(body)["data"]["result"]
+        assert abs(float(stall["value"][1]) - summary.killed[0]["stall_s"]) <= 0.010
+    finally:
+        prom.terminate()
+        prom.wait(timeout=30)
