@@ -264,3 +264,97 @@ def test_a_held_groups_native_ops_report_a_lost_peer_to_the_hold_instead_of_rais
     kinds, done, value, took, taken = ours
     assert kinds == ["AsyncOpWork", "AsyncOpWork"] and done is True and value == "list", ours
     assert taken == [("PeerLost", (1,))] * 2 and took < 5.0, ours
+
+
+def _isolated_and_averaged(rank, size, store):
+    """c10d's async ops on a group whose communicator isolates its writes (the resilient
+    modes' groups), SUM and AVG (FSDP2's reduce-scatter), against plain Gloo's SUM on the
+    same inputs (divided by the size for AVG, as the general path divides): each equal
+    bitwise?, and the type of each work."""
+    import torch.distributed as dist
+
+    import commslayer
+
+    dist.init_process_group("gloo", store=dist.PrefixStore("world/", store), rank=rank, world_size=size)
+    plain = dist.new_group(backend="gloo")
+    comm = commslayer.new_comm("gloo", name="isolated", store=dist.PrefixStore("iso/", store), rank=rank,
+                               size=size, isolate_writes=True)
+    group = comm.as_process_group()
+    x = torch.randn(1001 * size, generator=torch.Generator().manual_seed(rank))
+    n = x.numel() // size
+    same, kinds = [], []
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        ref = x.clone()
+        dist.all_reduce(ref, group=plain)
+        got = x.clone()
+        work = dist.all_reduce(got, op=op, group=group, async_op=True)
+        kinds.append(type(work).__name__)
+        work.get_future().wait()  # the future's way, as DDP reads it
+        same.append(torch.equal(got, ref if op == dist.ReduceOp.SUM else ref.div_(size)))
+        ref = torch.empty(n)
+        dist.reduce_scatter_tensor(ref, x, group=plain)
+        got = torch.empty(n)
+        work = dist.reduce_scatter_tensor(got, x, op=op, group=group, async_op=True)
+        kinds.append(type(work).__name__)
+        work.wait()  # (Gloo's reduce-scatter has no future, and so has none here)
+        same.append(torch.equal(got, ref if op == dist.ReduceOp.SUM else ref.div_(size)))
+    ref = torch.empty(x.numel() * size)
+    dist.all_gather_into_tensor(ref, x, group=plain)
+    got = torch.empty(x.numel() * size)
+    work = dist.all_gather_into_tensor(got, x, group=group, async_op=True)
+    kinds.append(type(work).__name__)
+    while not work.is_completed():  # polled: the result is there once it says so
+        time.sleep(0.001)
+    same.append(torch.equal(got, ref))
+    ints = torch.arange(8, dtype=torch.int64) * (rank + 1)  # an integer AVG truncates: the general path
+    kinds.append(type(dist.all_reduce(ints, op=dist.ReduceOp.AVG, group=group, async_op=True)).__name__)
+    return same, kinds
+
+
+@needs_native
+@pytest.mark.timeout(90)
+def test_isolated_groups_and_avg_take_the_native_path_and_match_plain_gloo_bitwise():
+    for same, kinds in run_ranks(_isolated_and_averaged, 2, timeout=60):
+        assert same == [True] * 5, same
+        assert kinds == ["AsyncOpWork"] * 5 + ["C10dWork"], kinds
+
+
+def _late_write(rank, size, store, isolate):
+    """Rank 1 stops before an async all_reduce through the c10d adapter; rank 0 gives it up
+    (PeerLost), resumes it, and the op Gloo still runs completes: what rank 0's tensor holds."""
+    import torch.distributed as dist
+
+    import commslayer
+
+    comm = commslayer.new_comm("gloo", name="late", store=store, rank=rank, size=size, timeout=600,
+                               isolate_writes=isolate)
+    group = comm.as_process_group()
+    comm.barrier()
+    store.set(f"pid/{rank}", str(os.getpid()))
+    canary = torch.full((1 << 10,), float(rank + 1))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        try:
+            dist.all_reduce(canary, group=group, async_op=True).wait()
+        except commslayer.CommError:
+            pass
+        return None
+    time.sleep(0.3)
+    work = dist.all_reduce(canary, group=group, async_op=True)
+    try:
+        work.wait()
+        return "completed with a stopped peer"
+    except commslayer.PeerLost:
+        pass
+    os.kill(int(store.get("pid/1")), signal.SIGCONT)
+    time.sleep(1.5)  # the resumed rank joins the op Gloo still runs here
+    return type(work).__name__, canary[0].item()
+
+
+@needs_native
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("isolate", [True, False])
+def test_an_isolated_native_op_never_writes_late(isolate):
+    ours, _ = run_ranks(_late_write, 2, isolate, timeout=60,
+                        env={"COMMSLAYER_PEER_TIMEOUT_S": "1.5", "COMMSLAYER_HEARTBEAT_S": "0.1"})
+    assert ours == ("AsyncOpWork", 1.0 if isolate else 3.0), ours  # without isolation, Gloo's late write lands

@@ -378,6 +378,8 @@ class AllReduceScatterWork : public c10d::Work {
 // module's set_settle and never freed, since a work may need it while the
 // interpreter ends.
 py::object* settle_function = nullptr;
+// What it returns: the op still runs; it completed; it failed and a held group took the error.
+enum SettleOutcome : int { kSettleRunning = 0, kSettleCompleted = 1, kSettleHeld = 2 };
 
 // An async all_reduce, all_gather_single or reduce_scatter_single issued by
 // DirectPath.issue_async: what c10d's callers (torch.distributed's async ops,
@@ -393,10 +395,13 @@ class AsyncOpWork : public c10d::Work {
  public:
   enum Settled : int { kRunning = 0, kSettling = 1, kDone = 2, kFailed = 3 };
 
+  // output: the caller's tensor; staged: the copy the backend writes instead (write
+  // isolation; undefined: the backend writes output); divisor: AVG's, or 0.
   AsyncOpWork(c10::intrusive_ptr<c10d::Work> inner, int64_t key, int kind, int64_t op_id, int64_t seq,
-              double timeout_s, std::chrono::milliseconds slice)
+              double timeout_s, std::chrono::milliseconds slice, at::Tensor output, at::Tensor staged,
+              int64_t divisor)
       : inner_(std::move(inner)), key_(key), kind_(kind), op_id_(op_id), seq_(seq), timeout_s_(timeout_s),
-        slice_(slice) {
+        slice_(slice), output_(std::move(output)), staged_(std::move(staged)), divisor_(divisor) {
     start_ns_ = monotonic_ns();
     deadline_ns_ = start_ns_ + static_cast<int64_t>(timeout_s * 1e9);
   }
@@ -417,13 +422,31 @@ class AsyncOpWork : public c10d::Work {
     slot_ = slot;
   }
 
+  // Done (a failed op too); a caller may read the outputs of one that succeeded,
+  // so its finish step runs first.
   bool isCompleted() override {
-    return settled_.load() >= kDone || inner_->isCompleted();
+    if (settled_.load() >= kDone) {
+      return true;
+    }
+    if (!inner_->isCompleted()) {
+      return false;
+    }
+    if (settled_.load() == kRunning && inner_->isSuccess()) {
+      finish();
+    }
+    return true;
   }
 
   bool isSuccess() const override {
     int settled = settled_.load();
-    return settled == kDone || (settled != kFailed && inner_->isSuccess());
+    if (settled == kDone) {
+      return true;
+    }
+    if (settled == kFailed || !inner_->isSuccess()) {
+      return false;
+    }
+    finish();
+    return true;
   }
 
   std::exception_ptr exception() const override {
@@ -450,6 +473,7 @@ class AsyncOpWork : public c10d::Work {
       }
       try {
         inner_->wait(first);
+        finish();
         int running = kRunning;
         settled_.compare_exchange_strong(running, kDone);
         recorded(began_ns, true);
@@ -480,23 +504,30 @@ class AsyncOpWork : public c10d::Work {
             }
             py::gil_scoped_acquire gil;
             self->settle(0.0, true, py::str(what));  // raises the op's CommError into the future
-            return c10::IValue(self->inner_->result());  // unless a held group took it: done, outputs as they are
-          } else {
-            int running = kRunning;
-            self->settled_.compare_exchange_strong(running, kDone);
-            if (self->slot_ != nullptr) {
-              NativeRing::completed(*self->slot_, self->op_id_, monotonic_ns());
-            }
+            return self->outputs();  // unless a held group took it: done, its outputs as they are
           }
-          return done.value();
+          self->finish();
+          int running = kRunning;
+          self->settled_.compare_exchange_strong(running, kDone);
+          if (self->slot_ != nullptr) {
+            NativeRing::completed(*self->slot_, self->op_id_, monotonic_ns());
+          }
+          return self->output_.defined() ? self->outputs() : done.value();
         },
         inner->elementType());
   }
 
-  // Whether the op completed (without running Python to find out).
+  // Whether the op completed (without running Python to find out), its finish step run.
   bool completed() {
     int settled = settled_.load();
-    return settled == kDone || (settled == kRunning && inner_->isCompleted() && inner_->isSuccess());
+    if (settled == kDone) {
+      return true;
+    }
+    if (settled != kRunning || !inner_->isCompleted() || !inner_->isSuccess()) {
+      return false;
+    }
+    finish();
+    return true;
   }
 
   // The watchdog's look (GIL held): settle the op if it failed, is overdue, or its
@@ -507,6 +538,7 @@ class AsyncOpWork : public c10d::Work {
     }
     if (inner_->isCompleted()) {
       if (inner_->isSuccess()) {
+        finish();  // nobody may wait: the caller's tensors get the result all the same
         if (slot_ != nullptr) {
           NativeRing::completed(*slot_, op_id_, now_ns);  // ended by now; its wait, if any, completes it
         }
@@ -520,6 +552,31 @@ class AsyncOpWork : public c10d::Work {
   }
 
  private:
+  // The step between the backend's success and the caller's: the staged result
+  // copied into the caller's tensor, AVG's division; once, whoever comes first.
+  void finish() const {
+    if (!output_.defined()) {
+      return;
+    }
+    std::lock_guard<std::mutex> lock(finish_mutex_);
+    if (finished_) {
+      return;
+    }
+    at::NoGradGuard no_grad;
+    at::Tensor output = output_;
+    if (divisor_ != 0) {
+      at::div_out(output, staged_.defined() ? staged_ : output, divisor_);  // what copy_ then div_ gives
+    } else {
+      output.copy_(staged_);
+    }
+    finished_ = true;
+  }
+
+  // What the backend's future holds, with the caller's tensor where the backend had a copy.
+  c10::IValue outputs() const {
+    return c10::IValue(std::vector<at::Tensor>{output_.defined() ? output_ : inner_->result().at(0)});
+  }
+
   // A wait that began at began_ns returned now: the record says so (and that
   // the op completed, with ended).
   void recorded(int64_t began_ns, bool ended) {
@@ -549,9 +606,12 @@ class AsyncOpWork : public c10d::Work {
     if (settled_.compare_exchange_strong(running, kSettling)) {
       int outcome = kRunning;  // Python may find the op still running (the watchdog's look at a broken group)
       try {
-        py::object done = (*settle_function)(key_, kind_, op_id_, seq_, start_ns_, timeout_s_,
-                                             py::cast(inner_), wait_left_s, failure);
-        outcome = done.cast<bool>() ? kDone : kRunning;
+        int done = (*settle_function)(key_, kind_, op_id_, seq_, start_ns_, timeout_s_,
+                                      py::cast(inner_), wait_left_s, failure).cast<int>();
+        if (done == kSettleCompleted) {
+          finish();
+        }
+        outcome = done == kSettleRunning ? kRunning : kDone;
       } catch (py::error_already_set& e) {
         error_ = e.value();
         outcome = kFailed;
@@ -584,6 +644,11 @@ class AsyncOpWork : public c10d::Work {
   std::atomic<int> settled_{kRunning};
   py::object error_;  // the CommError of a failed op (kFailed)
   Slot* slot_ = nullptr;  // its record, or null
+  at::Tensor output_;  // undefined: no finish step
+  at::Tensor staged_;
+  int64_t divisor_;
+  mutable std::mutex finish_mutex_;
+  mutable bool finished_ = false;
 };
 
 // One communicator's direct path: its backend, what a tensor must be to take
@@ -663,6 +728,11 @@ class DirectPath {
     key_ = key;
   }
 
+  // Whether async ops write into staging copies (commslayer.comm.isolation's rule).
+  void set_isolate(bool isolate) {
+    isolate_ = isolate;
+  }
+
   // Where run records its ops (a NativeRing), or None: the flight recorder sets it.
   void record_into(py::object ring) {
     if (ring_ != nullptr) {
@@ -680,8 +750,12 @@ class DirectPath {
   // sum, a timeout in opts), for the general path.
   py::object issue_async(int kind, py::handle a, py::handle b, py::handle opts, int64_t op_id, int64_t seq) {
     const at::Tensor* first = tensor(a);
-    if (first == nullptr || settle_function == nullptr || !plain_options(kind, opts)) {
+    if (first == nullptr || settle_function == nullptr) {
       return py::none();
+    }
+    Reduction reduction = plain_options(kind, opts);
+    if (reduction == kNotPlain || (reduction == kAverage && !first->is_floating_point() && !first->is_complex())) {
+      return py::none();  // an integer AVG truncates: the general path
     }
     const at::Tensor* second = first;
     if (kind != kAllReduce) {
@@ -700,14 +774,21 @@ class DirectPath {
     Slot* slot = ring_ == nullptr ? nullptr
         : ring_->slot(ring_->begin(op_id, seq, kind, output, input, ids_, timeout_s_, true));
     c10::intrusive_ptr<c10d::Work> inner;
+    at::Tensor staged;  // write isolation: the backend writes a copy, the caller's tensor gets it on success
     {
       py::gil_scoped_release no_gil;
-      inner = issue(kind, output, input);
+      if (isolate_) {
+        staged = kind == kAllReduce ? output.clone() : at::empty_like(output);  // all_reduce reads it first
+      }
+      inner = issue(kind, staged.defined() ? staged : output, input);
     }
     if (slot != nullptr) {
       record_end(inner, slot, op_id);
     }
-    auto work = c10::make_intrusive<AsyncOpWork>(std::move(inner), key_, kind, op_id, seq, timeout_s_, slice_);
+    bool finishes = staged.defined() || reduction == kAverage;
+    auto work = c10::make_intrusive<AsyncOpWork>(std::move(inner), key_, kind, op_id, seq, timeout_s_, slice_,
+                                                 finishes ? output : at::Tensor(), staged,
+                                                 reduction == kAverage ? size_ : 0);
     work->record_in(slot);
     // Freeing an op may let go of the GIL (its tensors' Python objects), so the
     // watchdog's sweep may run meanwhile: the ended ones are freed here once
@@ -794,30 +875,39 @@ class DirectPath {
 
   // Whether c10d's option struct opts asks for what the direct path does: a sum,
   // on the communicator's deadline (no timeout of its own).
-  static bool plain_options(int kind, py::handle opts) {
+  // What the options of an async op c10d asked for leave this path to do: a sum (an
+  // all-gather counts as one), an average (a sum, then divided: Gloo has no AVG), or
+  // nothing (another reduce op, or a timeout of their own).
+  enum Reduction : int { kNotPlain = 0, kSum = 1, kAverage = 2 };
+
+  static Reduction reduction_of(const c10d::ReduceOp& op) {
+    return op.op_ == c10d::ReduceOp::SUM ? kSum : op.op_ == c10d::ReduceOp::AVG ? kAverage : kNotPlain;
+  }
+
+  static Reduction plain_options(int kind, py::handle opts) {
     switch (kind) {
       case kAllReduce: {
         if (!py::isinstance<c10d::AllreduceOptions>(opts)) {
-          return false;
+          return kNotPlain;
         }
         const auto& o = opts.cast<const c10d::AllreduceOptions&>();
-        return o.reduceOp.op_ == c10d::ReduceOp::SUM && o.timeout == c10d::kUnsetTimeout;
+        return o.timeout == c10d::kUnsetTimeout ? reduction_of(o.reduceOp) : kNotPlain;
       }
       case kAllGather: {
         if (!py::isinstance<c10d::AllgatherOptions>(opts)) {
-          return false;
+          return kNotPlain;
         }
-        return opts.cast<const c10d::AllgatherOptions&>().timeout == c10d::kUnsetTimeout;
+        return opts.cast<const c10d::AllgatherOptions&>().timeout == c10d::kUnsetTimeout ? kSum : kNotPlain;
       }
       case kReduceScatter: {
         if (!py::isinstance<c10d::ReduceScatterOptions>(opts)) {
-          return false;
+          return kNotPlain;
         }
         const auto& o = opts.cast<const c10d::ReduceScatterOptions&>();
-        return o.reduceOp.op_ == c10d::ReduceOp::SUM && o.timeout == c10d::kUnsetTimeout;
+        return o.timeout == c10d::kUnsetTimeout ? reduction_of(o.reduceOp) : kNotPlain;
       }
       default:
-        return false;
+        return kNotPlain;
     }
   }
 
@@ -884,6 +974,7 @@ class DirectPath {
   std::chrono::milliseconds wait_{0};
   std::chrono::milliseconds slice_{0};  // an async op's wait slice: wait_ where it is one, else 0
   int64_t key_ = 0;  // this communicator's in settle_native_async's registry (set_key)
+  bool isolate_ = false;  // async ops write into staging copies (set_isolate)
   std::deque<c10::intrusive_ptr<AsyncOpWork>> in_flight_;  // async ops not yet seen to end
   double timeout_s_ = 0;  // the deadline, as the records give it
   py::object ids_;  // the communicator's (name, uid, generation), for the records
@@ -923,6 +1014,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("fits_sized", &DirectPath::fits_sized, py::arg("big"), py::arg("small"))
       .def("record_into", &DirectPath::record_into, py::arg("ring"))
       .def("set_key", &DirectPath::set_key, py::arg("key"))
+      .def("set_isolate", &DirectPath::set_isolate, py::arg("isolate"))
       .def("issue_async", &DirectPath::issue_async, py::arg("kind"), py::arg("a"), py::arg("b"), py::arg("opts"),
            py::arg("op_id"), py::arg("seq"))
       .def("sweep", &DirectPath::sweep, py::arg("now_ns"), py::arg("broken"))

@@ -15,7 +15,10 @@ DDP issue) take ``_issue_async``, while no hook observes the communicator
 and a flight recorder, if any, takes native records: native code issues the
 op and returns a c10d ``Work`` of its own, whose wait runs no Python unless
 the op does not simply complete; then ``settle_native_async`` settles it
-here, as the general path's ``Work`` would (docs/bench/async-path.md).
+here, as the general path's ``Work`` would (docs/bench/async-path.md).  That
+native ``Work`` also takes the two finishing steps the resilient modes need:
+write isolation (the backend writes a staging copy, handed to the caller's
+tensor only on success) and AVG's division, which Gloo lacks.
 
 The attributes declared on ``OpPath`` are set by ``Communicator.__init__``.
 """
@@ -55,18 +58,22 @@ _keys = itertools.count(1)
 _async_comms: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
 
 
+RUNNING, SETTLED, HELD = 0, 1, 2  # what settle_native_async found (direct_path.cpp's SettleOutcome)
+
+
 def settle_native_async(key: int, kind: int, op_id: int, seq: int, start_ns: int, timeout_s: float,
-                        backend_work: Any, wait_left_s: float, failure: Optional[str] = None) -> bool:
+                        backend_work: Any, wait_left_s: float, failure: Optional[str] = None) -> int:
     """Settle an async op of the native path (``AsyncOpWork`` in direct_path.cpp)
     whose wait did not simply complete: fail it with ``failure``, the backend's
     error where its future failed (the backend's work may not say so yet); else
     wait on for ``wait_left_s`` (in slices where a liveness monitor may break the
     communicator), or, from the watchdog (``wait_left_s`` 0), fail it if it
-    failed, is overdue or its communicator broke.  True once it completed; False
-    when it still runs (the watchdog looked at a communicator that is not broken
-    after all); raises its ``CommError`` when it failed, unless the c10d group that
-    issued it is held (``CommslayerProcessGroup.hold``): then the hold's callback
-    takes the error and the op counts as done."""
+    failed, is overdue or its communicator broke.  ``SETTLED`` once it completed
+    (the native side then runs its finish step); ``RUNNING`` when it still runs
+    (the watchdog looked at a communicator that is not broken after all); raises
+    its ``CommError`` when it failed, unless the c10d group that issued it is held
+    (``CommslayerProcessGroup.hold``): then the hold's callback takes the error and
+    the op counts as done, its outputs as they were (``HELD``)."""
     comm = _async_comms.get(key)
     if comm is None:  # gone: its group was destroyed while the op ran
         raise CommError("the communicator of this op was destroyed while it ran", op=DIRECT_OPS[kind], seq=seq)
@@ -78,16 +85,17 @@ def settle_native_async(key: int, kind: int, op_id: int, seq: int, start_ns: int
     elif wait_left_s <= 0 and not backend_work.is_completed() and time.monotonic_ns() < work.deadline_ns:
         err = work._interruption()
         if err is None:
-            return False
+            return RUNNING
         work._fail(err, time.monotonic_ns())
     else:
         work._settle_from_backend(wait_left_s)
     err = work.exception()
-    if err is not None:
-        if comm.held_failures is None:
-            raise err
-        comm.held_failures(err)
-    return True
+    if err is None:
+        return SETTLED
+    if comm.held_failures is None:
+        raise err
+    comm.held_failures(err)
+    return HELD
 
 
 class OpPath:
@@ -177,11 +185,16 @@ class OpPath:
 
     def _update_direct(self) -> None:
         """Whether the direct path (``_direct_run``) is open: only while no hook
-        observes this communicator's ops, check mode is off and writes are not isolated."""
-        self._direct = self._check is None and self._ops is self._backend and not (
+        observes this communicator's ops, check mode is off and writes are not
+        isolated; and the native async path (``_issue_async``) while no hook
+        observes and check mode is off, isolating writes itself where they are."""
+        unobserved = self._check is None and not (
             self._pre.fns or self._checks.fns or self._post.fns or self.completion_hooks.fns)
-        self._async_path = self._native if self._direct and (self.recorder is None or self._native_records) \
+        self._direct = unobserved and self._ops is self._backend
+        self._async_path = self._native if unobserved and (self.recorder is None or self._native_records) \
             else None
+        if self._native is not None:
+            self._native.set_isolate(self._ops is not self._backend)
 
     def _takes_ring(self, op: ReduceOp, output: torch.Tensor, input_bytes: int) -> bool:
         """Whether this reduce-scatter runs as the ring (commslayer.comm.ring) rather than Gloo's own."""
