@@ -98,7 +98,8 @@ class RankView:
     rank: int
     state: str  # one of STATES
     life: int  # its current life (restarts so far)
-    why: str = ""  # why it is lost, fenced or restarting
+    why: str = ""  # why it is lost or fenced
+    gave_up: bool = False  # lost with no restart left: not accounted for (/healthz answers 503)
     record: Optional[Dict[str, Any]] = None  # its latest status record (commslayer.train.job._write_status)
 
 
@@ -137,7 +138,7 @@ class View:
             return False, f"the job failed: {self.failed}"
         if self.store_error:
             return False, f"the job's store does not answer: {self.store_error}"
-        lost = [r for r in self.ranks if r.state == "lost" and r.why.startswith("no restart left")]
+        lost = [r for r in self.ranks if r.gave_up]
         if lost:
             return False, "; ".join(f"rank {r.rank} lost: {r.why}" for r in lost)
         if all(r.state == "finished" for r in self.ranks):
@@ -164,7 +165,7 @@ def read_view(layout: Layout, store: Any) -> View:
     kept = json.loads(store.get(runs.RESHARDED))["ranks"] if store.check([runs.RESHARDED]) else None
     ranks = [_rank(layout, store, r, recoveries, admissions, kept) for r in range(layout.world)]
     view = View(layout=layout, taken=time.time(), ranks=ranks,
-                recoveries=[_recovery(layout, x, injected, admissions, recoveries) for x in recoveries],
+                recoveries=[_recovery(layout, x, injected, admissions) for x in recoveries],
                 heals=[a.heal_s for a in admissions], injected=injected, errors=errors,
                 spares=runs.job_spares(store, layout.nodes), failed=failed)
     generations = [r.record["generation"] for r in ranks if r.record and r.record.get("generation") is not None]
@@ -196,7 +197,7 @@ def _rank(layout: Layout, store: Any, rank: int, recoveries: List[runs.Recovery]
     elif kept is not None and rank not in kept and any(rank in x.lost_replicas for x in recoveries):
         view.state, view.why = "fenced", "the survivors went on resharded without it"  # and committed a step
     elif gone is not None:
-        view.state = "lost"
+        view.state, view.gave_up = "lost", True
         view.why = f"no restart left (--max-restarts {layout.max_restarts}): " + (
             gone if layout.per_rank else f"its torchrun exited {gone}")
     elif not layout.per_rank and _dropped(layout.lost_unit(rank), recoveries, admissions):
@@ -216,7 +217,7 @@ def _dropped(unit: int, recoveries: List[runs.Recovery], admissions: List[runs.A
 
 
 def _recovery(layout: Layout, rec: runs.Recovery, injected: List[Dict[str, Any]],
-              admissions: List[runs.Admission], recoveries: List[runs.Recovery]) -> RecoveryView:
+              admissions: List[runs.Admission]) -> RecoveryView:
     """``rec`` with its fault (the latest injection into a lost unit before it was detected,
     as the launcher's summary matches them) and the admission that healed it."""
     unit_of = "rank" if layout.per_rank else "replica"
