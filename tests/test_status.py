@@ -4,9 +4,10 @@ A 2x2 replica job with a replica group SIGKILLed, scraped while it runs: the rec
 counter goes from 0 to 1, the steps committed keep increasing through the recovery, the
 stall histogram's one sample is the launcher's summary's stall, and the page shows the
 group lost, then replaced (also in headless Chromium, and scraped by a real Prometheus
-server where one is installed). A per-rank job that loses a rank with no restart allowed
-answers 503 on /healthz, naming the rank, during the stall. Hostile clients: unknown
-paths, huge headers, slow clients, a port already in use.
+server where one is installed). A job whose store is on etcd is served too. A per-rank
+job that loses a rank with no restart allowed answers 503 on /healthz, naming the rank,
+during the stall. Hostile clients: unknown paths, huge headers, slow clients, a port
+already in use.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from commslayer import runs
 from commslayer.run.processes import free_port
 from commslayer.run.status import CLIENT_TIMEOUT_S
+from faults.etcd import EtcdCluster
+from faults.etcd import available as etcd_available
 from tests.harness import job_story
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -246,6 +249,31 @@ def test_hostile_requests(sleeping):
     for s in slow:
         s.close()
     assert sleeping.running()  # the job never noticed
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not etcd_available(), reason="etcd is not installed (Debian's etcd-server)")
+def test_the_server_reads_a_job_store_on_etcd(tmp_path):
+    """``--store etcd://...``: the launcher that starts the job serves it, reading the job's keys
+    on the etcd cluster through a client of its own."""
+    cluster = EtcdCluster(tmp_path / "etcd", size=1)
+    try:
+        job = Launched(["--nproc-per-node", "2", "--store", cluster.url("statusjob"), str(SLEEPER), "sleep",
+                        str(tmp_path)], tmp_path / "run", [])
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            code, text = get(job.url + "metrics")
+            if code == 200 and 'commslayer_rank_life{rank="1"}' in text:
+                break
+            time.sleep(0.5)
+        m = samples(text)
+        assert m['commslayer_job_info{job="statusjob",mode="per-rank",world="2"}'] == 1, text
+        assert m['commslayer_ranks{state="starting"}'] == 2 and m["commslayer_healthy"] == 1
+        assert get(job.url + "healthz") == (200, "ok: 2 rank(s) accounted for\n")
+        job.proc.terminate()
+        job.proc.wait(timeout=30)
+    finally:
+        cluster.close()
 
 
 @pytest.mark.timeout(60)
