@@ -232,7 +232,7 @@ def _module() -> Optional[ModuleType]:
 
 
 def direct_path(backend: Any, size: int, device_type: str, dtypes: Any, untimed: List[int],
-                ids: Tuple[str, str, int], timeout: Any, wait: Any, settle: Callable[..., bool]) -> Any:
+                ids: Tuple[str, str, int], timeout: Any, wait: Any, settle: Callable[..., int]) -> Any:
     """A communicator's native direct path (``DirectPath`` in direct_path.cpp), or
     None: ``COMMSLAYER_NATIVE`` is off, or the module is not built.
 

@@ -92,9 +92,9 @@ def settle_native_async(key: int, kind: int, op_id: int, seq: int, start_ns: int
     err = work.exception()
     if err is None:
         return SETTLED
-    if comm.held_failures is None:
+    if comm._held_failures is None:
         raise err
-    comm.held_failures(err)
+    comm._held_failures(err)
     return HELD
 
 
@@ -131,7 +131,7 @@ class OpPath:
     _async_path: Any  # the native path of c10d's async ops (``_issue_async``), or None
     # where a failed native async op's error goes instead of its waiter: the hold of
     # the c10d group that issues them (CommslayerProcessGroup.hold), or None
-    held_failures: Optional[Callable[[CommError], None]] = None
+    _held_failures: Optional[Callable[[CommError], None]] = None
     _direct: bool
     _dense: Callable[..., bool]
     _dense_sized: Callable[..., bool]

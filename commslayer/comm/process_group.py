@@ -130,7 +130,7 @@ class CommslayerProcessGroup(dist.ProcessGroup):
     def _take_cpu(self) -> None:
         cpu = self._cpu = self._comms.get("cpu")
         if cpu is not None:
-            cpu.held_failures = self._held  # a held group's native async ops report to the hold too
+            cpu._held_failures = self._held  # a held group's native async ops report to the hold too
             WATCHDOG.sweep_native(cpu)
 
     def communicator(self, device_type: str = "cpu") -> Communicator:
