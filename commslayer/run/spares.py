@@ -51,11 +51,11 @@ class Spares:
         self._next = 0
         self._failures = 0
         self._started: Dict[int, float] = {}  # spare id -> when it started, until it is seen ready
+        self._published = ""  # the tally last written to the job's store
 
     def fill(self) -> None:
         """Start spares until ``count`` wait (unless they keep dying); reap those that died;
         the tally in the job's store says what changed."""
-        before = self.tally()
         for sid, proc in list(self._waiting.items()):
             code = proc.poll()
             if code is None:
@@ -73,8 +73,10 @@ class Spares:
                      "calls it, cannot have spares)" if self._failures == MAX_FAILURES else ""), flush=True)
         while len(self._waiting) < self.count and self._failures < MAX_FAILURES:
             self._start()
-        if self.tally() != before:
-            self._store.set(spare_tally_key(self._node), self.tally())
+        tally = self.tally()
+        if tally != self._published:
+            self._store.set(spare_tally_key(self._node), tally)
+            self._published = tally
 
     def _start(self) -> None:
         sid, self._next = self._next, self._next + 1
@@ -102,8 +104,7 @@ class Spares:
         self._procs.procs[rank] = self._procs.procs.pop(("spare", sid))
         print(f"supervisor: rank {rank}: {why}; spare {sid} (pid {proc.pid}) takes life "
               f"{env['TORCHELASTIC_RESTART_COUNT']}", flush=True)
-        self._store.set(spare_tally_key(self._node), self.tally())
-        self.fill()
+        self.fill()  # a spare in its place; the tally written once
         return proc
 
     def tally(self) -> str:
