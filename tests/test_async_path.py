@@ -253,7 +253,7 @@ def _held(rank, size, store):
     done = waited.wait()
     value = read.get_future().wait()
     return ([type(waited).__name__, type(read).__name__], done, type(value).__name__, time.monotonic() - began,
-            [(type(e).__name__, tuple(e.ranks or ())) for e in taken])
+            [(type(e).__name__, tuple(e.ranks or ())) for e in taken], waited.is_success())
 
 
 @needs_native
@@ -261,8 +261,8 @@ def _held(rank, size, store):
 def test_a_held_groups_native_ops_report_a_lost_peer_to_the_hold_instead_of_raising():
     ours, died = run_ranks(_held, 2, timeout=45, allow_errors=True)
     assert isinstance(died, RankDied) and died.exitcode == -signal.SIGKILL, died
-    kinds, done, value, took, taken = ours
-    assert kinds == ["AsyncOpWork", "AsyncOpWork"] and done is True and value == "list", ours
+    kinds, done, value, took, taken, success = ours
+    assert kinds == ["AsyncOpWork", "AsyncOpWork"] and done is True and value == "list" and not success, ours
     assert taken == [("PeerLost", (1,))] * 2 and took < 5.0, ours
 
 

@@ -440,7 +440,7 @@ class AsyncOpWork : public c10d::Work {
   bool isSuccess() const override {
     int settled = settled_.load();
     if (settled == kDone) {
-      return true;
+      return !held_.load();
     }
     if (settled == kFailed || !inner_->isSuccess()) {
       return false;
@@ -611,6 +611,7 @@ class AsyncOpWork : public c10d::Work {
         if (done == kSettleCompleted) {
           finish();
         }
+        held_.store(done == kSettleHeld);
         outcome = done == kSettleRunning ? kRunning : kDone;
       } catch (py::error_already_set& e) {
         error_ = e.value();
@@ -649,6 +650,7 @@ class AsyncOpWork : public c10d::Work {
   int64_t divisor_;
   mutable std::mutex finish_mutex_;
   mutable bool finished_ = false;
+  std::atomic<bool> held_{false};  // it failed, and a held group took the error
 };
 
 // One communicator's direct path: its backend, what a tensor must be to take
@@ -747,7 +749,8 @@ class DirectPath {
   // input; all_reduce's one tensor is both) as op op_id, number seq, with the
   // communicator's deadline, and return its AsyncOpWork; None when the op is not
   // one this path takes (a tensor that does not fit, a reduce op other than a
-  // sum, a timeout in opts), for the general path.
+  // sum or an average of floating-point tensors, a timeout in opts), for the
+  // general path.  With write isolation the backend writes a staging copy.
   py::object issue_async(int kind, py::handle a, py::handle b, py::handle opts, int64_t op_id, int64_t seq) {
     const at::Tensor* first = tensor(a);
     if (first == nullptr || settle_function == nullptr) {
@@ -873,8 +876,6 @@ class DirectPath {
     });
   }
 
-  // Whether c10d's option struct opts asks for what the direct path does: a sum,
-  // on the communicator's deadline (no timeout of its own).
   // What the options of an async op c10d asked for leave this path to do: a sum (an
   // all-gather counts as one), an average (a sum, then divided: Gloo has no AVG), or
   // nothing (another reduce op, or a timeout of their own).
