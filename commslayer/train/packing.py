@@ -110,8 +110,8 @@ class Packer:
             into = torch.zeros(self._size, dtype=torch.uint8)
         out = into[:self._size]
         out[:self._prefix.numel()] = self._prefix
-        with torch.no_grad():
-            torch._foreach_copy_(self._views_of(out, tensors), [t.detach() for t in tensors])
+        with torch.no_grad():  # the copies record no autograd history: no detach() per tensor
+            torch._foreach_copy_(self._views_of(out, tensors), tensors)
         return out
 
     def _lay_out(self, structure: Any, tensors: List[torch.Tensor]) -> None:

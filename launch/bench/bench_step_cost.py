@@ -69,7 +69,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from commslayer.run.processes import free_port  # noqa: E402
 from commslayer.runs import load_results  # noqa: E402
-from launch.bench.measure import CpuAround, fail, launcher_env, median_range, save_runs, series, step_cells, written  # noqa: E402
+from launch.bench.measure import (  # noqa: E402
+    CpuAround, fail, launcher_env, median_range, save_runs, series, step_cells, written)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROBE = os.path.join(ROOT, "launch", "bench", "cost_probe.py")

@@ -108,8 +108,8 @@ def threads_cpu() -> Dict[str, float]:
 
 def _write(_status: int, _why: str) -> None:
     run_dir = os.environ.get("COMMSLAYER_RUN_DIR") or "."
-    out = dict(FIGURES, threads_cpu_s=threads_cpu(), process_cpu_s=time.process_time(), pid=os.getpid(), rank=os.environ.get("RANK"),
-               replica=os.environ.get("COMMSLAYER_REPLICA"))
+    out = dict(FIGURES, threads_cpu_s=threads_cpu(), process_cpu_s=time.process_time(), pid=os.getpid(),
+               rank=os.environ.get("RANK"), replica=os.environ.get("COMMSLAYER_REPLICA"))
     path = os.path.join(run_dir, f"cost-{os.getpid()}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(out, f)
