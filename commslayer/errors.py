@@ -65,12 +65,20 @@ def first_line(exc: BaseException) -> str:
 _CXX_SOURCE = re.compile(r"^\[[^\]\s]*\.(?:cc|cpp|cxx|h|hpp|cu):\d+\] ?")
 
 
+_NCCL_LAST_ERROR = "\nLast error:\n"
+
+
 def backend_words(exc: BaseException) -> str:
     """A backend's message cut to its own first sentence: without the C++ file and line
-    before it, and the advice (and Gloo's banner) after it."""
+    before it, and the advice (and Gloo's banner) after it.  NCCL puts the cause on a
+    line of its own after ``Last error:`` ("Duplicate GPU detected : rank 0 and rank 1
+    both on CUDA device 60"); that line is kept."""
     text = _CXX_SOURCE.sub("", first_line(exc))
     end = text.find(". ")
-    return text[:end] if end > 0 else text
+    text = text[:end] if end > 0 else text
+    _, found, cause = str(exc).partition(_NCCL_LAST_ERROR)
+    cause = cause.strip().splitlines()[0].strip() if found and cause.strip() else ""
+    return f"{text}: {cause}" if cause else text
 
 
 def _rebuild(cls: Type["CommError"], what: str, state: Dict[str, Any]) -> "CommError":

@@ -75,17 +75,20 @@ def _child(fn, rank, size, port, args, conn, env) -> None:
 
 
 def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 60.0,
-              env: Optional[Dict[str, str]] = None, allow_errors: bool = False, respawn: int = 0) -> List[Any]:
+              env: Optional[Dict[str, str]] = None, allow_errors: bool = False, respawn: int = 0,
+              start: str = "fork") -> List[Any]:
     """Return each rank's result; raise ``RankFailed`` if a rank raised or died
     (unless ``allow_errors``: then its exception, or ``RankDied``, is the
     result) or did not finish.  Up to ``respawn`` times in all, a rank killed
-    by SIGKILL is started again and its last life's result is the one kept."""
-    ctx = mp.get_context("fork")
+    by SIGKILL is started again and its last life's result is the one kept.
+    ``start="spawn"`` starts each rank as a fresh interpreter: ranks that use CUDA
+    need it once the parent asked for the devices (torch then refuses CUDA in a fork)."""
+    ctx = mp.get_context(start)
     port = free_port()
     pipes, procs, lives = [], [], [0] * size
     old_procs = []
 
-    def start(rank: int) -> None:
+    def start_rank(rank: int) -> None:
         parent, child = ctx.Pipe(duplex=False)
         child_env = {**(env or {}), "HARNESS_INCARNATION": str(lives[rank])}
         p = ctx.Process(target=_child, args=(fn, rank, size, port, args, child, child_env), daemon=True)
@@ -99,7 +102,7 @@ def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 60
             procs.append(p)
 
     for rank in range(size):
-        start(rank)
+        start_rank(rank)
     store = dist.TCPStore("127.0.0.1", port, size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=30))
     results: List[Any] = [None] * size
@@ -124,7 +127,7 @@ def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 60
                     lives[rank] += 1
                     results[rank] = None
                     missing.add(rank)
-                    start(rank)
+                    start_rank(rank)
     finally:
         if missing:  # every thread's stack of the ranks that hang, on stderr, before they are killed
             for rank in sorted(missing):

@@ -245,3 +245,26 @@ def test_a_peer_that_refuses_the_connection_at_build_is_peer_lost():
     with pytest.raises(commslayer.PeerLost, match="could not build the gloo group: a peer is unreachable") as info:
         commslayer.new_comm("gloo", name="refusing", store=store, rank=0, size=2, timeout=1)
     assert "communicator 'refusing'" in str(info.value) and "op new_comm" in str(info.value), info.value
+
+
+# What torch 2.11's ProcessGroupNCCL raised, verbatim, when two ranks of one group were
+# given the same GPU (seen on an H200 machine; this project's CI has no GPU).
+_NCCL_DUPLICATE_GPU = (
+    "NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:93, invalid usage (run with NCCL_DEBUG=WARN "
+    "for details), NCCL version 2.28.9\nncclInvalidUsage: This usually reflects invalid usage of NCCL library.\n"
+    "Last error:\nDuplicate GPU detected : rank 0 and rank 1 both on CUDA device 60")
+
+
+def test_nccl_misuse_is_invalid_argument_with_its_cause():
+    """NCCL's cause sits on a line after "Last error:": the error keeps it, and a
+    misuse (which a retry repeats) is an ``InvalidArgument``, not a fault."""
+    from commslayer.comm.backends import classify
+    from commslayer.errors import InvalidArgument, backend_words
+
+    exc = RuntimeError(_NCCL_DUPLICATE_GPU)
+    assert classify(exc) is InvalidArgument
+    words = backend_words(exc)
+    assert words.endswith(": Duplicate GPU detected : rank 0 and rank 1 both on CUDA device 60"), words
+    assert "\n" not in words
+    assert backend_words(RuntimeError("Connection closed by peer [127.0.0.1]:1234")) == \
+        "Connection closed by peer [127.0.0.1]:1234"

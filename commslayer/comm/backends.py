@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from commslayer.errors import CollectiveTimeout, CommAborted, CommError, PeerLost
+from commslayer.errors import CollectiveTimeout, CommAborted, CommError, InvalidArgument, PeerLost
 
 # Gloo's messages when the other end of a pair went away (measured in torch 2.13).
 _PEER_GONE = (
@@ -32,6 +32,8 @@ _PEER_GONE = (
 # (a refused connection, which Gloo retries until "Connect timeout") or the network drops it.
 _UNREACHABLE = ("connect timeout", "connection refused", "no route to host", "network is unreachable")
 _TIMED_OUT = ("timed out", "timeout")
+# NCCL's ncclInvalidUsage: a mistake of the job's (two ranks on one GPU, say) that a retry repeats.
+_MISUSE = ("invalid usage",)
 
 
 def classify(exc: BaseException) -> Type[CommError]:
@@ -39,6 +41,8 @@ def classify(exc: BaseException) -> Type[CommError]:
     text = str(exc).lower()
     if any(s in text for s in _PEER_GONE) or unreachable(exc):
         return PeerLost
+    if any(s in text for s in _MISUSE):
+        return InvalidArgument
     if any(s in text for s in _TIMED_OUT):
         return CollectiveTimeout
     return CommError
