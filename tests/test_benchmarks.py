@@ -426,3 +426,20 @@ def test_etcd_smoke():
     leader = rows(out, header)
     assert [r[0] for r in leader] == ["leader SIGKILL"]  # the smoke leaves out its SIGSTOP
     assert all(0 < pair(r, 3) < 8 for r in leader)  # the job went on, each step within the store deadline
+
+
+@pytest.mark.timeout(120)
+def test_nccl_smoke():
+    """Without CUDA (this project's CI) it says so and exits 0; with a GPU, its table."""
+    import torch
+
+    out = run_bench("launch/bench/bench_nccl.py", "--smoke", timeout=100)
+    if not torch.cuda.is_available():
+        assert "no CUDA device here" in out
+        return
+    header = ["variant", "bytes", "CPU µs (median)", "CPU µs (min–max)", "wall µs (median)", "wall µs (min–max)",
+              "CPU over plain, µs"]
+    found = table(out, header, "variant")
+    assert list(found) == ["plain", "plain A'", "commslayer", "plain async", "commslayer async"]
+    for row in found.values():
+        assert numbers(row["CPU µs (median)"])[0] > 0 and numbers(row["wall µs (median)"])[0] > 0
