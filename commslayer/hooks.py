@@ -146,6 +146,17 @@ def register_recovery_hook(fn: Callable[[str, Dict[str, Any]], None]) -> HookHan
     return recovery_hooks.add(fn)
 
 
+status_sources = Hooks("status source")  # fn(step) -> dict; the job calls them itself and merges what they return
+
+
+def register_status_source(fn: Callable[[int], Dict[str, Any]]) -> HookHandle:
+    """Add what ``fn(step)`` returns (a JSON-able dict) to each status record a resilient
+    job writes (``commslayer.train.job``: at a committed step, about once a second), which
+    ``commslayer-run --status-port`` serves. Here so that tracing, a layer above the job,
+    can add the flight recorder's figures without the job importing it."""
+    return status_sources.add(fn)
+
+
 _created = Hooks("communicator created")
 _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 

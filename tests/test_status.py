@@ -51,10 +51,11 @@ class Launched:
     """``commslayer-run`` with ``--status-port`` in the background: its output collected by a
     thread, its status server's URL once it said it."""
 
-    def __init__(self, args: List[str], run_dir: Path, faults: List[dict], port: int = 0) -> None:
+    def __init__(self, args: List[str], run_dir: Path, faults: List[dict], port: int = 0, traced: bool = False) -> None:
         cmd = [sys.executable, "-m", "commslayer.run.launcher", "--status-port", str(port), "--grace", "3",
                "--run-dir", str(run_dir), *args]
-        env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="", COMMSLAYER_FAULTS=json.dumps(faults))
+        env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR=str(run_dir / "traces") if traced else "",
+                   COMMSLAYER_FAULTS=json.dumps(faults))
         self.proc = subprocess.Popen(cmd, env=env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)
         self.lines: List[str] = []
@@ -114,24 +115,41 @@ def recoveries(m: Dict[str, float]) -> float:
     return sum(v for k, v in m.items() if k.startswith("commslayer_recoveries_total"))
 
 
-def ddp_job(tmp_path: Path, port: int = 0) -> Launched:
-    """The 2x2 DDP job, replica group 1's rank 2 SIGKILLed at step ``KILL_STEP``."""
+def ddp_job(tmp_path: Path, port: int = 0, traced: bool = False) -> Launched:
+    """The 2x2 DDP job, replica group 1's rank 2 SIGKILLed at step ``KILL_STEP``; with ``traced``,
+    its flight recorders on (the per-op figures)."""
     fault = [{"action": "sigkill", "rank": 2, "step": KILL_STEP, "phase": "forward", "life": None}]
     return Launched(["--replicas", "2", "--nproc-per-replica", "2", "--max-restarts", "2", str(DDP),
-                     "--steps", str(DDP_STEPS)], tmp_path, fault, port)
+                     "--steps", str(DDP_STEPS)], tmp_path, fault, port, traced)
+
+
+def total(m: Dict[str, float], name: str) -> float:
+    """The sum of a metric's samples over every label set."""
+    return sum(v for k, v in m.items() if k == name or k.startswith(name + "{"))
+
+
+def traced_heals(run_dir: Path) -> List[dict]:
+    """The ``healed`` events of the flight recorders' dumps (the restarted lives')."""
+    return [e for path in sorted((run_dir / "traces").glob("**/rank*.json"))
+            for e in json.loads(path.read_text())["events"] if e["kind"] == "healed"]
 
 
 @pytest.mark.timeout(300)
 def test_a_recovery_is_counted_and_steps_go_on_in_metrics_and_the_page(tmp_path):
-    job = ddp_job(tmp_path / "run")
+    """Also, with the flight recorders on: per-op counters that never fall (through the lost
+    group's new life), each latency histogram counting every op, op errors after the kill,
+    the resizable communicator's generation and members through the loss and the heal, the
+    slowest rank, and the heal bytes equal to what the restarted ranks' traces say they received."""
+    job = ddp_job(tmp_path / "run", traced=True)
     scrapes: List[Dict[str, float]] = []
     states: List[str] = []  # rank 2's state on the page, each time it changed
-    page = ""
+    page = final = ""
     while job.running():
         code, text = get(job.url + "metrics")
         if code == 200 and "commslayer_steps_committed_total" in text:  # the store read once at least
             scrapes.append(samples(text))
         code, body = get(job.url)
+        final = body if code == 200 else final
         row = re.search(r"<tr class='(\w+)'><td>2</td>", body) if code == 200 else None
         if row and (not states or states[-1] != row.group(1)):
             states.append(row.group(1))
@@ -154,6 +172,29 @@ def test_a_recovery_is_counted_and_steps_go_on_in_metrics_and_the_page(tmp_path)
     # rank 2's group: lost (dropped by the survivors), then back at life 1 (seen at least once each)
     assert "lost" in states and "replaced" in states and states.index("lost") < states.index("replaced"), states
     assert "sigkill" in page and "SIGKILL of rank 2" in page
+    ops = [total(m, "commslayer_ops_total") for m in scrapes]
+    assert ops == sorted(ops) and ops[-1] > ops[first] > 0, ops  # per-life figures summed: a counter never falls
+    last = scrapes[-1]
+    for key, n in last.items():
+        if key.startswith("commslayer_ops_total{"):
+            labels = key[len("commslayer_ops_total"):]
+            assert n > 0 and last["commslayer_op_latency_seconds_count" + labels] == n, key
+            comm, op = re.fullmatch(r'\{comm="(.*)",op="(.*)"\}', labels).groups()
+            assert last[f'commslayer_op_latency_seconds_bucket{{comm="{comm}",le="+Inf",op="{op}"}}'] == n, key
+    assert last['commslayer_ops_total{comm="replicas",op="should_commit"}'] >= 2 * DDP_STEPS // 2  # the commit votes
+    assert last['commslayer_op_bytes_total{comm="replicas",op="should_commit"}'] > 0
+    assert total(last, "commslayer_op_errors_total") >= 1  # the survivors' ops that met the kill
+    generations = [(m.get('commslayer_communicator_generation{comm="replicas"}'),
+                    m.get('commslayer_communicator_members{comm="replicas"}')) for m in scrapes]
+    assert (0, 4) in generations and (1, 2) in generations and generations[-1] == (2, 4), generations
+    assert generations.index((1, 2)) < generations.index((2, 4))
+    assert total(last, "commslayer_straggler_collectives") >= 1 and "commslayer_straggler_wait_seconds" in str(last)
+    assert re.search(r"slowest of the last collectives: rank \d, last to arrive in \d+ of \d+", page), page
+    heals = traced_heals(tmp_path / "run")
+    assert len(heals) == 2 and last["commslayer_heal_bytes_total"] == sum(e["bytes"] for e in heals) > 0
+    # the last page read: the recovery's heal bytes are both restarted ranks'; the communicator at generation 2
+    assert re.search(r"<td>sigkill</td>.*<td>%d</td><td>1</td></tr>" % sum(e["bytes"] for e in heals), final), final
+    assert "<td>replicas</td><td>2</td><td>0, 1, 2, 3</td>" in final, final
 
 
 def dom(tmp_path: Path, url: str, *args: str) -> subprocess.CompletedProcess:

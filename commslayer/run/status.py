@@ -7,8 +7,11 @@ without touching the store:
 
 - ``/``: an HTML page that reloads itself every ``REFRESH_S``: the job, each
   rank's state (``STATES``), life, last committed step, that step's time and
-  the age of the rank's last status record, the recoveries so far, the
-  warm spares, and the fault log's injections when the fault harness runs;
+  the age of the rank's last status record, the slowest rank of the last
+  collectives, the recoveries so far (with the bytes the healed ranks
+  received), each resizable communicator's live generation and members,
+  the ops per communicator and op, the warm spares, and the fault log's
+  injections when the fault harness runs;
 - ``/metrics``: the Prometheus text format, written by ``prometheus_client``
   from a private registry (``Metrics``, a collector over the latest view);
 - ``/healthz``: 200 while the job runs and every rank is accounted for, 503
@@ -20,8 +23,11 @@ already share (commslayer.run.supervisor: ``rank/<r>/life``, ``.../gone``,
 ``job/failed``, ``job/bugs``; commslayer.runs: the recoveries, admissions and
 spares), the run directory's fault log, and each rank's status record
 (``commslayer.train.job.status_key``), which a rank writes at a committed
-step at most once a second. No rank opens a port, and an op's path is
-unchanged. The server reads the store through a client of its own (the
+step at most once a second; with its flight recorder on, that record also
+carries the recorder's op figures and the step's collective arrivals
+(tracing.record.figures), which the server sums over ranks and lives and
+matches across ranks (``Memory``). No rank opens a port, and an op's path
+is unchanged. The server reads the store through a client of its own (the
 coordinator's TCPStore or the etcd cluster), so a client of the page never
 waits on the store, and the store never waits on a client.
 
@@ -54,7 +60,7 @@ from prometheus_client.registry import Collector
 from commslayer import runs
 from commslayer.agree.store import bounded, connect
 from commslayer.train import failures
-from commslayer.train.job import status_key
+from commslayer.train.job import STATUS_SERVED, status_key
 from commslayer.run.supervisor import FAILED
 
 POLL_S = 1.0  # the view is read from the store this often
@@ -64,6 +70,7 @@ MAX_CLIENTS = 64  # connections served at once
 STORE_TIMEOUT = timedelta(seconds=10)
 STATES = ("starting", "running", "lost", "restarting", "replaced", "fenced", "finished")
 SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+KEEP_STEPS = 4  # a rank's last recorded steps whose arrivals are kept
 
 
 @dataclass
@@ -105,13 +112,108 @@ class RankView:
 
 @dataclass
 class RecoveryView:
-    """One recovery, with what the fault log and the admissions add to the store's record."""
+    """One recovery, with what the fault log, the admissions and the healed ranks add to the
+    store's record."""
 
     recovery: runs.Recovery
     cause: str  # the injected fault's action, or "unknown"
     fault_t: Optional[float]  # when the fault was injected
     stall_s: Optional[float]  # fault (else detection) to the next committed step, as the launcher's summary
     heal_s: Optional[float]  # the admission of the lost units: join and state transfer
+    heal_bytes: Optional[int] = None  # the state the healed ranks received (their status records)
+
+
+@dataclass
+class OpTotals:
+    """One communicator's op of one kind, summed over every rank and life (the flight
+    recorder's figures, tracing.record.figures)."""
+
+    ops: int = 0
+    bytes: int = 0
+    seconds: float = 0.0  # the sum of their latencies
+    buckets: List[int] = field(default_factory=lambda: [0] * (len(runs.OP_LATENCY_BUCKETS) + 1))  # not cumulative
+    errors: Dict[str, int] = field(default_factory=dict)  # final state -> ops
+
+
+@dataclass
+class Slowest:
+    """The rank that arrived last most often in the collectives of the latest step two or
+    more ranks reported (``Memory.slowest``)."""
+
+    rank: int
+    last: int  # collectives it arrived last in
+    of: int  # collectives matched
+    waited_s: float  # the others' waits for it, summed over those collectives
+    step: int
+    last_in: Dict[int, int]  # every rank that arrived last once or more -> in how many
+    waits: Dict[int, float]  # and the others' waits for it
+
+
+class Memory:
+    """What the server keeps across reads of the store: each (rank, life)'s latest status
+    record (a counter must not fall when a rank starts a new life) and each rank's
+    collective arrivals of its last few recorded steps."""
+
+    def __init__(self) -> None:
+        self.lives: Dict[Tuple[int, int], Dict[str, Any]] = {}
+        self.arrivals: Dict[int, Dict[int, List[List[Any]]]] = {}  # rank -> step -> [uid, generation, seq, t]
+
+    def take(self, rank: int, record: Dict[str, Any]) -> None:
+        """Remember ``rank``'s status ``record``."""
+        self.lives[(rank, record["life"])] = record
+        arrivals = record.get("arrivals")
+        if arrivals:
+            steps = self.arrivals.setdefault(rank, {})
+            steps[arrivals["step"]] = arrivals["ops"]
+            for old in sorted(steps)[:-KEEP_STEPS]:
+                del steps[old]
+
+    def ops(self) -> Tuple[Dict[Tuple[str, str], OpTotals], int]:
+        """Every life's op figures summed by (communicator, op), and the ops the rings lost."""
+        out: Dict[Tuple[str, str], OpTotals] = {}
+        missed = 0
+        for record in self.lives.values():
+            missed += record.get("missed", 0)
+            for comm, op, n, nbytes, seconds, buckets, errors in record.get("ops", ()):
+                t = out.setdefault((comm, op), OpTotals())
+                t.ops, t.bytes, t.seconds = t.ops + n, t.bytes + nbytes, t.seconds + seconds
+                t.buckets = [a + b for a, b in zip(t.buckets, buckets)]
+                for kind, k in errors.items():
+                    t.errors[kind] = t.errors.get(kind, 0) + k
+        return out, missed
+
+    def healed(self) -> List[Tuple[int, Dict[str, Any]]]:
+        """(rank, heal) of every life that healed."""
+        return [(rank, r["healed"]) for (rank, _), r in sorted(self.lives.items()) if r.get("healed")]
+
+    def slowest(self) -> Optional[Slowest]:
+        """Over the collectives of the latest step two or more ranks reported, matched by
+        (communicator uid, generation, seq): the rank that arrived last most often, as
+        ``commslayer-trace watch`` finds it over the trace files."""
+        reported: Dict[int, int] = {}
+        for steps in self.arrivals.values():
+            for step in steps:
+                reported[step] = reported.get(step, 0) + 1
+        shared = [s for s, n in reported.items() if n > 1]
+        if not shared:
+            return None
+        step = max(shared)
+        by_op: Dict[Tuple[str, int, int], Dict[int, float]] = {}
+        for rank, steps in self.arrivals.items():
+            for uid, gen, seq, t in steps.get(step, ()):
+                by_op.setdefault((uid, gen, seq), {})[rank] = t
+        count: Dict[int, int] = {}
+        waited: Dict[int, float] = {}
+        matched = [a for a in by_op.values() if len(a) > 1]
+        for a in matched:
+            late = max(a, key=lambda rank: a[rank])
+            count[late] = count.get(late, 0) + 1
+            waited[late] = waited.get(late, 0.0) + sum(a[late] - t for t in a.values())
+        if not matched:
+            return None
+        top = max(count, key=lambda r: (count[r], waited[r]))
+        return Slowest(rank=top, last=count[top], of=len(matched), waited_s=waited[top], step=step, last_in=count,
+                       waits=waited)
 
 
 @dataclass
@@ -130,6 +232,11 @@ class View:
     store_error: Optional[str] = None  # the store did not answer the last read
     generation: Optional[int] = None
     counts: Dict[str, int] = field(default_factory=dict)  # state -> ranks
+    comms: Dict[str, Tuple[int, List[int]]] = field(default_factory=dict)  # resizable: name -> generation, members
+    ops: Dict[Tuple[str, str], OpTotals] = field(default_factory=dict)  # (communicator, op) -> figures
+    missed: int = 0  # ops the ranks' flight recorders lost before a status record counted them
+    slowest: Optional[Slowest] = None
+    heal_bytes: List[int] = field(default_factory=list)  # each healed life's received state
 
     def health(self) -> Tuple[bool, str]:
         """(healthy, the reason): unhealthy when the job failed, its store does not answer, or
@@ -146,8 +253,10 @@ class View:
         return True, f"ok: {self.layout.world} rank(s) accounted for"
 
 
-def read_view(layout: Layout, store: Any) -> View:
-    """The job as ``store`` (the job's, bounded) and the run directory show it now."""
+def read_view(layout: Layout, store: Any, memory: Optional[Memory] = None) -> View:
+    """The job as ``store`` (the job's, bounded), the run directory and what ``memory`` kept
+    of earlier reads show it now."""
+    memory = memory if memory is not None else Memory()
     injected = runs.injections(layout.run_dir, layout.world if layout.per_rank else layout.group) \
         if layout.run_dir else []
     log = runs.read_log(os.path.join(layout.run_dir, runs.FAULT_LOG)) if layout.run_dir else []
@@ -164,14 +273,23 @@ def read_view(layout: Layout, store: Any) -> View:
         failed = failures.stop_message(bugs)
     kept = json.loads(store.get(runs.RESHARDED))["ranks"] if store.check([runs.RESHARDED]) else None
     ranks = [_rank(layout, store, r, recoveries, admissions, kept) for r in range(layout.world)]
+    for r in ranks:
+        if r.record is not None:
+            memory.take(r.rank, r.record)
+    healed = memory.healed()
     view = View(layout=layout, taken=time.time(), ranks=ranks,
-                recoveries=[_recovery(layout, x, injected, admissions) for x in recoveries],
+                recoveries=[_recovery(layout, x, injected, admissions, healed) for x in recoveries],
                 heals=[a.heal_s for a in admissions], injected=injected, errors=errors,
-                spares=runs.job_spares(store, layout.nodes), failed=failed)
+                spares=runs.job_spares(store, layout.nodes), failed=failed, slowest=memory.slowest(),
+                heal_bytes=[h["bytes"] for _, h in healed if h.get("bytes") is not None])
+    view.ops, view.missed = memory.ops()
     generations = [r.record["generation"] for r in ranks if r.record and r.record.get("generation") is not None]
     view.generation = max(generations, default=None)
     for r in ranks:
         view.counts[r.state] = view.counts.get(r.state, 0) + 1
+        for name, generation, members in (r.record or {}).get("comms", ()):
+            if generation >= view.comms.get(name, (-1, []))[0]:
+                view.comms[name] = (generation, members)
     return view
 
 
@@ -217,9 +335,10 @@ def _dropped(unit: int, recoveries: List[runs.Recovery], admissions: List[runs.A
 
 
 def _recovery(layout: Layout, rec: runs.Recovery, injected: List[Dict[str, Any]],
-              admissions: List[runs.Admission]) -> RecoveryView:
+              admissions: List[runs.Admission], healed: List[Tuple[int, Dict[str, Any]]]) -> RecoveryView:
     """``rec`` with its fault (the latest injection into a lost unit before it was detected,
-    as the launcher's summary matches them) and the admission that healed it."""
+    as the launcher's summary matches them), the admission that healed it and the bytes
+    its lost ranks received in that generation."""
     unit_of = "rank" if layout.per_rank else "replica"
     fault = None
     for k in injected:
@@ -227,10 +346,15 @@ def _recovery(layout: Layout, rec: runs.Recovery, injected: List[Dict[str, Any]]
             fault = k
     start = fault["t"] if fault else rec.detected_at
     stall = rec.committed_at - start if rec.committed_at is not None else None
-    heal = next((a.heal_s for a in admissions if set(rec.lost_replicas) & set(a.replicas)
-                 and a.generation > rec.generation), None)
+    admission = next((a for a in admissions if set(rec.lost_replicas) & set(a.replicas)
+                      and a.generation > rec.generation), None)
+    received = [h["bytes"] for rank, h in healed if layout.lost_unit(rank) in rec.lost_replicas
+                and admission is not None and h.get("generation") == admission.generation
+                and h.get("bytes") is not None]
     return RecoveryView(recovery=rec, cause=fault["action"] if fault else "unknown",
-                        fault_t=fault["t"] if fault else None, stall_s=stall, heal_s=heal)
+                        fault_t=fault["t"] if fault else None, stall_s=stall,
+                        heal_s=None if admission is None else admission.heal_s,
+                        heal_bytes=sum(received) if received else None)
 
 
 # ------------------------------------------------------------------ metrics
@@ -291,12 +415,62 @@ class Metrics(Collector):
         for kind, n in sorted(view.errors.items()):
             errors.add_metric([kind], n)
         yield errors
+        yield from _op_metrics(view)
+        yield from _job_metrics(view)
         if view.spares is not None:
             spares = GaugeMetricFamily("commslayer_spares", "Warm spares used and left", labels=["state"])
             spares.add_metric(["used"], view.spares["used"])
             spares.add_metric(["left"], view.spares["left"])
             yield spares
         yield GaugeMetricFamily("commslayer_healthy", "1 while /healthz answers 200", value=int(view.health()[0]))
+
+
+def _op_metrics(view: View) -> Iterator[Metric]:
+    """Per communicator and op, summed over the ranks: the flight recorder's figures."""
+    labels = ["comm", "op"]
+    ops = CounterMetricFamily("commslayer_ops", "Ops that ended, per communicator and op", labels=labels)
+    nbytes = CounterMetricFamily("commslayer_op_bytes", "Bytes of the ops that ended (the larger of input and "
+                                 "output), per communicator and op", labels=labels)
+    errors = CounterMetricFamily("commslayer_op_errors", "Ops that ended without completing, by final state",
+                                 labels=[*labels, "type"])
+    latency = HistogramMetricFamily("commslayer_op_latency_seconds", "Op latency (handed to the backend to "
+                                    "ended), per communicator and op", labels=labels)
+    bounds = [repr(b) for b in runs.OP_LATENCY_BUCKETS] + ["+Inf"]
+    for (comm, op), t in sorted(view.ops.items()):
+        ops.add_metric([comm, op], t.ops)
+        nbytes.add_metric([comm, op], t.bytes)
+        for kind, n in sorted(t.errors.items()):
+            errors.add_metric([comm, op, kind], n)
+        cumulative = [sum(t.buckets[:i + 1]) for i in range(len(t.buckets))]
+        latency.add_metric([comm, op], list(zip(bounds, cumulative)), t.seconds)
+    yield from (ops, nbytes, errors, latency)
+    yield CounterMetricFamily("commslayer_op_records_missed", "Ops a rank's flight recorder dropped before a "
+                              "status record counted them (more ops a second than its ring holds)",
+                              value=view.missed)
+
+
+def _job_metrics(view: View) -> Iterator[Metric]:
+    """The resizable communicators, the slowest rank, the heal bytes."""
+    generation = GaugeMetricFamily("commslayer_communicator_generation", "Each resizable communicator's live "
+                                   "generation", labels=["comm"])
+    members = GaugeMetricFamily("commslayer_communicator_members", "Each resizable communicator's live members",
+                                labels=["comm"])
+    for name, (gen, ids) in sorted(view.comms.items()):
+        generation.add_metric([name], gen)
+        members.add_metric([name], len(ids))
+    yield from (generation, members)
+    waits = GaugeMetricFamily("commslayer_straggler_wait_seconds", "In the collectives of the latest step the "
+                              "ranks reported: how long the others waited for each rank that arrived last",
+                              labels=["rank"])
+    last = GaugeMetricFamily("commslayer_straggler_collectives", "In those collectives: how many each rank "
+                             "arrived last in", labels=["rank"])
+    if view.slowest is not None:
+        for rank, waited in sorted(view.slowest.waits.items()):
+            waits.add_metric([str(rank)], waited)
+            last.add_metric([str(rank)], view.slowest.last_in[rank])
+    yield from (waits, last)
+    yield CounterMetricFamily("commslayer_heal_bytes", "State the restarted ranks received from live ones",
+                              value=sum(view.heal_bytes))
 
 
 def _histogram(name: str, doc: str, values: List[float]) -> HistogramMetricFamily:
@@ -311,6 +485,13 @@ def _ago(seconds: Optional[float]) -> str:
 
 def _secs(seconds: Optional[float]) -> str:
     return "n/a" if seconds is None else f"{seconds:.3f}s"
+
+
+def _slowest(s: Optional[Slowest]) -> str:
+    if s is None:
+        return "n/a (no collective two ranks reported yet; the ranks' flight recorders must be on)"
+    return f"rank {s.rank}, last to arrive in {s.last} of {s.of} at step {s.step} (the others waited " \
+           f"{s.waited_s:.6f} s for it)"
 
 
 def _clock(t: float) -> str:
@@ -345,7 +526,8 @@ def page(view: Optional[View]) -> str:
              + (f"; generation {view.generation}" if view.generation is not None else "")
              + (f"; warm spares: {view.spares['used']} used, {view.spares['left']} left" if view.spares else "")
              + f"; read {_clock(view.taken)}</p>",
-             f"<p class='{'' if healthy else 'bad'}'>health: {html.escape(reason)}</p>"]
+             f"<p class='{'' if healthy else 'bad'}'>health: {html.escape(reason)}</p>",
+             f"<p>slowest of the last collectives: {html.escape(_slowest(view.slowest))}</p>"]
     rows, classes = [], []
     for r in view.ranks:
         rec = r.record
@@ -358,10 +540,13 @@ def page(view: Optional[View]) -> str:
                                         "step", "step time", "last report", "why"], rows, classes)]
     unit = "rank" if lay.per_rank else "replica group"
     parts += [f"<h2>Recoveries ({len(view.recoveries)})</h2>", _table(
-        ["step", f"lost {unit}(s)", "cause", "detected", "detection", "survivor stall", "heal", "generation"],
+        ["step", f"lost {unit}(s)", "cause", "detected", "detection", "survivor stall", "heal", "heal bytes",
+         "generation"],
         [[str(x.recovery.step), ", ".join(map(str, x.recovery.lost_replicas)), x.cause, _clock(x.recovery.detected_at),
           _secs(None if x.fault_t is None else x.recovery.detected_at - x.fault_t), _secs(x.stall_s),
-          _secs(x.heal_s), str(x.recovery.generation)] for x in view.recoveries])]
+          _secs(x.heal_s), "n/a" if x.heal_bytes is None else str(x.heal_bytes), str(x.recovery.generation)]
+         for x in view.recoveries])]
+    parts += _communicator_tables(view)
     if view.injected:
         parts += ["<h2>Fault log</h2>", _table(["time", unit, "fault", "step"], [
             [_clock(k["t"]), str(k["rank"] if lay.per_rank else k["replica"]), str(k.get("what", k.get("action"))),
@@ -373,6 +558,22 @@ def page(view: Optional[View]) -> str:
     return "".join(parts)
 
 
+def _communicator_tables(view: View) -> List[str]:
+    """The resizable communicators' generations and members, and the ops of every
+    communicator summed over the ranks (none without the flight recorders)."""
+    parts = []
+    if view.comms:
+        parts += ["<h2>Resizable communicators</h2>", _table(["communicator", "generation", "members"], [
+            [name, str(gen), ", ".join(map(str, ids))] for name, (gen, ids) in sorted(view.comms.items())])]
+    if view.ops:
+        rows = [[comm, op, str(t.ops), str(t.bytes), f"{t.seconds / t.ops * 1e6:.1f} µs" if t.ops else "",
+                 ", ".join(f"{k} {n}" for k, n in sorted(t.errors.items()))]
+                for (comm, op), t in sorted(view.ops.items())]
+        parts += ["<h2>Ops (all ranks)</h2>",
+                  _table(["communicator", "op", "ops", "bytes", "mean latency", "errors"], rows)]
+    return parts
+
+
 # ------------------------------------------------------------------- server
 class Watcher:
     """The thread that reads the job's view from its store every ``POLL_S``."""
@@ -380,6 +581,7 @@ class Watcher:
     def __init__(self, layout: Layout) -> None:
         self.view: Optional[View] = None
         self._layout, self._address = layout, ""
+        self._memory = Memory()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="commslayer-status-watch", daemon=True)
 
@@ -397,7 +599,8 @@ class Watcher:
             try:
                 if store is None:
                     store = bounded(connect(self._address, STORE_TIMEOUT))
-                self.view = read_view(self._layout, store)
+                    store.set(STATUS_SERVED, "1")
+                self.view = read_view(self._layout, store, self._memory)
             except (RuntimeError, OSError, ValueError) as exc:  # the store went away, or a record was cut
                 if self.view is not None:
                     self.view.store_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

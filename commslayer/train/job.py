@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import math
 import os
 import time
 from datetime import timedelta
@@ -46,16 +48,32 @@ from commslayer.train import failures, packing
 from commslayer.errors import CommError, InvalidArgument
 from commslayer.comm.exits import exit_now
 from commslayer.train.gradients import GradientAverage, local
+from commslayer.hooks import live_communicators, register_recovery_hook, status_sources
 from commslayer.hooks import phase_hooks as _phase_hooks
 from commslayer.train.replicas import Replicas, fingerprint
 from commslayer.runs import Admission, Recovery
 from commslayer.train.reshard import piece
 from commslayer.agree.store import bounded, connect
 
+log = logging.getLogger("commslayer")
 BUCKET_BYTES = 4 << 20  # gradient bytes per bucket of the cross-replica average
 
 
 STATUS_EVERY_S = 1.0  # a rank writes its status record at most this often
+MAX_STATUS_EVERY_LOG2 = 20  # and at least every 2**20 steps
+
+
+def _resizable_comms() -> List[Tuple[str, int, List[int]]]:
+    """(name, generation, members) of each resizable communicator of this process (made by
+    new_comm or join), its latest generation."""
+    latest: Dict[str, Tuple[str, int, List[int]]] = {}
+    for comm in live_communicators():
+        if comm.lifecycle.resizable() is not None and comm.generation >= latest.get(comm.get_name(), ("", -1))[1]:
+            latest[comm.get_name()] = (comm.get_name(), comm.generation, list(comm.members))
+    return sorted(latest.values())
+
+
+STATUS_SERVED = "status/served"  # the job's store key a status server sets: the status sources run from then on
 
 
 def status_key(unit_key: str) -> str:
@@ -315,6 +333,11 @@ class Job:
         self._total: Optional[int] = None
         self._begin = 0.0
         self._status_at = -STATUS_EVERY_S  # when this rank last wrote its status record (monotonic)
+        self._status_step: Optional[int] = None  # the step it was of
+        self._status_every = 1  # a record is written at a step that is a multiple of this (_status_due)
+        self._healed: Optional[Dict[str, Any]] = None  # this life's heal (_on_recovery)
+        self._served = False  # a status server serves the job (STATUS_SERVED)
+        register_recovery_hook(self._on_recovery)
         self._committed_here = 0  # steps committed in this life
 
     # --------------------------------------------------------------- stores
@@ -487,21 +510,57 @@ class Job:
         self._write_status()
 
     def _write_status(self) -> None:
-        """At a committed step, at most once every ``STATUS_EVERY_S``: this rank's status
-        record in the job's store (``status_key``; JSON: its launcher's rank, life, pid,
-        the step committed, the steps committed in this life, that step's time, the
-        generation, the wall clock), which ``commslayer-run --status-port`` serves
-        (commslayer.run.status). One store write a second, never inside an op."""
-        now = time.monotonic()
+        """At a committed step, at most once every ``STATUS_EVERY_S`` (``_status_due``): this
+        rank's status record in the job's store (``status_key``; JSON: its launcher's rank,
+        life, pid, the step committed, the steps committed in this life, that step's time,
+        the generation, the wall clock, each resizable communicator's generation and
+        members, this life's heal if it healed, and, once a status server says it serves
+        the job (``STATUS_SERVED``), what the status sources add: the flight recorder's op
+        figures, tracing.record.figures), which ``commslayer-run --status-port`` serves
+        (commslayer.run.status). One store write a second (and a check of that key until
+        it is there), never inside an op."""
         self._committed_here += 1
-        if now - self._status_at < STATUS_EVERY_S or not config.job_store():
+        if not config.job_store() or not self._status_due():
             return
-        self._status_at = now
         unit, key = self.failure_unit()
-        self.store.set(status_key(key), json.dumps({
-            "unit": unit, "life": self.restart, "pid": os.getpid(), "step": self.step_index,
-            "steps": self._committed_here, "step_s": time.perf_counter() - self._t0, "generation": self.generation,
-            "t": time.time()}))
+        record = {"unit": unit, "life": self.restart, "pid": os.getpid(), "step": self.step_index,
+                  "steps": self._committed_here, "step_s": time.perf_counter() - self._t0,
+                  "generation": self.generation, "t": time.time(), "comms": _resizable_comms(),
+                  "healed": self._healed}
+        self._served = self._served or bool(status_sources.fns) and self.store.check([STATUS_SERVED])
+        for source in status_sources.fns if self._served else ():
+            try:
+                record.update(source(self.step_index))
+            except Exception:  # an observer must not stop the job; the record goes without its figures
+                log.exception("commslayer: status source %r raised", source)
+        self.store.set(status_key(key), json.dumps(record))
+
+    def _status_due(self) -> bool:
+        """Whether this committed step writes a status record: a step whose number is a
+        multiple of ``_status_every``, a power of two this rank sets from its pace so that
+        records are ``STATUS_EVERY_S`` or more apart. Ranks stepping at the same pace pick
+        the same power, and one that picked half another's writes at each of its steps
+        too: their records are of the same step, whose collectives the status server
+        matches across ranks (the slowest rank). A life's first committed step writes one."""
+        step = self.step_index
+        if step % self._status_every:
+            return False
+        now = time.monotonic()
+        elapsed = now - self._status_at
+        if self._status_step is not None and step > self._status_step:
+            per_step = elapsed / (step - self._status_step)
+            self._status_every = 1 << min(MAX_STATUS_EVERY_LOG2, max(0, math.ceil(math.log2(
+                STATUS_EVERY_S / max(per_step, 1e-9)))))
+        if elapsed < STATUS_EVERY_S:
+            return False
+        self._status_at, self._status_step = now, step
+        return True
+
+    def _on_recovery(self, kind: str, fields: Dict[str, Any]) -> None:
+        """A recovery hook: this life's heal (step, generation, seconds, bytes received) goes
+        into its status records."""
+        if kind == "healed":
+            self._healed = {k: fields.get(k) for k in ("step", "generation", "seconds", "bytes")}
 
     # ------------------------------------------------------- state checks
     def _check_same_state(self) -> None:

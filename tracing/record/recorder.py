@@ -48,6 +48,7 @@ from commslayer.comm.exits import before_exit, before_exit_ran, exit_now, exitin
 from commslayer.hooks import OpIO, register_phase_hook, register_recovery_hook
 
 from tracing import fr_format
+from tracing.record import figures
 from tracing.messages import split_reasons
 from tracing.dumps import FILE_MODE, DumpWriter
 from tracing.record.oprecord import Record, global_rank, thread_names
@@ -403,7 +404,7 @@ def install(trace_dir: Optional[str] = None, *, capacity: Optional[int] = None,
         for comm in commslayer.live_communicators():
             rec.attach(comm)
         rec._handles += [commslayer.register_communicator_hook(rec.attach), register_phase_hook(rec._phase),
-                         register_recovery_hook(lambda kind, fields: rec.event(kind, **fields))]
+                         register_recovery_hook(lambda kind, fields: rec.event(kind, **fields)), figures.attach(rec)]
         if rec.writer is not None and config.trace_jsonl():
             from tracing.record.jsonl import JsonlSink
 
