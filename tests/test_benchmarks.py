@@ -443,3 +443,11 @@ def test_nccl_smoke():
     assert list(found) == ["plain", "plain A'", "commslayer", "plain async", "commslayer async"]
     for row in found.values():
         assert numbers(row["CPU µs (median)"])[0] > 0 and numbers(row["wall µs (median)"])[0] > 0
+
+
+@pytest.mark.timeout(60)
+def test_pack_smoke():
+    out = run_bench("launch/bench/bench_pack.py", "--smoke", timeout=50)
+    found = table(out, ["what", "CPU per pack, median (ms)", "min–max over runs (ms)"], "what")
+    assert list(found) == ["pack, values changing every step"]
+    assert numbers(found["pack, values changing every step"]["CPU per pack, median (ms)"])[0] > 0

@@ -92,6 +92,27 @@ def test_a_packer_reused_across_steps_and_buffers():
         buffers[step % len(buffers)] = packed if packed.data_ptr() != buf.data_ptr() else buf
 
 
+def test_values_that_change_every_step_keep_the_tensors_in_place():
+    """A scheduler's epoch and a loader's position change at every step: the header is
+    written again, but the tensors stay where they were, so each buffer's views are
+    reused (not made again per tensor), also when the header grows a little; a longer
+    header than the room left moves them, and every pack still reads back."""
+    packer = packing.Packer()
+    buf = packer.pack(snapshot(0))
+    views = packer._views[buf.data_ptr()]
+    for epoch in (1, 10**6, -5):
+        snap = snapshot(0)
+        snap["objects"]["sched"]["last_epoch"] = epoch
+        assert packer.pack(snap, into=buf).data_ptr() == buf.data_ptr()
+        assert packer._views[buf.data_ptr()] is views, epoch
+        assert same(packing.unpack(buf[:packer._start + packer._bytes]), snap)
+    snap = snapshot(0)
+    snap["objects"]["sched"]["long"] = "x" * 10_000
+    packed = packer.pack(snap, into=buf)
+    assert packer._views.get(buf.data_ptr()) is not views
+    assert same(packing.unpack(packed), snap)
+
+
 def hostile(packed: torch.Tensor) -> list:
     header = packed[:4].clone()
     flipped = packed.clone()

@@ -1,11 +1,13 @@
 """A rank's state as bytes: the format that peer copies, heals and reshards carry.
 
 A snapshot (``_State.snapshot``: nested dicts, lists and tuples of tensors,
-numbers and strings) is packed as a small header, the snapshot with each
-tensor replaced by its index, dtype and shape (``torch.save``, read back with
-``torch.load(weights_only=True)``: the bytes come from other processes), then
-every tensor's bytes, each at a 64-byte boundary, in one 1-D ``uint8``
-tensor that the collectives carry as it is.  Per-rank mode packs the state at
+numbers and strings) is packed as a fixed head (magic, the header's length,
+where the tensors begin), a small header, the snapshot with each tensor
+replaced by its index, dtype and shape (``torch.save``, read back with
+``torch.load(weights_only=True)``: the bytes come from other processes), then,
+from a 64-byte boundary that may leave room for a longer header, every
+tensor's bytes, each at a 64-byte boundary, in one 1-D ``uint8`` tensor that
+the collectives carry as it is.  Per-rank mode packs the state at
 every step boundary (docs/bench/step-cost.md): a ``torch.save`` of the whole
 snapshot into bytes, and the copies in and out of ``bytes`` around each
 transfer, cost a rank milliseconds of CPU per 2.6 MB here, most of it page
@@ -26,7 +28,7 @@ import torch
 from commslayer.errors import CommError
 
 _MAGIC = b"CLST"
-_HEAD = struct.Struct("<4sQ")  # magic, header bytes
+_HEAD = struct.Struct("<4sQQ")  # magic, header bytes, where the tensors begin
 _ALIGN = 64
 _TENSOR = "commslayer.packing.tensor"  # the header's stand-in for a tensor: (_TENSOR, index)
 
@@ -75,23 +77,27 @@ def _fill(obj: Any, tensors: List[torch.Tensor]) -> Any:
 class Packer:
     """Packs the snapshots of one state, again and again, into buffers used before.
 
-    Per-rank mode packs at every step boundary, and from one step to the next the
-    snapshot's structure (its tensors' dtypes and shapes, the optimizer's
-    hyperparameters, the objects' state) seldom changes.  So the header and each
-    tensor's place are worked out only when it does, each buffer's views of those
-    places are kept for the next pack into it, and the tensors are copied in one
-    ``torch._foreach_copy_``: per tensor, the Python of a slice, two views and a copy
-    cost about 5 µs, 1 ms a pack for the 212 tensors of ``launch/train.py``'s state.
-    The structure is compared by its ``repr``, which tells ``1`` from ``1.0`` and
-    ``True`` and writes a float exactly."""
+    Per-rank mode packs at every step boundary.  From one step to the next the
+    snapshot's tensors (their dtypes and shapes) seldom change, while its other
+    values do at every step (a scheduler's epoch, a data loader's position).  So
+    each tensor's place is worked out only when the tensors change, each buffer's
+    views of those places are kept for the next pack into it, and the tensors are
+    copied in one ``torch._foreach_copy_``: per tensor, the Python of a slice, two
+    views and a copy cost about 5 µs, 1 ms a pack for the 212 tensors of
+    ``launch/train.py``'s state.  The header is written again when the structure
+    changes (compared by its ``repr``, which tells ``1`` from ``1.0`` and ``True``
+    and writes a float exactly); the tensors begin after room for a header of
+    twice its first length, so a longer one seldom moves them."""
 
     _KEPT = 4  # buffers whose views are kept: the peer copies rotate three
 
     def __init__(self) -> None:
-        self._key: Optional[Tuple[str, List[Tuple[torch.dtype, torch.Size]]]] = None
-        self._prefix = torch.empty(0, dtype=torch.uint8)
-        self._places: List[int] = []  # each tensor's offset from the start of the buffer
-        self._size = 0
+        self._specs: List[Tuple[torch.dtype, torch.Size]] = []
+        self._text: Optional[str] = None  # the repr of the structure the header holds
+        self._prefix = torch.empty(0, dtype=torch.uint8)  # the head and the header
+        self._start = 0  # where the tensors begin
+        self._offsets: List[int] = []  # each tensor's offset from there
+        self._bytes = 0  # the tensors' bytes, padding included
         self._views: Dict[int, List[torch.Tensor]] = {}  # a buffer's data pointer -> its views, per tensor
 
     def pack(self, snapshot: Any, into: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -102,40 +108,50 @@ class Packer:
         the same buffer left there."""
         tensors: List[torch.Tensor] = []
         structure = _strip(snapshot, tensors)
-        key = (repr(structure), [(t.dtype, t.shape) for t in tensors])
-        if key != self._key:
-            self._lay_out(structure, tensors)
-            self._key = key
-        if into is None or into.numel() < self._size:
-            into = torch.zeros(self._size, dtype=torch.uint8)
-        out = into[:self._size]
+        specs = [(t.dtype, t.shape) for t in tensors]
+        text = repr(structure)
+        if specs != self._specs:
+            self._place(tensors)
+            self._specs, self._text = specs, None
+        if text != self._text:
+            self._write_header(structure, tensors)
+            self._text = text
+        size = self._start + self._bytes
+        if into is None or into.numel() < size:
+            into = torch.zeros(size, dtype=torch.uint8)
+        out = into[:size]
         out[:self._prefix.numel()] = self._prefix
         with torch.no_grad():  # the copies record no autograd history: no detach() per tensor
             torch._foreach_copy_(self._views_of(out, tensors), tensors)
         return out
 
-    def _lay_out(self, structure: Any, tensors: List[torch.Tensor]) -> None:
-        specs: List[Tuple[str, List[int], int]] = []
-        at = 0
+    def _place(self, tensors: List[torch.Tensor]) -> None:
+        self._offsets, at = [], 0
         for t in tensors:
-            specs.append((str(t.dtype).removeprefix("torch."), list(t.shape), at))
+            self._offsets.append(at)
             at = _aligned(at + t.numel() * t.element_size())
-        header = io.BytesIO()
-        torch.save({"structure": structure, "tensors": specs, "bytes": at}, header)
-        prefix = _HEAD.pack(_MAGIC, header.tell()) + header.getvalue()
-        self._prefix = torch.frombuffer(bytearray(prefix), dtype=torch.uint8)
-        start = _aligned(len(prefix))
-        self._places = [start + offset for _, _, offset in specs]
-        self._size = start + at
+        self._bytes = at
         self._views.clear()
+
+    def _write_header(self, structure: Any, tensors: List[torch.Tensor]) -> None:
+        specs = [(str(t.dtype).removeprefix("torch."), list(t.shape), at) for t, at in zip(tensors, self._offsets)]
+        header = io.BytesIO()
+        torch.save({"structure": structure, "tensors": specs, "bytes": self._bytes}, header)
+        length = header.tell()
+        if _HEAD.size + length > self._start:  # the tensors move: room for twice this header
+            self._start = _aligned(_HEAD.size + 2 * length)
+            self._views.clear()
+        self._prefix = torch.frombuffer(bytearray(_HEAD.pack(_MAGIC, length, self._start) + header.getvalue()),
+                                        dtype=torch.uint8)
 
     def _views_of(self, out: torch.Tensor, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
         """Each tensor's place in ``out``, as a tensor of its dtype and shape; kept per
         buffer (a view keeps its buffer alive, so no other buffer has its address)."""
         views = self._views.get(out.data_ptr())
         if views is None:
-            views = [out[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                     for at, t in zip(self._places, tensors)]
+            start = self._start
+            views = [out[start + at:start + at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                     for at, t in zip(self._offsets, tensors)]
             if len(self._views) >= self._KEPT:
                 del self._views[next(iter(self._views))]
             self._views[out.data_ptr()] = views
@@ -152,10 +168,9 @@ def unpack(data: torch.Tensor) -> Any:
     copies of their own."""
     if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous() or data.numel() < _HEAD.size:
         raise BadState(f"a {data.dtype} tensor of shape {list(data.shape)} that is not a packed state", op="unpack")
-    magic, size = _HEAD.unpack(ctypes.string_at(data.data_ptr(), _HEAD.size))
-    if magic != _MAGIC or size > data.numel() - _HEAD.size:
+    magic, size, start = _HEAD.unpack(ctypes.string_at(data.data_ptr(), _HEAD.size))
+    if magic != _MAGIC or size > data.numel() - _HEAD.size or not _HEAD.size + size <= start <= data.numel():
         raise BadState(f"{data.numel()} bytes that are not a packed state", op="unpack")
-    start = _aligned(_HEAD.size + size)
     try:
         header = torch.load(io.BytesIO(ctypes.string_at(data.data_ptr() + _HEAD.size, size)), weights_only=True)
         if start + header["bytes"] != data.numel():
