@@ -22,8 +22,8 @@ adds to the record:
 Nothing here runs per op: the op path fills the rings as before, and this
 reads them once per status record. What that costs the training thread
 (docs/bench/status.md): the native ring's ``records()`` builds a tuple of
-every record it holds (about 1 µs each, so ~3-4 ms with a full ring of
-4096), and each op not counted yet costs about 1-2 µs more.
+every record it holds (about 2.5 ms with a full ring of 4096), and each op
+not counted yet costs about 2 µs more.
 """
 
 from __future__ import annotations
