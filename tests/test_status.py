@@ -197,6 +197,42 @@ def test_a_recovery_is_counted_and_steps_go_on_in_metrics_and_the_page(tmp_path)
     assert "<td>replicas</td><td>2</td><td>0, 1, 2, 3</td>" in final, final
 
 
+FIGURES = """
+import json, sys, torch, torch.distributed as dist, commslayer
+from commslayer.hooks import status_sources
+from tracing.record.recorder import install
+rec = install(sys.argv[1], capacity=16)
+comm = commslayer.new_comm("gloo", name="one", store=dist.HashStore(), rank=0, size=1)
+[source] = status_sources.fns
+rec._phase(None, 5, "forward")  # a resilient job's phase hook: the ops of step 5
+for _ in range(10):
+    comm.all_reduce(torch.ones(256))
+comm.broadcast(torch.ones(8, dtype=torch.float64), 0)
+first = source(5)
+for _ in range(40):  # more than the ring holds between two reads
+    comm.all_reduce(torch.ones(256))
+print(json.dumps([first, source(6)]))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_recorders_figures_count_every_op_and_what_the_ring_lost(tmp_path):
+    """tracing.record.figures in a process of its own: cumulative counts, bytes and latency
+    buckets per communicator and op from both rings, the step's arrivals, and the ops a
+    ring of 16 dropped between two reads counted as missed, not guessed."""
+    run = subprocess.run([sys.executable, "-c", FIGURES, str(tmp_path)], capture_output=True, text=True,
+                         timeout=100, env=dict(os.environ, COMMSLAYER_TRACE_DIR=""))
+    assert run.returncode == 0, run.stderr[-3000:]
+    first, second = json.loads(run.stdout)
+    ops = {(comm, op): (n, nbytes, sum(buckets), errors) for comm, op, n, nbytes, _, buckets, errors in first["ops"]}
+    assert ops == {("one", "all_reduce"): (10, 10 * 1024, 10, {}), ("one", "broadcast"): (1, 64, 1, {})}
+    assert first["missed"] == 0
+    assert first["arrivals"]["step"] == 5 and [a[2] for a in first["arrivals"]["ops"]] == list(range(1, 12))
+    [[_, _, n, nbytes, _, buckets, _]] = [o for o in second["ops"] if o[1] == "all_reduce"]
+    assert n + second["missed"] == 50 and second["missed"] == 40 - 16 and sum(buckets) == n and nbytes == n * 1024
+    assert second["arrivals"]["ops"] == []  # none of step 6: the phase hook did not say so
+
+
 def dom(tmp_path: Path, url: str, *args: str) -> subprocess.CompletedProcess:
     profile = tmp_path / f"profile-{time.monotonic_ns()}"
     cmd = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

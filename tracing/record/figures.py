@@ -66,7 +66,8 @@ class StatusFigures:
             if op[10] == step and op[5] not in ("send", "recv"):
                 arrivals.append([op[2], op[3], op[4], (op[9] + self._wall_minus_mono) / 1e9])
         arrivals.sort(key=lambda a: a[3])
-        return {"ops": [[comm, op, *t] for (comm, op), t in sorted(self._totals.items())],
+        return {"ops": [[comm, op, n, nbytes, seconds, list(buckets), dict(errors)]
+                        for (comm, op), (n, nbytes, seconds, buckets, errors) in sorted(self._totals.items())],
                 "missed": max(0, recorded - self._total - in_flight),
                 "arrivals": {"step": step, "ops": arrivals[-MAX_ARRIVALS:]}}
 
