@@ -281,6 +281,35 @@ def test_healthz_names_the_rank_lost_with_no_restart_during_the_stall(tmp_path):
     assert 200 in codes[codes.index(503):], answers  # fenced out once the survivors went on
 
 
+@pytest.mark.timeout(300)
+def test_per_rank_mode_a_replaced_rank_s_heal_bytes_and_the_shard_communicator(tmp_path):
+    """A per-rank job of 4, traced, rank 1 SIGKILLed at step 40 and replaced: the shard
+    communicator seen at generation 0 with 4 members, then at a later generation with 4 again;
+    the heal bytes (metric and the recovery's row) equal to the replacement's traced heal."""
+    fault = [{"action": "sigkill", "rank": 1, "step": 40, "phase": "backward"}]
+    job = Launched(["--nproc-per-node", "4", "--max-restarts", "1", str(FSDP2), "--steps", "300"],
+                   tmp_path / "run", fault, traced=True)
+    scrapes: List[Dict[str, float]] = []
+    final = ""
+    while job.running():
+        code, text = get(job.url + "metrics")
+        if code == 200 and "commslayer_steps_committed_total" in text:
+            scrapes.append(samples(text))
+        code, body = get(job.url)
+        final = body if code == 200 else final
+        time.sleep(0.5)
+    assert job.wait(60) == 0, job_story(job.log())
+    key = 'commslayer_communicator_generation{comm="shards"}'
+    shards = [(m[key], m['commslayer_communicator_members{comm="shards"}']) for m in scrapes if key in m]
+    assert shards[0] == (0, 4) and shards[-1][0] >= 1 and shards[-1][1] == 4, shards
+    [heal] = traced_heals(tmp_path / "run")
+    assert heal["bytes"] > 0 and scrapes[-1]["commslayer_heal_bytes_total"] == heal["bytes"]
+    assert scrapes[-1]["commslayer_heal_seconds_count"] == 1
+    assert scrapes[-1]["commslayer_heal_seconds_sum"] == pytest.approx(heal["seconds"], abs=1e-9)
+    # the recovery's row: its heal time and bytes (both n/a in per-rank mode before)
+    assert re.search(r"<td>sigkill</td>.*<td>\d+\.\d+s</td><td>%d</td><td>\d+</td></tr>" % heal["bytes"], final), final
+
+
 @pytest.fixture
 def sleeping(tmp_path):
     """A per-rank job of 2 ranks that sleep, with its status server."""

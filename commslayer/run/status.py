@@ -119,7 +119,7 @@ class RecoveryView:
     cause: str  # the injected fault's action, or "unknown"
     fault_t: Optional[float]  # when the fault was injected
     stall_s: Optional[float]  # fault (else detection) to the next committed step, as the launcher's summary
-    heal_s: Optional[float]  # the admission of the lost units: join and state transfer
+    heal_s: Optional[float]  # the admission of the lost units: join and state transfer (per-rank: the transfer)
     heal_bytes: Optional[int] = None  # the state the healed ranks received (their status records)
 
 
@@ -224,7 +224,7 @@ class View:
     taken: float  # wall clock
     ranks: List[RankView]
     recoveries: List[RecoveryView]
-    heals: List[float]  # every admission's heal time
+    heals: List[float]  # every admission's heal time (per-rank mode: every replacement's state transfer)
     injected: List[Dict[str, Any]]  # the fault log's injections
     errors: Dict[str, int]  # error type -> count (the fault log's first failures, deterministic failures)
     spares: Optional[Dict[str, int]]
@@ -279,7 +279,8 @@ def read_view(layout: Layout, store: Any, memory: Optional[Memory] = None) -> Vi
     healed = memory.healed()
     view = View(layout=layout, taken=time.time(), ranks=ranks,
                 recoveries=[_recovery(layout, x, injected, admissions, healed) for x in recoveries],
-                heals=[a.heal_s for a in admissions], injected=injected, errors=errors,
+                heals=[h["seconds"] for _, h in healed if h.get("seconds") is not None] if layout.per_rank
+                else [a.heal_s for a in admissions], injected=injected, errors=errors,
                 spares=runs.job_spares(store, layout.nodes), failed=failed, slowest=memory.slowest(),
                 heal_bytes=[h["bytes"] for _, h in healed if h.get("bytes") is not None])
     view.ops, view.missed = memory.ops()
@@ -348,12 +349,16 @@ def _recovery(layout: Layout, rec: runs.Recovery, injected: List[Dict[str, Any]]
     stall = rec.committed_at - start if rec.committed_at is not None else None
     admission = next((a for a in admissions if set(rec.lost_replicas) & set(a.replicas)
                       and a.generation > rec.generation), None)
-    received = [h["bytes"] for rank, h in healed if layout.lost_unit(rank) in rec.lost_replicas
-                and admission is not None and h.get("generation") == admission.generation
-                and h.get("bytes") is not None]
+    # per-rank mode records no admission: its recovery waited for the replacements, whose
+    # generation it records, and their heal (the state transfer) is the heal
+    generation = rec.generation if admission is None else admission.generation
+    heals = [h for rank, h in healed
+             if layout.lost_unit(rank) in rec.lost_replicas and h.get("generation") == generation]
+    received = [h["bytes"] for h in heals if h.get("bytes") is not None]
+    heal_s = admission.heal_s if admission is not None else \
+        max((h["seconds"] for h in heals if h.get("seconds") is not None), default=None)
     return RecoveryView(recovery=rec, cause=fault["action"] if fault else "unknown",
-                        fault_t=fault["t"] if fault else None, stall_s=stall,
-                        heal_s=None if admission is None else admission.heal_s,
+                        fault_t=fault["t"] if fault else None, stall_s=stall, heal_s=heal_s,
                         heal_bytes=sum(received) if received else None)
 
 
