@@ -358,3 +358,80 @@ def test_an_isolated_native_op_never_writes_late(isolate):
     ours, _ = run_ranks(_late_write, 2, isolate, timeout=60,
                         env={"COMMSLAYER_PEER_TIMEOUT_S": "1.5", "COMMSLAYER_HEARTBEAT_S": "0.1"})
     assert ours == ("AsyncOpWork", 1.0 if isolate else 3.0), ours  # without isolation, Gloo's late write lands
+
+
+def _comm_api(rank, size, store):
+    """The communicator's own async ops (its API, not c10d's) on the native path and on a
+    plain Gloo group, isolated as the resilient modes build theirs; then a deadline, waited
+    on with a shorter timeout, and one nobody waits for."""
+    import torch.distributed as dist
+
+    import commslayer
+    from commslayer import ReduceOp
+
+    dist.init_process_group("gloo", store=dist.PrefixStore("world/", store), rank=rank, world_size=size)
+    comm = commslayer.new_comm("gloo", name="api", store=dist.PrefixStore("api/", store), rank=rank, size=size,
+                               timeout=2, isolate_writes=True)
+    x = torch.randn(16 * size, generator=torch.Generator().manual_seed(rank))
+    ours, plain, kinds = [], [], []
+    for op, plain_op in ((ReduceOp.SUM, dist.ReduceOp.SUM), (ReduceOp.AVG, dist.ReduceOp.SUM)):
+        t = x.clone()
+        work = comm.all_reduce(t, op, async_op=True)
+        kinds.append(type(work).__name__)
+        work.wait()
+        ref = x.clone()
+        dist.all_reduce(ref, op=plain_op)
+        ours.append(t)
+        plain.append(ref / size if op is ReduceOp.AVG else ref)
+        t = x.clone()  # the way of waiting DDP's hooks take: a future
+        work = comm.all_reduce(t, op, async_op=True)
+        kinds.append(type(work).__name__)
+        work.get_future().wait()
+        ours.append(t)
+        plain.append(plain[-1])
+    gathered, ref = torch.empty(16 * size * size), torch.empty(16 * size * size)
+    work = comm.all_gather_single(gathered, x, async_op=True)
+    kinds.append(type(work).__name__)
+    while not work.is_completed():
+        time.sleep(0.001)
+    dist.all_gather_into_tensor(ref, x)
+    ours.append(gathered)
+    plain.append(ref)
+    seen = {"equal": [torch.equal(a, b) for a, b in zip(ours, plain)], "kinds": kinds,
+            "status": work.status.value, "integer AVG": type(comm.all_reduce(torch.tensor([3]), ReduceOp.AVG,
+                                                                              async_op=True)).__name__}
+    comm.all_reduce(torch.ones(1))  # every rank is past the integer AVG above
+    if rank == 1:  # joins neither op below
+        dist.TCPStore.wait(store, ["done"], timedelta(seconds=30))
+        return seen
+    t = torch.ones(4)
+    work = comm.all_reduce(t, async_op=True)
+    began = time.monotonic()
+    try:
+        work.wait(timeout=0.5)
+    except commslayer.CommError as err:
+        seen["short wait"] = (type(err).__name__, err.op, work.status.value, time.monotonic() - began)
+    seen["untouched"] = t.tolist()  # isolated: a failed op leaves the caller's tensor as it was
+    other = commslayer.new_comm("gloo", name="other", store=dist.PrefixStore("other/", store), rank=0, size=1,
+                                timeout=1)
+    store.set("done", "1")
+    return seen, other is not None
+
+
+@needs_native
+@pytest.mark.timeout(90)
+def test_the_communicators_own_async_ops_take_the_native_path():
+    """``comm.all_reduce(..., async_op=True)`` (SUM and AVG) and ``all_gather_single`` on
+    an isolating communicator: bitwise what plain Gloo gives (AVG: its sum over the size), as a
+    ``NativeWork`` waited on every way; an integer AVG stays on the general path; a wait
+    shorter than the deadline times the op out as the general path does."""
+    first, second = run_ranks(_comm_api, 2, timeout=60)
+    seen, _ = first
+    for s in (seen, second):
+        assert s["equal"] == [True] * 5, s
+        assert s["kinds"] == ["NativeWork"] * 5, s
+        assert s["status"] == "completed" and s["integer AVG"] == "Work", s
+    kind, op, status, took = seen["short wait"]
+    assert (kind, op, status) == ("CollectiveTimeout", "all_reduce", "timedout"), seen
+    assert 0.4 < took < 1.5, took
+    assert seen["untouched"] == [1.0] * 4

@@ -2,7 +2,8 @@
 
 Each method checks its arguments (``validation``), builds the backend call
 over the tensors as ``wire`` prepares them, and hands it to ``OpPath._run``;
-the three the direct path serves try ``_direct_run`` first.  Reduce-scatter
+the three the direct path serves try ``_direct_run`` first, and an async
+all-reduce or all-gather ``_native_async``.  Reduce-scatter
 may run as commslayer's own ring (``commslayer.comm.ring``) where that pays.
 """
 
@@ -30,6 +31,11 @@ class Collectives(OpPath):
         """Reduce ``tensor`` across ranks, in place (a sparse COO one too: ``_all_reduce_sparse``)."""
         if self._direct and op is ReduceOp.SUM and async_op is False and timeout is None and self._dense(tensor):
             return self._direct_run(0, tensor, tensor, op)
+        if async_op is True and timeout is None and self._async_path is not None \
+                and (op is ReduceOp.SUM or op is ReduceOp.AVG):
+            work = self._native_async(0, tensor, tensor, op)
+            if work is not None:
+                return work
         chk = self._checker("all_reduce")
         if getattr(tensor, "is_sparse", False):
             return self._all_reduce_sparse(chk, tensor, op, async_op, timeout)
@@ -80,6 +86,10 @@ class Collectives(OpPath):
         """Concatenate every rank's ``input`` into ``output`` (``size`` times larger)."""
         if self._direct and async_op is False and timeout is None and self._dense_sized(output, input):
             return self._direct_run(1, output, input, None)
+        if async_op is True and timeout is None and self._async_path is not None:
+            work = self._native_async(1, output, input, None)
+            if work is not None:
+                return work
         chk = self._checker("all_gather_single")
         chk.tensor(output, "output")
         chk.tensor(input, "input")

@@ -140,6 +140,7 @@ class Communicator(Collectives, PointToPoint):
         self._post = Hooks("post", on_change=observed)
         self._process_group: Optional[dist.ProcessGroup] = None
         self._checkers: Dict[str, Checker] = {}
+        self._untimed_opts = {}
         self._options = Options()
         self._barrier_opts = spec.barrier_options(self._options.timedelta(timeout_s), device)
         self.settle_lock = threading.Lock()  # shared by this communicator's Work objects

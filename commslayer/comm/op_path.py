@@ -18,7 +18,9 @@ the op does not simply complete; then ``settle_native_async`` settles it
 here, as the general path's ``Work`` would (docs/bench/async-path.md).  That
 native ``Work`` also takes the two finishing steps the resilient modes need:
 write isolation (the backend writes a staging copy, handed to the caller's
-tensor only on success) and AVG's division, which Gloo lacks.
+tensor only on success) and AVG's division, which Gloo lacks.  The
+communicator's own async all-reduce and all-gather take it as well
+(``_native_async``), their ``Work`` a ``NativeWork`` that reads its outcome.
 
 The attributes declared on ``OpPath`` are set by ``Communicator.__init__``.
 """
@@ -44,7 +46,7 @@ from commslayer.comm.ring import RingReduceScatter, ring_fits
 from commslayer.comm.validation import Checker, Timeout, timeout_seconds
 from commslayer.comm.watchdog import WATCHDOG
 from commslayer.comm.wire import BACKEND_OPS, Options
-from commslayer.comm.work import WAIT_SLICE, AnySourceWork, Waiter, Work
+from commslayer.comm.work import WAIT_SLICE, AnySourceWork, NativeWork, Waiter, Work
 
 if TYPE_CHECKING:
     from commslayer.comm.communicator import Communicator
@@ -132,6 +134,9 @@ class OpPath:
     # where a failed native async op's error goes instead of its waiter: the hold of
     # the c10d group that issues them (CommslayerProcessGroup.hold), or None
     _held_failures: Optional[Callable[[CommError], None]] = None
+    # the option structs, without a deadline of their own, of the API's native async ops
+    _untimed_opts: Dict[Tuple[int, Optional[ReduceOp]], Any]
+    _swept = False  # whether the watchdog sweeps this communicator's native async ops
     _direct: bool
     _dense: Callable[..., bool]
     _dense_sized: Callable[..., bool]
@@ -204,14 +209,45 @@ class OpPath:
         """An async ``DIRECT_OPS[kind]`` that c10d asked for with ``opts`` (``a``: the
         output, ``b``: the input), issued by the native path as a c10d ``Work``
         (``AsyncOpWork``, direct_path.cpp); None when the op does not take that path."""
+        issued = self._issue_native(kind, a, b, opts)
+        return None if issued is None else issued[0]
+
+    def _issue_native(self, kind: int, a: torch.Tensor, b: torch.Tensor, opts: Any) -> Optional[Tuple[Any, int, int]]:
+        """``_issue_async``'s op, with its op id and sequence number."""
         path = self._async_path
         if path is None or not self.lifecycle.clean or kind == 2 and self._takes_ring(ReduceOp.SUM, a, b.nbytes):
             return None
-        seq = self._seq + 1
-        work = path.issue_async(kind, a, b, opts, next(_op_ids), seq)
-        if work is not None:
-            self._seq = seq
-        return work
+        seq, op_id = self._seq + 1, next(_op_ids)
+        work = path.issue_async(kind, a, b, opts, op_id, seq)
+        if work is None:
+            return None
+        self._seq = seq
+        return work, op_id, seq
+
+    def _native_async(self, kind: int, a: torch.Tensor, b: torch.Tensor, op: Optional[ReduceOp]) -> Optional[Work]:
+        """An async all-reduce (``op``: SUM or AVG) or all-gather (``op`` None) of this
+        communicator's own API on the native path, as a ``NativeWork``; None where it
+        does not take it (its Python costs tens of µs less than ``_run``'s,
+        docs/bench/async-path.md).  Not the reduce-scatter: Gloo's own has no future,
+        which ``Work.get_future`` promises.  Not while a c10d group's hold takes
+        failures: the caller of the communicator's API gets them."""
+        if self._held_failures is not None:
+            return None
+        opts = self._untimed_opts.get((kind, op))
+        if opts is None:
+            opts = cast(Any, (c10d.AllreduceOptions, c10d.AllgatherOptions)[kind]())
+            if op is not None:  # the native path divides an AVG itself
+                opts.reduceOp = c10d.ReduceOp.AVG if op is ReduceOp.AVG else c10d.ReduceOp.SUM
+            self._untimed_opts[(kind, op)] = opts
+        issued = self._issue_native(kind, a, b, opts)
+        if issued is None:
+            return None
+        if not self._swept:
+            self._swept = True
+            WATCHDOG.sweep_native(self)  # type: ignore[arg-type]  # OpPath is Communicator's base
+        work, op_id, seq = issued
+        return NativeWork(self, DIRECT_OPS[kind], seq, op_id, self._timeout_s, time.monotonic_ns(),  # type: ignore[arg-type]
+                          work)
 
     def _checker(self, op: str) -> Checker:
         chk = self._checkers.get(op)

@@ -314,6 +314,54 @@ class Work:
         return f"<Work {self.comm.get_name()}:{self.op}#{self.seq} {self._status.value}>"
 
 
+class NativeWork(Work):
+    """An async ``all_reduce`` or ``all_gather_single`` of the communicator's own API that the native path issued (``OpPath._native_async``): its
+    backend work is an ``AsyncOpWork`` (direct_path.cpp), which waits without running
+    Python, runs the finishing step (isolation's copy, AVG's division), keeps its
+    record and settles a failure as ``Work`` would; the native watchdog sweep settles
+    it when nobody waits.  Here only the outcome is read."""
+
+    __slots__ = ()
+
+    def is_completed(self) -> bool:
+        if self._status in _DONE:
+            return True
+        if not self._c10d.is_completed():
+            return False
+        self._settle(None)
+        return True
+
+    def wait(self, timeout: Timeout = None) -> bool:
+        if self._status not in _DONE:
+            self._settle(None if timeout is None else timeout_seconds(timeout, self.timeout_s,
+                                                                     self.comm._checker(self.op)))
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def get_future(self) -> "torch.futures.Future[None]":
+        def settle(fut: "torch.futures.Future[Any]") -> None:
+            self._settle(None)  # done by now: its outcome, at once
+            if self._error is not None:
+                raise self._error
+
+        future: "torch.futures.Future[None]" = self._c10d.get_future().then(settle)
+        return future
+
+    def _settle(self, timeout_s: Optional[float]) -> None:
+        try:
+            if timeout_s is None:
+                self._c10d.wait()
+            else:
+                self._c10d.wait(timedelta(milliseconds=max(1.0, timeout_s * 1e3)))
+        except CommError as err:
+            self._error = err
+            self._status = WorkStatus.TIMEDOUT if isinstance(err, CollectiveTimeout) else WorkStatus.ERROR
+        else:
+            self._status = WorkStatus.COMPLETED
+        self.end_ns = time.monotonic_ns()
+
+
 class AnySourceWork(Work):
     """A recv from any source: its peer (the sender) and its number in that pair
     are known once it completed; until then ``peer`` is None."""
