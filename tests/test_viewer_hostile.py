@@ -226,6 +226,20 @@ def test_no_trace_files_is_an_error(tmp_path):
     assert rc == 2 and "no usable trace file" in _one_error_line(err), err  # every file skipped: nothing to say
 
 
+@pytest.mark.timeout(60)
+def test_a_run_directory_is_read_through_its_traces(tmp_path):
+    """``commslayer-trace summary runs/x``, the run directory instead of ``runs/x/traces``: it
+    was 'no trace files here'; now its traces are read, as if named."""
+    run_dir = tmp_path / "run"
+    (run_dir / "traces").mkdir(parents=True)
+    job(str(run_dir / "traces"), ranks=2)
+    (run_dir / "summary.json").write_text("{}")
+    for command in ("summary", "diagnose"):
+        assert run_cli(command, str(run_dir)) == run_cli(command, str(run_dir / "traces"))
+    rc, out, err = run_cli("summary", str(run_dir))
+    assert rc == 0 and "rank" in out and err == "", err
+
+
 @pytest.mark.timeout(30)
 def test_a_fifo_or_a_device_is_refused_at_once(tmp_path):
     job(str(tmp_path), ranks=2, jsonl=False)

@@ -281,27 +281,38 @@ def open_regular(path: str, max_bytes: Optional[int] = None) -> BinaryIO:
         raise
 
 
+RUN_TRACES = "traces"  # where commslayer-run --run-dir puts the ranks' traces
+
+
 def find_files(paths: Sequence[str]) -> List[str]:
     """The trace files named by ``paths``: directories give their ``rank<R>.json``
     and ``rank<R>.jsonl`` files, and those of their restarted lives
-    (``replica<R>-restart<N>/``); files are taken as they are.  A path that does
-    not exist, or a directory without trace files, is an error."""
+    (``replica<R>-restart<N>/``), or else those of their ``traces/`` (a run
+    directory's); files are taken as they are.  A path that does not exist, or a
+    directory without trace files, is an error."""
     out: List[str] = []
     for p in paths:
         if os.path.isdir(p):
-            dirs = [p] + sorted((os.path.join(p, n) for n in os.listdir(p) if _LIFE_DIR.match(n)
-                                 and os.path.isdir(os.path.join(p, n))), key=life_of)
-            found = [os.path.join(d, n) for d in dirs
-                     for n in sorted(os.listdir(d), key=_rank_file_order)
-                     if _RANK_FILE.match(n)]
+            found = _rank_files(p) or _rank_files(os.path.join(p, RUN_TRACES))
             if not found:
-                raise TraceFileError(p, None, "no trace files here (rank<R>.json or rank<R>.jsonl)")
+                raise TraceFileError(p, None, f"no trace files here (rank<R>.json or rank<R>.jsonl), nor in "
+                                              f"{RUN_TRACES}/")
             out += found
         elif os.path.lexists(p):
             out.append(p)
         else:
             raise TraceFileError(p, None, "no such file or directory")
     return out
+
+
+def _rank_files(directory: str) -> List[str]:
+    """The trace files of ``directory`` and of its restarted lives; none if it is no directory."""
+    if not os.path.isdir(directory):
+        return []
+    dirs = [directory] + sorted((os.path.join(directory, n) for n in os.listdir(directory) if _LIFE_DIR.match(n)
+                                 and os.path.isdir(os.path.join(directory, n))), key=life_of)
+    return [os.path.join(d, n) for d in dirs for n in sorted(os.listdir(d), key=_rank_file_order)
+            if _RANK_FILE.match(n)]
 
 
 def file_rank(path: str) -> Optional[int]:
