@@ -55,6 +55,7 @@ SUMMARY = "summary.json"
 RECOVERIES = "job/recoveries"  # keys of the job's store: JSON lines, one per record
 ADMISSIONS = "job/admissions"
 RESHARDED = "job/resharded"  # a per-rank job resharded onto fewer ranks: the epoch and the ranks kept
+FINISHED = "job/finished"  # a rank ended its job.finish(): a group restarting from now on has nothing to rejoin
 # Upper bounds (seconds) of the op latency histogram in the ranks' status records (tracing.record.figures
 # writes them, commslayer.run.status serves them); the last bucket is +Inf.
 OP_LATENCY_BUCKETS = (1e-05, 5e-05, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)

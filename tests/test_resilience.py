@@ -18,6 +18,7 @@ from tests.harness import job_story
 
 ROOT = Path(__file__).resolve().parent.parent
 MISUSE = ROOT / "tests" / "jobs" / "misuse_job.py"
+AT, OUTSIDE = " at step 0 with ", " outside the training loop with "  # where the launcher says a mistake was made
 
 
 def launch(script: Path, *script_args: str, replicas: int = 2, per_replica: int = 1, restarts: int = 0,
@@ -103,18 +104,34 @@ def test_the_average_begun_during_backward_equals_the_one_after_it(clean, tmp_pa
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("mistake, expected", [
-    ("extra-state", ["StateMismatch", "replica 0 vs replica 1", "extra.value: missing vs float32[2]"]),
-    ("shape", ["StateMismatch", "replica 0 vs replica 1", "counter.value: float32[3] vs float32[4]"]),
-    ("no-grads", ["InvalidArgument", "step() at step 0 found no gradients"]),
-    ("no-step", ["InvalidArgument", "step 0 ended without job.step()"]),
-    ("no-optimizer", ["InvalidArgument", "no optimizer is registered, so step() would train nothing"]),
+@pytest.mark.parametrize("mistake, expected, where", [
+    ("extra-state", ["StateMismatch", "replica 0 vs replica 1", "extra.value: missing vs float32[2]"], AT),
+    ("shape", ["StateMismatch", "replica 0 vs replica 1", "counter.value: float32[3] vs float32[4]"], AT),
+    ("no-grads", ["InvalidArgument", "step() at step 0 found no gradients"], AT),
+    ("no-step", ["InvalidArgument", "step 0 ended without job.step()"], AT),
+    ("no-optimizer", ["InvalidArgument", "no optimizer is registered, so step() would train nothing"], AT),
     ("other-model", ["InvalidArgument", "trainable parameter(s) of the registered modules are held by no registered "
-                                        "optimizer (model.weight, model.bias)"]),
+                                        "optimizer (model.weight, model.bias)"], AT),
     ("scheduler", ["InvalidArgument", "optimizer 'optimizer' is driven by a learning-rate scheduler that is not "
-                                      "registered"]),
+                                      "registered"], AT),
+    # each of the next three trained wrong without a word: an optimizer applied twice a step, gradients
+    # averaged twice
+    ("same-optimizer", ["InvalidArgument", "register: 'opt2' is 'optimizer' again: register each object once"],
+     OUTSIDE),
+    ("submodule", ["InvalidArgument", "register: module 'wrapped' shares parameters with a registered module"],
+     OUTSIDE),
+    ("two-optimizers", ["InvalidArgument", "register: optimizer 'opt2' updates parameters that a registered "
+                                           "optimizer updates too"], OUTSIDE),
+    # hung: replica 1 waited in finish() for replica 0, still stepping
+    ("uneven-steps", ["InvalidArgument", "the ranks loop over different numbers of steps (job rank(s) [1]: "
+                                         "steps(4); job rank(s) [0]: steps(5))"], AT),
+    # trained two different models to the end, exit 0, with one 'DIFFERENT' line in finish()
+    ("seed", ["StateMismatch", "replica 0 vs replica 1: model (parameter values): ", "torch.manual_seed"], AT),
+    # trained steps 0..4 twice and reported 5 steps
+    ("epochs", ["InvalidArgument", "steps() called again (steps(5), then steps(5))"], OUTSIDE),
+    ("loss-item", ["InvalidArgument", "step(loss): loss is a float, not a one-element tensor"], AT),
 ])
-def test_a_mistake_is_a_clear_error_on_every_rank(mistake, expected):
+def test_a_mistake_is_a_clear_error_on_every_rank(mistake, expected, where):
     """A mistake is a bug, not a fault: every rank that makes it says why in one line, and
     the launcher stops the job at once (--max-restarts 2: nothing is restarted)."""
     run = launch(MISUSE, mistake, restarts=2)
@@ -126,7 +143,7 @@ def test_a_mistake_is_a_clear_error_on_every_rank(mistake, expected):
         for text in expected:
             assert text in line, line
     stop = [line for line in run.stderr.splitlines() if line.startswith("commslayer-run:")]
-    assert len(stop) == 1 and "a deterministic failure" in stop[0] and " at step 0 with " in stop[0], out
+    assert len(stop) == 1 and "a deterministic failure" in stop[0] and where in stop[0], out
     assert expected[0] in stop[0] and "replica group" in stop[0], stop
     assert "healed from a live replica" not in out and "restarted (restart" not in out, out
 

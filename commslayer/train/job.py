@@ -59,6 +59,9 @@ log = logging.getLogger("commslayer")
 BUCKET_BYTES = 4 << 20  # gradient bytes per bucket of the cross-replica average
 
 
+FINISH_IN_LOOP = ("finish() before the loop over steps() ended (a break out of it?): every rank runs every step "
+                  "of job.steps(total), the same total on every rank")
+VALUES = " (parameter values)"  # a key of parameter_digests in a state's signature
 STATUS_EVERY_S = 1.0  # a rank writes its status record at most this often
 MAX_STATUS_EVERY_LOG2 = 20  # and at least every 2**20 steps
 
@@ -97,6 +100,7 @@ class _State:
     def add(self, name: str, obj: Any) -> None:
         if name in self.modules or name in self.optimizers or name in self.objects:
             raise InvalidArgument(f"register: {name!r} is registered already", op="register")
+        self._check_not_registered(name, obj)
         if isinstance(obj, nn.Module):
             self.modules[name] = obj
         elif isinstance(obj, torch.optim.Optimizer):
@@ -106,6 +110,34 @@ class _State:
         else:
             raise InvalidArgument(f"register: {name!r} is a {type(obj).__name__}, not a module, an optimizer or "
                                   "an object with state_dict() and load_state_dict()", op="register")
+
+    def _check_not_registered(self, name: str, obj: Any) -> None:
+        """``InvalidArgument`` if ``obj``, or a parameter it holds, is registered already
+        under another name: each step would then average those gradients or apply that
+        optimizer twice, and train wrong without a word."""
+        for other, known in {**self.modules, **self.optimizers, **self.objects}.items():
+            if known is obj:
+                raise InvalidArgument(f"register: {name!r} is {other!r} again: register each object once",
+                                      op="register")
+        if isinstance(obj, nn.Module):
+            held = {id(p) for p in self.params()}
+            if any(id(p) in held for p in obj.parameters()):
+                raise InvalidArgument(f"register: module {name!r} shares parameters with a registered module (one "
+                                      "is a submodule of the other?): their gradients would be averaged twice; "
+                                      "register only the outermost module", op="register")
+        elif isinstance(obj, torch.optim.Optimizer):
+            held = {id(p) for opt in self.optimizers.values() for p in _held(opt)}
+            if any(id(p) in held for p in _held(obj)):
+                raise InvalidArgument(f"register: optimizer {name!r} updates parameters that a registered optimizer "
+                                      "updates too: each step would update them twice; give each parameter to one "
+                                      "optimizer", op="register")
+
+    def parameter_digests(self) -> Dict[str, str]:
+        """Each registered module's parameter values, hashed: what must be the same on
+        every replica of a shard before the first step (buffers may already differ:
+        a forward pass updates a batch norm's statistics from this replica's data)."""
+        return {f"{name}{VALUES}": f"{digest([local(p).detach() for p in m.parameters()]):016x}"
+                for name, m in self.modules.items()}
 
     def params(self) -> List[torch.Tensor]:
         return [p for m in self.modules.values() for p in m.parameters()]
@@ -121,7 +153,7 @@ class _State:
         if not self.optimizers:
             raise InvalidArgument("no optimizer is registered, so step() would train nothing: register it "
                                   "with the model, job.register(model=model, optimizer=opt)", op="step")
-        held = {id(p) for opt in self.optimizers.values() for g in opt.param_groups for p in g["params"]}
+        held = {id(p) for opt in self.optimizers.values() for p in _held(opt)}
         orphans = [f"{name}.{pname}" for name, m in self.modules.items() for pname, p in m.named_parameters()
                    if p.requires_grad and id(p) not in held]
         if orphans:
@@ -130,7 +162,7 @@ class _State:
                                   "): they would never change; register the optimizer that holds them", op="step")
         mine = {id(p) for p in self.params()}
         for name, opt in self.optimizers.items():
-            if any(id(p) not in mine for g in opt.param_groups for p in g["params"]):
+            if any(id(p) not in mine for p in _held(opt)):
                 raise InvalidArgument(f"optimizer {name!r} updates parameters of no registered module (built before "
                                       "fully_shard, or over another model?): their gradients would not be averaged "
                                       "across replicas and their state would not heal; register the module it "
@@ -227,6 +259,11 @@ class _State:
                    "optimizers": optimizers, "objects": whole["objects"][objects_of]})
 
 
+def _held(opt: torch.optim.Optimizer) -> List[torch.Tensor]:
+    """The parameters an optimizer updates."""
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
 def digest(obj: Any) -> int:
     """A 63-bit hash of a snapshot (tensors by their bytes, the rest by ``repr``)."""
     h = hashlib.blake2b(digest_size=8)
@@ -312,7 +349,7 @@ class Job:
         if self.restart and self.rank == 0 and config.job_store() and config.restart_unit() != "rank":
             # a new life of this group: its launcher's crash-loop rule counts them
             failures.record_restart(self.store, self.replica)
-        if self.restart and self.store.check(["job/finished"]):
+        if self.restart and self.store.check([runs.FINISHED]):
             print(f"[replica {self.replica} rank {self.rank}] the job finished while this group restarted",
                   flush=True)
             exit_now(0)
@@ -457,6 +494,10 @@ class Job:
         self.step_index = -1
 
     def _begin_loop(self, total: int) -> None:
+        if self._total is not None:
+            raise InvalidArgument(f"steps() called again (steps({self._total}), then steps({total})): loop over "
+                                  "job.steps(total) once, for the whole job (a restarted replica resumes from its "
+                                  "step); count epochs from the step, epoch = step // steps_per_epoch", op="steps")
         if not (self._state.modules or self._state.optimizers or self._state.objects):
             raise InvalidArgument("steps() before register(): register the model and optimizer first",
                                   op="steps")
@@ -468,7 +509,7 @@ class Job:
         returns the step is committed on every live replica (a loss during it was
         recovered by redoing the average on the survivors): True. ``loss``, if given, is
         averaged over the job and recorded in ``losses`` (and the run's results)."""
-        step, params, grads = self._begin_step()
+        step, params, grads = self._begin_step(loss)
         if not self._checked:
             self._check_same_state()
         extra = None
@@ -484,9 +525,14 @@ class Job:
         self._report_recovery(step)
         return True
 
-    def _begin_step(self) -> Tuple[int, List[torch.Tensor], List[torch.Tensor]]:
-        """``step``'s checks: the step, the registered parameters and their gradients."""
+    def _begin_step(self, loss: Any) -> Tuple[int, List[torch.Tensor], List[torch.Tensor]]:
+        """``step``'s checks: the step, the loss, the registered parameters and their gradients."""
         step = self.step_index
+        if loss is not None and not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+            what = (f"a tensor of {loss.numel()} elements" if isinstance(loss, torch.Tensor)
+                    else f"a {type(loss).__name__}")
+            raise InvalidArgument(f"step(loss): loss is {what}, not a one-element tensor: pass the loss tensor "
+                                  "itself, job.step(loss) (not loss.item(), not a loss per sample)", op="step")
         if step < 0:
             raise InvalidArgument("step() outside steps(): loop with `for step in job.steps(n)`", op="step")
         if self._stepped:
@@ -564,18 +610,23 @@ class Job:
 
     # ------------------------------------------------------- state checks
     def _check_same_state(self) -> None:
-        """At the first step: every replica of this shard registered the same state
-        (names, keys, shapes, dtypes), or every rank raises ``StateMismatch`` naming it."""
+        """At the first step: every rank loops over the same steps, or every rank raises
+        ``InvalidArgument``; every replica of this shard registered the same state
+        (names, keys, shapes, dtypes, and the modules' parameter values, still those
+        the script started with), or every rank raises ``StateMismatch`` naming it."""
         self._checked = True
         mine = signature(self._state.snapshot(), optimizer_state=False)
+        mine.update(self._state.parameter_digests())
         world = self._replica_groups.world
         digest = int.from_bytes(hashlib.blake2b(json.dumps([self.rank, mine], sort_keys=True).encode(),
                                                 digest_size=8).digest(), "little") >> 1
-        hashes = torch.zeros(world.get_size(), dtype=torch.int64)
-        world.all_gather_single(hashes, torch.tensor([digest], dtype=torch.int64))
+        gathered = torch.zeros(2 * world.get_size(), dtype=torch.int64)
+        world.all_gather_single(gathered, torch.tensor([digest, self._total or 0], dtype=torch.int64))
+        hashes, totals = gathered[0::2].tolist(), gathered[1::2].tolist()
+        self._check_same_total(world.members, totals)
         members = world.members
         by_shard: Dict[int, Set[int]] = {}
-        for member, h in zip(members, hashes.tolist()):
+        for member, h in zip(members, hashes):
             by_shard.setdefault(member % self.world_size, set()).add(h)
         if all(len(v) == 1 for v in by_shard.values()):
             return
@@ -591,8 +642,24 @@ class Job:
                 if diff:
                     differing.append(f"shard {shard}: replica {first // self.world_size} vs replica "
                                      f"{m // self.world_size}: {diff}")
-        raise StateMismatch("registered state differs across replicas: " + "; ".join(differing),
+        seeds = (" (parameter values differ: build the model from the same seed, torch.manual_seed(...) before "
+                 "it, or load the same checkpoint, on every replica)") if any(VALUES in d for d in differing) else ""
+        raise StateMismatch("registered state differs across replicas: " + "; ".join(differing) + seeds,
                             comm=world.get_name(), op="step")
+
+    def _check_same_total(self, members: List[int], totals: List[int]) -> None:
+        """``InvalidArgument`` on every rank unless every rank of the job called
+        ``steps`` with the same total: a rank whose loop ends first would wait in
+        ``finish`` for ranks still stepping, and they for it."""
+        if len(set(totals)) == 1:
+            return
+        by_total: Dict[int, List[int]] = {}
+        for member, total in zip(members, totals):
+            by_total.setdefault(total, []).append(member)
+        ranks = "; ".join(f"job rank(s) {m}: steps({t})" for t, m in sorted(by_total.items()))
+        raise InvalidArgument(f"the ranks loop over different numbers of steps ({ranks}): give every rank the "
+                              "same job.steps(total), from arguments every rank has (not from its rank or data "
+                              "size)", op="steps")
 
     # ------------------------------------------------------------ reporting
     def _report_admissions(self) -> None:
@@ -634,7 +701,7 @@ class Job:
         directory, and end the process with status 0 (``exit=False``: return the
         fingerprints instead; Gloo may abort during interpreter teardown)."""
         if self._total is None or self.step_index >= 0:
-            raise InvalidArgument("finish() before the loop over steps() ended", op="finish")
+            raise InvalidArgument(FINISH_IN_LOOP, op="finish")
         elapsed = time.perf_counter() - self._begin
         rep = self._replica_groups
         rep.wait_for(self._state, self._total, lambda r: self.store.check([f"replica/{r}/gone"]),
@@ -649,7 +716,7 @@ class Job:
             print(f"done: steps {self.start_step}..{self._total - 1} in {elapsed:.1f}s, {len(self.recoveries)} "
                   f"recoveries, {len(self.admissions)} admissions, replicas {self.live_replicas}/{self.replicas} "
                   f"live at the end, generation {self.generation}", flush=True)
-        self.store.set("job/finished", "1")  # a group restarting from now on has nothing to rejoin
+        self.store.set(runs.FINISHED, "1")  # a group restarting from now on has nothing to rejoin
         if self.run_dir:
             self._write_result(elapsed, prints)
         if exit:

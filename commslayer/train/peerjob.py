@@ -62,9 +62,9 @@ from commslayer.train.gradients import local
 from commslayer.hooks import recovery_hooks
 from commslayer.train.redundancy import PeerCopies, StateLost, holders
 from commslayer.reduce_op import ReduceOp
-from commslayer.runs import RESHARDED, Admission, Recovery
+from commslayer.runs import FINISHED, RESHARDED, Admission, Recovery
 from commslayer.train.reshard import merge
-from commslayer.train.job import Job, digest
+from commslayer.train.job import FINISH_IN_LOOP, Job, digest
 from commslayer.agree.store import bounded, connect
 
 COMM_NAME = "shards"
@@ -177,6 +177,7 @@ class PeerJob(Job):
                   f"{self._copies.plan[self.rank]}, continuing at step {step} in generation {self.generation}",
                   flush=True)
         else:
+            self._check_steps_total()
             step = 0 if self._resharded is None else self._load_resharded()
             if not self._commit(self._copies.exchange(step, self._state.pack())):
                 raise CommError("the first copies of the state failed", comm=self._shards.get_name(), op="steps")
@@ -205,6 +206,13 @@ class PeerJob(Job):
             step += 1
         self.step_index = -1
 
+    def _check_steps_total(self) -> None:
+        """Every rank loops over the same number of steps, or every rank raises
+        ``InvalidArgument`` (``Job._check_same_total``)."""
+        totals = torch.zeros(self.world_size, dtype=torch.int64)
+        self._shards.all_gather_single(totals, torch.tensor([self._total], dtype=torch.int64))
+        self._check_same_total(list(range(self.world_size)), totals.tolist())
+
     def _split(self) -> Communicator:
         comm = self._shards.split(list(range(self.world_size)), name="copies")
         assert comm is not None
@@ -220,7 +228,7 @@ class PeerJob(Job):
         down is recovered from (the lost rank replaced, every rank back at a boundary
         whose state every rank has) and ``steps`` yields that boundary's step next: False
         (its loss reads NaN until it is redone)."""
-        step, _, grads = self._begin_step()
+        step, _, grads = self._begin_step(loss)
         average = None
         if loss is not None:
             average = loss.detach().reshape(1).to(local(grads[0]).dtype) / self.world_size
@@ -457,7 +465,7 @@ class PeerJob(Job):
         another may still count on it), this rank's state fingerprint, its result
         written, and the process ended with status 0."""
         if self._total is None or self.step_index >= 0:
-            raise InvalidArgument("finish() before the loop over steps() ended", op="finish")
+            raise InvalidArgument(FINISH_IN_LOOP, op="finish")
         elapsed = time.perf_counter() - self._begin
         prints = [self._state.fingerprint()]
         self._shards.all_reduce(torch.zeros(1), ReduceOp.SUM)
@@ -465,7 +473,7 @@ class PeerJob(Job):
             print(f"done: steps {self.start_step}..{self._total - 1} in {elapsed:.1f}s, {len(self._recoveries)} "
                   f"recoveries (ranks replaced: {sorted(r for a in self._admissions for r in a.replicas)}), "
                   f"generation {self.generation}, copies held here {self._copies.held_bytes} bytes", flush=True)
-        self.store.set("job/finished", "1")
+        self.store.set(FINISHED, "1")
         if self.run_dir:
             self._write_result(elapsed, prints)
         if exit:

@@ -6,7 +6,14 @@
 ``no-step``      the loop never calls ``job.step()``;
 ``no-optimizer``  only the model is registered;
 ``other-model``   the optimizer was built over another model's parameters;
-``scheduler``     an LR scheduler drives the optimizer but is not registered.
+``scheduler``     an LR scheduler drives the optimizer but is not registered;
+``same-optimizer``  the optimizer is registered twice, under two names;
+``submodule``     the model and a module wrapping it are both registered;
+``two-optimizers``  a second optimizer over the same parameters is registered;
+``uneven-steps``  replica 1 loops over fewer steps than replica 0;
+``seed``          each replica seeds its model differently;
+``epochs``        the loop over ``job.steps()`` runs again for a second epoch;
+``loss-item``     ``job.step(loss.item())``: a float, not the loss tensor.
 
 Each must end every rank with a clear error, not a hang or a silent divergence.
 """
@@ -33,7 +40,7 @@ class Counter:
 def main() -> None:
     mistake = sys.argv[1]
     job = resilience.init()
-    torch.manual_seed(0)
+    torch.manual_seed(job.replica if mistake == "seed" else 0)
     model = nn.Linear(4, 4)
     opt = torch.optim.SGD((nn.Linear(4, 4) if mistake == "other-model" else model).parameters(), lr=0.1)
     if mistake == "scheduler":
@@ -44,14 +51,27 @@ def main() -> None:
         del state["optimizer"]
     if mistake == "extra-state" and job.replica == 1:
         state["extra"] = Counter(2)
+    state.update(twice(mistake, model, opt))
     job.register(**state)
-    for step in job.steps(5):
-        loss = model(torch.ones(2, 4)).sum()
-        if mistake != "no-grads":
-            loss.backward()
-        if mistake != "no-step":
-            job.step(loss)
+    for _ in range(2 if mistake == "epochs" else 1):
+        for step in job.steps(4 if mistake == "uneven-steps" and job.replica == 1 else 5):
+            loss = model(torch.ones(2, 4)).sum()
+            if mistake != "no-grads":
+                loss.backward()
+            if mistake != "no-step":
+                job.step(loss.item() if mistake == "loss-item" else loss)
     job.finish()
+
+
+def twice(mistake: str, model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """What the mistakes that register something twice register beside the model and optimizer."""
+    if mistake == "same-optimizer":
+        return {"opt2": opt}
+    if mistake == "submodule":
+        return {"wrapped": nn.Sequential(model)}
+    if mistake == "two-optimizers":
+        return {"opt2": torch.optim.SGD(model.parameters(), lr=0.1)}
+    return {}
 
 
 if __name__ == "__main__":

@@ -2,12 +2,13 @@
 tests/test_bugs.py: run under ``commslayer-run`` in either mode.
 
 ``user_fsdp2.py [--steps N] [--bug STEP:MEMBER] [--skip STEP:MEMBER] [--kill STEP:MEMBER]
-[--no-optimizer] [--unregistered-scheduler]``
+[--fewer-steps MEMBER] [--no-optimizer] [--unregistered-scheduler]``
 
 - ``--bug``: the member's loss code raises ``ValueError`` at that step, in every life
   (a bug: it recurs);
 - ``--skip``: the member does not call ``job.step()`` at that step;
 - ``--kill``: the member SIGKILLs itself at that step, in its first life only (a fault);
+- ``--fewer-steps``: the member loops over one step fewer than the others;
 - ``--no-optimizer``: ``job.register(model=model)`` alone;
 - ``--unregistered-scheduler``: an LR scheduler drives the optimizer but is not registered.
 
@@ -42,6 +43,7 @@ def main() -> None:
     p.add_argument("--bug", type=at)
     p.add_argument("--skip", type=at)
     p.add_argument("--kill", type=at)
+    p.add_argument("--fewer-steps", type=int)
     p.add_argument("--no-optimizer", action="store_true")
     p.add_argument("--unregistered-scheduler", action="store_true")
     args = p.parse_args()
@@ -59,7 +61,7 @@ def main() -> None:
     else:
         job.register(model=model, optimizer=opt, scheduler=sched)
     life = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    for step in job.steps(args.steps):
+    for step in job.steps(args.steps - (args.fewer_steps == job.member)):
         g = torch.Generator().manual_seed(step * 100 + job.member)
         x = torch.randn(8, 16, generator=g)
         if args.bug == (step, job.member):
