@@ -196,6 +196,23 @@ def test_the_recipe_changes_the_lines_the_docs_say():
         (said and said.group(0), removed, len(added))
 
 
+@pytest.mark.timeout(90)
+def test_an_unconverted_script_runs_in_per_rank_mode_instead_of_hanging(tmp_path):
+    """The plain script, not converted yet, under ``commslayer-run --nproc-per-node 2``: rank 0
+    tried to serve MASTER_PORT, the job's store, and failed (EADDRINUSE) at every restart while
+    rank 1 waited for it in init_process_group for 30 minutes. Now it runs as under torchrun."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="")
+    proc = subprocess.run([sys.executable, "-m", "commslayer.run.launcher", "--nproc-per-node", "2",
+                           "--max-restarts", "1", str(PLAIN), "--steps", "11"], env=env, cwd=str(tmp_path),
+                          capture_output=True, text=True, timeout=75)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, job_story(out)
+    assert [x.split(" loss ")[0] for x in proc.stdout.splitlines() if " loss " in x] == \
+        ["[rank 0] step 0", "[rank 0] step 10"], job_story(out)
+    assert "EADDRINUSE" not in out and "starting life" not in out, job_story(out)
+    assert "coordinator: no rank called job.finish()" in proc.stdout, job_story(out)  # no resilience: said
+
+
 @pytest.mark.timeout(150)
 def test_the_resilient_script_and_its_plain_twin_print_the_same_losses_under_torchrun(tmp_path):
     """Under plain torchrun (no commslayer-run) the converted script is one replica group and

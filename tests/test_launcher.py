@@ -152,6 +152,19 @@ def test_a_script_that_fails_at_start_up(tmp_path):
     assert not tagged(tag)
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", [["--nproc-per-node", "2"], ["--replicas", "2", "--nproc-per-replica", "1"]])
+def test_a_script_that_exits_0_at_once_is_not_a_silent_success(tmp_path, mode):
+    """A script that exits 0 before it trains (an early ``sys.exit(0)``, a ``__main__`` guard
+    that never calls ``main()``): the launcher exited 0 without a word. It still exits 0 (it runs
+    any script), and says that no rank reached ``job.finish()``."""
+    (tmp_path / "quits.py").write_text("import sys\nsys.exit(0)\n")
+    proc, tag = launch([*mode, "quits.py"], cwd=tmp_path, timeout=60)
+    log = proc.stdout[-3000:] + proc.stderr
+    assert proc.returncode == 0 and "coordinator: no rank called job.finish()" in proc.stdout, log
+    assert not tagged(tag)
+
+
 def test_a_user_script_from_any_directory(tmp_path):
     """A script outside the repository, named relative to a directory outside it: the workers
     run there, get exactly the script's arguments (no --run-dir added: it comes in

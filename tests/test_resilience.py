@@ -48,6 +48,7 @@ def clean(tmp_path_factory) -> Dict[str, List[RankResult]]:
         run_dir = tmp_path_factory.mktemp(f"clean-{name}")
         run = launch(script, "--steps", str(CLEAN_STEPS), per_replica=2, restarts=2, run_dir=str(run_dir))
         assert run.returncode == 0, job_story(run.stdout + run.stderr)
+        assert "no rank called job.finish()" not in run.stdout
         out[name] = load_results(str(run_dir))
     return out
 

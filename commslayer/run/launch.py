@@ -28,7 +28,7 @@ from commslayer.errors import first_line
 from commslayer.agree.etcdstore import Claim, EtcdStore
 from commslayer.run import status
 from commslayer.run.processes import ProcessSet, become_subreaper, free_port
-from commslayer.runs import PROG
+from commslayer.runs import FINISHED, PROG
 from commslayer.agree.store import bounded, connect
 from commslayer.endpoints import parse_url
 from commslayer.run.supervisor import Failed, RankJob, Stopped, all_ended, check_reachable, echo, stop_on_bugs, supervise_ranks
@@ -99,6 +99,8 @@ def run(a: argparse.Namespace) -> int:
             print(f"{PROG}: replica group(s) {gave_up} gave up (torchrun exit {[codes[r] for r in gave_up]} after up "
                   f"to {a.max_restarts} restart(s)); their output is above", file=sys.stderr, flush=True)
         ok = not gave_up
+    if ok and not a.coordinator:
+        _note_if_unfinished(store)
     if a.run_dir and not a.coordinator:  # the coordinator has seen every replica group (or rank) end
         summarized = summarize(a.run_dir, store, _shards(a), a.compare_to, a.loss_tolerance, per_rank=a.per_rank,
                                nodes=_nodes(a))
@@ -107,6 +109,16 @@ def run(a: argparse.Namespace) -> int:
                   f"{runs.SUMMARY})", file=sys.stderr, flush=True)
         ok = ok and summarized
     return 0 if ok else 1
+
+def _note_if_unfinished(store) -> None:
+    """Say so when every process ended well but no rank reached ``job.finish()``: a script
+    that exits before its loop (or does not use commslayer.resilience) would otherwise
+    end the job with status 0 and not a word about what it did not do."""
+    if not store.check([FINISHED]):
+        print(f"coordinator: no rank called job.finish(): the script left before the end of its loop over "
+              "job.steps(), or does not use commslayer.resilience (docs/training.md); no state was compared "
+              "across replicas and no result written", flush=True)
+
 
 def _shards(a: argparse.Namespace) -> int:
     """Ranks per replica group (in per-rank mode, the job's ranks: one replica of each)."""

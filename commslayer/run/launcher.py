@@ -14,8 +14,9 @@ started without torchrun and replaced alone when it is lost, while the
 others hold (commslayer.run.supervisor, which also lists the store keys the
 launcher and the ranks share).  It is for scripts on commslayer.resilience:
 ``MASTER_ADDR``/``MASTER_PORT`` name the job's store, which is already a
-TCPStore server, so a plain ``init_process_group("env://")`` would try to
-serve it again on rank 0.  ``--nproc-per-node P`` ranks on each of
+TCPStore server; as under torchrun, ``TORCHELASTIC_USE_AGENT_STORE=True``
+makes a plain ``init_process_group("env://")`` connect to it on every rank
+(an unconverted script runs, without recovery).  ``--nproc-per-node P`` ranks on each of
 ``--nnodes M`` hosts (defaults 2 and 1); the coordinator runs node 0's
 ranks, every other host its ``--node-rank``'s; ``--max-restarts`` counts per
 rank.  ``--spares S`` keeps S warm spares on each host (commslayer.run.spares):
@@ -63,7 +64,7 @@ the trace directory empty to run without tracing); in replica mode
 ``COMMSLAYER_REPLICA`` and ``COMMSLAYER_REPLICAS`` too; in per-rank mode
 what torchrun would set (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``,
-``TORCHELASTIC_RESTART_COUNT``: the rank's life) and
+``TORCHELASTIC_USE_AGENT_STORE``, ``TORCHELASTIC_RESTART_COUNT``: the rank's life) and
 ``COMMSLAYER_RESTART_UNIT=rank``, ``COMMSLAYER_NODE`` (the node rank) and
 ``COMMSLAYER_JOB_RANK``.  Every process started here runs in its own
 session and is ended (SIGTERM, then SIGKILL after ``--grace``), with

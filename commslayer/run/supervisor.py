@@ -110,6 +110,9 @@ def rank_env(job: RankJob, rank: int, life: int) -> Dict[str, str]:
         env.pop(name, None)
     if not is_etcd(job.store_address):  # the coordinator's TCPStore, where torchrun's would be
         env["MASTER_ADDR"], _, env["MASTER_PORT"] = job.store_address.rpartition(":")
+        # as torchrun tells its workers: that store is served already, so an env:// rendezvous (a plain
+        # init_process_group) connects to it on rank 0 too instead of trying to serve it again
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     return env
 
 
