@@ -2,7 +2,7 @@
 synchronous and asynchronous ``all_reduce`` on CUDA tensors, against plain c10d's
 NCCL group and a second plain group (A/A), in one process per GPU.
 
-    python launch/bench/bench_nccl.py [--ranks N] [--sizes 4096,1048576] [--repeats 3]
+    python launch/bench/bench_nccl.py [--ranks N] [--sizes 4096,1048576] [--repeats 3] [--tracing]
 
 Rank r runs on GPU r (N at most the GPUs there are; one GPU gives a world of one,
 where NCCL copies and the figures are the layers' own cost). Each repeat runs
@@ -31,7 +31,8 @@ from launch.bench.measure import median_range, parse  # noqa: E402
 VARIANTS = ("plain", "plain A'", "commslayer", "plain async", "commslayer async")
 
 
-def _rank(rank: int, size: int, store, sizes: List[int], iters: int, repeats: int) -> Dict[str, List[tuple]]:
+def _rank(rank: int, size: int, store, sizes: List[int], iters: int, repeats: int,
+          traced: bool) -> Dict[str, List[tuple]]:
     import torch.distributed as dist
 
     import commslayer
@@ -55,22 +56,36 @@ def _rank(rank: int, size: int, store, sizes: List[int], iters: int, repeats: in
         }
         for _ in range(repeats):
             for name in VARIANTS:
-                call = calls[name]
-                for _ in range(min(iters, 50)):
-                    call()
-                torch.cuda.synchronize()
-                cpu, wall = [], []
-                for _ in range(iters):
-                    w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-                    call()
-                    c1, w1 = time.thread_time_ns(), time.perf_counter_ns()
-                    cpu.append((c1 - c0) / 1e3)
-                    wall.append((w1 - w0) / 1e3)
-                torch.cuda.synchronize()
-                seen.setdefault(f"{name}|{nbytes}", []).append((statistics.median(cpu), statistics.median(wall)))
+                seen.setdefault(f"{name}|{nbytes}", []).append(_timed(calls[name], iters))
+    if traced:  # the flight recorder on, then the commslayer variants again
+        from tracing.record.recorder import install
+
+        install(None, signals=False)
+        for nbytes in sizes:
+            t = torch.ones(nbytes // 4, device=device)
+            for _ in range(repeats):
+                for name, call in (("commslayer + recorder", lambda: comm.all_reduce(t)),
+                                   ("commslayer async + recorder", lambda: comm.all_reduce(t, async_op=True).wait())):
+                    seen.setdefault(f"{name}|{nbytes}", []).append(_timed(call, iters))
     comm.finalize()
     dist.destroy_process_group()
     return seen
+
+
+def _timed(call: Callable[[], object], iters: int) -> tuple:
+    """(median CPU µs, median wall µs) of ``iters`` calls after a warm-up."""
+    for _ in range(min(iters, 50)):
+        call()
+    torch.cuda.synchronize()
+    cpu, wall = [], []
+    for _ in range(iters):
+        w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        call()
+        c1, w1 = time.thread_time_ns(), time.perf_counter_ns()
+        cpu.append((c1 - c0) / 1e3)
+        wall.append((w1 - w0) / 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(cpu), statistics.median(wall)
 
 
 def main() -> None:
@@ -79,6 +94,8 @@ def main() -> None:
     p.add_argument("--sizes", default="4096,1048576", help="bytes per op, comma-separated (default 4096,1048576)")
     p.add_argument("--iters", type=int, default=2000, help="timed ops per variant and repeat (default 2000)")
     p.add_argument("--repeats", type=int, default=3, help="rounds of every variant (default 3)")
+    p.add_argument("--tracing", action="store_true",
+                   help="then the commslayer variants again with the flight recorder on")
     p.add_argument("--smoke", action="store_true", help="one repeat of 20 ops at 4 KiB")
     args = parse(p, {"sizes": "4096", "iters": 20, "repeats": 1})
     if not torch.cuda.is_available():
@@ -88,17 +105,19 @@ def main() -> None:
         sys.exit(f"--ranks {args.ranks}: this machine has {torch.cuda.device_count()} GPU(s), one per rank")
     sizes = [int(s) for s in args.sizes.split(",")]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    seen = run_ranks(_rank, args.ranks, sizes, args.iters, args.repeats, timeout=1200, start="spawn")[0]
+    seen = run_ranks(_rank, args.ranks, sizes, args.iters, args.repeats, args.tracing, timeout=1200,
+                     start="spawn")[0]
     print(f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, "
           f"{torch.cuda.get_device_name(0)}, world size {args.ranks}, rank 0's figures\n")
     print("| variant | bytes | CPU µs (median) | CPU µs (min–max) | wall µs (median) | wall µs (min–max) "
           "| CPU over plain, µs |")
     print("|---|---|---|---|---|---|---|")
+    traced = ("commslayer + recorder", "commslayer async + recorder") if args.tracing else ()
     for nbytes in sizes:
         base = {"plain": seen[f"plain|{nbytes}"], "plain async": seen[f"plain async|{nbytes}"]}
-        for name in VARIANTS:
+        for name in VARIANTS + traced:
             runs = seen[f"{name}|{nbytes}"]
-            against = base["plain async" if name.endswith("async") else "plain"]
+            against = base["plain async" if "async" in name else "plain"]
             extra = "–" if name in base else \
                 f"{statistics.median(r[0] for r in runs) - statistics.median(r[0] for r in against):+.2f}"
             print(f"| {name} | {nbytes} | {median_range([r[0] for r in runs], digits=2)} "
