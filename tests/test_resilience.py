@@ -149,6 +149,19 @@ def test_a_mistake_is_a_clear_error_on_every_rank(mistake, expected, where):
     assert "healed from a live replica" not in out and "restarted (restart" not in out, out
 
 
+@pytest.mark.timeout(90)
+def test_replica_groups_that_read_the_same_data_are_told():
+    """Data drawn from the rank in the group (``RANK``, ``job.rank``) is the same in every replica
+    group: the job trained as one replica, without a word. It still trains; world rank 0 says
+    why its replicas add nothing, once, and a job whose replicas read their own data hears nothing."""
+    warning = "every replica group computed bitwise the same loss on each shard"
+    same = launch(MISUSE, "same-data")
+    assert same.returncode == 0 and same.stdout.count(warning) == 1, job_story(same.stdout + same.stderr)
+    assert "derive each rank's data from job.member" in same.stdout
+    own = launch(MISUSE, "none")
+    assert own.returncode == 0 and warning not in own.stdout, job_story(own.stdout + own.stderr)
+
+
 @pytest.mark.timeout(120)
 def test_the_same_script_runs_under_plain_torchrun(tmp_path):
     """No launcher: one replica group, the same script unchanged, its result written."""

@@ -511,7 +511,7 @@ class Job:
         averaged over the job and recorded in ``losses`` (and the run's results)."""
         step, params, grads = self._begin_step(loss)
         if not self._checked:
-            self._check_same_state()
+            self._check_same_state(loss)
         extra = None
         if loss is not None:
             extra = loss.detach().reshape(1).to(local(grads[0]).dtype) / self.world_size
@@ -609,22 +609,26 @@ class Job:
             self._healed = {k: fields.get(k) for k in ("step", "generation", "seconds", "bytes")}
 
     # ------------------------------------------------------- state checks
-    def _check_same_state(self) -> None:
+    def _check_same_state(self, loss: Optional[torch.Tensor]) -> None:
         """At the first step: every rank loops over the same steps, or every rank raises
         ``InvalidArgument``; every replica of this shard registered the same state
         (names, keys, shapes, dtypes, and the modules' parameter values, still those
-        the script started with), or every rank raises ``StateMismatch`` naming it."""
+        the script started with), or every rank raises ``StateMismatch`` naming it;
+        replicas whose losses are all the same say that they read the same data."""
         self._checked = True
         mine = signature(self._state.snapshot(), optimizer_state=False)
         mine.update(self._state.parameter_digests())
         world = self._replica_groups.world
         digest = int.from_bytes(hashlib.blake2b(json.dumps([self.rank, mine], sort_keys=True).encode(),
                                                 digest_size=8).digest(), "little") >> 1
-        gathered = torch.zeros(2 * world.get_size(), dtype=torch.int64)
-        world.all_gather_single(gathered, torch.tensor([digest, self._total or 0], dtype=torch.int64))
-        hashes, totals = gathered[0::2].tolist(), gathered[1::2].tolist()
+        loss_bits = 0 if loss is None else int(torch.tensor([loss.item()], dtype=torch.float64).view(torch.int64))
+        gathered = torch.zeros(3 * world.get_size(), dtype=torch.int64)
+        world.all_gather_single(gathered, torch.tensor([digest, self._total or 0, loss_bits], dtype=torch.int64))
+        hashes, totals = gathered[0::3].tolist(), gathered[1::3].tolist()
         self._check_same_total(world.members, totals)
         members = world.members
+        if loss is not None:
+            self._warn_if_same_data(members, gathered[2::3].tolist())
         by_shard: Dict[int, Set[int]] = {}
         for member, h in zip(members, hashes):
             by_shard.setdefault(member % self.world_size, set()).add(h)
@@ -646,6 +650,19 @@ class Job:
                  "it, or load the same checkpoint, on every replica)") if any(VALUES in d for d in differing) else ""
         raise StateMismatch("registered state differs across replicas: " + "; ".join(differing) + seeds,
                             comm=world.get_name(), op="step")
+
+    def _warn_if_same_data(self, members: List[int], losses: List[int]) -> None:
+        """Say so (on the rank that reports) when every replica of every shard computed
+        bitwise the same first loss: the replicas read the same data, most likely from
+        ``RANK``/``job.rank``, which repeat in every replica group, and add nothing."""
+        by_shard: Dict[int, Set[int]] = {}
+        for member, bits in zip(members, losses):
+            by_shard.setdefault(member % self.world_size, set()).add(bits)
+        if len(members) > self.world_size and all(len(v) == 1 for v in by_shard.values()) and self.reports:
+            print(f"warning: at step {self.step_index} every replica group computed bitwise the same loss on each "
+                  "shard: they read the same data, and the replicas add nothing; derive each rank's data from "
+                  "job.member (its place in the whole job), not RANK or job.rank, which repeat in every replica "
+                  "group", flush=True)
 
     def _check_same_total(self, members: List[int], totals: List[int]) -> None:
         """``InvalidArgument`` on every rank unless every rank of the job called

@@ -13,7 +13,10 @@
 ``uneven-steps``  replica 1 loops over fewer steps than replica 0;
 ``seed``          each replica seeds its model differently;
 ``epochs``        the loop over ``job.steps()`` runs again for a second epoch;
-``loss-item``     ``job.step(loss.item())``: a float, not the loss tensor.
+``loss-item``     ``job.step(loss.item())``: a float, not the loss tensor;
+``same-data``     every replica group reads the same data (a warning: the replicas add nothing).
+
+Anything else (``none``) makes no mistake: each member reads its own data.
 
 Each must end every rank with a clear error, not a hang or a silent divergence.
 """
@@ -55,7 +58,7 @@ def main() -> None:
     job.register(**state)
     for _ in range(2 if mistake == "epochs" else 1):
         for step in job.steps(4 if mistake == "uneven-steps" and job.replica == 1 else 5):
-            loss = model(torch.ones(2, 4)).sum()
+            loss = model(torch.ones(2, 4) * (1 if mistake == "same-data" else job.member + 1)).sum()
             if mistake != "no-grads":
                 loss.backward()
             if mistake != "no-step":
