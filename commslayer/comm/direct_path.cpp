@@ -179,6 +179,21 @@ class NativeRing {
     return out;
   }
 
+  // The records begun at or after position `from` (records ever begun before
+  // them), the oldest the ring still holds if it moved past `from`: (the
+  // position of the first, a list with None where a record was taken).  For a
+  // reader that comes back for the new ones only (the status figures).
+  py::tuple records_from(int64_t from) const {
+    int64_t first = std::max<int64_t>({int64_t{0}, from, count_ - capacity_});
+    int64_t last = count_;
+    py::list out;
+    for (int64_t i = first; i < last; ++i) {
+      const Slot& s = slots_[static_cast<size_t>(i % capacity_)];
+      out.append(s.op_id != 0 ? fields(s) : py::object(py::none()));
+    }
+    return py::make_tuple(first, out);
+  }
+
   // Take the record of op_id out of the ring (its op failed: Python settles it
   // from here on); None when the ring has moved past it.
   py::object take(int64_t op_id) {
@@ -991,6 +1006,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<NativeRing>(m, "NativeRing")
       .def(py::init<int64_t, py::dict, py::tuple, py::object, py::object>(), py::arg("capacity"),
            py::arg("thread_names"), py::arg("internal_dirs"), py::arg("threading_file"), py::arg("current_thread"))
+      .def("records_from", &NativeRing::records_from, py::arg("from"))
       .def_property_readonly("count", &NativeRing::count)
       .def_property_readonly("taken", &NativeRing::taken)
       .def_readwrite("step", &NativeRing::step)
