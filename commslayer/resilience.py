@@ -76,6 +76,15 @@ def _leave(job: "Job", exc_type: type, exc: BaseException, tb: Any, previous: Ca
     exit_now(1, why)
 
 
+def _check_launched() -> None:
+    """``InvalidArgument`` naming how to start the script when no launcher started it
+    (``python script.py``: no ``RANK``, ``WORLD_SIZE``), instead of a ``KeyError``."""
+    missing = [name for name in ("RANK", "WORLD_SIZE") if name not in os.environ]
+    if missing:
+        raise InvalidArgument(f"{' and '.join(missing)} not set: start the script with commslayer-run (commslayer-run "
+                              f"--nproc-per-node 2 {sys.argv[0]}) or torchrun, not with python alone", op="init")
+
+
 def init(*, timeout: timedelta = timedelta(seconds=60), bucket_mb: float = BUCKET_BYTES / 2 ** 20,
          overlap: Optional[bool] = None, run_dir: Optional[str] = None, heal_timeout_s: float = 120.0,
          redundancy: Optional[int] = None, refresh_every: Optional[int] = None) -> Job:
@@ -107,14 +116,13 @@ def init(*, timeout: timedelta = timedelta(seconds=60), bucket_mb: float = BUCKE
         raise InvalidArgument(f"refresh_every={refresh_every!r} must be an int >= 1", op="init")
     common: Dict[str, Any] = dict(timeout=timeout, bucket_bytes=int(bucket_mb * 2 ** 20), overlap=overlap,
                                   run_dir=run_dir, heal_timeout_s=heal_timeout_s)
-    if config.restart_unit() == "rank":
-        waiting = config.spare()
-        if waiting is not None:  # a warm spare: this returns once it is a lost rank's next life
-            spare.wait_for_rank(waiting)
-        job: Job = PeerJob(redundancy=redundancy, refresh_every=refresh_every, replace_timeout_s=heal_timeout_s,
-                           **common)
-    else:
-        job = Job(**common)
+    per_rank = config.restart_unit() == "rank"
+    waiting = config.spare() if per_rank else None
+    if waiting is not None:  # a warm spare: this returns once it is a lost rank's next life
+        spare.wait_for_rank(waiting)
+    _check_launched()
+    job = PeerJob(redundancy=redundancy, refresh_every=refresh_every, replace_timeout_s=heal_timeout_s,
+                  **common) if per_rank else Job(**common)
     previous = sys.excepthook  # after init_process_group: its hook captures stderr while it calls the one before
     sys.excepthook = lambda t, e, tb: _leave(job, t, e, tb, previous)
     return job

@@ -131,6 +131,8 @@ def test_the_average_begun_during_backward_equals_the_one_after_it(clean, tmp_pa
     # trained steps 0..4 twice and reported 5 steps
     ("epochs", ["InvalidArgument", "steps() called again (steps(5), then steps(5))"], OUTSIDE),
     ("loss-item", ["InvalidArgument", "step(loss): loss is a float, not a one-element tensor"], AT),
+    # trained nothing, exit 0
+    ("no-steps", ["InvalidArgument", "steps(0): the job's number of steps must be an int >= 1"], OUTSIDE),
 ])
 def test_a_mistake_is_a_clear_error_on_every_rank(mistake, expected, where):
     """A mistake is a bug, not a fault: every rank that makes it says why in one line, and
@@ -160,6 +162,20 @@ def test_replica_groups_that_read_the_same_data_are_told():
     assert "derive each rank's data from job.member" in same.stdout
     own = launch(MISUSE, "none")
     assert own.returncode == 0 and warning not in own.stdout, job_story(own.stdout + own.stderr)
+
+
+@pytest.mark.timeout(60)
+def test_a_script_started_with_python_alone_is_told_how_to_start():
+    """``python my_train.py``, no launcher: a KeyError: 'RANK' from inside commslayer; now one
+    line that says how to start it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT", "COMMSLAYER_RESTART_UNIT")}
+    run = subprocess.run([sys.executable, str(MISUSE), "none"], env=env, cwd="/", capture_output=True, text=True,
+                         timeout=50)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert run.stderr.splitlines()[-1] == (
+        f"commslayer.errors.InvalidArgument: RANK and WORLD_SIZE not set: start the script with commslayer-run "
+        f"(commslayer-run --nproc-per-node 2 {MISUSE}) or torchrun, not with python alone [op init]"), run.stderr
 
 
 @pytest.mark.timeout(120)

@@ -33,6 +33,7 @@ import hashlib
 import json
 import logging
 import math
+import numbers
 import os
 import time
 from datetime import timedelta
@@ -494,6 +495,9 @@ class Job:
         self.step_index = -1
 
     def _begin_loop(self, total: int) -> None:
+        if isinstance(total, bool) or not isinstance(total, numbers.Integral) or total < 1:
+            raise InvalidArgument(f"steps({total!r}): the job's number of steps must be an int >= 1 (a job of "
+                                  "no steps trains nothing)", op="steps")
         if self._total is not None:
             raise InvalidArgument(f"steps() called again (steps({self._total}), then steps({total})): loop over "
                                   "job.steps(total) once, for the whole job (a restarted replica resumes from its "

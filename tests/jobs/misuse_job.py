@@ -14,7 +14,8 @@
 ``seed``          each replica seeds its model differently;
 ``epochs``        the loop over ``job.steps()`` runs again for a second epoch;
 ``loss-item``     ``job.step(loss.item())``: a float, not the loss tensor;
-``same-data``     every replica group reads the same data (a warning: the replicas add nothing).
+``same-data``     every replica group reads the same data (a warning: the replicas add nothing);
+``no-steps``      ``job.steps(0)``: a job of no steps (``--steps 0``).
 
 Anything else (``none``) makes no mistake: each member reads its own data.
 
@@ -57,7 +58,8 @@ def main() -> None:
     state.update(twice(mistake, model, opt))
     job.register(**state)
     for _ in range(2 if mistake == "epochs" else 1):
-        for step in job.steps(4 if mistake == "uneven-steps" and job.replica == 1 else 5):
+        for step in job.steps(0 if mistake == "no-steps" else 4 if mistake == "uneven-steps" and job.replica == 1
+                              else 5):
             loss = model(torch.ones(2, 4) * (1 if mistake == "same-data" else job.member + 1)).sum()
             if mistake != "no-grads":
                 loss.backward()
