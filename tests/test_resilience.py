@@ -131,6 +131,9 @@ def test_the_average_begun_during_backward_equals_the_one_after_it(clean, tmp_pa
     # trained steps 0..4 twice and reported 5 steps
     ("epochs", ["InvalidArgument", "steps() called again (steps(5), then steps(5))"], OUTSIDE),
     ("loss-item", ["InvalidArgument", "step(loss): loss is a float, not a one-element tensor"], AT),
+    # trained on each replica's own gradients, then again on the average, exit 0
+    ("opt-step", ["InvalidArgument", "optimizer 'optimizer' stepped outside job.step(): remove optimizer.step()"],
+     AT),
     # trained nothing, exit 0
     ("no-steps", ["InvalidArgument", "steps(0): the job's number of steps must be an int >= 1"], OUTSIDE),
 ])

@@ -368,6 +368,7 @@ class Job:
         self._admissions_reported = 0
         self._checked = False
         self._training_checked = False  # check_training ran (at the first step)
+        self._applying = False  # step() is applying the registered optimizers
         self._total: Optional[int] = None
         self._begin = 0.0
         self._status_at = -STATUS_EVERY_S  # when this rank last wrote its status record (monotonic)
@@ -425,7 +426,17 @@ class Job:
                 obj.register_forward_pre_hook(lambda *_: self._phase("forward"))
                 obj.register_forward_hook(self._on_output)
             elif isinstance(obj, torch.optim.Optimizer):
-                obj.register_step_pre_hook(lambda *_: self._phase("optimizer"))
+                obj.register_step_pre_hook(lambda *_, name=name: self._on_optimizer_step(name))
+
+    def _on_optimizer_step(self, name: str) -> None:
+        """A registered optimizer is about to step: only ``step`` may make it, once the
+        gradients are averaged and the step committed."""
+        if not self._applying:
+            raise InvalidArgument(f"optimizer {name!r} stepped outside job.step(): remove {name}.step() and "
+                                  "zero_grad() from the loop, job.step(loss) applies it once the gradients are "
+                                  "averaged across replicas (a step of its own trains on this replica's gradients "
+                                  "alone, or twice)", op="step")
+        self._phase("optimizer")
 
     def _on_output(self, module: nn.Module, inputs: Any, output: Any) -> None:
         """The first module's output: its gradient is where backward begins."""
@@ -553,9 +564,13 @@ class Job:
 
     def _apply(self) -> None:
         """The committed step: every registered optimizer steps, the gradients are zeroed."""
-        for opt in self._state.optimizers.values():
-            opt.step()
-            opt.zero_grad()
+        self._applying = True
+        try:
+            for opt in self._state.optimizers.values():
+                opt.step()
+                opt.zero_grad()
+        finally:
+            self._applying = False
         self._stepped = True
         self._write_status()
 

@@ -15,7 +15,8 @@
 ``epochs``        the loop over ``job.steps()`` runs again for a second epoch;
 ``loss-item``     ``job.step(loss.item())``: a float, not the loss tensor;
 ``same-data``     every replica group reads the same data (a warning: the replicas add nothing);
-``no-steps``      ``job.steps(0)``: a job of no steps (``--steps 0``).
+``no-steps``      ``job.steps(0)``: a job of no steps (``--steps 0``);
+``opt-step``      the plain script's ``opt.step()`` left in the loop, before ``job.step()``.
 
 Anything else (``none``) makes no mistake: each member reads its own data.
 
@@ -63,6 +64,8 @@ def main() -> None:
             loss = model(torch.ones(2, 4) * (1 if mistake == "same-data" else job.member + 1)).sum()
             if mistake != "no-grads":
                 loss.backward()
+            if mistake == "opt-step":
+                opt.step()
             if mistake != "no-step":
                 job.step(loss.item() if mistake == "loss-item" else loss)
     job.finish()
