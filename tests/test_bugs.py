@@ -109,6 +109,8 @@ def test_a_sigkill_at_the_same_step_is_still_recovered(tmp_path, mode):
     # hung: rank 1 waited in finish() for the others, still stepping
     (["--fewer-steps", "1"], "the ranks loop over different numbers of steps (job rank(s) [1]: steps(19); job "
                              "rank(s) [0, 2]: steps(20))"),
+    # CommAborted, taken for a fault: every rank restarted and waited for survivors that did not exist
+    (["--destroy-first"], "dist.destroy_process_group() before job.finish()"),
     # the same stop as --skip's; the two checks themselves run in the default suite on every rank
     # of a replica-mode job (tests/test_resilience.py, test_a_mistake_is_a_clear_error_on_every_rank)
     pytest.param(["--no-optimizer"], "no optimizer is registered", marks=pytest.mark.slow),

@@ -466,6 +466,10 @@ class PeerJob(Job):
         written, and the process ended with status 0."""
         if self._total is None or self.step_index >= 0:
             raise InvalidArgument(FINISH_IN_LOOP, op="finish")
+        if not dist.is_initialized():
+            raise InvalidArgument("dist.destroy_process_group() before job.finish(): in per-rank mode the default "
+                                  "process group is the job's own communicator, which finish() still uses; remove "
+                                  "the call (finish() ends the process and its groups)", op="finish")
         elapsed = time.perf_counter() - self._begin
         prints = [self._state.fingerprint()]
         self._shards.all_reduce(torch.zeros(1), ReduceOp.SUM)

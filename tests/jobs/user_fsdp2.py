@@ -2,13 +2,14 @@
 tests/test_bugs.py: run under ``commslayer-run`` in either mode.
 
 ``user_fsdp2.py [--steps N] [--bug STEP:MEMBER] [--skip STEP:MEMBER] [--kill STEP:MEMBER]
-[--fewer-steps MEMBER] [--no-optimizer] [--unregistered-scheduler]``
+[--fewer-steps MEMBER] [--destroy-first] [--no-optimizer] [--unregistered-scheduler]``
 
 - ``--bug``: the member's loss code raises ``ValueError`` at that step, in every life
   (a bug: it recurs);
 - ``--skip``: the member does not call ``job.step()`` at that step;
 - ``--kill``: the member SIGKILLs itself at that step, in its first life only (a fault);
 - ``--fewer-steps``: the member loops over one step fewer than the others;
+- ``--destroy-first``: the plain script's ``dist.destroy_process_group()`` left before ``job.finish()``;
 - ``--no-optimizer``: ``job.register(model=model)`` alone;
 - ``--unregistered-scheduler``: an LR scheduler drives the optimizer but is not registered.
 
@@ -21,6 +22,7 @@ import os
 import signal
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
@@ -44,6 +46,7 @@ def main() -> None:
     p.add_argument("--skip", type=at)
     p.add_argument("--kill", type=at)
     p.add_argument("--fewer-steps", type=int)
+    p.add_argument("--destroy-first", action="store_true")
     p.add_argument("--no-optimizer", action="store_true")
     p.add_argument("--unregistered-scheduler", action="store_true")
     args = p.parse_args()
@@ -77,6 +80,8 @@ def main() -> None:
         sched.step()
         if job.reports:
             print(f"step {step} loss {job.losses[step]:.6g}", flush=True)
+    if args.destroy_first:
+        dist.destroy_process_group()
     job.finish()
 
 
