@@ -30,6 +30,7 @@
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <memory>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -388,6 +389,51 @@ class AllReduceScatterWork : public c10d::Work {
   bool copied_ = false;
 };
 
+// The staging buffers of write isolation whose ops completed, for the next op of
+// the same dtype and shape: a fresh buffer costs its page faults at every op,
+// several times the copy (docs/bench/async-path.md).  A buffer whose op did not
+// complete is never handed back: the backend may still write into it.
+class StagingPool {
+ public:
+  static constexpr size_t kMaxBytes = size_t{64} << 20;  // kept in all: a larger buffer pays its faults each op
+
+  // A buffer like `like` (contiguous, its dtype, shape and device), kept or new.
+  at::Tensor take(const at::Tensor& like) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (auto it = free_.begin(); it != free_.end(); ++it) {
+        if (it->scalar_type() == like.scalar_type() && it->sizes() == like.sizes() &&
+            it->device() == like.device()) {
+          at::Tensor kept = std::move(*it);
+          free_.erase(it);
+          bytes_ -= kept.nbytes();
+          return kept;
+        }
+      }
+    }
+    return at::empty(like.sizes(), like.options().memory_format(c10::MemoryFormat::Contiguous));
+  }
+
+  // The buffer of an op that completed and whose result was copied out.
+  void give(at::Tensor buffer) {
+    if (buffer.nbytes() > kMaxBytes) {
+      return;
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    bytes_ += buffer.nbytes();
+    free_.push_back(std::move(buffer));
+    while (bytes_ > kMaxBytes) {  // the oldest go first
+      bytes_ -= free_.front().nbytes();
+      free_.erase(free_.begin());
+    }
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<at::Tensor> free_;
+  size_t bytes_ = 0;  // of the buffers in free_
+};
+
 // The Python function that settles an async op whose wait did not simply
 // complete (commslayer.comm.op_path.settle_native_async): set once by the
 // module's set_settle and never freed, since a work may need it while the
@@ -414,9 +460,10 @@ class AsyncOpWork : public c10d::Work {
   // isolation; undefined: the backend writes output); divisor: AVG's, or 0.
   AsyncOpWork(c10::intrusive_ptr<c10d::Work> inner, int64_t key, int kind, int64_t op_id, int64_t seq,
               double timeout_s, std::chrono::milliseconds slice, at::Tensor output, at::Tensor staged,
-              int64_t divisor)
+              int64_t divisor, std::shared_ptr<StagingPool> pool)
       : inner_(std::move(inner)), key_(key), kind_(kind), op_id_(op_id), seq_(seq), timeout_s_(timeout_s),
-        slice_(slice), output_(std::move(output)), staged_(std::move(staged)), divisor_(divisor) {
+        slice_(slice), output_(std::move(output)), staged_(std::move(staged)), divisor_(divisor),
+        pool_(std::move(pool)) {
     start_ns_ = monotonic_ns();
     deadline_ns_ = start_ns_ + static_cast<int64_t>(timeout_s * 1e9);
   }
@@ -469,7 +516,7 @@ class AsyncOpWork : public c10d::Work {
   }
 
   std::vector<at::Tensor> result() override {
-    return inner_->result();
+    return output_.defined() ? std::vector<at::Tensor>{output_} : inner_->result();  // not a staging buffer
   }
 
   // Block until the op is done (timeout: the caller's bound, 0 for none); raise
@@ -585,6 +632,9 @@ class AsyncOpWork : public c10d::Work {
       output.copy_(staged_);
     }
     finished_ = true;
+    if (staged_.defined() && pool_ != nullptr) {
+      pool_->give(staged_);  // its op completed: the backend is done with it
+    }
   }
 
   // What the backend's future holds, with the caller's tensor where the backend had a copy.
@@ -666,6 +716,7 @@ class AsyncOpWork : public c10d::Work {
   mutable std::mutex finish_mutex_;
   mutable bool finished_ = false;
   std::atomic<bool> held_{false};  // it failed, and a held group took the error
+  std::shared_ptr<StagingPool> pool_;  // where staged_ goes once the op completed
 };
 
 // One communicator's direct path: its backend, what a tensor must be to take
@@ -796,7 +847,12 @@ class DirectPath {
     {
       py::gil_scoped_release no_gil;
       if (isolate_) {
-        staged = kind == kAllReduce ? output.clone() : at::empty_like(output);  // all_reduce reads it first
+        // Not pooled: Gloo's reduce-scatter copies this rank's slice out in its wait,
+        // which may come after the finish step (a poll ran it first).
+        staged = kind == kReduceScatter ? at::empty_like(output) : staging_->take(output);
+        if (kind == kAllReduce) {
+          staged.copy_(output);  // all_reduce reads it first
+        }
       }
       inner = issue(kind, staged.defined() ? staged : output, input);
     }
@@ -806,7 +862,8 @@ class DirectPath {
     bool finishes = staged.defined() || reduction == kAverage;
     auto work = c10::make_intrusive<AsyncOpWork>(std::move(inner), key_, kind, op_id, seq, timeout_s_, slice_,
                                                  finishes ? output : at::Tensor(), staged,
-                                                 reduction == kAverage ? size_ : 0);
+                                                 reduction == kAverage ? size_ : 0,
+                                                 kind == kReduceScatter ? nullptr : staging_);
     work->record_in(slot);
     // Freeing an op may let go of the GIL (its tensors' Python objects), so the
     // watchdog's sweep may run meanwhile: the ended ones are freed here once
@@ -991,6 +1048,7 @@ class DirectPath {
   std::chrono::milliseconds slice_{0};  // an async op's wait slice: wait_ where it is one, else 0
   int64_t key_ = 0;  // this communicator's in settle_native_async's registry (set_key)
   bool isolate_ = false;  // async ops write into staging copies (set_isolate)
+  std::shared_ptr<StagingPool> staging_ = std::make_shared<StagingPool>();
   std::deque<c10::intrusive_ptr<AsyncOpWork>> in_flight_;  // async ops not yet seen to end
   double timeout_s_ = 0;  // the deadline, as the records give it
   py::object ids_;  // the communicator's (name, uid, generation), for the records

@@ -45,7 +45,9 @@ With ``--async-op`` every variant issues its op async and waits on the work
 (``dist.all_reduce(t, async_op=True).wait()``, as FSDP2 and DDP do), and one
 more runs: ``c10d-adapter``, the same ``torch.distributed`` call on a
 ``new_group(backend="commslayer")`` group, the routed path
-(docs/bench/async-path.md); with ``--tracing`` also
+(docs/bench/async-path.md; under ``COMMSLAYER_ISOLATE_WRITES=1``, which c10d
+groups do not read, an isolating communicator's ``as_process_group()``, as
+the resilient modes build theirs); with ``--tracing`` also
 ``c10d-adapter+recorder``, such a group watched by a flight recorder; with
 ``--breakdown`` also ``adapter-comm``, the first group's communicator called
 directly.  Otherwise every op is synchronous.
@@ -300,6 +302,17 @@ def make_buffers(op: str, size_bytes: int, world: int) -> Buffers:
     if op == "reduce_scatter_single":
         return Buffers(torch.ones(n * world), torch.empty(n), True)
     raise ValueError(op)
+
+
+def _adapter_group(name: str) -> Any:
+    """A commslayer group for ``torch.distributed``'s calls: as ``new_group`` makes it, or,
+    where ``COMMSLAYER_ISOLATE_WRITES=1`` asks for isolation (c10d groups do not read it),
+    as the resilient modes make theirs: an isolating communicator's ``as_process_group()``."""
+    if not cl_config.isolate_writes():
+        return dist.new_group(backend="commslayer")
+    comm = commslayer.new_comm("gloo", name=name)
+    comm.global_ranks = list(range(comm.get_size()))
+    return comm.as_process_group()
 
 
 def plain_call(op: str, group: dist.ProcessGroup, inp: torch.Tensor, out: Optional[torch.Tensor],
@@ -703,12 +716,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             os.environ["COMMSLAYER_NATIVE"] = chosen
     if args.async_op:
         g.async_op = True
-        g.adapter = dist.new_group(backend="commslayer")
+        g.adapter = _adapter_group("bench-adapter")
         VARIANTS = VARIANTS + ("c10d-adapter",)
         if args.tracing:
             from tracing.record.recorder import FlightRecorder
 
-            g.adapter_traced = dist.new_group(backend="commslayer")
+            g.adapter_traced = _adapter_group("bench-adapter-traced")
             FlightRecorder(cl_config.trace_buffer(), os.path.join(args.trace_dir, "adapter"),
                            job=cl_config.job_id()).attach(g.adapter_traced.communicator("cpu"))
             VARIANTS = VARIANTS + ("c10d-adapter+recorder",)
