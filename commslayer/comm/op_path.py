@@ -242,12 +242,12 @@ class OpPath:
         issued = self._issue_native(kind, a, b, opts)
         if issued is None:
             return None
+        comm: "Communicator" = self  # type: ignore[assignment]  # OpPath is its base; no cast call per op
         if not self._swept:
             self._swept = True
-            WATCHDOG.sweep_native(self)  # type: ignore[arg-type]  # OpPath is Communicator's base
+            WATCHDOG.sweep_native(comm)
         work, op_id, seq = issued
-        return NativeWork(self, DIRECT_OPS[kind], seq, op_id, self._timeout_s, time.monotonic_ns(),  # type: ignore[arg-type]
-                          work)
+        return NativeWork(comm, DIRECT_OPS[kind], seq, op_id, self._timeout_s, time.monotonic_ns(), work)
 
     def _checker(self, op: str) -> Checker:
         chk = self._checkers.get(op)

@@ -315,8 +315,9 @@ class Work:
 
 
 class NativeWork(Work):
-    """An async ``all_reduce`` or ``all_gather_single`` of the communicator's own API that the native path issued (``OpPath._native_async``): its
-    backend work is an ``AsyncOpWork`` (direct_path.cpp), which waits without running
+    """An async ``all_reduce`` or ``all_gather_single`` of the communicator's own API
+    that the native path issued (``OpPath._native_async``): its backend work is an
+    ``AsyncOpWork`` (direct_path.cpp), which waits without running
     Python, runs the finishing step (isolation's copy, AVG's division), keeps its
     record and settles a failure as ``Work`` would; the native watchdog sweep settles
     it when nobody waits.  Here only the outcome is read."""
