@@ -125,6 +125,40 @@ def test_a_mistake_in_per_rank_mode_stops_the_job(tmp_path, args, says):
     assert "starting life" not in out and "resharding" not in out, job_story(out)
 
 
+@pytest.mark.timeout(150)
+def test_a_barrier_on_rank_0_alone_stops_a_per_rank_job_as_a_mismatch(tmp_path):
+    """Rank 0 alone calls ``dist.barrier()`` after step 6 (to save a checkpoint, say) while
+    the others go on to step 7's all-gather. Before: each side timed out, the job took it
+    for a loss of nobody, redid the step and exited 0 with the barrier skipped. Now the
+    timed-out ranks compare their ops, and the job stops: a mismatch, nothing restarted."""
+    code, out, took = run(tmp_path, MODES["per-rank"], "--steps", "12", "--rank0-barrier", "6", "--timeout", "6")
+    assert code == 1, job_story(out)
+    line = stop_line(out)
+    assert "failed at step 7 with CollectiveMismatch: timed out in barrier #" in line, line
+    assert "a deterministic failure" in line, line
+    assert took < STOP_S, (took, job_story(out))
+    for noise in ("starting life", "resharding", "recovered:"):
+        assert noise not in out, (noise, job_story(out))
+
+
+@pytest.mark.timeout(150)
+def test_every_replica_group_lost_at_once_stops_the_job_instead_of_waiting(tmp_path):
+    """Replica mode, the same barrier on every group's rank 0: every group loses its rank 0
+    to the timeout at the same step, and no replica is left to heal the restarted groups
+    from. Before: they waited 60 s to be admitted, in every life (--max-restarts 3: over
+    4 minutes), then gave up. Now the coordinator stops the job as soon as they restart,
+    naming each group's failure and the script's line."""
+    code, out, _ = run(tmp_path, MODES["replica"], "--steps", "12", "--rank0-barrier", "6", "--timeout", "6",
+                       timeout=120)
+    assert code == 1, job_story(out)
+    line = stop_line(out)
+    assert line.startswith("commslayer-run: every replica group was lost, so no live replica holds"), line
+    for group in (0, 1):
+        assert f"replica group {group} rank 0 (life 0, pid " in line, line
+    assert line.count("in main: dist.barrier()") == 2 and "more likely a bug in the script" in line, line
+    assert "was not admitted within" not in out and "healed from a live replica" not in out, job_story(out)
+
+
 @pytest.mark.timeout(120)
 def test_the_smallest_job_stops_with_a_clear_error_instead_of_resharding(tmp_path):
     """Two ranks with redundancy 1, one lost and no restart left: one survivor cannot hold a

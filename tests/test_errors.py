@@ -1,6 +1,7 @@
 """Bad input: InvalidArgument on the calling rank at once (nothing sent, the
-communicator stays usable); CollectiveMismatch across ranks in check mode;
-hooks, abort and finalize."""
+communicator stays usable); CollectiveMismatch across ranks in check mode, and
+without it once a collective that only some ranks called timed out; hooks,
+abort and finalize."""
 
 from __future__ import annotations
 
@@ -116,6 +117,47 @@ def test_mismatch_is_named_on_every_rank(kind, expect):
         msg, ranks = result
         assert expect in msg, msg
         assert (size - 1 in ranks) or kind == "p2p dtype", (msg, ranks)
+
+
+def _some_ranks_only(rank, size, store, kind, async_op):
+    """Rank 0 alone calls a barrier where the others all-reduce (``kind`` "mismatch"), or
+    every rank calls the barrier and rank 2 comes only after the timeout ("late")."""
+    import commslayer
+
+    comm = commslayer.new_comm("gloo", name="some", store=store, rank=rank, size=size, timeout=3)
+    comm.all_reduce(torch.ones(4))
+    began = time.monotonic()
+    try:
+        if rank == 0 or kind == "late":
+            if rank == 2:
+                time.sleep(5)
+            comm.barrier()
+        else:
+            work = comm.all_reduce(torch.ones(4), async_op=async_op)
+            if work is not None:
+                work.wait()
+    except commslayer.CommError as err:
+        return type(err).__name__, str(err), err.ranks, time.monotonic() - began
+    return "no error"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("async_op", [False, True])
+def test_a_collective_called_on_some_ranks_only_is_a_mismatch_not_a_timeout(async_op):
+    """No check mode: rank 0 alone calls ``barrier()`` (#2) while ranks 1 and 2 all-reduce;
+    each side waits its timeout (3 s). Then every rank raises ``CollectiveMismatch`` naming
+    the others' op, so the launcher takes it for a bug, not a lost peer. The control, every
+    rank in the barrier and rank 2 late, stays a ``CollectiveTimeout``."""
+    results = run_ranks(_some_ranks_only, 3, "mismatch", async_op, timeout=60)
+    kind, msg, ranks, took = results[0]
+    assert kind == "CollectiveMismatch" and ranks == (1, 2), msg
+    assert "timed out in barrier #2 while rank 1 in all_reduce #2, rank 2 in all_reduce #2 timed out" in msg, msg
+    assert took < 3 + 2.5, took  # the timeout, then at most the look for the others' ops
+    for kind, msg, ranks, _ in results[1:]:
+        assert kind == "CollectiveMismatch" and ranks == (0,), msg
+        assert "timed out in all_reduce #2 while rank 0 in barrier #2 timed out" in msg, msg
+    late = run_ranks(_some_ranks_only, 3, "late", async_op, timeout=60)
+    assert [r[0] for r in late[:2]] == ["CollectiveTimeout"] * 2, late
 
 
 def _hooks_and_lifecycle(rank, size, store):

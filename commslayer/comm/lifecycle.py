@@ -38,7 +38,8 @@ import torch.distributed as dist
 from commslayer import config
 from commslayer.detect.addresses import rank_hosts
 from commslayer.comm.backends import classify
-from commslayer.errors import CollectiveTimeout, CommAborted, CommError, PeerLost, StoreUnreachable, backend_words
+from commslayer.errors import (CollectiveMismatch, CollectiveTimeout, CommAborted, CommError, PeerLost,
+                               StoreUnreachable, backend_words)
 from commslayer.hooks import Hooks
 from commslayer.detect.liveness import Liveness
 from commslayer.agree.membership import Membership
@@ -61,6 +62,8 @@ class State(enum.Enum):
 
 OPEN: FrozenSet[State] = frozenset({State.ACTIVE, State.BROKEN})
 GOODBYE_CONFIRM_S = 2.0  # how long a goodbye waits for the last round's confirmation to reach the store
+MISMATCH_LOOK_S = 2.0  # the longest a timed-out collective looks for what the others timed out in (and a
+# tenth of its timeout): their ops start a little apart, so they time out a little apart
 
 # The legal moves; every other one raises CommAborted naming the state.
 TRANSITIONS: Dict[State, FrozenSet[State]] = {
@@ -182,6 +185,40 @@ class Lifecycle:
             self.confirm_in_background()
         self.error_hooks(err)
         return True
+
+    def mismatched(self, err: CollectiveTimeout) -> CommError:
+        """``err``, a collective of this generation that timed out, or ``CollectiveMismatch``
+        once another member timed out at the same sequence number in a different op.
+
+        A collective that only some ranks call (``dist.barrier()`` on rank 0 alone, say)
+        pairs with a different op on the others, and every later op is shifted by one,
+        so each side waits until its timeout.  That is a bug in the script, and a restart
+        would repeat it; a plain timeout would be taken for a lost peer.  So on a timeout,
+        and only then, each member writes its op into the store and reads the others'
+        for a moment; nothing changes on an op that completes."""
+        lineage, seq, op = self.lineage, err.seq, err.op
+        if lineage is None or seq is None or op is None or self._size < 2:
+            return err
+        base = f"timed-out/{self._name}/{seq}/"
+        others = {r: f"{base}{r}" for r in range(self._size) if r != self._rank}
+        try:
+            store = lineage.store_for(self.generation)
+            store.set(f"{base}{self._rank}", op)
+            deadline = time.monotonic() + min(MISMATCH_LOOK_S, (err.timeout_s or 0.0) / 10)
+            while not store.check(list(others.values())) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            theirs = {r: store.get(k).decode() for r, k in others.items() if store.check([k])}
+        except (CommError, RuntimeError):  # a store that fails (it is bounded) leaves the timeout as it was
+            return err
+        differ = {r: o for r, o in theirs.items() if o != op}
+        if not differ:
+            return err
+        told = ", ".join(f"rank {r} in {o} #{seq}" for r, o in sorted(differ.items()))
+        return CollectiveMismatch(
+            f"timed out in {op} #{seq} while {told} timed out: the ranks called different collectives at this "
+            "point (a collective that only some ranks call shifts every later one); every rank must call the "
+            "same collectives in the same order", comm=self._name, op=op, seq=seq, timeout_s=err.timeout_s,
+            elapsed_s=err.elapsed_s, ranks=differ)
 
     def close(self, to: State) -> bool:
         """``abort`` (``to`` ABORTED) or ``finalize`` (FINALIZED): True for the call that

@@ -257,11 +257,15 @@ class Work:
         return self.comm.lifecycle.error_from(exc, self.op, self.seq, self.timeout_s, self._elapsed_s(), self.peer)
 
     def _backend_failed(self, exc: RuntimeError) -> None:
-        if classify(exc) is CollectiveTimeout:
-            now_ns = time.monotonic_ns()  # a backend's timeout before the op's deadline: keep its words
+        now_ns = time.monotonic_ns()
+        if classify(exc) is CollectiveTimeout:  # a backend's timeout before the op's deadline: keep its words
             self._expire(now_ns, first_line(exc) if now_ns < self.deadline_ns else None)
+        elif now_ns >= self.deadline_ns and self.peer is None:
+            # Out of time whatever the backend says: a peer whose own copy of the op timed out
+            # first closes the connection, and this side must still take part in ``mismatched``.
+            self._expire(now_ns, first_line(exc))
         else:
-            self._fail(self._error_from(exc), time.monotonic_ns())
+            self._fail(self._error_from(exc), now_ns)
 
     def _complete(self) -> None:
         with self.comm.settle_lock:
@@ -292,7 +296,7 @@ class Work:
             elapsed_s=(now_ns - self.start_ns) / 1e9,
             ranks=() if self.peer is None else (self.peer,),
         )
-        self._fail(err, now_ns, WorkStatus.TIMEDOUT)
+        self._fail(err if self.peer is not None else self.comm.lifecycle.mismatched(err), now_ns, WorkStatus.TIMEDOUT)
 
     def _fail(self, err: CommError, now_ns: int, status: WorkStatus = WorkStatus.ERROR, breaks: bool = True) -> None:
         with self.comm.settle_lock:

@@ -250,6 +250,7 @@ def _supervise(a: argparse.Namespace, store, procs: ProcessSet) -> Dict[int, int
         if not a.coordinator and time.monotonic() - watched > 0.5:
             watched = time.monotonic()
             _stop_on_crash_loop(a, store)
+            _stop_when_no_replica_is_left(a, store)
         for r, proc in procs.procs.items():
             if r not in codes and proc.poll() is not None:
                 codes[r] = proc.returncode
@@ -274,6 +275,17 @@ def _stop_on_crash_loop(a: argparse.Namespace, store) -> None:
             raise Stopped(f"replica group {r} failed {len(recent)} times within {a.crash_window_s:g}s (torchrun "
                           f"restarted it {len(began)} time(s) in all): a crash loop (--crash-loop {a.crash_loop}/"
                           f"{a.crash_window_s:g}), not a fault to recover from: the job stops; its output is above")
+
+
+def _stop_when_no_replica_is_left(a: argparse.Namespace, store) -> None:
+    """``Stopped`` once every replica group was lost and none is left to heal the restarted
+    ones from (``failures.no_replica_left``); nothing once the job has finished."""
+    if store.check([FINISHED]):
+        return
+    gone = [r for r in range(a.replicas) if store.check([f"replica/{r}/gone"])]
+    why = failures.no_replica_left(store, a.replicas, _shards(a), gone)
+    if why is not None:
+        raise Stopped(why)
 
 
 # ------------------------------------------------------------------ the summary

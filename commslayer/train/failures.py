@@ -29,7 +29,12 @@ and ``commslayer.run.supervisor``):
   deterministic failure; the launchers stop the job when it appears;
 - ``replica-restarts/<r>``: in replica mode, the time each restarted life of
   replica group ``r`` began (its rank 0 writes it): the coordinator's
-  crash-loop rule counts them.
+  crash-loop rule counts them;
+- ``replica-healed/<r>``: the time each restarted life of replica group ``r``
+  healed from a live replica (its rank 0 writes it).  A group with more
+  restarts than heals holds no state; once that is every group, nothing is
+  left to heal from, and the coordinator stops the job (``no_replica_left``)
+  instead of letting the restarted groups wait to be admitted.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from commslayer.errors import CollectiveMismatch, CommError, ConfigError, Invali
 
 BUGS = "job/bugs"
 RESTARTS = "replica-restarts"
+HEALED = "replica-healed"
 MISTAKES = (InvalidArgument, CollectiveMismatch, ConfigError, NanDetected)  # and StateMismatch (resilience)
 
 
@@ -170,10 +176,51 @@ def record_restart(store: Any, replica: int) -> None:
     store.append(f"{RESTARTS}/{replica}", f"{time.time()}\n")
 
 
+def record_healed(store: Any, replica: int) -> None:
+    """A restarted life of replica group ``replica`` healed from a live replica (its rank 0 says it)."""
+    store.append(f"{HEALED}/{replica}", f"{time.time()}\n")
+
+
 def restarts(store: Any, replica: int) -> List[float]:
     """When each restarted life of replica group ``replica`` began."""
-    key = f"{RESTARTS}/{replica}"
+    return _times(store, f"{RESTARTS}/{replica}")
+
+
+def _times(store: Any, key: str) -> List[float]:
     return [float(x) for x in store.get(key).decode().split()] if store.check([key]) else []
+
+
+def no_replica_left(store: Any, replicas: int, shards: int, gone: List[int]) -> Optional[str]:
+    """Why no replica group holds the training state any more, or None while one may.
+
+    A group holds it from the job's start until it is lost, and a restarted life of it
+    again once it healed; a group whose torchrun gave up (``gone``) never again.  A
+    group whose process died but whose restart has not begun yet is taken to hold it
+    still, so this errs towards waiting.  The reason names each group's failures."""
+    waiting = [r for r in range(replicas) if r not in gone and
+               len(restarts(store, r)) > len(_times(store, f"{HEALED}/{r}"))]
+    if not waiting or len(waiting) + len(set(gone)) < replicas:
+        return None
+    found = [f for r in range(replicas) for f in _last_failures(store, r, shards)]
+    told = "; ".join(f.words() for f in found) or "no rank recorded an exception (each was killed)"
+    same = {(f.step, f.error.split(":", 1)[0], f.where.split(",", 1)[0]) for f in found}
+    hint = ("; every group failed the same way at the same step: more likely a bug in the script (a "
+            "collective that only some ranks call, say) than a fault") if len(found) > 1 and len(same) == 1 \
+        else ""
+    return (f"every replica group was lost, so no live replica holds the training state to heal the restarted "
+            f"groups from: the job stops instead of letting them wait to be admitted. {told}{hint}")
+
+
+def _last_failures(store: Any, replica: int, shards: int) -> List[Failure]:
+    """The first failure recorded by a rank of replica group ``replica``'s latest life that
+    recorded any (none when each of its ranks was killed)."""
+    for life in range(len(restarts(store, replica)), -1, -1):  # a group that gave up failed in its latest life
+        keys = [f"failure/replica{replica}.rank{k}/{life}" for k in range(shards)]
+        found = sorted((Failure.from_json(store.get(k).decode()) for k in keys if store.check([k])),
+                       key=lambda f: f.time)
+        if found:
+            return found[:1]
+    return []
 
 
 def bugs(store: Any) -> List[Failure]:

@@ -49,7 +49,7 @@ from commslayer.train import failures, packing
 from commslayer.errors import CommError, InvalidArgument
 from commslayer.comm.exits import exit_now
 from commslayer.train.gradients import GradientAverage, local
-from commslayer.hooks import live_communicators, register_recovery_hook, status_sources
+from commslayer.hooks import live_communicators, register_recovery_hook, status_reporters, status_sources
 from commslayer.hooks import phase_hooks as _phase_hooks
 from commslayer.train.replicas import Replicas, fingerprint
 from commslayer.runs import Admission, Recovery
@@ -83,6 +83,12 @@ STATUS_SERVED = "status/served"  # the job's store key a status server sets: the
 def status_key(unit_key: str) -> str:
     """The job store's key of a rank's status record (``Job.failure_unit``'s key names the rank)."""
     return f"status/{unit_key}"
+
+
+def op_key(unit_key: str) -> str:
+    """The job store's key of a rank's current op, which the status reporters write from a thread
+    of their own while the rank is inside an op (``register_status_reporter``)."""
+    return f"status/{unit_key}/op"
 
 
 class StateMismatch(CommError):
@@ -488,6 +494,7 @@ class Job:
             self.start_step = self.healed_at = self._replicas.heal(self._state)
             self._checked = True  # the heal compared this state with a live replica's
             if self.rank == 0:
+                failures.record_healed(self.store, self.replica)
                 print(f"[replica {self.replica}] restarted (restart {self.restart}): healed from a live replica, "
                       f"continuing at step {self.start_step} in generation {self.generation}", flush=True)
         else:
@@ -582,8 +589,9 @@ class Job:
         members, this life's heal if it healed, and, once a status server says it serves
         the job (``STATUS_SERVED``), what the status sources add: the flight recorder's op
         figures, tracing.record.figures), which ``commslayer-run --status-port`` serves
-        (commslayer.run.status). One store write a second (and a check of that key until
-        it is there), never inside an op."""
+        (commslayer.run.status); then, once, the status reporters start (the current op,
+        written while the rank is inside one). One store write a second (and a check of
+        that key until it is there), never inside an op."""
         self._committed_here += 1
         if not config.job_store() or not self._status_due():
             return
@@ -592,7 +600,10 @@ class Job:
                   "steps": self._committed_here, "step_s": time.perf_counter() - self._t0,
                   "generation": self.generation, "t": time.time(), "comms": _resizable_comms(),
                   "healed": self._healed}
-        self._served = self._served or bool(status_sources.fns) and self.store.check([STATUS_SERVED])
+        served, self._served = self._served, self._served or bool(status_sources.fns) and self.store.check(
+            [STATUS_SERVED])
+        for reporter in status_reporters.fns if self._served and not served else ():
+            reporter(self.store, op_key(key))  # once a life: it writes from a thread of its own
         for source in status_sources.fns if self._served else ():
             try:
                 record.update(source(self.step_index))

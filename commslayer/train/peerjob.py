@@ -57,7 +57,7 @@ from commslayer.comm.communicator import Communicator
 from commslayer.comm.create import join, new_comm
 from commslayer.errors import CommAborted, CommError, InvalidArgument, first_line
 from commslayer.comm.exits import before_exit, exit_now
-from commslayer.train import packing, spare
+from commslayer.train import failures, packing, spare
 from commslayer.train.gradients import local
 from commslayer.hooks import recovery_hooks
 from commslayer.train.redundancy import PeerCopies, StateLost, holders
@@ -235,11 +235,14 @@ class PeerJob(Job):
             dist.all_reduce(average)
         self._phase("allreduce")
         copied = self._copies.wait()
+        if self._broken is not None and failures.is_mistake(self._broken):
+            raise self._broken  # a held op failed by the script's mistake: recovering would repeat it
         if self._commit(copied and self._broken is None):
             self._copies.confirm()
             self._apply()
             if self._committed < 0 and self.rank == 0 and not self._joined:
-                spare.publish_modules(self.store)  # what warm spares import while they wait
+                spare.publish_optimizers(self.store, self._state.optimizers.values())  # what warm spares
+                spare.publish_modules(self.store)  # import and run (on meta tensors) while they wait
             self._committed = step
             if average is not None:
                 self.losses[step] = average.item()
@@ -448,8 +451,11 @@ class PeerJob(Job):
 
     # ------------------------------------------------------------ reporting
     def _report_recovery(self, step: int) -> None:
+        """Once the step a loss interrupted is committed again (a step before it redone
+        first does not end the survivors' stall): the recovery recorded in the job's store
+        (its launcher starts a taken spare's successor then, commslayer.run.spares)."""
         r = self._recoveries[-1] if self._recoveries else None
-        if r is None or r.committed_at is not None:
+        if r is None or r.committed_at is not None or step < r.step:
             return
         r.committed_at = time.time()
         if self.rank == min(i for i, launched in enumerate(self._launched) if launched not in r.lost_replicas):

@@ -2,7 +2,8 @@
 tests/test_bugs.py: run under ``commslayer-run`` in either mode.
 
 ``user_fsdp2.py [--steps N] [--bug STEP:MEMBER] [--skip STEP:MEMBER] [--kill STEP:MEMBER]
-[--fewer-steps MEMBER] [--destroy-first] [--no-optimizer] [--unregistered-scheduler]``
+[--fewer-steps MEMBER] [--destroy-first] [--no-optimizer] [--unregistered-scheduler] [--rank0-barrier STEP]
+[--timeout S]``
 
 - ``--bug``: the member's loss code raises ``ValueError`` at that step, in every life
   (a bug: it recurs);
@@ -11,7 +12,10 @@ tests/test_bugs.py: run under ``commslayer-run`` in either mode.
 - ``--fewer-steps``: the member loops over one step fewer than the others;
 - ``--destroy-first``: the plain script's ``dist.destroy_process_group()`` left before ``job.finish()``;
 - ``--no-optimizer``: ``job.register(model=model)`` alone;
-- ``--unregistered-scheduler``: an LR scheduler drives the optimizer but is not registered.
+- ``--unregistered-scheduler``: an LR scheduler drives the optimizer but is not registered;
+- ``--rank0-barrier``: after that step, rank 0 of the process group alone calls ``dist.barrier()``
+  (as a script that saves a checkpoint there would), in every life;
+- ``--timeout``: the ops' deadline, ``resilience.init(timeout=...)`` (default 60 s).
 
 A member is ``job.member``: the rank in per-rank mode, replica * ranks per replica + rank
 in replica mode.
@@ -20,6 +24,7 @@ in replica mode.
 import argparse
 import os
 import signal
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -49,9 +54,11 @@ def main() -> None:
     p.add_argument("--destroy-first", action="store_true")
     p.add_argument("--no-optimizer", action="store_true")
     p.add_argument("--unregistered-scheduler", action="store_true")
+    p.add_argument("--rank0-barrier", type=int)
+    p.add_argument("--timeout", type=float, default=60.0)
     args = p.parse_args()
 
-    job = resilience.init()
+    job = resilience.init(timeout=timedelta(seconds=args.timeout))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
     fully_shard(model, mesh=job.mesh)
@@ -77,6 +84,8 @@ def main() -> None:
         if args.skip == (step, job.member):
             continue
         job.step(loss)
+        if args.rank0_barrier == step and dist.get_rank() == 0:
+            dist.barrier()
         sched.step()
         if job.reports:
             print(f"step {step} loss {job.losses[step]:.6g}", flush=True)
