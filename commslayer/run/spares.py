@@ -8,8 +8,16 @@ also says what a spare is and is not).  Where the supervisor
 (commslayer.run.supervisor) would start a lost rank's next life, it first
 asks ``take`` for a spare that is ready; the spare becomes that life (the
 process the supervisor watches for the rank) and a new spare starts in the
-background.  With no spare ready (none left, or the new one still
-starting) the replacement starts cold, as without spares.
+background once the job has recovered: when the survivors recorded the
+recovery in the job's store (``commslayer.runs.record``, at the first step
+committed after it), or ``SUCCESSOR_WAIT_S`` after the rank was handed
+over, whichever comes first.  A spare starting is a Python process
+importing torch and the script's modules (1.3–1.4 s in the benchmark's
+cold replacement): started at once, it took that CPU from the ranks
+redoing the interrupted step (on the benchmark's 2 cores, 4 ranks: the
+redone step 0.42 s, 0.29 s with the successor deferred).  With no spare
+ready (none left, or the new one not started or still starting) the
+replacement starts cold, as without spares.
 
 A spare that dies while it waits is no rank's loss: it is started again,
 and after ``MAX_FAILURES`` such deaths in a row (a script that cannot reach
@@ -24,13 +32,14 @@ import json
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from commslayer.run.processes import ProcessSet
-from commslayer.runs import spare_tally_key
+from commslayer.runs import RECOVERIES, spare_tally_key
 from commslayer.train.spare import ASSIGNED, assignment, key
 
 MAX_FAILURES = 3  # spares of one host that died waiting, in a row, before the host stops starting them
+SUCCESSOR_WAIT_S = 30.0  # the longest a taken spare's successor waits for the job to record its recovery
 
 
 class Spares:
@@ -52,6 +61,9 @@ class Spares:
         self._failures = 0
         self._started: Dict[int, float] = {}  # spare id -> when it started, until it is seen ready
         self._published = ""  # the tally last written to the job's store
+        # while a taken spare's successor waits for the recovery: the recoveries recorded when it
+        # was taken, and when it starts anyway (monotonic)
+        self._deferred: Optional[Tuple[int, float]] = None
 
     def fill(self) -> None:
         """Start spares until ``count`` wait (unless they keep dying); reap those that died;
@@ -71,12 +83,25 @@ class Spares:
                   + (f"; {MAX_FAILURES} spares died in a row: this host goes on without spares (a spare runs the "
                      "script with no rank up to resilience.init(): a script that reads RANK before it, or never "
                      "calls it, cannot have spares)" if self._failures == MAX_FAILURES else ""), flush=True)
-        while len(self._waiting) < self.count and self._failures < MAX_FAILURES:
+        while len(self._waiting) < self.count and self._failures < MAX_FAILURES and self._recovered():
             self._start()
         tally = self.tally()
         if tally != self._published:
             self._store.set(spare_tally_key(self._node), tally)
             self._published = tally
+
+    def _recovered(self) -> bool:
+        """Whether no successor waits for a recovery any more (see the module doc)."""
+        if self._deferred is None:
+            return True
+        seen, deadline = self._deferred
+        if self._recoveries() > seen or time.monotonic() > deadline:
+            self._deferred = None
+        return self._deferred is None
+
+    def _recoveries(self) -> int:
+        """How many recoveries the job's ranks recorded so far."""
+        return self._store.get(RECOVERIES).count(b"\n") if self._store.check([RECOVERIES]) else 0
 
     def _start(self) -> None:
         sid, self._next = self._next, self._next + 1
@@ -102,9 +127,11 @@ class Spares:
         self._store.set(key(self._node, sid, "rank"), assignment(env, why))
         self._labels[sid] = f"rank {rank}"
         self._procs.procs[rank] = self._procs.procs.pop(("spare", sid))
+        if self._deferred is None:
+            self._deferred = (self._recoveries(), time.monotonic() + SUCCESSOR_WAIT_S)
         print(f"supervisor: rank {rank}: {why}; spare {sid} (pid {proc.pid}) takes life "
-              f"{env['TORCHELASTIC_RESTART_COUNT']}", flush=True)
-        self.fill()  # a spare in its place; the tally written once
+              f"{env['TORCHELASTIC_RESTART_COUNT']}; its successor starts once the job has recovered", flush=True)
+        self.fill()  # the tally written once
         return proc
 
     def tally(self) -> str:
