@@ -136,6 +136,9 @@ def test_the_average_begun_during_backward_equals_the_one_after_it(clean, tmp_pa
      AT),
     # trained nothing, exit 0
     ("no-steps", ["InvalidArgument", "steps(0): the job's number of steps must be an int >= 1"], OUTSIDE),
+    # trained two different models from step 2 on, exit 0, with one 'DIFFERENT' line in finish()
+    ("diverge", ["StateMismatch", "the replicas ended with different state (shard 0: replicas [0, 1], "
+                                  "fingerprints ["], OUTSIDE),
 ])
 def test_a_mistake_is_a_clear_error_on_every_rank(mistake, expected, where):
     """A mistake is a bug, not a fault: every rank that makes it says why in one line, and

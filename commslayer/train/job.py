@@ -746,7 +746,8 @@ class Job:
         until all are back or their launchers gave up, compare the replicas' state
         (printed by each shard's first rank), write this rank's result into the run
         directory, and end the process with status 0 (``exit=False``: return the
-        fingerprints instead; Gloo may abort during interpreter teardown)."""
+        fingerprints instead; Gloo may abort during interpreter teardown). Replicas
+        whose state differs raise ``StateMismatch``: they trained different models."""
         if self._total is None or self.step_index >= 0:
             raise InvalidArgument(FINISH_IN_LOOP, op="finish")
         elapsed = time.perf_counter() - self._begin
@@ -766,6 +767,13 @@ class Job:
         self.store.set(runs.FINISHED, "1")  # a group restarting from now on has nothing to rejoin
         if self.run_dir:
             self._write_result(elapsed, prints)
+        if len(set(prints)) > 1:
+            replicas = [m // self.world_size for m in rep.replicate.members]
+            raise StateMismatch(
+                f"the replicas ended with different state (shard {self.rank}: replicas {replicas}, fingerprints "
+                f"{[f'{x:016x}' for x in prints]}): a replica's registered state changed outside job.step() (a "
+                "checkpoint loaded, or parameters edited, on some replicas only), so the replicas trained different "
+                "models", op="finish")
         if exit:
             exit_now(0)
         return prints

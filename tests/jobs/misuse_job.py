@@ -16,7 +16,9 @@
 ``loss-item``     ``job.step(loss.item())``: a float, not the loss tensor;
 ``same-data``     every replica group reads the same data (a warning: the replicas add nothing);
 ``no-steps``      ``job.steps(0)``: a job of no steps (``--steps 0``);
-``opt-step``      the plain script's ``opt.step()`` left in the loop, before ``job.step()``.
+``opt-step``      the plain script's ``opt.step()`` left in the loop, before ``job.step()``;
+``diverge``       replica 1 edits its parameters at step 2, outside ``job.step()`` (as loading a
+                  checkpoint on one replica would).
 
 Anything else (``none``) makes no mistake: each member reads its own data.
 
@@ -61,6 +63,9 @@ def main() -> None:
     for _ in range(2 if mistake == "epochs" else 1):
         for step in job.steps(0 if mistake == "no-steps" else 4 if mistake == "uneven-steps" and job.replica == 1
                               else 5):
+            if mistake == "diverge" and step == 2 and job.replica == 1:
+                with torch.no_grad():
+                    model.weight.add_(1.0)
             loss = model(torch.ones(2, 4) * (1 if mistake == "same-data" else job.member + 1)).sum()
             if mistake != "no-grads":
                 loss.backward()
