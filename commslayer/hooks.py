@@ -157,6 +157,20 @@ def register_status_source(fn: Callable[[int], Dict[str, Any]]) -> HookHandle:
     return status_sources.add(fn)
 
 
+status_reporters = Hooks("status reporter")  # fn(store, key); the job calls them once a life, when first served
+
+
+def register_status_reporter(fn: Callable[[Any, str], None]) -> HookHandle:
+    """Run ``fn(store, key)`` once in each life of a resilient job, when it first sees a
+    status server serve it (``commslayer.train.job``): ``store`` is the job's store (a
+    ``commslayer.agree.store.BoundedStore``), ``key`` the key of this rank's current op.
+    ``fn`` returns at once; what it starts writes ``key`` from a thread that already runs
+    (the flight recorder's reporter, tracing.record.figures, writes from the watchdog's),
+    so that a rank stuck inside an op, whose training thread writes nothing, still says
+    which op."""
+    return status_reporters.add(fn)
+
+
 _created = Hooks("communicator created")
 _live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 

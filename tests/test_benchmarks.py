@@ -451,3 +451,16 @@ def test_pack_smoke():
     found = table(out, ["what", "CPU per pack, median (ms)", "min–max over runs (ms)"], "what")
     assert list(found) == ["pack, values changing every step"]
     assert numbers(found["pack, values changing every step"]["CPU per pack, median (ms)"])[0] > 0
+
+
+@pytest.mark.timeout(120)
+def test_status_scrape_smoke():
+    out = run_bench("launch/bench/bench_status_scrape.py", "--smoke", timeout=110)
+    header = ["path", "median (ms)", "p90 (ms)", "max (ms)", "body (bytes)"]
+    found = table(out, header, "path")
+    assert list(found) == ["`/metrics`", "`/`"], out
+    for row in found.values():
+        median, p90, top = (numbers(row[c])[0] for c in header[1:4])
+        assert 0 < median <= p90 <= top and numbers(row["body (bytes)"].replace(",", ""))[0] > 0, row
+    assert re.search(r"the server's reads of the store meanwhile: \d+, median \d+ ms", out), out
+

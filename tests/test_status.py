@@ -12,6 +12,7 @@ already in use.
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -25,7 +26,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -35,6 +36,7 @@ from commslayer.run.processes import free_port
 from commslayer.run.status import CLIENT_TIMEOUT_S
 from faults.etcd import EtcdCluster
 from faults.etcd import available as etcd_available
+from faults.netns import Network
 from tests.harness import job_story
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,11 +53,13 @@ class Launched:
     """``commslayer-run`` with ``--status-port`` in the background: its output collected by a
     thread, its status server's URL once it said it."""
 
-    def __init__(self, args: List[str], run_dir: Path, faults: List[dict], port: int = 0, traced: bool = False) -> None:
-        cmd = [sys.executable, "-m", "commslayer.run.launcher", "--status-port", str(port), "--grace", "3",
+    def __init__(self, args: List[str], run_dir: Path, faults: List[dict], port: int = 0, traced: bool = False,
+                 extra_env: Optional[Dict[str, str]] = None, via: Sequence[str] = ()) -> None:
+        cmd = [*via, sys.executable, "-m", "commslayer.run.launcher", "--status-port", str(port), "--grace", "3",
                "--run-dir", str(run_dir), *args]
         env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR=str(run_dir / "traces") if traced else "",
                    COMMSLAYER_FAULTS=json.dumps(faults))
+        env.update(extra_env or {})
         self.proc = subprocess.Popen(cmd, env=env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)
         self.lines: List[str] = []
@@ -308,6 +312,99 @@ def test_per_rank_mode_a_replaced_rank_s_heal_bytes_and_the_shard_communicator(t
     assert scrapes[-1]["commslayer_heal_seconds_sum"] == pytest.approx(heal["seconds"], abs=1e-9)
     # the recovery's row: its heal time and bytes (both n/a in per-rank mode before)
     assert re.search(r"<td>sigkill</td>.*<td>\d+\.\d+s</td><td>%d</td><td>\d+</td></tr>" % heal["bytes"], final), final
+
+
+STOP_S = 10  # rank 1 stopped this long: well under the peer timeout the test sets, so nobody is lost
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_stuck_in_a_collective_shows_its_op_in_flight_with_a_growing_age(tmp_path):
+    """A per-rank job of 2, traced: rank 1 SIGSTOPs itself at step 40 for ``STOP_S`` (the fault
+    harness's waker sends SIGCONT). Rank 0, whose training thread waits inside a collective
+    and so writes no status record, still reports that op from its watchdog's thread: the page
+    and /metrics show it in flight, with an age that grows between two reads; then the job
+    ends well."""
+    fault = [{"action": "sigstop", "rank": 1, "step": 40, "phase": "forward", "seconds": STOP_S}]
+    job = Launched(["--nproc-per-node", "2", "--max-restarts", "0", str(FSDP2), "--steps", "200"],
+                   tmp_path / "run", fault, traced=True,
+                   extra_env={"COMMSLAYER_PEER_TIMEOUT_S": str(3 * STOP_S), "COMMSLAYER_TIMEOUT_S": str(6 * STOP_S)})
+    stuck: List[Tuple[float, str, float]] = []  # (when read, rank 0's op cell, its metric's age)
+    try:
+        while job.running():
+            code, body = get(job.url)
+            cell = re.search(r"<tr class='running'><td>0</td>(?:<td>[^<]*</td>){5}<td>([^<]*)</td>", body)
+            if code == 200 and cell and ", in flight " in cell.group(1):
+                m = samples(get(job.url + "metrics")[1])
+                ages = [v for k, v in m.items() if k.startswith('commslayer_rank_op_age_seconds{') and
+                        'rank="0"' in k and 'state="in_flight"' in k]
+                stuck.append((time.monotonic(), html.unescape(cell.group(1)), ages[0] if ages else -1.0))
+            time.sleep(0.5)
+    finally:
+        if job.running():
+            job.proc.terminate()
+    assert job.wait(60) == 0, job_story(job.log())
+    assert stuck, job_story(job.log())
+    name = re.fullmatch(r"(\w+ #\d+ of '[^']+'), in flight (\d+\.\d) s", stuck[0][1])
+    assert name, stuck
+    # the op rank 0 waited in while rank 1 was stopped (an op in flight a second or more later on,
+    # on a busy machine, is shown too: not this one)
+    stuck = [s for s in stuck if s[1].startswith(name.group(1) + ", in flight ")]
+    assert len(stuck) >= 3, (stuck, job_story(job.log()))
+    first, last = stuck[0], stuck[-1]
+    age = [float(re.search(r"in flight (\d+\.\d) s", c).group(1)) for _, c, _ in stuck]
+    assert age == sorted(age) and age[-1] - age[0] >= last[0] - first[0] - 2.5 > 0, stuck  # it grows as time does
+    assert 1.0 <= age[-1] <= STOP_S + 3, stuck
+    assert last[2] >= age[-1] - 1.5, stuck  # the metric says the same
+
+
+GET_IN_HOST = "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"), reason="needs root and iproute2 (network namespaces)")
+def test_two_hosts_one_status_server_on_node_0_counts_a_rank_lost_on_host_1(tmp_path):
+    """``commslayer-run --nnodes 2`` across two network-namespace hosts (per-rank mode, a rank
+    each), ``--status-port`` on node 0 listening on its own address, scraped from host 1: both
+    hosts' ranks in /metrics (their status records reach the coordinator's store), and rank 1,
+    on host 1, SIGKILLed at step 40 and replaced by host 1's launcher: the recovery counted."""
+    fault = [{"action": "sigkill", "rank": 1, "step": 40, "phase": "backward"}]
+    env = {"GLOO_SOCKET_IFNAME": "eth0", "COMMSLAYER_FAULTS": json.dumps(fault), "COMMSLAYER_TRACE_DIR": "",
+           "OMP_NUM_THREADS": "1"}
+    script = ["--max-restarts", "1", str(FSDP2), "--steps", "240"]
+    with Network(2, "csst") as net:
+        host0 = net.address(1, 0)
+        coordinator = Launched(["--nnodes", "2", "--nproc-per-node", "1", "--host", host0, "--port", "29431",
+                                "--status-host", host0, *script], tmp_path / "run", fault, extra_env=env,
+                               via=net.run(0, []))
+        other = subprocess.Popen(net.run(1, [sys.executable, "-m", "commslayer.run.launcher", "--nnodes", "2",
+                                             "--nproc-per-node", "1", "--node-rank", "1", "--coordinator",
+                                             f"{host0}:29431", "--grace", "3", "--run-dir", str(tmp_path / "run"),
+                                             *script]),
+                                 env=dict(os.environ, **env), cwd="/", stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+        scrapes: List[Dict[str, float]] = []
+        try:
+            while coordinator.running():
+                got = subprocess.run(net.run(1, [sys.executable, "-c", GET_IN_HOST, coordinator.url + "metrics"]),
+                                     capture_output=True, text=True, timeout=20)
+                if got.returncode == 0 and "commslayer_rank_step{" in got.stdout:
+                    scrapes.append(samples(got.stdout))
+                time.sleep(1)
+            assert coordinator.wait(30) == 0 and other.wait(30) == 0, job_story(coordinator.log())
+        finally:
+            for proc in (coordinator.proc, other):
+                if proc.poll() is None:
+                    proc.terminate()
+                    proc.wait(timeout=20)
+    assert coordinator.url.startswith(f"http://{host0}:"), coordinator.url
+    both = [m for m in scrapes if 'commslayer_rank_step{rank="0"}' in m and 'commslayer_rank_step{rank="1"}' in m]
+    assert both, scrapes[-1:]
+    counted = [recoveries(m) for m in scrapes]
+    assert counted[0] == 0 and counted[-1] == 1 and sorted(counted) == counted, counted
+    last = scrapes[-1]
+    assert last['commslayer_recoveries_total{cause="sigkill"}'] == 1
+    assert last['commslayer_rank_life{rank="1"}'] == 1 and last['commslayer_rank_life{rank="0"}'] == 0
+    assert last["commslayer_survivor_stall_seconds_count"] == 1
 
 
 @pytest.fixture

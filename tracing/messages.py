@@ -13,12 +13,19 @@ import re
 from typing import List, Optional
 
 HEADLINE_CHARS = 200  # a cause longer than this is cut (the detail view has it whole)
+IN_FLIGHT = "in flight"  # an op that began and has not ended, as watch and the status page say it
 
 # "(backend: [/path/pair.cc:553] Connection closed by peer [127.0.0.1]:27868. This is typically ...)"
 _BACKEND = re.compile(r"\(backend: (?:\[[^\]]*\] ?)?(.*?)(?: \[[0-9a-fA-F.:]*\]:\d+)?(?:\. [^()]*)?\)")
 _CXX_PATH = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|cxx|h|hpp|cu):\d+\] ?")
 _CONTEXT = re.compile(r" \[communicator [^\]]*\]$")  # commslayer's "[communicator ..; op ..; ..]" at the end
 _ADDRESS = re.compile(r" \[[0-9a-fA-F.:]+\]:\d+")  # a peer's "[127.0.0.1]:25480"
+
+
+def op_name(op: object, seq: object, comm: object) -> str:
+    """An op as ``commslayer-trace watch`` and the status page name it: ``all_reduce #412 of 'c10d:0'``
+    (the page through the name a rank's flight recorder writes into its status, tracing.record.figures)."""
+    return f"{op} #{seq} of '{comm}'"
 
 
 def short_error(text: Optional[str]) -> str:

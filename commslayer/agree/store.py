@@ -238,6 +238,7 @@ class BoundedStore(dist.Store):
         self._prefix = prefix
         self._comm = comm
         self.deadline_s = deadline_s
+        self._soon: Optional[threading.Lock] = None  # released once the last set_soon was answered
         self.set_timeout(target.timeout)
 
     @property
@@ -324,6 +325,17 @@ class BoundedStore(dist.Store):
 
     def check(self, keys: List[str]) -> bool:
         return self._call("check", self._target.check, list(keys))
+
+    def set_soon(self, key: str, value: str) -> bool:
+        """Hand a ``set`` to the connection's worker and return at once, for a thread that must
+        never wait on the store (the watchdog's): False, and nothing handed, when the
+        connection is broken or this store's previous ``set_soon`` got no answer yet (so
+        nothing piles up behind a stuck call). What the set raises is dropped."""
+        pending = self._soon
+        if self._connection.broken is not None or pending is not None and not pending.acquire(blocking=False):
+            return False
+        self._soon = self._submit(self._target.set, (key, value))[1]
+        return True
 
     def add(self, key: str, value: int) -> int:
         return self._call("add", self._target.add, key, value)

@@ -12,6 +12,11 @@ commslayer/comm/direct_path.cpp, which c10d's async ops through the adapter
 take): each communicator's ``DirectPath.sweep`` settles those that failed,
 are overdue, or whose communicator broke, every ``SWEEP_S``.
 
+And it runs what must happen now and then in every process whatever its
+threads are doing (``every``): the flight recorder's status reporter, which
+writes the op a rank is stuck in (tracing.record.figures).  Those calls must
+not block: the deadlines above wait for them.
+
 It keeps dead backends too (``bury``): a Gloo op cannot be cancelled, and
 the last reference to a Gloo group joins the group's worker threads, so
 dropping a broken group whose op still waits for a stopped peer would block
@@ -30,10 +35,11 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import logging
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 from commslayer.comm.work import Work
 
@@ -41,6 +47,16 @@ if TYPE_CHECKING:
     from commslayer.comm.communicator import Communicator
 
 SWEEP_S = 0.25
+
+log = logging.getLogger("commslayer")
+
+
+class _Every:
+    """A call the watchdog makes about every ``period_s`` (``Watchdog.every``)."""
+
+    def __init__(self, period_s: float, fn: Callable[[], None]) -> None:
+        self.period_s, self.fn, self.due = period_s, fn, 0.0
+        self.failed = False  # it raised once (logged once)
 
 
 class Watchdog:
@@ -51,6 +67,22 @@ class Watchdog:
         self._cond = threading.Condition()
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
+        self._every: List[_Every] = []
+
+    def every(self, period_s: float, fn: Callable[[], None]) -> Callable[[], None]:
+        """Call ``fn()`` on the watchdog's thread about every ``period_s`` (at least
+        ``SWEEP_S``) from now on; a function that stops it. ``fn`` must not block (the
+        deadlines of async ops wait for it); what it raises is logged once and skipped."""
+        call = _Every(max(period_s, SWEEP_S), fn)
+        with self._cond:
+            self._every.append(call)
+            self._ensure_thread()
+
+        def stop() -> None:
+            with self._cond:
+                if call in self._every:
+                    self._every.remove(call)
+        return stop
 
     def stop(self) -> None:
         """End the thread and drop the works it holds (at exit; idempotent)."""
@@ -116,6 +148,19 @@ class Watchdog:
                     (ended if grave[1].is_completed() else kept).append(grave)
                 self._graves = kept
             ended.clear()  # the backends whose op ended are freed here, outside the lock
+            self._run_every(time.monotonic())
+
+    def _run_every(self, now: float) -> None:
+        for call in list(self._every):
+            if now < call.due:
+                continue
+            call.due = now + call.period_s
+            try:
+                call.fn()
+            except Exception:  # an observer must not stop the watchdog
+                if not call.failed:
+                    log.exception("commslayer: %r, called by the watchdog, raised (not logged again)", call.fn)
+                call.failed = True
 
 
 WATCHDOG = Watchdog()

@@ -2,12 +2,15 @@
 
 This module owns the server and what it shows: a view of the job (``View``)
 built from the job's store by one thread of its own, about once a second,
-and three renderings of the latest view, served to any number of clients
-without touching the store:
+and three renderings of the latest view (the page and the metrics made by
+that thread once per read: a scrape renders nothing), served to any number
+of clients without touching the store:
 
 - ``/``: an HTML page that reloads itself every ``REFRESH_S``: the job, each
   rank's state (``STATES``), life, last committed step, that step's time and
-  the age of the rank's last status record, the slowest rank of the last
+  the age of the rank's last status record, its current or last op and that
+  op's age (named as ``commslayer-trace watch`` names it: the rank's recorder
+  writes the name), the slowest rank of the last
   collectives, the recoveries so far (with the bytes the healed ranks
   received), each resizable communicator's live generation and members,
   the ops per communicator and op, the warm spares, and the fault log's
@@ -26,8 +29,12 @@ spares), the run directory's fault log, and each rank's status record
 step at most once a second; with its flight recorder on, that record also
 carries the recorder's op figures and the step's collective arrivals
 (tracing.record.figures), which the server sums over ranks and lives and
-matches across ranks (``Memory``). No rank opens a port, and an op's path
-is unchanged. The server reads the store through a client of its own (the
+matches across ranks (``Memory``), and the rank's current or last op. A
+rank stuck inside an op writes no status record; its flight recorder's
+reporter, on the watchdog's thread, writes that op into its op record
+(``commslayer.train.job.op_key``), which the server reads for a rank whose
+status record is older than ``OP_STALE_S`` (tracing.record.figures). No
+rank opens a port, and an op's path is unchanged. The server reads the store through a client of its own (the
 coordinator's TCPStore or the etcd cluster), so a client of the page never
 waits on the store, and the store never waits on a client.
 
@@ -42,6 +49,7 @@ may read the job's state.
 
 from __future__ import annotations
 
+import gc
 import html
 import json
 import os
@@ -60,7 +68,7 @@ from prometheus_client.registry import Collector
 from commslayer import runs
 from commslayer.agree.store import bounded, connect
 from commslayer.train import failures
-from commslayer.train.job import STATUS_SERVED, status_key
+from commslayer.train.job import STATUS_EVERY_S, STATUS_SERVED, op_key, status_key
 from commslayer.run.supervisor import FAILED
 
 POLL_S = 1.0  # the view is read from the store this often
@@ -71,6 +79,8 @@ STORE_TIMEOUT = timedelta(seconds=10)
 STATES = ("starting", "running", "lost", "restarting", "replaced", "fenced", "finished")
 SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 KEEP_STEPS = 4  # a rank's last recorded steps whose arrivals are kept
+KEPT = ("life", "missed", "healed")  # what Memory keeps of each life's latest status record, besides its ops
+OP_STALE_S = 2.5 * STATUS_EVERY_S  # a status record older than this: the rank's op record is read too
 
 
 @dataclass
@@ -89,9 +99,17 @@ class Layout:
         """The restart unit of ``rank`` in the store's words: (``rank`` or ``replica``, its number)."""
         return ("rank", str(rank)) if self.per_rank else ("replica", str(rank // self.group))
 
+    def unit_key(self, rank: int) -> str:
+        """``rank`` as its ``Job.failure_unit``'s store key names it."""
+        return f"rank{rank}" if self.per_rank else f"replica{rank // self.group}.rank{rank % self.group}"
+
     def status_key(self, rank: int) -> str:
-        """The store key of ``rank``'s status record (``Job.failure_unit``'s key)."""
-        return status_key(f"rank{rank}" if self.per_rank else f"replica{rank // self.group}.rank{rank % self.group}")
+        """The store key of ``rank``'s status record."""
+        return status_key(self.unit_key(rank))
+
+    def op_key(self, rank: int) -> str:
+        """The store key of the op ``rank`` is stuck in (``commslayer.train.job.op_key``)."""
+        return op_key(self.unit_key(rank))
 
     def lost_unit(self, rank: int) -> int:
         """What a recovery lists as lost for ``rank``: its rank, or its replica group."""
@@ -107,7 +125,8 @@ class RankView:
     life: int  # its current life (restarts so far)
     why: str = ""  # why it is lost or fenced
     gave_up: bool = False  # lost with no restart left: not accounted for (/healthz answers 503)
-    record: Optional[Dict[str, Any]] = None  # its latest status record (commslayer.train.job._write_status)
+    record: Optional[Dict[str, Any]] = None  # its latest status record (job._write_status), less ops, arrivals, comms
+    op: Optional[Dict[str, Any]] = None  # its current or last op, the newer of its record's and its op record's
 
 
 @dataclass
@@ -156,15 +175,20 @@ class Memory:
 
     def __init__(self) -> None:
         self.lives: Dict[Tuple[int, int], Dict[str, Any]] = {}
-        self.arrivals: Dict[int, Dict[int, List[List[Any]]]] = {}  # rank -> step -> [uid, generation, seq, t]
+        self.arrivals: Dict[int, Dict[int, List[Tuple[Any, ...]]]] = {}  # rank -> step -> (uid, generation, seq, t)
 
     def take(self, rank: int, record: Dict[str, Any]) -> None:
-        """Remember ``rank``'s status ``record``."""
-        self.lives[(rank, record["life"])] = record
-        arrivals = record.get("arrivals")
+        """Take what the sums need out of ``rank``'s status ``record`` and remember it, as tuples of
+        plain values, which the garbage collector stops walking (whole records kept for every
+        life, at 1,000 ranks, made a full collection of the server's process a pause of every
+        request)."""
+        ops = tuple((comm, op, n, nbytes, seconds, tuple(buckets), tuple(errors.items()))
+                    for comm, op, n, nbytes, seconds, buckets, errors in record.pop("ops", ()))
+        self.lives[(rank, record["life"])] = {"ops": ops, **{k: record[k] for k in KEPT if k in record}}
+        arrivals = record.pop("arrivals", None)
         if arrivals:
             steps = self.arrivals.setdefault(rank, {})
-            steps[arrivals["step"]] = arrivals["ops"]
+            steps[arrivals["step"]] = [tuple(a) for a in arrivals["ops"]]
             for old in sorted(steps)[:-KEEP_STEPS]:
                 del steps[old]
 
@@ -178,7 +202,7 @@ class Memory:
                 t = out.setdefault((comm, op), OpTotals())
                 t.ops, t.bytes, t.seconds = t.ops + n, t.bytes + nbytes, t.seconds + seconds
                 t.buckets = [a + b for a, b in zip(t.buckets, buckets)]
-                for kind, k in errors.items():
+                for kind, k in errors:
                     t.errors[kind] = t.errors.get(kind, 0) + k
         return out, missed
 
@@ -288,7 +312,7 @@ def read_view(layout: Layout, store: Any, memory: Optional[Memory] = None) -> Vi
     view.generation = max(generations, default=None)
     for r in ranks:
         view.counts[r.state] = view.counts.get(r.state, 0) + 1
-        for name, generation, members in (r.record or {}).get("comms", ()):
+        for name, generation, members in (r.record or {}).pop("comms", ()):  # kept once, in view.comms
             if generation >= view.comms.get(name, (-1, []))[0]:
                 view.comms[name] = (generation, members)
     return view
@@ -325,7 +349,25 @@ def _rank(layout: Layout, store: Any, rank: int, recoveries: List[runs.Recovery]
         view.state = "restarting" if life else "starting"
     else:
         view.state = "replaced" if life else "running"
+    if view.state != "finished":
+        view.op = _op(layout, store, rank, record)
     return view
+
+
+def _op(layout: Layout, store: Any, rank: int, record: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """``rank``'s current or last op (tracing.record.figures.CurrentOp): its status record's, or
+    the one its op reporter wrote while the rank was stuck in it, whichever it looked at last.
+    The op record is read only when the status record is missing or older than
+    ``OP_STALE_S`` (a rank whose training thread writes records writes no op record), and
+    taken only if the same process wrote both."""
+    op = record.get("op") if record else None
+    if record is not None and time.time() - record["t"] <= OP_STALE_S:
+        return op
+    raw = _get(store, layout.op_key(rank))
+    stuck = json.loads(raw) if raw else None
+    if stuck is None or record is not None and stuck.get("pid") != record.get("pid"):
+        return op
+    return stuck if op is None or stuck["t"] > op["t"] else op
 
 
 def _dropped(unit: int, recoveries: List[runs.Recovery], admissions: List[runs.Admission]) -> bool:
@@ -390,6 +432,9 @@ class Metrics(Collector):
         life = GaugeMetricFamily("commslayer_rank_life", "Each rank's life (its restarts so far)", labels=["rank"])
         age = GaugeMetricFamily("commslayer_rank_status_age_seconds", "Seconds since each rank's last status "
                                 "record (a rank that holds at a stall stops writing)", labels=["rank"])
+        op_age = GaugeMetricFamily("commslayer_rank_op_age_seconds", "Each rank's current op: seconds in flight "
+                                   "(state in_flight), else its last op's seconds since it ended (the flight "
+                                   "recorder must be on)", labels=["rank", "comm", "op", "state"])
         for r in view.ranks:
             life.add_metric([str(r.rank)], r.life)
             if r.record is not None:
@@ -397,7 +442,10 @@ class Metrics(Collector):
                 steps.add_metric([str(r.rank)], r.record["steps"])
                 step_s.add_metric([str(r.rank)], r.record["step_s"])
                 age.add_metric([str(r.rank)], max(0.0, view.taken - r.record["t"]))
-        yield from (step, steps, step_s, life, age)
+            if r.op is not None:
+                op_age.add_metric([str(r.rank), str(r.op["comm"]), str(r.op["op"]), r.op["state"].replace(" ", "_")],
+                                  max(0.0, view.taken - r.op["since"]))
+        yield from (step, steps, step_s, life, age, op_age)
         committed = [r.record["step"] + 1 for r in view.ranks if r.record is not None]
         yield CounterMetricFamily("commslayer_steps_committed", "Steps the job committed (the furthest rank's)",
                                   value=max(committed, default=0))
@@ -499,6 +547,14 @@ def _slowest(s: Optional[Slowest]) -> str:
            f"{s.waited_s:.6f} s for it)"
 
 
+def _op_cell(op: Optional[Dict[str, Any]], now: float) -> str:
+    """A rank's current or last op, named as ``commslayer-trace watch`` names it (the rank's
+    recorder wrote the name), with its age: ``all_reduce #412 of 'c10d:0', in flight 7.3 s``."""
+    if op is None:
+        return ""
+    return f"{op['name']}, {op['state']} {max(0.0, now - op['since']):.1f} s" + ("" if op["in_flight"] else " ago")
+
+
 def _clock(t: float) -> str:
     return time.strftime("%H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d} UTC"
 
@@ -539,10 +595,12 @@ def page(view: Optional[View]) -> str:
         group = [] if lay.per_rank else [str(r.rank // lay.group)]
         rows.append([str(r.rank), *group, r.state, str(r.life),
                      "" if rec is None else str(rec["step"]), "" if rec is None else f"{rec['step_s'] * 1000:.1f} ms",
-                     "" if rec is None else f"step {rec['step']} committed, {_ago(view.taken - rec['t'])}", r.why])
+                     "" if rec is None else f"step {rec['step']} committed, {_ago(view.taken - rec['t'])}",
+                     _op_cell(r.op, view.taken), r.why])
         classes.append(r.state)
     parts += ["<h2>Ranks</h2>", _table(["rank", *([] if lay.per_rank else ["replica group"]), "state", "life",
-                                        "step", "step time", "last report", "why"], rows, classes)]
+                                        "step", "step time", "last report", "current or last op", "why"], rows,
+                                       classes)]
     unit = "rank" if lay.per_rank else "replica group"
     parts += [f"<h2>Recoveries ({len(view.recoveries)})</h2>", _table(
         ["step", f"lost {unit}(s)", "cause", "detected", "detection", "survivor stall", "heal", "heal bytes",
@@ -580,11 +638,25 @@ def _communicator_tables(view: View) -> List[str]:
 
 
 # ------------------------------------------------------------------- server
+@dataclass
+class Rendered:
+    """One view and its renderings, made once by the watcher's thread: what every request
+    until the next read is answered with (a scrape renders nothing)."""
+
+    view: Optional[View]
+    metrics: bytes
+    page: bytes
+
+
 class Watcher:
-    """The thread that reads the job's view from its store every ``POLL_S``."""
+    """The thread that reads the job's view from its store every ``POLL_S`` and renders it
+    (``rendered``)."""
 
     def __init__(self, layout: Layout) -> None:
         self.view: Optional[View] = None
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(Metrics(self))
+        self.rendered = Rendered(None, b"", page(None).encode())
         self._layout, self._address = layout, ""
         self._memory = Memory()
         self._stop = threading.Event()
@@ -610,7 +682,13 @@ class Watcher:
                 if self.view is not None:
                     self.view.store_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 store = None
+            self._render()
             self._stop.wait(POLL_S)
+
+    def _render(self) -> None:
+        """Render the latest view for every request until the next read."""
+        if self.view is not None:
+            self.rendered = Rendered(self.view, generate_latest(self.registry), page(self.view).encode())
 
 
 class _Server(ThreadingHTTPServer):
@@ -621,8 +699,6 @@ class _Server(ThreadingHTTPServer):
         self.socket.close()
         self.socket = listening  # bound by the launcher before anything started
         self.watcher = watcher
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(Metrics(watcher))
         self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
 
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -645,11 +721,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
-        view = self.server.watcher.view
+        rendered = self.server.watcher.rendered
+        view = rendered.view
         if path == "/":
-            self._send(200, "text/html; charset=utf-8", page(view).encode())
+            self._send(200, "text/html; charset=utf-8", rendered.page)
         elif path == "/metrics":
-            self._send(200, "text/plain; version=0.0.4; charset=utf-8", generate_latest(self.server.registry))
+            self._send(200, "text/plain; version=0.0.4; charset=utf-8", rendered.metrics)
         elif path == "/healthz":
             healthy, reason = view.health() if view is not None else (False, "the job's store was not read yet")
             self._send(200 if healthy else 503, "text/plain; charset=utf-8", (reason + "\n").encode())
@@ -685,7 +762,12 @@ class StatusServer:
         return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
 
     def start(self, store_address: str) -> None:
-        """Read the job's store at ``store_address`` (its ``host:port`` or etcd:// address) and serve."""
+        """Read the job's store at ``store_address`` (its ``host:port`` or etcd:// address) and serve.
+        The objects of this process so far (torch's modules above all, about 160,000) are
+        frozen out of the garbage collector's reach first: a full collection walked them in
+        36 to 115 ms here, a pause of every request whenever the reads' garbage set one off."""
+        gc.collect()
+        gc.freeze()
         self._watcher.start(store_address)
         self._thread.start()
 

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from datetime import datetime, timezone
 from typing import Any, Callable, Dict, List, Optional, TextIO, Tuple
 
-from tracing.messages import loss_cause, short_error
+from tracing.messages import IN_FLIGHT, loss_cause, op_name, short_error
 from tracing.read.story import lineage
 from tracing.read.traceio import (FAILURE_EVENTS, MAX_LINE_BYTES, RankSource, TraceFileError, check_event, file_rank,
                                    find_files, life_of, load_dump, parse_line)
@@ -262,10 +262,10 @@ class Watch:
             mtime, open_ops = self.in_flight.get(rank, (0.0, []))
             if open_ops and (r is None or mtime * 1e9 >= r["wall_end_ns"]):
                 o = open_ops[0]
-                op, state, age = f"{o.get('op')} #{o.get('seq')} of '{o.get('comm')}'", "in flight", \
+                op, state, age = op_name(o.get("op"), o.get("seq"), o.get("comm")), IN_FLIGHT, \
                     (now - o["wall_start_ns"]) / 1e9
             elif r is not None:
-                op, state, age = f"{r.get('op')} #{r.get('seq')} of '{r.get('comm')}'", f"{r.get('state')}", \
+                op, state, age = op_name(r.get("op"), r.get("seq"), r.get("comm")), f"{r.get('state')}", \
                     (now - r["wall_end_ns"]) / 1e9
             else:
                 continue

@@ -19,8 +19,22 @@ adds to the record:
   commslayer): ``commslayer-run --status-port`` matches them across ranks to
   find the rank that arrived last and how long the others waited for it.
 
+- ``op``: the rank's current op (``CurrentOp``: the oldest in flight, else
+  the last that ended) as ``OpReporter`` last looked at it, at most
+  ``REPORT_S`` before the record.
+
+A rank stuck inside an op writes no status record (its training thread is
+in the op), so ``OpReporter`` also looks from the watchdog's thread
+(``commslayer.comm.watchdog.Watchdog.every``), every ``REPORT_S``, once a
+status server serves the job (``commslayer.hooks.register_status_reporter``),
+and writes the op into the job's store (``commslayer.train.job.op_key``)
+when one has been in flight for ``STUCK_S`` or more, and once more when that
+op ended: one store write per stuck op, none while ops end in time, handed
+to the store's own worker (``BoundedStore.set_soon``) so that the watchdog
+never waits on the store.
+
 Nothing here runs per op: the op path fills the rings as before, and this
-reads them once per status record: of the native path's ring, only the
+reads them once per status record and once per look: of each ring, only the
 records begun since the last read (and those then still in flight). What
 that costs the training thread: docs/bench/status.md.
 """
@@ -28,19 +42,27 @@ that costs the training thread: docs/bench/status.md.
 from __future__ import annotations
 
 import bisect
+import json
 import math
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Set, Tuple
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 from commslayer.comm.op_path import DIRECT_OPS
 from commslayer.runs import OP_LATENCY_BUCKETS
-from commslayer.hooks import HookHandle, register_status_source
+from commslayer.comm.watchdog import WATCHDOG
+from commslayer.hooks import register_status_reporter, register_status_source
 
+from tracing.messages import IN_FLIGHT, op_name
 from tracing.records import COMPLETED, FINAL_STATES, STATES
 
 if TYPE_CHECKING:
     from tracing.record.recorder import FlightRecorder
 
 MAX_ARRIVALS = 64  # the step's last collectives whose arrivals a record carries
+REPORT_S = 1.0  # OpReporter looks at the rings this often (on the watchdog's thread)
+STUCK_S = 1.0  # and writes the op it finds in flight for this long or longer
 
 # One finished op as read from either ring:
 # (op_id, comm name, comm uid, generation, seq, op, bytes, latency s, state, enqueue ns, step)
@@ -50,8 +72,9 @@ Op = Tuple[int, str, str, int, int, str, int, float, str, int, Any]
 class StatusFigures:
     """What one recorder adds to the status records (see the module doc)."""
 
-    def __init__(self, rec: "FlightRecorder") -> None:
+    def __init__(self, rec: "FlightRecorder", reporter: Optional["OpReporter"] = None) -> None:
         self._rec = rec
+        self._reporter = reporter
         self._totals: Dict[Tuple[str, str], List[Any]] = {}  # (comm, op) -> [ops, bytes, sum s, buckets, errors]
         self._counted: Set[int] = set()  # op ids counted that are still in a ring
         self._total = 0  # ops counted in all
@@ -69,7 +92,8 @@ class StatusFigures:
         return {"ops": [[comm, op, n, nbytes, seconds, list(buckets), dict(errors)]
                         for (comm, op), (n, nbytes, seconds, buckets, errors) in sorted(self._totals.items())],
                 "missed": max(0, recorded - self._total - in_flight),
-                "arrivals": {"step": step, "ops": arrivals[-MAX_ARRIVALS:]}}
+                "arrivals": {"step": step, "ops": arrivals[-MAX_ARRIVALS:]},
+                "op": None if self._reporter is None else self._reporter.latest}
 
     def _read(self) -> Tuple[List[Op], Set[int], int, int]:
         """The finished ops in both rings not counted yet, the ids of every finished op in
@@ -132,6 +156,125 @@ def _bytes(dtype: Any, in_sizes: Iterable[Any], out_sizes: Iterable[Any]) -> int
     return max(sum(math.prod(s) for s in in_sizes), sum(math.prod(s) for s in out_sizes)) * dtype.itemsize
 
 
-def attach(rec: "FlightRecorder") -> HookHandle:
-    """Add ``rec``'s figures to the job's status records from now on."""
-    return register_status_source(StatusFigures(rec))
+class CurrentOp:
+    """This process's current op in ``rec``'s rings: the oldest in flight (by the time it
+    began), else the one that ended last; each call reads only the records begun since
+    the last one, and those still in flight then. Not thread-safe: one caller at a time."""
+
+    def __init__(self, rec: "FlightRecorder") -> None:
+        self._rec = rec
+        self._from = [0, 0]  # per ring (Python, native): the first position not read yet, or in flight when read
+        self._ended: Optional[Tuple[int, str, str, int, str]] = None  # (end ns, comm, op, seq, state)
+        self._wall_minus_mono = rec.clock["wall_ns"] - rec.clock["mono_ns"]
+
+    def __call__(self) -> Optional[Dict[str, Any]]:
+        """The op as the status server takes it: op, comm, seq, name (as ``commslayer-trace
+        watch`` names it, ``tracing.messages.op_name``), state (``IN_FLIGHT`` or its final
+        state), in_flight, since (wall-clock seconds: when it began if in flight, else when
+        it ended), t (wall-clock seconds now) and pid; None before any op."""
+        flying = self._python() + self._native()
+        if flying:
+            start, comm, op, seq, state = min(flying)
+        elif self._ended is not None:
+            start, comm, op, seq, state = self._ended
+        else:
+            return None
+        return {"op": op, "comm": comm, "seq": seq, "name": op_name(op, seq, comm), "state": state,
+                "in_flight": state == IN_FLIGHT, "since": (start + self._wall_minus_mono) / 1e9, "t": time.time(),
+                "pid": os.getpid()}
+
+    def _end(self, end: int, comm: str, op: str, seq: int, state: str) -> None:
+        if self._ended is None or end >= self._ended[0]:
+            self._ended = (end, comm, op, seq, state)
+
+    def _python(self) -> List[Tuple[int, str, str, int, str]]:
+        """The Python ring's records in flight (start ns, comm, op, seq, IN_FLIGHT), read from
+        where the last call stopped."""
+        rec = self._rec
+        flying: List[Tuple[int, str, str, int, str]] = []
+        count = rec._count
+        first = max(self._from[0], count - rec.capacity)
+        self._from[0] = count
+        for position in range(first, count):
+            r = rec._ring[position % rec.capacity]
+            if r is None:
+                continue
+            if r.end_ns is None or r.state not in FINAL_STATES:
+                flying.append((r.start_ns or r.enqueue_ns, r.comm, r.op, r.seq, IN_FLIGHT))
+                self._from[0] = min(self._from[0], position)
+            else:
+                self._end(r.end_ns, r.comm, r.op, r.seq, r.state)
+        return flying
+
+    def _native(self) -> List[Tuple[int, str, str, int, str]]:
+        """The native ring's, likewise."""
+        ring = self._rec._native
+        flying: List[Tuple[int, str, str, int, str]] = []
+        if ring is None:
+            return flying
+        first, fields = ring.records_from(self._from[1])
+        self._from[1] = first + len(fields)
+        for position, f in enumerate(fields, first):
+            if f is None:  # taken over by the Python ring
+                continue
+            (_, (comm, _, _), seq, kind, _, _, _, _, state, start, end) = f[:11]
+            if end is None:
+                flying.append((start, comm, DIRECT_OPS[kind], seq, IN_FLIGHT))
+                self._from[1] = min(self._from[1], position)
+            else:
+                self._end(end, comm, DIRECT_OPS[kind], seq, STATES[state])
+        return flying
+
+
+class OpReporter:
+    """The rank's current op, looked at from the watchdog's thread every ``REPORT_S`` once a
+    status server serves the job: kept for the status records (``latest``), and written into
+    the job's store while an op is stuck (see the module doc)."""
+
+    def __init__(self, rec: "FlightRecorder") -> None:
+        self._current = CurrentOp(rec)
+        self._lock = threading.Lock()
+        self.latest: Optional[Dict[str, Any]] = None  # the last look's op
+        self._written: Optional[Tuple[Any, ...]] = None  # (comm, seq, state) of the op last written
+        self._store: Any = None
+        self._key = ""
+        self._stop: Optional[Callable[[], None]] = None
+
+    def start(self, store: Any, key: str) -> None:
+        """Look now and every ``REPORT_S`` from now on, writing a stuck op into ``key`` of
+        ``store`` (a ``BoundedStore``); a ``register_status_reporter`` hook."""
+        self.stop()
+        self._store, self._key = store, key
+        self.look()
+        self._stop = WATCHDOG.every(REPORT_S, self.look)
+
+    def remove(self) -> None:
+        """Stop looking (idempotent; the recorder's ``close``)."""
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop looking (idempotent)."""
+        if self._stop is not None:
+            self._stop()
+            self._stop = None
+
+    def look(self) -> None:
+        """Read the rings; write the op if it has been in flight ``STUCK_S`` or more, or if the op
+        written last was in flight and this one is not it, or ended."""
+        with self._lock:
+            op = self.latest = self._current()
+        if op is None or self._store is None:
+            return
+        ident = (op["comm"], op["seq"], op["state"])
+        stuck = op["in_flight"] and op["t"] - op["since"] >= STUCK_S
+        if ident != self._written and (stuck or self._written is not None and self._written[2] == IN_FLIGHT):
+            if self._store.set_soon(self._key, json.dumps(op)):
+                self._written = ident
+
+
+def attach(rec: "FlightRecorder") -> List[Any]:
+    """Add ``rec``'s figures to the job's status records from now on, and start its
+    ``OpReporter`` once the job is served: what the recorder's ``close`` removes."""
+    reporter = OpReporter(rec)
+    return [register_status_source(StatusFigures(rec, reporter)), register_status_reporter(reporter.start),
+            reporter]

@@ -404,7 +404,7 @@ def install(trace_dir: Optional[str] = None, *, capacity: Optional[int] = None,
         for comm in commslayer.live_communicators():
             rec.attach(comm)
         rec._handles += [commslayer.register_communicator_hook(rec.attach), register_phase_hook(rec._phase),
-                         register_recovery_hook(lambda kind, fields: rec.event(kind, **fields)), figures.attach(rec)]
+                         register_recovery_hook(lambda kind, fields: rec.event(kind, **fields)), *figures.attach(rec)]
         if rec.writer is not None and config.trace_jsonl():
             from tracing.record.jsonl import JsonlSink
 
