@@ -73,6 +73,7 @@ OPTIMIZERS = "job/optimizers"  # rank 0's optimizers as a spare rebuilds them on
 CONNECT_TIMEOUT = timedelta(seconds=60)
 
 adopted: Optional[Tuple[int, float]] = None  # (spare id, when it took its rank) once this process was a spare
+warmed_at: Optional[float] = None  # when this spare had imported rank 0's modules and stepped its optimizers
 
 
 def key(node: int, spare: int, what: str) -> str:
@@ -252,10 +253,12 @@ class _Warmup:
         the optimizers on meta tensors, once (0.25–0.42 s in the benchmark's job: a rank
         given meanwhile is taken after it, which happens only to a loss that close to
         rank 0's first commit)."""
+        global warmed_at
         if self._fetched.is_set():
             self._fetched.clear()
             for recipe in self._recipes:
                 _warm_optimizer(recipe)
+            warmed_at = time.time()
 
 
 def _parse(raw: bytes) -> Tuple[Dict[str, str], str]:

@@ -194,7 +194,8 @@ class Bench:
                     "to_adoption_s": fresh["adopted_at"] - killed, "adoption_to_init_s": fresh["init_at"] -
                     fresh["adopted_at"], "init_to_build_s": fresh["build_from"] - fresh["init_at"],
                     "model_build_s": fresh["built_at"] - fresh["build_from"], "built_to_commit_s": done -
-                    fresh["built_at"], "peer_timeout_s": peer_timeout_s()}
+                    fresh["built_at"], "peer_timeout_s": peer_timeout_s(),
+                    "warmed_before_fault_s": killed - fresh["warmed_at"] if "warmed_at" in fresh else None}
         return {"stall_s": done - killed, "launcher_stall_s": summary.killed[0]["stall_s"],
                 "steps_redone": len([s for s, _ in after if s < args.fault_step]),
                 "replacement_since_kill_s": since,

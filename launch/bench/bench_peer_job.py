@@ -12,7 +12,9 @@ directory (``$COMMSLAYER_RUN_DIR``) with this process's:
   ``torch_at``: ``import torch`` done; ``imports_at``: train.py and
   commslayer imported; ``init_from``/``init_at``: ``resilience.init``
   called and returned (a warm spare waits in it for its rank: then
-  ``adopted_at`` is when it was given one); ``build_from``/``built_at``:
+  ``adopted_at`` is when it was given one, and ``warmed_at`` when it had
+  imported rank 0's torch modules and stepped its optimizers on meta
+  tensors, if it had); ``build_from``/``built_at``:
   train.py's ``build`` (the model made and sharded with FSDP2);
 - ``commits``: ``[step, wall clock]`` for each step the job committed, in
   order (a step redone after a loss appears again);
@@ -74,6 +76,8 @@ class Probe:
         self.record.update(init_at=time.time(), restart=config.restart_count())  # a spare's life is known now
         if spare.adopted is not None:
             self.record["adopted_at"] = spare.adopted[1]
+        if spare.warmed_at is not None:
+            self.record["warmed_at"] = spare.warmed_at
         step, finish = job.step, job.finish
 
         def probed_step(loss: Optional[torch.Tensor] = None) -> None:
