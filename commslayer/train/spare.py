@@ -35,9 +35,9 @@ parameters computes each op's sharding on its first call and caches it
 device; part of it per thread, hence the main thread: warmed in another
 thread, a first AdamW step over 32 DTensors took 52 ms, against 79 ms cold
 and 7 ms warmed in the thread that steps).  In the benchmark's job the
-spare's first real optimizer step took 82–103 ms cold and 16–20 ms warmed;
-the survivors wait for it whenever the recovery redoes a step before the
-interrupted one.
+spare's first real optimizer step took 103 ms cold (82–93 ms warmed in
+another thread) and 9–25 ms warmed in its main thread; the survivors wait
+for it whenever the recovery redoes a step before the interrupted one.
 
 A spare is not a rank: it is in no communicator, vote or copy refresh, and
 the ranks learn of it only when one of them is replaced by it.  It never
