@@ -176,6 +176,9 @@ def test_a_recovery_is_counted_and_steps_go_on_in_metrics_and_the_page(tmp_path)
     # rank 2's group: lost (dropped by the survivors), then back at life 1 (seen at least once each)
     assert "lost" in states and "replaced" in states and states.index("lost") < states.index("replaced"), states
     assert "sigkill" in page and "SIGKILL of rank 2" in page
+    for rank in (0, 1):  # a rank that steps shows the op it ended last (not one caught in flight a look earlier)
+        cell = re.search(r"<tr class='running'><td>%d</td>(?:<td>[^<]*</td>){6}<td>([^<]*)</td>" % rank, page)
+        assert cell and re.fullmatch(r"\w+ #\d+ of &#x27;[\w:]+&#x27;, completed \d+\.\d s ago", cell.group(1)), page
     ops = [total(m, "commslayer_ops_total") for m in scrapes]
     assert ops == sorted(ops) and ops[-1] > ops[first] > 0, ops  # per-life figures summed: a counter never falls
     last = scrapes[-1]

@@ -19,9 +19,8 @@ adds to the record:
   commslayer): ``commslayer-run --status-port`` matches them across ranks to
   find the rank that arrived last and how long the others waited for it.
 
-- ``op``: the rank's current op (``CurrentOp``: the oldest in flight, else
-  the last that ended) as ``OpReporter`` last looked at it, at most
-  ``REPORT_S`` before the record.
+- ``op``: the rank's last op (``CurrentOp``: the one that ended last) as
+  ``OpReporter`` last looked at it, at most ``REPORT_S`` before the record.
 
 A rank stuck inside an op writes no status record (its training thread is
 in the op), so ``OpReporter`` also looks from the watchdog's thread
@@ -93,7 +92,7 @@ class StatusFigures:
                         for (comm, op), (n, nbytes, seconds, buckets, errors) in sorted(self._totals.items())],
                 "missed": max(0, recorded - self._total - in_flight),
                 "arrivals": {"step": step, "ops": arrivals[-MAX_ARRIVALS:]},
-                "op": None if self._reporter is None else self._reporter.latest}
+                "op": None if self._reporter is None else self._reporter.ended}
 
     def _read(self) -> Tuple[List[Op], Set[int], int, int]:
         """The finished ops in both rings not counted yet, the ids of every finished op in
@@ -173,14 +172,16 @@ class CurrentOp:
         state), in_flight, since (wall-clock seconds: when it began if in flight, else when
         it ended), t (wall-clock seconds now) and pid; None before any op."""
         flying = self._python() + self._native()
-        if flying:
-            start, comm, op, seq, state = min(flying)
-        elif self._ended is not None:
-            start, comm, op, seq, state = self._ended
-        else:
-            return None
+        return self._as_dict(min(flying)) if flying else self.ended()
+
+    def ended(self) -> Optional[Dict[str, Any]]:
+        """The op that ended last as of the last call, likewise; None before any ended."""
+        return None if self._ended is None else self._as_dict(self._ended)
+
+    def _as_dict(self, found: Tuple[int, str, str, int, str]) -> Dict[str, Any]:
+        ns, comm, op, seq, state = found
         return {"op": op, "comm": comm, "seq": seq, "name": op_name(op, seq, comm), "state": state,
-                "in_flight": state == IN_FLIGHT, "since": (start + self._wall_minus_mono) / 1e9, "t": time.time(),
+                "in_flight": state == IN_FLIGHT, "since": (ns + self._wall_minus_mono) / 1e9, "t": time.time(),
                 "pid": os.getpid()}
 
     def _end(self, end: int, comm: str, op: str, seq: int, state: str) -> None:
@@ -228,13 +229,17 @@ class CurrentOp:
 
 class OpReporter:
     """The rank's current op, looked at from the watchdog's thread every ``REPORT_S`` once a
-    status server serves the job: kept for the status records (``latest``), and written into
-    the job's store while an op is stuck (see the module doc)."""
+    status server serves the job: written into the job's store while an op is stuck (see
+    the module doc); the op that ended last is kept for the status records (``ended``: a
+    record is written at a step boundary, where an op seen in flight a look ago has most
+    likely ended since, or ended unseen: the native path marks an async op nobody waits
+    for as ended at the watchdog's next sweep)."""
 
     def __init__(self, rec: "FlightRecorder") -> None:
         self._current = CurrentOp(rec)
         self._lock = threading.Lock()
         self.latest: Optional[Dict[str, Any]] = None  # the last look's op
+        self.ended: Optional[Dict[str, Any]] = None  # and the op that had ended last then
         self._written: Optional[Tuple[Any, ...]] = None  # (comm, seq, state) of the op last written
         self._store: Any = None
         self._key = ""
@@ -263,6 +268,7 @@ class OpReporter:
         written last was in flight and this one is not it, or ended."""
         with self._lock:
             op = self.latest = self._current()
+            self.ended = self._current.ended()
         if op is None or self._store is None:
             return
         ident = (op["comm"], op["seq"], op["state"])
