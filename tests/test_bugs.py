@@ -142,6 +142,23 @@ def test_a_barrier_on_rank_0_alone_stops_a_per_rank_job_as_a_mismatch(tmp_path):
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode, unit", [("per-rank", "rank "), ("replica", "replica group ")])
+def test_a_collective_of_uneven_sizes_that_gloo_aborts_on_is_a_bug(tmp_path, mode, unit):
+    """After step 6 every rank all-reduces a metric, member 1's twice as long: Gloo aborts a
+    process (SIGABRT, "Is there a distributed collective mismatch in your code?"). Before: a
+    death by a signal, a fault, restarted into the same abort until the crash-loop rule
+    stopped it. Now the launcher reads Gloo's words in the rank's output: a bug, stopped at once."""
+    code, out, _ = run(tmp_path, MODES[mode], "--steps", "12", "--uneven-allreduce", "6:1")
+    assert code == 1, job_story(out)
+    line = stop_line(out)
+    assert line.startswith(f"commslayer-run: {unit}") and " in a collective with CollectiveMismatch: Gloo aborted " \
+        "the process: op.preamble.length <= op.nbytes." in line, line
+    assert "a deterministic failure (CollectiveMismatch: ranks called one collective with different sizes)" in line
+    for noise in ("starting life", "resharding", "healed from a live replica", "crash loop"):
+        assert noise not in out, (noise, job_story(out))
+
+
+@pytest.mark.timeout(150)
 def test_every_replica_group_lost_at_once_stops_the_job_instead_of_waiting(tmp_path):
     """Replica mode, the same barrier on every group's rank 0: every group loses its rank 0
     to the timeout at the same step, and no replica is left to heal the restarted groups

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 from datetime import timedelta
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch.distributed as dist
 
@@ -239,7 +239,7 @@ def _supervise(a: argparse.Namespace, store, procs: ProcessSet) -> Dict[int, int
                "--nproc-per-node", str(a.nproc_per_replica), "--max-restarts", str(a.max_restarts),
                "--monitor-interval", "0.1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                "--role", f"replica{r}", a.script, *a.script_args]
-        procs.start(r, cmd, env, on_line=lambda line, r=r: echo(f"[replica {r}] {line}"))
+        procs.start(r, cmd, env, on_line=_group_output(store, r))
     codes: Dict[int, int] = {}
     watched = time.monotonic()
     while len(codes) < len(a.ids) or (not a.ids and not all_ended(store, "replica", a.replicas)):
@@ -259,6 +259,17 @@ def _supervise(a: argparse.Namespace, store, procs: ProcessSet) -> Dict[int, int
                       f"(torchrun exit {proc.returncode})", flush=True)
         time.sleep(0.1)
     return codes
+
+
+def _group_output(store, replica: int) -> Callable[[str], None]:
+    """What a replica group's torchrun output goes to: this launcher's output, and the check
+    for Gloo's words before it aborts a rank on a collective mismatch."""
+    def on_line(line: str) -> None:
+        echo(f"[replica {replica}] {line}")
+        if failures.gloo_abort(line):
+            failures.record_gloo_abort(store, line, unit=f"replica group {replica}", key=f"replica{replica}",
+                                       life=len(failures.restarts(store, replica)), pid=0)
+    return on_line
 
 
 def _stop_on_crash_loop(a: argparse.Namespace, store) -> None:

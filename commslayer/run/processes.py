@@ -46,6 +46,7 @@ class ProcessSet:
         self._started: List[subprocess.Popen] = []  # superseded ones included
         self._grace_s = grace_s
         self._readers: List[threading.Thread] = []
+        self._relays: Dict[Hashable, threading.Thread] = {}  # each key's latest process's output reader
         self.exited = threading.Event()  # set when a process's output ends (it exited): a supervisor wakes
         # A caller's children from before are not ours to end.
         self._before = set(descendants(os.getpid()))
@@ -65,7 +66,15 @@ class ProcessSet:
         t = threading.Thread(target=_relay, args=(proc, on_line, self.exited), daemon=True)
         t.start()
         self._readers.append(t)
+        self._relays[key] = t
         return proc
+
+    def relayed(self, key: Hashable, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until the output of the process started under ``key``,
+        which has exited, has all reached its ``on_line``."""
+        relay = self._relays.get(key)
+        if relay is not None:
+            relay.join(timeout_s)
 
     def stop(self) -> None:
         """End every process started here, and everything they started: SIGTERM to

@@ -55,7 +55,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from commslayer.train import failures
 from commslayer.runs import RESHARDED
@@ -65,6 +65,7 @@ from commslayer.run.processes import ProcessSet
 from commslayer.run.spares import Spares
 
 POLL_S = 0.1
+RELAY_S = 1.0  # the longest an exited rank's last output lines are waited for before it is replaced
 BUGS_SETTLE_S = 0.3  # after the first deterministic failure, the time for others' to be recorded beside it
 FAILED = "job/failed"
 
@@ -145,7 +146,7 @@ def _supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
         if life > 0:
             print(f"supervisor: rank {rank}: {why}; starting life {life} (restart {restarts[rank]} of "
                   f"{job.max_restarts})", flush=True)
-        procs.start(rank, [sys.executable, *job.command], env, on_line=lambda line: echo(f"[rank {rank}] {line}"))
+        procs.start(rank, [sys.executable, *job.command], env, on_line=_rank_output(store, rank, life, procs))
 
     def replace(rank: int, why: str) -> None:
         stop_on_bugs(store)  # written before that life exited: never restart a bug
@@ -189,12 +190,24 @@ def _supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
                 ended.add(rank)
                 store.set(f"rank/{rank}/done", "0")
             elif code is not None:
+                procs.relayed(rank, RELAY_S)  # its last words may make it a bug (failures.record_gloo_abort)
                 replace(rank, f"life {life} {_exit(code)}")
             elif store.check([f"rank/{rank}/lost/{life}"]):
                 replace(rank, f"life {life} was found lost by the other ranks")
         if len(ended) == len(job.ranks) and (job.coordinator or all_ended(store, "rank", job.world_size)):
             return [r for r in range(job.world_size) if r not in retired and store.check([f"rank/{r}/gone"])]
         procs.exited.wait(POLL_S)  # a process that exits wakes the loop at once
+
+
+def _rank_output(store: Any, rank: int, life: int, procs: ProcessSet) -> Callable[[str], None]:
+    """What a rank's output lines go to: this launcher's output, and the check for Gloo's
+    words before it aborts a process on a collective mismatch."""
+    def on_line(line: str) -> None:
+        echo(f"[rank {rank}] {line}")
+        if failures.gloo_abort(line):
+            failures.record_gloo_abort(store, line, unit=f"rank {rank}", key=f"rank{rank}", life=life,
+                                       pid=procs.procs[rank].pid)
+    return on_line
 
 
 def _fail(job: RankJob, store: Any, procs: ProcessSet) -> None:

@@ -19,6 +19,10 @@ the whole job at once when the failure is *deterministic*:
 
 A process that dies by a signal records nothing and stays a fault; the
 launcher's crash-loop rule (``commslayer-run --crash-loop``) bounds those.
+One exception: Gloo aborts a process (SIGABRT) when a peer sends more data
+than the op expects, which only a collective mismatch does (ranks calling
+one collective with different sizes), and says so on stderr; the launcher
+reads the ranks' output, and ``record_gloo_abort`` makes that death a bug.
 
 What is written to the job's store (the contract with ``commslayer.run.launcher``
 and ``commslayer.run.supervisor``):
@@ -69,14 +73,16 @@ class Failure:
     error: str  # "ValueError: bad batch"
     where: str  # the last frame of the script's own code: "train.py:42, in loss_fn: raise ..." ("" if none)
     deterministic: str  # why it is a bug ("" for a fault)
-    pid: int
+    pid: int  # 0: not known (a replica group's rank that its torchrun started)
     time: float
+    at: str = ""  # when not at a known step: where it was ("" : outside the training loop)
 
     def words(self) -> str:
         """One line: who, when, what, where."""
-        at = f" at step {self.step}" if self.step is not None else " outside the training loop"
+        at = f" at step {self.step}" if self.step is not None else f" {self.at or 'outside the training loop'}"
         where = f" ({self.where})" if self.where else ""
-        return f"{self.unit} (life {self.life}, pid {self.pid}) failed{at} with {self.error}{where}"
+        pid = f", pid {self.pid}" if self.pid else ""
+        return f"{self.unit} (life {self.life}{pid}) failed{at} with {self.error}{where}"
 
     def signature(self) -> tuple:
         """What must match for a failure to count as the same one again."""
@@ -169,6 +175,24 @@ def record(store: Any, exc: BaseException, tb: Optional[TracebackType], *, unit:
     if failure.deterministic:
         store.append(BUGS, failure.to_json() + "\n")
     return failure
+
+
+GLOO_MISMATCH = "Is there a distributed collective mismatch in your code?"  # Gloo's last words before abort
+
+
+def gloo_abort(line: str) -> bool:
+    """Whether a line of a rank's output is Gloo's last words before it aborted the process on a
+    collective mismatch."""
+    return GLOO_MISMATCH in line
+
+
+def record_gloo_abort(store: Any, line: str, *, unit: str, key: str, life: int, pid: int) -> None:
+    """Record as a bug (``job/bugs``) the death of the rank whose output ``line`` (``gloo_abort``) is."""
+    words = line.strip().split("] ", 1)[-1]  # after Gloo's "[enforce fail at <file>:<line>]"
+    failure = Failure(unit=unit, key=key, life=life, step=None, error=f"CollectiveMismatch: Gloo aborted the "
+                      f"process: {words}", where="", deterministic="CollectiveMismatch: ranks called one "
+                      "collective with different sizes", pid=pid, time=time.time(), at="in a collective")
+    store.append(BUGS, failure.to_json() + "\n")
 
 
 def record_restart(store: Any, replica: int) -> None:
