@@ -199,7 +199,7 @@ class Lifecycle:
         lineage, seq, op = self.lineage, err.seq, err.op
         if lineage is None or seq is None or op is None or self._size < 2:
             return err
-        base = f"timed-out/{self._name}/{seq}/"
+        base = f"timed-out/{lineage.uid_for(self.generation)}/{self._name}/{seq}/"  # unique in the job
         others = {r: f"{base}{r}" for r in range(self._size) if r != self._rank}
         try:
             store = lineage.store_for(self.generation)
