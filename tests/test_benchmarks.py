@@ -464,3 +464,14 @@ def test_status_scrape_smoke():
         assert 0 < median <= p90 <= top and numbers(row["body (bytes)"].replace(",", ""))[0] > 0, row
     assert re.search(r"the server's reads of the store meanwhile: \d+, median \d+ ms", out), out
 
+
+@pytest.mark.timeout(150)
+def test_status_steps_smoke():
+    """One repeat of the DDP example, traced, 30 steps: the three configurations, each a median
+    step time, and "on" answered scrapes."""
+    out = run_bench("launch/bench/bench_status_steps.py", "--repeats", "1", "--steps", "30", "--skip", "5",
+                    "--examples", "DDP", "--traced", timeout=140)
+    for config in ("off", "off (A/A)", "on, scraped 1/s"):
+        found = re.search(rf"^DDP traced {re.escape(config)}: median of 1 (\d+\.\d+) ms", out, re.M)
+        assert found and float(found.group(1)) > 0, out
+    assert re.search(r"^DDP repeat 0 on, scraped 1/s: median step \d+\.\d+ ms \([1-9]\d* scrapes\)", out, re.M), out
