@@ -360,6 +360,22 @@ def test_watch_names_bad_lines_and_files_like_the_other_commands(tmp_path):
     assert "skipped bad input: 4 lines or files" in out, out
 
 
+@pytest.mark.timeout(60)
+def test_watch_refuses_bad_intervals_and_counts_and_says_which_directory_is_missing(tmp_path):
+    """Before: ``--interval -1`` or ``nan`` drew once, then died with "internal error: ValueError";
+    ``--last 0`` silently took every collective seen; a directory not there yet read "not a
+    directory"."""
+    job(str(tmp_path), ranks=2, ops=3, jsonl=True)
+    for bad in (["--interval", "-1"], ["--interval", "nan"], ["--interval", "x"], ["--last", "0"]):
+        rc, out, err = run_cli("watch", *bad, str(tmp_path))
+        assert rc == 2 and out == "" and f"argument {bad[0]}: {bad[1]}: " in err and "internal" not in err, err
+    rc, _, err = run_cli("watch", "--once", str(tmp_path / "later"))
+    assert rc == 2 and "later: no such directory" in err, err
+    (tmp_path / "afile").write_text("")
+    assert "afile: not a directory" in run_cli("watch", "--once", str(tmp_path / "afile"))[2]
+    assert run_cli("watch", "--once", "--interval", "0", "--last", "1", str(tmp_path))[0] == 0
+
+
 ESCAPES = "\x1b]0;pwned\x07\x1b[2J\x1b[31mred\u202e\nLikely culprit: rank 9 (forged)\x9b1m"
 
 

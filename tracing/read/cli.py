@@ -235,6 +235,28 @@ def _command(sub: Any, name: str, fn: Callable[[argparse.Namespace], int], brief
     return p
 
 
+def _seconds(text: str) -> float:
+    """``watch --interval``: a finite number of seconds >= 0 (time.sleep refuses the rest)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text}: a finite number of seconds >= 0")
+    return value
+
+
+def _at_least_1(text: str) -> int:
+    """``watch --last``: 1 or more (0 or less took every collective seen, unsaid)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: 1 or more")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser, one subcommand per question."""
     top = argparse.ArgumentParser(prog="commslayer-trace",
@@ -273,8 +295,8 @@ def parser() -> argparse.ArgumentParser:
                                    "of the last collectives, each resizable communicator's generation and members, "
                                    "the first failure and the latest recovery events. Ctrl-C quits.")
     p.add_argument("dir", metavar="DIR", help="the job's trace directory (COMMSLAYER_TRACE_DIR)")
-    p.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between redraws (default 1)")
-    p.add_argument("--last", type=int, default=20, metavar="N",
+    p.add_argument("--interval", type=_seconds, default=1.0, metavar="S", help="seconds between redraws (default 1)")
+    p.add_argument("--last", type=_at_least_1, default=20, metavar="N",
                    help="collectives the slowest rank is found over (default 20)")
     p.add_argument("--once", action="store_true", help="draw once and exit (no screen clearing)")
     p.set_defaults(fn=cmd_watch, skip_bad=True)

@@ -286,7 +286,8 @@ def run(directory: str, *, interval_s: float = 1.0, last: int = 20, once: bool =
     """The ``watch`` loop: poll and redraw every ``interval_s`` until Ctrl-C (or once)."""
     out = out or sys.stdout
     if not os.path.isdir(directory):
-        raise TraceFileError(directory, None, "not a directory")
+        raise TraceFileError(directory, None, "not a directory" if os.path.lexists(directory) else
+                             "no such directory (a job's trace directory exists once its first rank starts)")
     w = Watch(directory, last=last)
     try:
         while True:
