@@ -376,6 +376,23 @@ def test_watch_refuses_bad_intervals_and_counts_and_says_which_directory_is_miss
     assert run_cli("watch", "--once", "--interval", "0", "--last", "1", str(tmp_path))[0] == 0
 
 
+@pytest.mark.timeout(60)
+def test_watch_on_a_finished_run_says_the_job_ended(tmp_path):
+    """Before: watch on a finished job's run directory showed the last ops with ever-growing ages
+    and "first failure: none so far", as if the job still ran."""
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    job(str(traces), ranks=2, ops=3, jsonl=True)
+    summary = tmp_path / "summary.json"
+    summary.write_text("{}")
+    os.utime(summary, ns=(time.time_ns() - 10**12,) * 2)  # an earlier run's, in a reused run directory
+    assert "the job ended" not in run_cli("watch", "--once", str(traces))[1]
+    os.utime(summary)  # written after the traces: this run's end
+    for where in (traces, tmp_path):
+        rc, out, _ = run_cli("watch", "--once", str(where))
+        assert rc == 0 and "the job ended at " in out and "(its launcher wrote summary.json)" in out, out
+
+
 ESCAPES = "\x1b]0;pwned\x07\x1b[2J\x1b[31mred\u202e\nLikely culprit: rank 9 (forged)\x9b1m"
 
 

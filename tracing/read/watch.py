@@ -29,6 +29,7 @@ from tracing.read.story import lineage
 from tracing.read.traceio import (FAILURE_EVENTS, MAX_LINE_BYTES, RankSource, TraceFileError, check_event, file_rank,
                                    find_files, life_of, load_dump, parse_line)
 
+SUMMARY = "summary.json"  # commslayer.runs.SUMMARY: the launcher writes it into the run directory at the job's end
 READ_BYTES = 8 << 20  # per file and look: a job far ahead is caught up over several looks
 KEEP_COLLECTIVES = 4096  # the latest collectives whose arrivals are kept
 MAX_MEMBERS_SHOWN = 4096
@@ -240,6 +241,20 @@ class Watch:
         top = max(count, key=lambda r: (count[r], waited[r]))
         return top, count[top], len(keys), waited[top] / 1e9
 
+    def _ended(self) -> Optional[int]:
+        """When the launcher wrote the run's summary (the job's end), in wall ns, if it is newer
+        than every trace file here (a reused run directory keeps an earlier run's until the end)."""
+        here = self.directory.rstrip(os.sep)
+        run_dirs = [here] + ([os.path.dirname(here)] if os.path.basename(here) == "traces" else [])
+        for path in (os.path.join(d, SUMMARY) for d in run_dirs):
+            try:
+                written = os.stat(path).st_mtime_ns
+                if all(os.stat(p).st_mtime_ns <= written for p in [*self.files, *self.dumps]):
+                    return written
+            except OSError:
+                continue
+        return None
+
     def frame(self, now_ns: Optional[int] = None) -> List[str]:
         """The screen, as lines."""
         now = time.time_ns() if now_ns is None else now_ns
@@ -252,6 +267,9 @@ class Watch:
             lines.append(f"{name}: generation {gen}, members {', '.join(map(str, members))} "
                          f"(since {_clock(since)})")
         lines.append(f"first failure: {self.first_failure[1] if self.first_failure else 'none so far'}")
+        ended = self._ended()
+        if ended is not None:
+            lines.append(f"the job ended at {_clock(ended)} UTC (its launcher wrote {SUMMARY}): nothing more will come")
         if self.problems:
             lines.append(f"skipped bad input: {sum(self._bad.values())} lines or files, the first: "
                          f"{self.problems[0][len('skipped '):]}")
