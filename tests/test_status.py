@@ -458,6 +458,34 @@ def test_hostile_requests(sleeping):
 
 
 @pytest.mark.timeout(120)
+def test_head_is_get_without_a_body_and_other_methods_are_405(sleeping):
+    """Before: HEAD (``curl -I``, uptime checkers) and POST got http.server's 501 HTML page."""
+    url = sleeping.url
+    head = raw(url, b"HEAD /metrics HTTP/1.0\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") and head.endswith(b"\r\n\r\n") and b"Content-Length: " in head
+    assert raw(url, b"HEAD /nothing HTTP/1.0\r\n\r\n").startswith(b"HTTP/1.0 404")
+    post = raw(url, b"POST /metrics HTTP/1.0\r\nContent-Length: 0\r\n\r\n")
+    assert post.startswith(b"HTTP/1.0 405") and b"Allow: GET, HEAD" in post
+    assert get(url + "metrics?x=1")[0] == 200 and sleeping.running()
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_status_host_is_one_line_and_exit_2(tmp_path):
+    """Before: an empty --status-host served on every interface, one without --status-port was
+    ignored, and a name that does not resolve read 'Unknown error -2'."""
+    def launch(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "commslayer.run.launcher", "--nproc-per-node", "2", *args,
+                               str(SLEEPER), "exit", str(tmp_path)], capture_output=True, text=True, timeout=30)
+    for args, said in [(["--status-port", "0", "--status-host", ""], "--status-host '': name an address"),
+                       (["--status-host", "0.0.0.0"], "--status-host 0.0.0.0 without --status-port"),
+                       (["--status-port", "0", "--status-host", "nosuchhost.invalid"], "nosuchhost.invalid:0: ")]:
+        run = launch(*args)
+        assert run.returncode == 2 and said in run.stderr and run.stderr.count("\n") == 1, (args, run.stderr)
+        assert "Unknown error" not in run.stderr and "while attempting" not in run.stderr
+    assert not list(tmp_path.glob("rank*"))  # no rank started
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.skipif(not etcd_available(), reason="etcd is not installed (Debian's etcd-server)")
 def test_the_server_reads_a_job_store_on_etcd(tmp_path):
     """``--store etcd://...``: the launcher that starts the job serves it, reading the job's keys

@@ -148,7 +148,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--status-port", type=int, metavar="PORT",
                    help="serve the job's status on this port: an HTML page at /, Prometheus metrics at /metrics, "
                         "/healthz (unauthenticated; the coordinator only; 0: a free port; default: off)")
-    p.add_argument("--status-host", default="127.0.0.1",
+    p.add_argument("--status-host",
                    help="the address --status-port listens on (default 127.0.0.1)")
     p.add_argument("--run-dir", help="results, the fault log and traces go here")
     p.add_argument("--compare-to", metavar="RUN_DIR", help="a fault-free run's --run-dir: compare the loss curves")
@@ -187,10 +187,15 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     elif a.port is not None and not 0 <= a.port <= 65535:
         p.error(f"--port {a.port}: a TCP port is 0..65535")
     if a.status_port is not None:
+        a.status_host = "127.0.0.1" if a.status_host is None else a.status_host
         if a.coordinator is not None:
             p.error("--status-port is served by the launcher that starts the job; this one joins it (--coordinator)")
         if not 0 <= a.status_port <= 65535:
             p.error(f"--status-port {a.status_port}: a TCP port is 0..65535")
+        if not a.status_host.strip():  # socket's "" is every interface: an empty $VAR must not publish the server
+            p.error(f"--status-host {a.status_host!r}: name an address (0.0.0.0 for every interface, unauthenticated)")
+    elif a.status_host is not None:
+        p.error(f"--status-host {a.status_host} without --status-port: give the port the status server listens on")
     a.per_rank = a.replicas is None
     if a.per_rank:
         _per_rank_mode(p, a)
@@ -344,9 +349,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         family = socket.AF_INET6 if ":" in a.status_host else socket.AF_INET
         try:
             a.status_socket = socket.create_server((a.status_host, a.status_port), family=family)
-        except OSError as exc:
+        except OSError as exc:  # a name that does not resolve: a negative errno (getaddrinfo's), its text in strerror
+            why = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else \
+                (exc.strerror or str(exc)).split(" (while attempting")[0]
             print(f"{PROG}: error: --status-port {a.status_port}: cannot listen on {a.status_host}:{a.status_port}: "
-                  f"{os.strerror(exc.errno) if exc.errno else exc}", file=sys.stderr, flush=True)
+                  f"{why}", file=sys.stderr, flush=True)
             return 2
     from commslayer.run.launch import run
 

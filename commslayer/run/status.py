@@ -38,7 +38,7 @@ rank opens a port, and an op's path is unchanged. The server reads the store thr
 coordinator's TCPStore or the etcd cluster), so a client of the page never
 waits on the store, and the store never waits on a client.
 
-Hostile clients: unknown paths get 404; a request line or header over
+Hostile clients: unknown paths get 404, methods other than GET and HEAD 405; a request line or header over
 http.server's bounds (64 KiB a line, 100 headers) gets 414 or 431; every
 connection has a socket timeout (``CLIENT_TIMEOUT_S``), so a slow client
 holds one thread for that long at most; at most ``MAX_CLIENTS`` connections
@@ -718,6 +718,18 @@ class _Server(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     timeout = CLIENT_TIMEOUT_S  # the connection's socket timeout: a slow client is dropped
     server: _Server
+    _head_only = False  # a HEAD request (HTTP/1.0: one request per connection, so per handler)
+
+    def do_HEAD(self) -> None:
+        """GET's status and headers without the body (``curl -I``, uptime checkers)."""
+        self._head_only = True
+        self.do_GET()
+
+    def _not_allowed(self) -> None:
+        """405 with the methods served (http.server's default is a 501 HTML page)."""
+        self._send(405, "text/plain; charset=utf-8", b"method not allowed: GET or HEAD\n", allow="GET, HEAD")
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
@@ -733,13 +745,16 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._send(404, "text/plain; charset=utf-8", b"not found: try /, /metrics or /healthz\n")
 
-    def _send(self, code: int, kind: str, body: bytes) -> None:
+    def _send(self, code: int, kind: str, body: bytes, allow: str = "") -> None:
         self.send_response(code)
         self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Cache-Control", "no-store")
+        if allow:
+            self.send_header("Allow", allow)
         self.end_headers()
-        self.wfile.write(body)
+        if not self._head_only:
+            self.wfile.write(body)
 
     def log_message(self, format: str, *args: Any) -> None:
         """Quiet: the launcher's output is the job's."""
