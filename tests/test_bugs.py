@@ -158,6 +158,24 @@ def test_a_collective_of_uneven_sizes_that_gloo_aborts_on_is_a_bug(tmp_path, mod
         assert noise not in out, (noise, job_story(out))
 
 
+@pytest.mark.timeout(120)
+def test_ddp_in_per_rank_mode_is_refused_at_register(tmp_path):
+    """The DDP example under per-rank mode trained while nothing failed, but a lost rank's
+    replacement ran DDP's constructor collectives alone: the survivors timed out, the
+    replacements crash-looped. Now ``register`` refuses it at the first life, naming the
+    remedy."""
+    proc = subprocess.run([sys.executable, "-m", "commslayer.run.launcher", "--nproc-per-node", "2", "--max-restarts",
+                           "2", str(PLAIN.parent / "ddp_resilient.py"), "--steps", "5"],
+                          env=dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR=""), cwd="/",
+                          capture_output=True, text=True, timeout=100)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, job_story(out)
+    line = stop_line(out)
+    assert "InvalidArgument: register: 'model' is a DistributedDataParallel module" in line, line
+    assert "commslayer-run --replicas R --nproc-per-replica N" in line and "a deterministic failure" in line, line
+    assert "starting life" not in out, job_story(out)
+
+
 @pytest.mark.timeout(150)
 def test_every_replica_group_lost_at_once_stops_the_job_instead_of_waiting(tmp_path):
     """Replica mode, the same barrier on every group's rank 0: every group loses its rank 0

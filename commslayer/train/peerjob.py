@@ -151,6 +151,22 @@ class PeerJob(Job):
     def reports(self) -> bool:
         return self.rank == 0
 
+    def register(self, **state: Any) -> None:
+        """As ``Job.register``, but a ``DistributedDataParallel`` module is refused: a lost
+        rank is replaced alone here, and DDP's constructor in the replacement runs
+        collectives (rank 0's parameters broadcast, every rank's model compared) that
+        the other ranks, already past theirs, never join."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = [name for name, obj in state.items() if isinstance(obj, DistributedDataParallel)]
+        if ddp:
+            raise InvalidArgument(
+                f"register: {', '.join(map(repr, ddp))} is a DistributedDataParallel module, which per-rank mode "
+                "cannot recover (a replacement's DDP constructor runs collectives the other ranks never join): "
+                "run it in replica mode (commslayer-run --replicas R --nproc-per-replica N), or shard the model "
+                "with FSDP2 (fully_shard on job.mesh) in per-rank mode", op="register")
+        super().register(**state)
+
     def failure_unit(self) -> Tuple[str, str]:
         rank = self._launched[self.rank]  # the launcher's rank: the one its keys and lines name
         return f"rank {rank}", f"rank{rank}"
