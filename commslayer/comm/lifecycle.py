@@ -62,8 +62,8 @@ class State(enum.Enum):
 
 OPEN: FrozenSet[State] = frozenset({State.ACTIVE, State.BROKEN})
 GOODBYE_CONFIRM_S = 2.0  # how long a goodbye waits for the last round's confirmation to reach the store
-MISMATCH_LOOK_S = 2.0  # the longest a timed-out collective looks for what the others timed out in (and a
-# tenth of the time it waited): their ops start a little apart, so they time out a little apart
+MISMATCH_LOOK_S = 2.0  # the longest a timed-out collective looks for what the others timed out in: a tenth
+MISMATCH_MIN_S = 0.2  # of the time it waited, but not less than this (their ops start a little apart)
 
 # The legal moves; every other one raises CommAborted naming the state.
 TRANSITIONS: Dict[State, FrozenSet[State]] = {
@@ -204,7 +204,7 @@ class Lifecycle:
         try:
             store = lineage.store_for(self.generation)
             store.set(f"{base}{self._rank}", op)
-            deadline = time.monotonic() + min(MISMATCH_LOOK_S, (err.elapsed_s or 0.0) / 10)
+            deadline = time.monotonic() + min(MISMATCH_LOOK_S, max(MISMATCH_MIN_S, (err.elapsed_s or 0.0) / 10))
             while not store.check(list(others.values())) and time.monotonic() < deadline:
                 time.sleep(0.02)
             theirs = {r: store.get(k).decode() for r, k in others.items() if store.check([k])}
