@@ -101,7 +101,7 @@ class Layout:
 
     def unit_key(self, rank: int) -> str:
         """``rank`` as its ``Job.failure_unit``'s store key names it."""
-        return f"rank{rank}" if self.per_rank else f"replica{rank // self.group}.rank{rank % self.group}"
+        return f"rank{rank}" if self.per_rank else failures.unit_key(rank // self.group, rank % self.group)
 
     def status_key(self, rank: int) -> str:
         """The store key of ``rank``'s status record."""

@@ -235,11 +235,16 @@ def no_replica_left(store: Any, replicas: int, shards: int, gone: List[int]) -> 
             f"groups from: the job stops instead of letting them wait to be admitted. {told}{hint}")
 
 
+def unit_key(replica: int, rank: int) -> str:
+    """Rank ``rank`` of replica group ``replica`` as a store key part (``Failure.key``)."""
+    return f"replica{replica}.rank{rank}"
+
+
 def _last_failures(store: Any, replica: int, shards: int) -> List[Failure]:
     """The first failure recorded by a rank of replica group ``replica``'s latest life that
     recorded any (none when each of its ranks was killed)."""
     for life in range(len(restarts(store, replica)), -1, -1):  # a group that gave up failed in its latest life
-        keys = [f"failure/replica{replica}.rank{k}/{life}" for k in range(shards)]
+        keys = [f"failure/{unit_key(replica, k)}/{life}" for k in range(shards)]
         found = sorted((Failure.from_json(store.get(k).decode()) for k in keys if store.check([k])),
                        key=lambda f: f.time)
         if found:

@@ -733,7 +733,7 @@ class Job:
 
     def failure_unit(self) -> Tuple[str, str]:
         """This rank in the launcher's words, and as a key of the job's store."""
-        return f"replica group {self.replica} rank {self.rank}", f"replica{self.replica}.rank{self.rank}"
+        return f"replica group {self.replica} rank {self.rank}", failures.unit_key(self.replica, self.rank)
 
     @property
     def reports(self) -> bool:
