@@ -307,7 +307,9 @@ def _isolated_and_averaged(rank, size, store):
         time.sleep(0.001)
     same.append(torch.equal(got, ref))
     ints = torch.arange(8, dtype=torch.int64) * (rank + 1)  # an integer AVG truncates: the general path
-    kinds.append(type(dist.all_reduce(ints, op=dist.ReduceOp.AVG, group=group, async_op=True)).__name__)
+    work = dist.all_reduce(ints, op=dist.ReduceOp.AVG, group=group, async_op=True)
+    kinds.append(type(work).__name__)
+    work.wait()  # a rank that left with its op pending would be a peer lost to the other
     return same, kinds
 
 

@@ -298,7 +298,7 @@ def _body(response: http.client.HTTPResponse, deadline: float) -> bytes:
         size += len(chunk)
         if size > MAX_REPLY_BYTES:
             raise _NotServed(f"an answer of over {MAX_REPLY_BYTES} bytes, the cap")
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline and response.length != 0:  # (0: the whole answer is read)
             raise _NotServed("an answer still arriving at its deadline")
         chunks.append(chunk)
     return b"".join(chunks)
@@ -388,9 +388,9 @@ class EtcdStore(dist.Store):
                 self._good = index
                 return data
             if time.monotonic() >= deadline:
-                last = "; ".join(failures[-len(self.endpoints):])  # the last round's
+                seen = "; ".join(list(dict.fromkeys(failures))[-2 * len(self.endpoints):])  # each reason once
                 raise dist.DistNetworkError(f"etcd at {self.address} did not serve {path} within "
-                                            f"{timeout_s:g}s: {last}")
+                                            f"{timeout_s:g}s: {seen}")
             time.sleep(0.05)  # every endpoint failed at once (none up yet): pace the next round
 
     def _attempt(self, index: int, host: str, port: int, path: str, body: Dict[str, Any],
