@@ -75,7 +75,7 @@ def create(dist_opts, backend_options) -> CommslayerProcessGroup:
                                   f"{comm.get_size()}", comm=comm.get_name(), op="init_process_group")
         return CommslayerProcessGroup([comm])
     config.validate()  # start-up of a c10d job: a bad COMMSLAYER_* variable fails init_process_group
-    timeout_s = (config.default_timeout() if config.timeout_is_set() else dist_opts.timeout).total_seconds()
+    timeout_s = config.group_timeout(dist_opts.timeout).total_seconds()
     kinds = ["gloo"] + (["nccl"] if torch.cuda.is_available() and dist.is_nccl_available() else [])
     default_ranks = list(dist_opts.global_ranks_in_group) or list(range(dist_opts.group_size))
     return CommslayerProcessGroup([group_communicator(kind, dist_opts.store, dist_opts.group_rank, timeout_s,

@@ -107,9 +107,10 @@ def default_timeout() -> timedelta:
     return timedelta(seconds=_seconds("COMMSLAYER_TIMEOUT_S", 300.0))
 
 
-def timeout_is_set() -> bool:
-    """Whether ``COMMSLAYER_TIMEOUT_S`` is given (it then overrides c10d's group timeout)."""
-    return bool(os.environ.get("COMMSLAYER_TIMEOUT_S", "").strip())
+def group_timeout(given: timedelta) -> timedelta:
+    """The op deadline of a group built through ``torch.distributed`` with c10d's timeout
+    ``given``: ``COMMSLAYER_TIMEOUT_S`` when it is set, which replaces it, else ``given``."""
+    return default_timeout() if os.environ.get("COMMSLAYER_TIMEOUT_S", "").strip() else given
 
 
 def check_mode() -> bool:

@@ -7,7 +7,10 @@ A run under ``commslayer-run --run-dir D`` leaves in ``D``:
   restarted life does), written by the training script with ``save``;
 - ``faults.jsonl``: the fault log (``faults.inject`` appends each fault it
   fires and the first failure each communicator sees), read by ``read_log``;
-- ``summary.json``: the launcher's ``Summary`` of the run.
+- ``summary.json``: the launcher's ``Summary`` of the run;
+- ``traces/``: the ranks' traces (unless ``COMMSLAYER_TRACE_DIR`` says otherwise);
+- ``earlier/<n>/``: what the ``n``-th earlier run in the same folder left
+  there, set aside by the launcher before this one started (``set_aside``).
 
 The job's store (the coordinator's) holds the recoveries and admissions the
 ranks recorded (``record``; read by ``job_recoveries``, ``job_admissions``):
@@ -121,6 +124,28 @@ def save(result: RankResult, run_dir: str) -> str:
 def result_paths(run_dir: str) -> List[str]:
     """The result files of a run, in name order."""
     return sorted(glob.glob(os.path.join(run_dir, RESULT_GLOB)))
+
+
+TRACES = "traces"  # the run's traces, unless COMMSLAYER_TRACE_DIR names another folder
+EARLIER = "earlier"  # where an earlier run's files in the same folder are set aside
+
+
+def set_aside(run_dir: str) -> Optional[str]:
+    """Move what an earlier run left in ``run_dir`` (its results, summary, fault log and
+    traces) into ``run_dir/earlier/<n>``, the first ``n`` free, so that this run's summary,
+    comparison and traces are its own; the folder, or None when there was nothing."""
+    names = [os.path.basename(p) for p in result_paths(run_dir)] + [
+        n for n in (SUMMARY, FAULT_LOG, TRACES) if os.path.exists(os.path.join(run_dir, n))]
+    if not set(names) - {FAULT_LOG}:  # a fault log alone is the fault harness's, for the run it starts
+        return None
+    n = 1
+    while os.path.exists(os.path.join(run_dir, EARLIER, str(n))):
+        n += 1
+    into = os.path.join(run_dir, EARLIER, str(n))
+    os.makedirs(into)
+    for name in names:
+        os.replace(os.path.join(run_dir, name), os.path.join(into, name))
+    return into
 
 
 def load_results(run_dir: str) -> List[RankResult]:

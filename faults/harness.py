@@ -35,8 +35,8 @@ from typing import Any, Dict, List, Optional
 
 from commslayer.run.launcher import GRACE_S
 from commslayer.run.processes import ProcessSet, become_subreaper, descendants, free_port
-from commslayer.runs import (FAULT_LOG, RankResult, Recovery, load_results, load_summary, longest, read_log,
-                             result_paths)
+from commslayer.runs import (FAULT_LOG, TRACES, RankResult, Recovery, load_results, load_summary, longest,
+                             read_log, result_paths)
 from tracing.read import analysis
 from tracing.read.traceio import TraceFileError, read_dump
 
@@ -213,7 +213,7 @@ def run(name: str, out_dir: str, options: Optional[Options] = None) -> Dict[str,
     with ExitStack() as stack:
         job = _Job(run_dir)
         stack.callback(job.close)
-        trace_dir = os.path.join(run_dir, "traces")
+        trace_dir = os.path.join(run_dir, TRACES)
         if scenario.external == "disk-full":
             trace_dir = stack.enter_context(_FullDisk(run_dir, leftovers)).trace_dir
             env["COMMSLAYER_TRACE_DIR"] = trace_dir

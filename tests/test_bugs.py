@@ -34,11 +34,11 @@ STOP_S = 10.0  # from the failing rank's 'leaving' line to the launcher's exit
 
 
 def run(tmp_path: Path, mode_args: List[str], *script_args: str, launcher: Tuple[str, ...] = (),
-        env: dict = None, timeout: float = 150) -> Tuple[int, str, float]:
+        env: dict = None, timeout: float = 150, script: Path = USER) -> Tuple[int, str, float]:
     """The launcher on the user's script, from outside the repository: its exit status, its
     whole output, and the seconds from the first rank's 'leaving' line to its exit (0: none)."""
     cmd = [sys.executable, "-m", "commslayer.run.launcher", *mode_args, "--max-restarts", "3", "--grace", "3",
-           "--run-dir", str(tmp_path / "run"), *launcher, str(USER), *script_args]
+           "--run-dir", str(tmp_path / "run"), *launcher, str(script), *script_args]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     proc = subprocess.Popen(cmd, env=full_env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, left = [], None
@@ -130,8 +130,13 @@ def test_a_barrier_on_rank_0_alone_stops_a_per_rank_job_as_a_mismatch(tmp_path):
     """Rank 0 alone calls ``dist.barrier()`` after step 6 (to save a checkpoint, say) while
     the others go on to step 7's all-gather. Before: each side timed out, the job took it
     for a loss of nobody, redid the step and exited 0 with the barrier skipped. Now the
-    timed-out ranks compare their ops, and the job stops: a mismatch, nothing restarted."""
-    code, out, took = run(tmp_path, MODES["per-rank"], "--steps", "12", "--rank0-barrier", "6", "--timeout", "6")
+    timed-out ranks compare their ops, and the job stops: a mismatch, nothing restarted.
+    The op deadline is ``COMMSLAYER_TIMEOUT_S``, which replaces ``init()``'s 60 s as it does a
+    c10d group's timeout (per-rank mode ignored it before)."""
+    began = time.monotonic()
+    code, out, took = run(tmp_path, MODES["per-rank"], "--steps", "12", "--rank0-barrier", "6",
+                          env={"COMMSLAYER_TIMEOUT_S": "6"})
+    assert time.monotonic() - began < 50, job_story(out)  # init()'s 60 s deadline would have passed
     assert code == 1, job_story(out)
     line = stop_line(out)
     # either side may be named first: rank 0 "timed out in barrier #N while rank 1 in all_gather... #N",
@@ -249,6 +254,70 @@ def test_a_crash_loop_stops_the_job_with_the_rank_named(tmp_path):
     assert sorted(p.stem for p in out_dir.glob("rank1-life*.json")) == ["rank1-life0", "rank1-life1", "rank1-life2"]
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["a mistyped argument", "an import that fails"])
+def test_a_script_that_cannot_start_stops_the_job_in_its_first_life(tmp_path, case):
+    """Every rank's script fails before ``resilience.init()``: argparse refuses a mistyped
+    option (exit 2), or an import fails (exit 1 with a traceback). Before: each rank was
+    restarted into the same failure until the crash-loop rule stopped the job (3 lives
+    of every rank, no word of the cause in the launcher's line). Now the launcher reads
+    the error in the rank's output: a bug, stopped in the first life, the error named."""
+    if case == "an import that fails":
+        script = tmp_path / "train.py"
+        script.write_text("import torch\nimport a_module_that_is_not_installed\n")
+        code, out, _ = run(tmp_path, MODES["per-rank"], script=script)
+        says = "failed before resilience.init() with ModuleNotFoundError: No module named " \
+            "'a_module_that_is_not_installed'"
+    else:
+        code, out, _ = run(tmp_path, MODES["per-rank"], "--stesp", "12")
+        says = "failed before resilience.init() with an argument the script refused (user_fsdp2.py: error: " \
+            "unrecognized arguments: --stesp 12)"
+    assert code == 1, job_story(out)
+    line = stop_line(out)
+    assert re.match(r"commslayer-run: rank \d \(life 0, pid \d+\) ", line) and says in line, line
+    assert "a deterministic failure (the script failed before resilience.init(): it cannot start)" in line, line
+    assert "starting life" not in out and "crash loop" not in out, job_story(out)
+
+
+@pytest.mark.timeout(150)
+def test_a_spare_that_adopted_a_rank_is_held_to_the_same_rule(tmp_path):
+    """Rank 1 is SIGKILLed at step 3 (a fault: a warm spare becomes its life 1); after step 6
+    every rank all-reduces a metric, rank 2's twice as long, and Gloo aborts rank 1 (whose ring
+    neighbour it receives from is rank 2), now the
+    spare. Before: the spare's output was only echoed, so its abort was a death by a signal,
+    restarted into the same abort. Now the launcher reads an adopted spare's output as its
+    rank's: the job stops on life 1, a collective mismatch."""
+    code, out, _ = run(tmp_path, MODES["per-rank"], "--steps", "12", "--kill", "3:1", "--uneven-allreduce", "6:2",
+                       launcher=("--spares", "1"))
+    assert code == 1, job_story(out)
+    assert "spare 0 (pid " in out and "takes life 1" in out, job_story(out)
+    line = stop_line(out)
+    assert line.startswith("commslayer-run: rank 1 (life 1, pid ") and "CollectiveMismatch: Gloo aborted" in line, line
+    assert "starting life 2" not in out and "crash loop" not in out, job_story(out)
+
+
+@pytest.mark.timeout(150)
+def test_a_run_directory_used_again_holds_only_the_new_runs_files(tmp_path):
+    """The same command twice, the first run with a rank SIGKILLed (its life 1 writes a result
+    of its own). Before: the second run's summary read the first's result files beside its
+    own ("3 rank(s) finished" for a job of 2; the files of a run of other steps or state made
+    its checks fail). Now the launcher moves an earlier run's files into ``earlier/1`` before
+    it starts."""
+    code, out, _ = run(tmp_path, ["--nproc-per-node", "2"], "--steps", "10", "--kill", "4:1")
+    assert code == 0, job_story(out)
+    first = sorted(p.name for p in (tmp_path / "run").glob("result-*.json"))
+    assert "result-m1-r1.json" in first, first
+    code, out, _ = run(tmp_path, ["--nproc-per-node", "2"], "--steps", "10")
+    assert code == 0, job_story(out)
+    assert f"{tmp_path / 'run'} held an earlier run's files; they are in {tmp_path / 'run' / 'earlier' / '1'}" in out
+    assert sorted(p.name for p in (tmp_path / "run").glob("result-*.json")) == ["result-m0-r0.json",
+                                                                               "result-m1-r0.json"]
+    assert sorted(p.name for p in (tmp_path / "run" / "earlier" / "1").glob("result-*.json")) == first
+    assert (tmp_path / "run" / "earlier" / "1" / "summary.json").exists()
+    summary = load_summary(str(tmp_path / "run"))
+    assert summary is not None and summary.ok and summary.recoveries == [], summary
+
+
 def _code(path: Path) -> List[str]:
     """A script's lines after its module docstring, blank lines left out."""
     text = path.read_text()
@@ -335,3 +404,27 @@ def test_the_line_named_is_the_scripts_not_commslayers():
     except packing.BadState as exc:
         where = user_frame(exc.__traceback__)
     assert where.startswith(f"{os.path.relpath(__file__)}:") and "packing.unpack(torch.zeros(3" in where, where
+
+
+def test_what_a_life_that_died_before_init_shows_in_its_output():
+    """``failures.start_failure`` on real interpreters' output: a failed import, a syntax
+    error (no "Traceback" line), argparse's refusal, a chained error, and what stays a
+    fault: ``sys.exit`` with a message, a store that cannot be reached, a peer gone."""
+    from commslayer.train.failures import start_failure
+
+    def output(code: str, *args: str) -> List[str]:
+        done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0, done
+        return (done.stdout + done.stderr).splitlines(keepends=True)
+
+    assert start_failure(output("import a_module_that_is_not_installed")) == \
+        "ModuleNotFoundError: No module named 'a_module_that_is_not_installed'"
+    assert start_failure(output("def f(:\n  pass")) == "SyntaxError: invalid syntax"
+    assert start_failure(output("import argparse; argparse.ArgumentParser(prog='t.py').parse_args()", "--x")) == \
+        "an argument the script refused (t.py: error: unrecognized arguments: --x)"
+    assert start_failure(output("try:\n  {}['k']\nexcept KeyError:\n  raise ValueError('no k\\nat all')")) == \
+        "ValueError: no k"
+    assert start_failure(output("import sys; print('  indented'); sys.exit('no data: giving up')")) is None
+    assert start_failure(output("import torch.distributed as d; raise d.DistNetworkError('connect refused')")) is None
+    assert start_failure(output("raise RuntimeError('[gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:5')")) \
+        is None

@@ -472,13 +472,16 @@ def test_head_is_get_without_a_body_and_other_methods_are_405(sleeping):
 @pytest.mark.timeout(60)
 def test_a_bad_status_host_is_one_line_and_exit_2(tmp_path):
     """Before: an empty --status-host served on every interface, one without --status-port was
-    ignored, and a name that does not resolve read 'Unknown error -2'."""
+    ignored, a name that does not resolve read 'Unknown error -2', and a status port equal to
+    --port made the job's store fail to bind, naming neither option."""
     def launch(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "commslayer.run.launcher", "--nproc-per-node", "2", *args,
                                str(SLEEPER), "exit", str(tmp_path)], capture_output=True, text=True, timeout=30)
     for args, said in [(["--status-port", "0", "--status-host", ""], "--status-host '': name an address"),
                        (["--status-host", "0.0.0.0"], "--status-host 0.0.0.0 without --status-port"),
-                       (["--status-port", "0", "--status-host", "nosuchhost.invalid"], "nosuchhost.invalid:0: ")]:
+                       (["--status-port", "0", "--status-host", "nosuchhost.invalid"], "nosuchhost.invalid:0: "),
+                       # before: the status server held the port, and the store failed to bind it, naming neither
+                       (["--port", "29741", "--status-port", "29741"], "--status-port 29741 is also --port")]:
         run = launch(*args)
         assert run.returncode == 2 and said in run.stderr and run.stderr.count("\n") == 1, (args, run.stderr)
         assert "Unknown error" not in run.stderr and "while attempting" not in run.stderr

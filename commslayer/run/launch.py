@@ -54,6 +54,10 @@ def run(a: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, on_signal)
     try:
+        if a.run_dir and not a.coordinator:  # the run's summary, comparison and traces must be this run's
+            aside = runs.set_aside(a.run_dir)
+            if aside is not None:
+                print(f"{PROG}: {a.run_dir} held an earlier run's files; they are in {aside} now", flush=True)
         store = _job_store(a)
         if served is not None:
             served.start(a.address)
@@ -169,6 +173,10 @@ def _job_store(a: argparse.Namespace):
     if a.per_rank:
         print(f"coordinator: {held} for {a.world_size} rank(s), {a.nproc_per_node} on each of {a.nnodes} host(s), "
               "each rank its own restart unit", flush=True)
+        if a.nnodes > 1 and not a.store and a.address.startswith(("127.", "localhost")):
+            print(f"coordinator: the job's store listens on {a.address} (loopback): a launcher on another host "
+                  "cannot reach it, and this host's ranks wait for theirs; give --host with an address they reach",
+                  flush=True)
     else:
         print(f"coordinator: {held} for {a.replicas} replica group(s) of {a.nproc_per_replica}", flush=True)
     return bounded(store, deadline_s=2 * config.store_timeout_s()) if a.store else store
@@ -217,7 +225,7 @@ def _worker_env(a: argparse.Namespace) -> Dict[str, str]:
     if a.run_dir:
         env["COMMSLAYER_RUN_DIR"] = a.run_dir
         if "COMMSLAYER_TRACE_DIR" not in os.environ:  # set empty, it keeps tracing off
-            env["COMMSLAYER_TRACE_DIR"] = os.path.join(a.run_dir, "traces")
+            env["COMMSLAYER_TRACE_DIR"] = os.path.join(a.run_dir, runs.TRACES)
         env.setdefault("COMMSLAYER_FAULTS_LOG", os.path.join(a.run_dir, runs.FAULT_LOG))
     return env
 

@@ -192,6 +192,8 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
             p.error("--status-port is served by the launcher that starts the job; this one joins it (--coordinator)")
         if not 0 <= a.status_port <= 65535:
             p.error(f"--status-port {a.status_port}: a TCP port is 0..65535")
+        if a.status_port and a.status_port == a.port:
+            p.error(f"--status-port {a.status_port} is also --port, where the job's store listens: give another")
         if not a.status_host.strip():  # socket's "" is every interface: an empty $VAR must not publish the server
             p.error(f"--status-host {a.status_host!r}: name an address (0.0.0.0 for every interface, unauthenticated)")
     elif a.status_host is not None:

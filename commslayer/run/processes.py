@@ -69,6 +69,12 @@ class ProcessSet:
         self._relays[key] = t
         return proc
 
+    def rename(self, key: Hashable, new: Hashable) -> None:
+        """Hold the process started under ``key`` under ``new`` from now on (a spare that
+        became a rank's life), superseding ``new``'s."""
+        self.procs[new] = self.procs.pop(key)
+        self._relays[new] = self._relays.pop(key)
+
     def relayed(self, key: Hashable, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) until the output of the process started under ``key``,
         which has exited, has all reached its ``on_line``."""

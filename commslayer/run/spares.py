@@ -56,7 +56,7 @@ class Spares:
         self._env = {k: v for k, v in env.items() if k not in ASSIGNED}
         self._echo = echo
         self._waiting: Dict[int, "subprocess.Popen[str]"] = {}  # spare id -> its process, not yet given a rank
-        self._labels: Dict[int, str] = {}  # how each spare's output lines are marked: spare, then its rank
+        self._outputs: Dict[int, Callable[[str], None]] = {}  # where a spare's output lines go: ours, then its rank's
         self._next = 0
         self._failures = 0
         self._started: Dict[int, float] = {}  # spare id -> when it started, until it is seen ready
@@ -105,17 +105,20 @@ class Spares:
 
     def _start(self) -> None:
         sid, self._next = self._next, self._next + 1
-        self._labels[sid] = f"spare {sid}"
+        self._outputs[sid] = lambda line: self._echo(f"[spare {sid}] {line}")
         env = dict(self._env, COMMSLAYER_SPARE=str(sid))
         proc = self._procs.start(("spare", sid), [sys.executable, *self._command], env,
-                                 on_line=lambda line: self._echo(f"[{self._labels[sid]}] {line}"))
+                                 on_line=lambda line: self._outputs[sid](line))
         self._waiting[sid] = proc
         self._started[sid] = time.monotonic()
         print(f"supervisor: spare {sid} started (pid {proc.pid})", flush=True)
 
-    def take(self, rank: int, env: Dict[str, str], why: str) -> Optional["subprocess.Popen[str]"]:
+    def take(self, rank: int, env: Dict[str, str], why: str,
+             on_line: Callable[[str], None]) -> Optional["subprocess.Popen[str]"]:
         """Hand ``rank``'s next life (its environment ``env``) to a ready spare: its process,
-        which the caller watches as the rank's from now on; None when no spare is ready."""
+        which the caller watches as the rank's from now on (under the key ``rank``), its
+        output lines going to ``on_line`` as a process started for that life would; None
+        when no spare is ready."""
         for sid, proc in sorted(self._waiting.items()):
             if proc.poll() is None and self._store.check([key(self._node, sid, "ready")]):
                 break
@@ -125,8 +128,8 @@ class Spares:
         self._failures = 0
         self.used += 1
         self._store.set(key(self._node, sid, "rank"), assignment(env, why))
-        self._labels[sid] = f"rank {rank}"
-        self._procs.procs[rank] = self._procs.procs.pop(("spare", sid))
+        self._outputs[sid] = on_line
+        self._procs.rename(("spare", sid), rank)
         if self._deferred is None:
             self._deferred = (self._recoveries(), time.monotonic() + SUCCESSOR_WAIT_S)
         print(f"supervisor: rank {rank}: {why}; spare {sid} (pid {proc.pid}) takes life "

@@ -54,8 +54,9 @@ import json
 import signal
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 from commslayer.train import failures
 from commslayer.runs import RESHARDED
@@ -137,16 +138,19 @@ def _supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
     spares = Spares(job.spares, job.node, store, procs, job.command, rank_env(job, job.ranks[0], 0), echo) \
         if job.spares else None
 
+    outputs: Dict[int, _LifeOutput] = {}
+
     def start(rank: int, life: int, why: str = "") -> None:
         lives[rank] = life
         store.set(f"rank/{rank}/life", str(life))
         env = rank_env(job, rank, life)
-        if spares is not None and life > 0 and spares.take(rank, env, why):
+        outputs[rank] = _LifeOutput(store, rank, life, procs)
+        if spares is not None and life > 0 and spares.take(rank, env, why, outputs[rank]):
             return
         if life > 0:
             print(f"supervisor: rank {rank}: {why}; starting life {life} (restart {restarts[rank]} of "
                   f"{job.max_restarts})", flush=True)
-        procs.start(rank, [sys.executable, *job.command], env, on_line=_rank_output(store, rank, life, procs))
+        procs.start(rank, [sys.executable, *job.command], env, on_line=outputs[rank])
 
     def replace(rank: int, why: str) -> None:
         stop_on_bugs(store)  # written before that life exited: never restart a bug
@@ -191,6 +195,8 @@ def _supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
                 store.set(f"rank/{rank}/done", "0")
             elif code is not None:
                 procs.relayed(rank, RELAY_S)  # its last words may make it a bug (failures.record_gloo_abort)
+                if code > 0:
+                    outputs[rank].failed_before_init()
                 replace(rank, f"life {life} {_exit(code)}")
             elif store.check([f"rank/{rank}/lost/{life}"]):
                 replace(rank, f"life {life} was found lost by the other ranks")
@@ -199,15 +205,33 @@ def _supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
         procs.exited.wait(POLL_S)  # a process that exits wakes the loop at once
 
 
-def _rank_output(store: Any, rank: int, life: int, procs: ProcessSet) -> Callable[[str], None]:
-    """What a rank's output lines go to: this launcher's output, and the check for Gloo's
-    words before it aborts a process on a collective mismatch."""
-    def on_line(line: str) -> None:
-        echo(f"[rank {rank}] {line}")
+class _LifeOutput:
+    """Where one life of a rank sends its output lines (a process started for it, or the
+    spare that adopted it): this launcher's output; the check for Gloo's words before it
+    aborts a process on a collective mismatch; the last lines, which tell what a life
+    that exited before ``resilience.init()`` died of."""
+
+    def __init__(self, store: Any, rank: int, life: int, procs: ProcessSet) -> None:
+        self._store, self._rank, self._life, self._procs = store, rank, life, procs
+        self._tail: Deque[str] = deque(maxlen=failures.START_TAIL)
+
+    def __call__(self, line: str) -> None:
+        echo(f"[rank {self._rank}] {line}")
+        self._tail.append(line)
         if failures.gloo_abort(line):
-            failures.record_gloo_abort(store, line, unit=f"rank {rank}", key=f"rank{rank}", life=life,
-                                       pid=procs.procs[rank].pid)
-    return on_line
+            failures.record_gloo_abort(self._store, line, unit=f"rank {self._rank}", key=f"rank{self._rank}",
+                                       life=self._life, pid=self._procs.procs[self._rank].pid)
+
+    def failed_before_init(self) -> None:
+        """This life exited non-zero: if it never reached ``resilience.init()`` (no
+        ``rank/<r>/member`` of its life) nor recorded its failure, and its output ends with
+        an error of the script's own, record that bug (``failures.record_start_failure``)."""
+        rank, life, store = self._rank, self._life, self._store
+        member = f"rank/{rank}/member"
+        if store.check([f"failure/rank{rank}/{life}"]) or (store.check([member]) and int(store.get(member)) >= life):
+            return
+        failures.record_start_failure(store, list(self._tail), unit=f"rank {rank}", key=f"rank{rank}", life=life,
+                                      pid=self._procs.procs[rank].pid)
 
 
 def _fail(job: RankJob, store: Any, procs: ProcessSet) -> None:

@@ -45,12 +45,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sysconfig
 import time
 import traceback
 from dataclasses import asdict, dataclass
 from types import TracebackType
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 import commslayer
 from commslayer.comm.backends import classify as backend_error
@@ -137,8 +138,10 @@ def _carries_loss(exc: BaseException) -> bool:
         e = e.__cause__ or e.__context__
         seen += 1
     text = str(exc)
-    return any(f"{cls}:" in text or f"{cls}(" in text for cls in
-               ("PeerLost", "CollectiveTimeout", "CommAborted", "StoreUnreachable", "ReplicaBroken"))
+    return any(f"{cls}:" in text or f"{cls}(" in text for cls in LOSSES)
+
+
+LOSSES = ("PeerLost", "CollectiveTimeout", "CommAborted", "StoreUnreachable", "ReplicaBroken")  # by name
 
 
 def is_mistake(exc: BaseException) -> bool:
@@ -193,6 +196,50 @@ def record_gloo_abort(store: Any, line: str, *, unit: str, key: str, life: int, 
                       f"process: {words}", where="", deterministic="CollectiveMismatch: ranks called one "
                       "collective with different sizes", pid=pid, time=time.time(), at="in a collective")
     store.append(BUGS, failure.to_json() + "\n")
+
+
+_EXCEPTION = re.compile(r"([A-Za-z_][\w.]*)(: .*)?")  # Python's last line of a traceback: "[module.]Type[: words]"
+_NOT_BUGS = (*LOSSES, "DistNetworkError", "DistStoreError", "TimeoutError", "ConnectionError",
+             "KeyboardInterrupt", "MemoryError", "OutOfMemoryError")  # a fault's, or its consequence's
+START_TAIL = 40  # the lines of a life's output kept to tell what ended it before init
+
+
+def start_failure(lines: Sequence[str]) -> Optional[str]:
+    """The error that a process's last output ``lines`` show it died of, when it is one of
+    the script's own before ``resilience.init()`` could record it: an exception's last line
+    after its traceback (a failed import, a syntax error) or argparse's ``error:`` after its
+    usage (a mistyped argument).  None for anything else: output without one, an error
+    that a peer or the store went away (a fault's consequence)."""
+    text = [line.rstrip() for line in lines if line.strip()]
+    for i in range(len(text) - 1, 0, -1):
+        line, before = text[i], text[i - 1]
+        if re.fullmatch(r"\S+: error: .+", line) and any(t.startswith("usage:") for t in text[:i]):
+            return f"an argument the script refused ({line})"
+        match = _EXCEPTION.fullmatch(line)
+        framed = any(t.startswith(("Traceback (most recent call last):", '  File "')) for t in text[:i])
+        if match and framed and before.startswith(" "):  # after a frame's source line or a caret
+            name = match.group(1).rsplit(".", 1)[-1]
+            if name in _NOT_BUGS or name.startswith("Dist") or \
+                    (name == "RuntimeError" and backend_error(RuntimeError(line)) is PeerLost):
+                return None
+            return f"{name}{match.group(2) or ''}"
+    return None
+
+
+def record_start_failure(store: Any, lines: Sequence[str], *, unit: str, key: str, life: int,
+                         pid: int) -> Optional[Failure]:
+    """Record as a bug (``job/bugs``) the life whose process exited non-zero before it reached
+    ``resilience.init()`` with its output ``lines`` ending in an error of the script's own
+    (``start_failure``): its next life would fail the same way.  None when they do not."""
+    error = start_failure(lines)
+    if error is None:
+        return None
+    failure = Failure(unit=unit, key=key, life=life, step=None, error=error, where="",
+                      deterministic="the script failed before resilience.init(): it cannot start", pid=pid,
+                      time=time.time(), at="before resilience.init()")
+    store.set(f"failure/{key}/{life}", failure.to_json())
+    store.append(BUGS, failure.to_json() + "\n")
+    return failure
 
 
 def record_restart(store: Any, replica: int) -> None:

@@ -101,6 +101,7 @@ class PeerJob(Job):
     # ------------------------------------------------------------ start-up
     def _connect(self, timeout: timedelta) -> Tuple[dist.Store, int, int]:
         raw = connect(os.environ["COMMSLAYER_JOB_STORE"], timeout)
+        timeout = config.group_timeout(timeout)  # the shards' communicator is the job's default group
         store = bounded(raw)
         me = int(os.environ.get("COMMSLAYER_JOB_RANK", self.rank)) if self._resharded is None else \
             self._resharded["ranks"][self.rank]  # the launcher's rank
