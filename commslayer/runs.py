@@ -126,6 +126,13 @@ def result_paths(run_dir: str) -> List[str]:
     return sorted(glob.glob(os.path.join(run_dir, RESULT_GLOB)))
 
 
+def joined_key(replica: int) -> str:
+    """The key of the job's store that a rank of replica group ``replica`` writes once it reached
+    ``resilience.init()``: the launcher takes a failure of a group without it for the script's
+    failing to start."""
+    return f"replica/{replica}/joined"
+
+
 TRACES = "traces"  # the run's traces, unless COMMSLAYER_TRACE_DIR names another folder
 EARLIER = "earlier"  # where an earlier run's files in the same folder are set aside
 

@@ -255,28 +255,49 @@ def test_a_crash_loop_stops_the_job_with_the_rank_named(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("case", ["a mistyped argument", "an import that fails"])
-def test_a_script_that_cannot_start_stops_the_job_in_its_first_life(tmp_path, case):
+@pytest.mark.parametrize("mode, case", [("per-rank", "a mistyped argument"), ("per-rank", "an import that fails"),
+                                        ("replica", "an import that fails")])
+def test_a_script_that_cannot_start_stops_the_job_in_its_first_life(tmp_path, mode, case):
     """Every rank's script fails before ``resilience.init()``: argparse refuses a mistyped
-    option (exit 2), or an import fails (exit 1 with a traceback). Before: each rank was
-    restarted into the same failure until the crash-loop rule stopped the job (3 lives
-    of every rank, no word of the cause in the launcher's line). Now the launcher reads
-    the error in the rank's output: a bug, stopped in the first life, the error named."""
+    option (exit 2), or an import fails (exit 1 with a traceback). Before: per-rank mode
+    restarted each rank into the same failure until the crash-loop rule stopped the job (3
+    lives of a rank, no word of the cause in the launcher's line); replica mode's torchruns
+    restarted their groups until they gave up. Now the launcher reads the error in the
+    rank's (or the group's torchrun's) output: a bug, stopped in the first life, named."""
     if case == "an import that fails":
         script = tmp_path / "train.py"
         script.write_text("import torch\nimport a_module_that_is_not_installed\n")
-        code, out, _ = run(tmp_path, MODES["per-rank"], script=script)
+        code, out, _ = run(tmp_path, MODES[mode], script=script)
         says = "failed before resilience.init() with ModuleNotFoundError: No module named " \
             "'a_module_that_is_not_installed'"
     else:
-        code, out, _ = run(tmp_path, MODES["per-rank"], "--stesp", "12")
+        code, out, _ = run(tmp_path, MODES[mode], "--stesp", "12")
         says = "failed before resilience.init() with an argument the script refused (user_fsdp2.py: error: " \
             "unrecognized arguments: --stesp 12)"
     assert code == 1, job_story(out)
     line = stop_line(out)
-    assert re.match(r"commslayer-run: rank \d \(life 0, pid \d+\) ", line) and says in line, line
+    unit = r"rank \d" if mode == "per-rank" else r"replica group \d rank \d"
+    assert re.match(rf"commslayer-run: {unit} \(life 0, pid \d+\) ", line) and says in line, line
     assert "a deterministic failure (the script failed before resilience.init(): it cannot start)" in line, line
-    assert "starting life" not in out and "crash loop" not in out, job_story(out)
+    for noise in ("starting life", "crash loop", "gave up", "restarted (restart"):
+        assert noise not in out, (noise, job_story(out))
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_leaves_the_loop_with_status_0_stops_the_job(tmp_path):
+    """Rank 1 calls ``sys.exit(0)`` after step 5 (a "done" check that fired on one rank). Before:
+    its exit made it a rank that was done; the others waited 120 s for a replacement that
+    never came, resharded down to two ranks, then found rank 2 lost and failed with
+    ReplacementMissing (128 s, an innocent rank named). Now: a bug, the job stops at once."""
+    began = time.monotonic()
+    code, out, _ = run(tmp_path, MODES["per-rank"], "--steps", "12", "--leave", "5:1")
+    assert code == 1, job_story(out)
+    assert time.monotonic() - began < 60, job_story(out)  # the 120 s wait for a replacement is not there
+    line = stop_line(out)
+    assert line.startswith("commslayer-run: rank 1 (life 0, pid ") and "before job.finish() with an exit with " \
+        "status 0: a deterministic failure (a rank left the job before it finished" in line, line
+    for noise in ("starting life", "resharding", "ReplacementMissing"):
+        assert noise not in out, (noise, job_story(out))
 
 
 @pytest.mark.timeout(150)

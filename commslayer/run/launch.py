@@ -10,14 +10,16 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import os
+import re
 import shutil
 import signal
 import socket
 import sys
 import tempfile
 import time
+from collections import deque
 from datetime import timedelta
-from typing import Callable, Dict, Optional
+from typing import Callable, Deque, Dict, Optional
 
 import torch.distributed as dist
 
@@ -28,7 +30,7 @@ from commslayer.errors import first_line
 from commslayer.agree.etcdstore import Claim, EtcdStore
 from commslayer.run import status
 from commslayer.run.processes import ProcessSet, become_subreaper, free_port
-from commslayer.runs import FINISHED, PROG
+from commslayer.runs import FINISHED, PROG, joined_key
 from commslayer.agree.store import bounded, connect
 from commslayer.endpoints import parse_url
 from commslayer.run.supervisor import Failed, RankJob, Stopped, all_ended, check_reachable, echo, stop_on_bugs, supervise_ranks
@@ -269,14 +271,28 @@ def _supervise(a: argparse.Namespace, store, procs: ProcessSet) -> Dict[int, int
     return codes
 
 
+TORCHRUN_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")  # torchrun's line
+
+
 def _group_output(store, replica: int) -> Callable[[str], None]:
-    """What a replica group's torchrun output goes to: this launcher's output, and the check
-    for Gloo's words before it aborts a rank on a collective mismatch."""
+    """What a replica group's torchrun output goes to: this launcher's output; the check
+    for Gloo's words before it aborts a rank on a collective mismatch; and, when torchrun
+    says a worker exited non-zero while no rank of the group ever reached
+    ``resilience.init()`` (``replica/<r>/joined``), the check of the output before it for
+    an error of the script's own (``failures.record_start_failure``)."""
+    tail: Deque[str] = deque(maxlen=failures.START_TAIL)
+
     def on_line(line: str) -> None:
         echo(f"[replica {replica}] {line}")
         if failures.gloo_abort(line):
             failures.record_gloo_abort(store, line, unit=f"replica group {replica}", key=f"replica{replica}",
                                        life=len(failures.restarts(store, replica)), pid=0)
+        exited = TORCHRUN_FAILED.search(line)
+        if exited and int(exited.group(1)) > 0 and not store.check([joined_key(replica)]):
+            rank = int(exited.group(2))
+            failures.record_start_failure(store, list(tail), unit=f"replica group {replica} rank {rank}",
+                                          key=failures.unit_key(replica, rank), life=0, pid=int(exited.group(3)))
+        tail.append(line)
     return on_line
 
 

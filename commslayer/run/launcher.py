@@ -7,7 +7,9 @@ outlive a rank runs one torchrun per replica group, each with
 them can take down: it holds the job's store, where the membership of the
 replicate dimension is decided (commslayer.agree.membership) and where each
 group's launcher records that it finished (``replica/<r>/done``) or gave up
-(``replica/<r>/gone``).
+(``replica/<r>/gone``), and each group's ranks that they reached
+``resilience.init()`` (``replica/<r>/joined``: a group that fails without it
+cannot start its script, a bug).
 
 Per-rank mode (no ``--replicas``): every rank is its own restart unit,
 started without torchrun and replaced alone when it is lost, while the

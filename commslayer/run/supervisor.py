@@ -18,7 +18,12 @@ What a rank and this module tell each other goes through the job's store
   again it must find itself fenced, which is the ranks' business), its exit
   status is ignored and it is ended when the launcher exits.
 - A life that exits non-zero or by a signal is replaced too; one that exits
-  0 makes the rank ``rank/<r>/done``.
+  0 makes the rank ``rank/<r>/done``.  A life that exits 0 after it reached
+  ``resilience.init()`` (``rank/<r>/member`` = its life, written by the rank)
+  while ``job/finished`` is not written left the job early: a bug
+  (``failures.record_early_exit``); one that exits non-zero before it
+  reached ``init()`` with a Python traceback or argparse's error at the end of
+  its output cannot start: a bug too (``failures.record_start_failure``).
 - A rank that needs a replacement with none left (``--max-restarts`` per
   rank) is ``rank/<r>/gone``; the others are left running: they read it and
   decide.
@@ -59,7 +64,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 
 from commslayer.train import failures
-from commslayer.runs import RESHARDED
+from commslayer.runs import FINISHED, RESHARDED
 from commslayer.errors import StoreUnreachable
 from commslayer.endpoints import is_etcd
 from commslayer.run.processes import ProcessSet
@@ -191,6 +196,9 @@ def _supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
                 continue
             code, life = procs.procs[rank].poll(), lives[rank]
             if code == 0:
+                if _joined(store, rank, life) and not store.check([FINISHED]):
+                    failures.record_early_exit(store, unit=f"rank {rank}", key=f"rank{rank}", life=life,
+                                               pid=procs.procs[rank].pid)
                 ended.add(rank)
                 store.set(f"rank/{rank}/done", "0")
             elif code is not None:
@@ -227,11 +235,16 @@ class _LifeOutput:
         ``rank/<r>/member`` of its life) nor recorded its failure, and its output ends with
         an error of the script's own, record that bug (``failures.record_start_failure``)."""
         rank, life, store = self._rank, self._life, self._store
-        member = f"rank/{rank}/member"
-        if store.check([f"failure/rank{rank}/{life}"]) or (store.check([member]) and int(store.get(member)) >= life):
+        if store.check([f"failure/rank{rank}/{life}"]) or _joined(store, rank, life):
             return
         failures.record_start_failure(store, list(self._tail), unit=f"rank {rank}", key=f"rank{rank}", life=life,
                                       pid=self._procs.procs[rank].pid)
+
+
+def _joined(store: Any, rank: int, life: int) -> bool:
+    """Whether life ``life`` of ``rank`` reached ``resilience.init()`` (it wrote ``rank/<r>/member``)."""
+    member = f"rank/{rank}/member"
+    return store.check([member]) and int(store.get(member)) >= life
 
 
 def _fail(job: RankJob, store: Any, procs: ProcessSet) -> None:

@@ -242,6 +242,19 @@ def record_start_failure(store: Any, lines: Sequence[str], *, unit: str, key: st
     return failure
 
 
+def record_early_exit(store: Any, *, unit: str, key: str, life: int, pid: int) -> Failure:
+    """Record as a bug (``job/bugs``) the life that exited with status 0 after it joined the job
+    and before any rank finished it (``sys.exit(0)`` in the loop, a ``return`` from it, the end
+    of a script without ``job.finish()``): the others can only wait for it."""
+    failure = Failure(unit=unit, key=key, life=life, step=None, error="an exit with status 0", where="",
+                      deterministic="a rank left the job before it finished (sys.exit, a return from the loop, "
+                      "or the script's end without job.finish()): every rank runs every step, then job.finish()",
+                      pid=pid, time=time.time(), at="before job.finish()")
+    store.set(f"failure/{key}/{life}", failure.to_json())
+    store.append(BUGS, failure.to_json() + "\n")
+    return failure
+
+
 def record_restart(store: Any, replica: int) -> None:
     """A restarted life of replica group ``replica`` began (its rank 0 says it)."""
     store.append(f"{RESTARTS}/{replica}", f"{time.time()}\n")

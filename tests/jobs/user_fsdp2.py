@@ -3,7 +3,7 @@ tests/test_bugs.py: run under ``commslayer-run`` in either mode.
 
 ``user_fsdp2.py [--steps N] [--bug STEP:MEMBER] [--skip STEP:MEMBER] [--kill STEP:MEMBER]
 [--fewer-steps MEMBER] [--destroy-first] [--no-optimizer] [--unregistered-scheduler] [--rank0-barrier STEP]
-[--uneven-allreduce STEP:MEMBER] [--timeout S]``
+[--uneven-allreduce STEP:MEMBER] [--leave STEP:MEMBER] [--timeout S]``
 
 - ``--bug``: the member's loss code raises ``ValueError`` at that step, in every life
   (a bug: it recurs);
@@ -17,6 +17,8 @@ tests/test_bugs.py: run under ``commslayer-run`` in either mode.
   (as a script that saves a checkpoint there would), in every life;
 - ``--uneven-allreduce``: after that step every rank all-reduces a tensor of its own (a metric), the
   member's twice as long as the others' (Gloo aborts a process on it), in every life;
+- ``--leave``: after that step the member leaves the loop with ``sys.exit(0)`` (a "done" check that
+  fired on one rank only), in every life;
 - ``--timeout``: the ops' deadline, ``resilience.init(timeout=...)`` (default 60 s).
 
 A member is ``job.member``: the rank in per-rank mode, replica * ranks per replica + rank
@@ -26,6 +28,7 @@ in replica mode.
 import argparse
 import os
 import signal
+import sys
 from datetime import timedelta
 
 import torch
@@ -58,6 +61,7 @@ def main() -> None:
     p.add_argument("--unregistered-scheduler", action="store_true")
     p.add_argument("--rank0-barrier", type=int)
     p.add_argument("--uneven-allreduce", type=at)
+    p.add_argument("--leave", type=at)
     p.add_argument("--timeout", type=float, default=60.0)
     args = p.parse_args()
 
@@ -91,6 +95,8 @@ def main() -> None:
             dist.barrier()
         if args.uneven_allreduce is not None and args.uneven_allreduce[0] == step:
             dist.all_reduce(torch.ones(20000 if args.uneven_allreduce[1] == job.member else 10000))
+        if args.leave == (step, job.member):
+            sys.exit(0)
         sched.step()
         if job.reports:
             print(f"step {step} loss {job.losses[step]:.6g}", flush=True)
