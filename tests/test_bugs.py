@@ -447,5 +447,6 @@ def test_what_a_life_that_died_before_init_shows_in_its_output():
         "ValueError: no k"
     assert start_failure(output("import sys; print('  indented'); sys.exit('no data: giving up')")) is None
     assert start_failure(output("import torch.distributed as d; raise d.DistNetworkError('connect refused')")) is None
+    assert start_failure(output("import socket; socket.create_connection(('127.0.0.1', 1))")) is None
     assert start_failure(output("raise RuntimeError('[gloo/pair.cc:553] Connection closed by peer [127.0.0.1]:5')")) \
         is None

@@ -199,8 +199,9 @@ def record_gloo_abort(store: Any, line: str, *, unit: str, key: str, life: int, 
 
 
 _EXCEPTION = re.compile(r"([A-Za-z_][\w.]*)(: .*)?")  # Python's last line of a traceback: "[module.]Type[: words]"
-_NOT_BUGS = (*LOSSES, "DistNetworkError", "DistStoreError", "TimeoutError", "ConnectionError",
-             "KeyboardInterrupt", "MemoryError", "OutOfMemoryError")  # a fault's, or its consequence's
+_NOT_BUGS = (*LOSSES, "DistNetworkError", "DistStoreError", "TimeoutError", "ConnectionError", "BrokenPipeError",
+             "ConnectionAbortedError", "ConnectionRefusedError", "ConnectionResetError", "KeyboardInterrupt",
+             "MemoryError", "OutOfMemoryError")  # a fault's, or its consequence's: a server away, memory short
 START_TAIL = 40  # the lines of a life's output kept to tell what ended it before init
 
 
