@@ -62,8 +62,10 @@ class State(enum.Enum):
 
 OPEN: FrozenSet[State] = frozenset({State.ACTIVE, State.BROKEN})
 GOODBYE_CONFIRM_S = 2.0  # how long a goodbye waits for the last round's confirmation to reach the store
-MISMATCH_LOOK_S = 2.0  # the longest a timed-out collective looks for what the others timed out in: a tenth
-MISMATCH_MIN_S = 0.2  # of the time it waited, but not less than this (their ops start a little apart)
+# A timed-out collective looks for what the others timed out in for a tenth of the time it waited,
+# within these bounds: their ops start a little apart, so they time out a little apart.
+MISMATCH_LOOK_S = 2.0
+MISMATCH_MIN_S = 0.2
 
 # The legal moves; every other one raises CommAborted naming the state.
 TRANSITIONS: Dict[State, FrozenSet[State]] = {

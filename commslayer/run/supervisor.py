@@ -143,19 +143,19 @@ def _supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
     spares = Spares(job.spares, job.node, store, procs, job.command, rank_env(job, job.ranks[0], 0), echo) \
         if job.spares else None
 
-    outputs: Dict[int, _LifeOutput] = {}
+    current: Dict[int, _Life] = {}
 
     def start(rank: int, life: int, why: str = "") -> None:
         lives[rank] = life
         store.set(f"rank/{rank}/life", str(life))
         env = rank_env(job, rank, life)
-        outputs[rank] = _LifeOutput(store, rank, life, procs)
-        if spares is not None and life > 0 and spares.take(rank, env, why, outputs[rank]):
+        current[rank] = _Life(store, rank, life, procs)
+        if spares is not None and life > 0 and spares.take(rank, env, why, current[rank]):
             return
         if life > 0:
             print(f"supervisor: rank {rank}: {why}; starting life {life} (restart {restarts[rank]} of "
                   f"{job.max_restarts})", flush=True)
-        procs.start(rank, [sys.executable, *job.command], env, on_line=outputs[rank])
+        procs.start(rank, [sys.executable, *job.command], env, on_line=current[rank])
 
     def replace(rank: int, why: str) -> None:
         stop_on_bugs(store)  # written before that life exited: never restart a bug
@@ -195,16 +195,13 @@ def _supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
             if rank in ended:
                 continue
             code, life = procs.procs[rank].poll(), lives[rank]
+            if code is not None:
+                procs.relayed(rank, RELAY_S)  # its last words may make it a bug
+                current[rank].ended(code)
             if code == 0:
-                if _joined(store, rank, life) and not store.check([FINISHED]):
-                    failures.record_early_exit(store, unit=f"rank {rank}", key=f"rank{rank}", life=life,
-                                               pid=procs.procs[rank].pid)
                 ended.add(rank)
                 store.set(f"rank/{rank}/done", "0")
             elif code is not None:
-                procs.relayed(rank, RELAY_S)  # its last words may make it a bug (failures.record_gloo_abort)
-                if code > 0:
-                    outputs[rank].failed_before_init()
                 replace(rank, f"life {life} {_exit(code)}")
             elif store.check([f"rank/{rank}/lost/{life}"]):
                 replace(rank, f"life {life} was found lost by the other ranks")
@@ -213,38 +210,41 @@ def _supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
         procs.exited.wait(POLL_S)  # a process that exits wakes the loop at once
 
 
-class _LifeOutput:
-    """Where one life of a rank sends its output lines (a process started for it, or the
-    spare that adopted it): this launcher's output; the check for Gloo's words before it
-    aborts a process on a collective mismatch; the last lines, which tell what a life
-    that exited before ``resilience.init()`` died of."""
+class _Life:
+    """One life of a rank (a process started for it, or the spare that adopted it), as the
+    bug rules see it.  Its output lines, called with each: this launcher's output; the
+    check for Gloo's words before it aborts a process on a collective mismatch; the last
+    lines, which tell what a life that exited before ``resilience.init()`` died of.  Its
+    end (``ended``): the bugs an exit status shows."""
 
     def __init__(self, store: Any, rank: int, life: int, procs: ProcessSet) -> None:
         self._store, self._rank, self._life, self._procs = store, rank, life, procs
+        self._unit, self._key = f"rank {rank}", f"rank{rank}"  # as failures records it
         self._tail: Deque[str] = deque(maxlen=failures.START_TAIL)
 
     def __call__(self, line: str) -> None:
         echo(f"[rank {self._rank}] {line}")
         self._tail.append(line)
         if failures.gloo_abort(line):
-            failures.record_gloo_abort(self._store, line, unit=f"rank {self._rank}", key=f"rank{self._rank}",
-                                       life=self._life, pid=self._procs.procs[self._rank].pid)
+            failures.record_gloo_abort(self._store, line, unit=self._unit, key=self._key, life=self._life,
+                                       pid=self._pid())
 
-    def failed_before_init(self) -> None:
-        """This life exited non-zero: if it never reached ``resilience.init()`` (no
-        ``rank/<r>/member`` of its life) nor recorded its failure, and its output ends with
-        an error of the script's own, record that bug (``failures.record_start_failure``)."""
-        rank, life, store = self._rank, self._life, self._store
-        if store.check([f"failure/rank{rank}/{life}"]) or _joined(store, rank, life):
-            return
-        failures.record_start_failure(store, list(self._tail), unit=f"rank {rank}", key=f"rank{rank}", life=life,
-                                      pid=self._procs.procs[rank].pid)
+    def ended(self, code: int) -> None:
+        """This life exited with ``code``.  Status 0 after it reached ``resilience.init()``
+        while no rank finished the job: it left early (``failures.record_early_exit``).
+        Non-zero before ``init()``, with no failure of its own recorded and its output ending
+        in an error of the script's: it cannot start (``failures.record_start_failure``)."""
+        member = f"rank/{self._rank}/member"  # written by the life in init()
+        joined = self._store.check([member]) and int(self._store.get(member)) >= self._life
+        if code == 0 and joined and not self._store.check([FINISHED]):
+            failures.record_early_exit(self._store, unit=self._unit, key=self._key, life=self._life,
+                                       pid=self._pid())
+        elif code > 0 and not joined and not self._store.check([f"failure/{self._key}/{self._life}"]):
+            failures.record_start_failure(self._store, list(self._tail), unit=self._unit, key=self._key,
+                                          life=self._life, pid=self._pid())
 
-
-def _joined(store: Any, rank: int, life: int) -> bool:
-    """Whether life ``life`` of ``rank`` reached ``resilience.init()`` (it wrote ``rank/<r>/member``)."""
-    member = f"rank/{rank}/member"
-    return store.check([member]) and int(store.get(member)) >= life
+    def _pid(self) -> int:
+        return self._procs.procs[self._rank].pid
 
 
 def _fail(job: RankJob, store: Any, procs: ProcessSet) -> None:

@@ -180,6 +180,13 @@ def record(store: Any, exc: BaseException, tb: Optional[TracebackType], *, unit:
     return failure
 
 
+def _record_bug(store: Any, failure: Failure) -> Failure:
+    """Write ``failure`` as its life's (``failure/<key>/<life>``) and as a bug (``job/bugs``)."""
+    store.set(f"failure/{failure.key}/{failure.life}", failure.to_json())
+    store.append(BUGS, failure.to_json() + "\n")
+    return failure
+
+
 GLOO_MISMATCH = "Is there a distributed collective mismatch in your code?"  # Gloo's last words before abort
 
 
@@ -212,13 +219,15 @@ def start_failure(lines: Sequence[str]) -> Optional[str]:
     usage (a mistyped argument).  None for anything else: output without one, an error
     that a peer or the store went away (a fault's consequence)."""
     text = [line.rstrip() for line in lines if line.strip()]
+    usage = next((i for i, t in enumerate(text) if t.startswith("usage:")), len(text))
+    frame = next((i for i, t in enumerate(text) if t.startswith(("Traceback (most recent call last):", '  File "'))),
+                 len(text))
     for i in range(len(text) - 1, 0, -1):
         line, before = text[i], text[i - 1]
-        if re.fullmatch(r"\S+: error: .+", line) and any(t.startswith("usage:") for t in text[:i]):
+        if usage < i and re.fullmatch(r"\S+: error: .+", line):
             return f"an argument the script refused ({line})"
         match = _EXCEPTION.fullmatch(line)
-        framed = any(t.startswith(("Traceback (most recent call last):", '  File "')) for t in text[:i])
-        if match and framed and before.startswith(" "):  # after a frame's source line or a caret
+        if match and frame < i and before.startswith(" "):  # after a frame's source line or a caret
             name = match.group(1).rsplit(".", 1)[-1]
             if name in _NOT_BUGS or name.startswith("Dist") or \
                     (name == "RuntimeError" and backend_error(RuntimeError(line)) is PeerLost):
@@ -235,25 +244,20 @@ def record_start_failure(store: Any, lines: Sequence[str], *, unit: str, key: st
     error = start_failure(lines)
     if error is None:
         return None
-    failure = Failure(unit=unit, key=key, life=life, step=None, error=error, where="",
-                      deterministic="the script failed before resilience.init(): it cannot start", pid=pid,
-                      time=time.time(), at="before resilience.init()")
-    store.set(f"failure/{key}/{life}", failure.to_json())
-    store.append(BUGS, failure.to_json() + "\n")
-    return failure
+    return _record_bug(store, Failure(unit=unit, key=key, life=life, step=None, error=error, where="",
+                                      deterministic="the script failed before resilience.init(): it cannot start",
+                                      pid=pid, time=time.time(), at="before resilience.init()"))
 
 
 def record_early_exit(store: Any, *, unit: str, key: str, life: int, pid: int) -> Failure:
     """Record as a bug (``job/bugs``) the life that exited with status 0 after it joined the job
     and before any rank finished it (``sys.exit(0)`` in the loop, a ``return`` from it, the end
     of a script without ``job.finish()``): the others can only wait for it."""
-    failure = Failure(unit=unit, key=key, life=life, step=None, error="an exit with status 0", where="",
-                      deterministic="a rank left the job before it finished (sys.exit, a return from the loop, "
-                      "or the script's end without job.finish()): every rank runs every step, then job.finish()",
-                      pid=pid, time=time.time(), at="before job.finish()")
-    store.set(f"failure/{key}/{life}", failure.to_json())
-    store.append(BUGS, failure.to_json() + "\n")
-    return failure
+    return _record_bug(store, Failure(
+        unit=unit, key=key, life=life, step=None, error="an exit with status 0", where="",
+        deterministic="a rank left the job before it finished (sys.exit, a return from the loop, or the script's "
+        "end without job.finish()): every rank runs every step, then job.finish()",
+        pid=pid, time=time.time(), at="before job.finish()"))
 
 
 def record_restart(store: Any, replica: int) -> None:

@@ -353,11 +353,10 @@ class Job:
 
         self.mesh = init_device_mesh("cpu", (self.world_size,))
         self.member = self.replica * self.world_size + self.rank
-        if config.job_store() and config.restart_unit() != "rank":
+        if config.job_store() and config.restart_unit() != "rank":  # under commslayer-run's replica mode
             self.store.set(runs.joined_key(self.replica), "1")  # the script can start (the launcher's bug rule)
-        if self.restart and self.rank == 0 and config.job_store() and config.restart_unit() != "rank":
-            # a new life of this group: its launcher's crash-loop rule counts them
-            failures.record_restart(self.store, self.replica)
+            if self.restart and self.rank == 0:  # a new life of this group: the crash-loop rule counts them
+                failures.record_restart(self.store, self.replica)
         if self.restart and self.store.check([runs.FINISHED]):
             print(f"[replica {self.replica} rank {self.rank}] the job finished while this group restarted",
                   flush=True)
