@@ -177,9 +177,9 @@ def job_rank() -> Optional[int]:
     (a torchrun's ranks are taken to be one contiguous block of the job's)."""
     rank = _integer("COMMSLAYER_JOB_RANK", None, 0)
     replica = replica_id()
-    if rank is None and replica is not None:  # under commslayer-run: replica groups of WORLD_SIZE ranks
-        return replica * int(os.environ.get("WORLD_SIZE") or 1) + int(os.environ.get("RANK") or 0)
-    return rank
+    if rank is None and replica is not None and os.environ.get("RANK"):  # replica groups of WORLD_SIZE ranks
+        return replica * int(os.environ.get("WORLD_SIZE") or 1) + int(os.environ["RANK"])
+    return rank  # None also in a torchrun agent: no rank of its own
 
 
 def replica_id() -> Optional[int]:

@@ -57,7 +57,7 @@ class Fault:
     ``phase`` (the job's ``point``) or the ``nth`` call of ``op`` on a
     communicator whose name contains ``comm`` (``op`` ``*``: every collective).  ``seconds``: how long a
     ``sigstop`` lasts, or the delay a ``delay`` fault adds before every matching
-    op from the nth on.  ``mismatch``: what a ``mismatch`` fault changes in the
+    op from the nth on (at a step: one pause there, a rank that stalls once).  ``mismatch``: what a ``mismatch`` fault changes in the
     op's arguments (shape, dtype or the reduce op)."""
 
     action: str
@@ -127,12 +127,15 @@ def decode(text: str) -> List[Fault]:
                           "unset it for a run without injected faults)") from None
 
 
-def job_rank() -> int:
-    """This process's job rank (``commslayer.config.job_rank``), else torchrun's ``RANK``."""
+def job_rank() -> Optional[int]:
+    """This process's job rank (``commslayer.config.job_rank``), else torchrun's ``RANK``;
+    None in a process that is no rank (a launcher, a torchrun agent): no fault is aimed at it."""
     from commslayer import config
 
     rank = config.job_rank()
-    return rank if rank is not None else int(os.environ.get("RANK") or 0)
+    if rank is None and os.environ.get("RANK"):
+        rank = int(os.environ["RANK"])
+    return rank
 
 
 def life() -> int:
@@ -262,6 +265,8 @@ class Injector:
                               str(os.getpid())], start_new_session=True,
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif f.action == "delay":
+            time.sleep(f.seconds)
         elif f.action == "hang":
             while True:  # alive (heartbeats go on), but never issues the next op
                 time.sleep(3600)

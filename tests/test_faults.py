@@ -174,12 +174,13 @@ def test_fault_specs_round_trip_and_reject_bad_input():
         Fault("sigkill", 0, op="*")
 
 
-def _job_with_faults(faults: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    """A one-process job: import torch (the injector starts), fire the step-1 forward faults."""
+def _job_with_faults(faults: str, tmp_path: Path, rank: str = "0") -> subprocess.CompletedProcess:
+    """A one-process job (rank ``rank``; "": a process that is no rank, as a launcher):
+    import torch (the injector starts), fire the step-1 forward faults."""
     script = ("import sys, time, torch; print('imported', flush=True); import faults.inject as fi; "
               "t = time.monotonic(); fi.point(1, 'forward'); print('resumed after', time.monotonic() - t)")
     env = dict(os.environ, COMMSLAYER_FAULTS=faults, COMMSLAYER_FAULTS_LOG=str(tmp_path / "faults.jsonl"),
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", RANK=rank)
     return subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=60)
 
@@ -203,6 +204,18 @@ def test_a_sigstop_fault_is_resumed_after_its_seconds(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     stopped = float(proc.stdout.split("resumed after")[1])
     assert 0.5 <= stopped < 5.0, proc.stdout
+
+
+@pytest.mark.timeout(90)
+def test_a_step_delay_pauses_its_rank_once_and_a_process_that_is_no_rank_arms_nothing(tmp_path):
+    spec = encode([Fault("delay", 0, step=1, phase="forward", seconds=0.5)])
+    proc = _job_with_faults(spec, tmp_path)
+    assert proc.returncode == 0 and "fault armed" in proc.stderr, proc.stderr[-2000:]
+    assert 0.5 <= float(proc.stdout.split("resumed after")[1]) < 5.0, proc.stdout
+    (tmp_path / "launcher").mkdir()  # a fault log of its own: the fault above fired in the first one
+    launcher = _job_with_faults(spec, tmp_path / "launcher", rank="")
+    assert launcher.returncode == 0 and "fault" not in launcher.stderr, launcher.stderr[-2000:]
+    assert float(launcher.stdout.split("resumed after")[1]) < 0.5, launcher.stdout
 
 
 def test_the_waker_waits_for_the_stop_it_ends():

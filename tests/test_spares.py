@@ -82,9 +82,14 @@ def test_a_loss_while_the_new_spare_still_starts_falls_back_to_a_cold_replacemen
 
 @pytest.mark.timeout(200)
 def test_a_stopped_rank_is_replaced_by_the_spare_and_fenced_when_it_resumes(clean, tmp_path):
-    # the final state is the fault-free one: nothing the resumed process did got in
-    log, _ = run_with_a_spare(tmp_path, clean, [{"action": "sigstop", "rank": 2, "step": FAULT_STEP,
-                                                 "phase": "forward", "seconds": 5.0}])
+    # The final state is the fault-free one: nothing the resumed process did got in.  Rank 0
+    # pauses 4 s after the recovery (a step fault 'delay'), so the stopped process resumes
+    # while the job still runs however fast the rest of it goes (a run that ended 2 s after
+    # the resume left it no time to find itself fenced).
+    log, _ = run_with_a_spare(tmp_path, clean, [
+        {"action": "sigstop", "rank": 2, "step": FAULT_STEP, "phase": "forward", "seconds": 5.0},
+        {"action": "delay", "rank": 0, "step": FAULT_STEP + 10, "phase": "forward", "seconds": 4.0}])
+    assert "fault fired from COMMSLAYER_FAULTS: 4000 ms delay of rank 0" in log, log[-8000:]
     assert re.search(r"supervisor: rank 2: life 0 was found lost by the other ranks; spare 0 \(pid \d+\) takes "
                      r"life 1", log), log[-8000:]
     fenced = [line for line in log.splitlines() if line.startswith("[rank 2]") and "leaving (CommAborted" in line]
