@@ -19,6 +19,7 @@ import socket
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, overload
 
+from commslayer import startup
 from commslayer.endpoints import host_port, is_etcd, parse_url
 from commslayer.errors import ConfigError
 
@@ -424,15 +425,15 @@ def node() -> int:
 def spare() -> Optional[int]:
     """``COMMSLAYER_SPARE``: set by ``commslayer-run --spares`` for a warm spare, the spare's
     id on its host: the process waits in ``resilience.init`` until its launcher gives it a
-    lost rank's identity (commslayer.train.spare). None when unset (a rank). Only per-rank
-    mode has spares: set without ``COMMSLAYER_RESTART_UNIT=rank`` it is refused (a value
-    left in an environment would otherwise hold back the recorder and the faults, which
-    wait for a spare to get its rank)."""
+    lost rank's identity (commslayer.train.spare). None when unset (a rank). Set outside
+    a job of ``commslayer-run`` (without ``COMMSLAYER_RESTART_UNIT=rank`` or, in replica
+    mode, ``COMMSLAYER_REPLICAS``) it is refused (a value left in an environment would
+    otherwise hold back the recorder and the faults, which wait for a spare to get its rank)."""
     value = _integer("COMMSLAYER_SPARE", None, 0)
-    if value is not None and restart_unit() != "rank":
+    if value is not None and not startup.is_spare():
         raise _bad("COMMSLAYER_SPARE", os.environ["COMMSLAYER_SPARE"],
-                   "set only by commslayer-run --spares, in per-rank mode (with COMMSLAYER_RESTART_UNIT=rank); "
-                   "unset it")
+                   "set only by commslayer-run --spares (with COMMSLAYER_RESTART_UNIT=rank, or COMMSLAYER_REPLICAS "
+                   "in replica mode); unset it")
     return value
 
 

@@ -116,10 +116,10 @@ def init(*, timeout: timedelta = timedelta(seconds=60), bucket_mb: float = BUCKE
         raise InvalidArgument(f"refresh_every={refresh_every!r} must be an int >= 1", op="init")
     common: Dict[str, Any] = dict(timeout=timeout, bucket_bytes=int(bucket_mb * 2 ** 20), overlap=overlap,
                                   run_dir=run_dir, heal_timeout_s=heal_timeout_s)
-    per_rank = config.restart_unit() == "rank"
-    waiting = config.spare() if per_rank else None
+    waiting = config.spare()
     if waiting is not None:  # a warm spare: this returns once it is a lost rank's next life
         spare.wait_for_rank(waiting)
+    per_rank = config.restart_unit() == "rank"
     _check_launched()
     job = PeerJob(redundancy=redundancy, refresh_every=refresh_every, replace_timeout_s=heal_timeout_s,
                   **common) if per_rank else Job(**common)

@@ -50,6 +50,7 @@ class Admission:
     replicas: List[int]
     generation: int
     heal_s: float  # the reconfigure and the state transfer, on this rank
+    at: Optional[float] = None  # when (wall clock) the group was in, on this rank
 
 
 PROG = "commslayer-run"  # the launcher, as its messages name it (the harness reads them)

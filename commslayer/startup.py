@@ -50,10 +50,18 @@ def mark_ready() -> None:
 def when_placed(fn: Callable[[], None]) -> None:
     """Run ``fn()`` once this process has its rank: now, unless it is a warm spare still
     waiting for one (then when ``mark_placed`` is called). Idempotent as ``when_ready``."""
-    if not os.environ.get("COMMSLAYER_SPARE", "").strip() or os.environ.get("COMMSLAYER_RESTART_UNIT") != "rank":
-        fn()  # (a spare outside per-rank mode is refused by commslayer.config.spare)
+    if not is_spare():
+        fn()
     elif fn not in _unplaced:
         _unplaced.append(fn)
+
+
+def is_spare() -> bool:
+    """Whether this process is a warm spare of ``commslayer-run`` still waiting for a rank:
+    ``COMMSLAYER_SPARE`` set in one of its jobs (per-rank mode's ``COMMSLAYER_RESTART_UNIT=rank``,
+    or replica mode's ``COMMSLAYER_REPLICAS``; elsewhere commslayer.config.spare refuses it)."""
+    return bool(os.environ.get("COMMSLAYER_SPARE", "").strip()) and (
+        os.environ.get("COMMSLAYER_RESTART_UNIT") == "rank" or bool(os.environ.get("COMMSLAYER_REPLICAS")))
 
 
 def mark_placed() -> None:

@@ -28,8 +28,9 @@ from commslayer import config, runs
 from commslayer.train import failures
 from commslayer.errors import first_line
 from commslayer.agree.etcdstore import Claim, EtcdStore
-from commslayer.run import status
+from commslayer.run import shim, status
 from commslayer.run.processes import ProcessSet, become_subreaper, free_port
+from commslayer.run.spares import Desk, Spares
 from commslayer.runs import FINISHED, PROG, joined_key
 from commslayer.agree.store import bounded, connect
 from commslayer.endpoints import parse_url
@@ -141,8 +142,9 @@ def _layout(a: argparse.Namespace) -> status.Layout:
 
 
 def _nodes(a: argparse.Namespace) -> int:
-    """The hosts whose launchers may keep warm spares (per-rank mode's)."""
-    return a.nnodes if a.per_rank else 0
+    """How many places may hold a launcher's count of warm spares (``runs.spare_tally_key``):
+    per-rank mode's hosts; in replica mode, filed under a host's first replica group, the groups."""
+    return a.nnodes if a.per_rank else a.replicas
 
 
 def _job_store(a: argparse.Namespace):
@@ -241,15 +243,35 @@ def _rank_job(a: argparse.Namespace) -> RankJob:
 
 
 def _supervise(a: argparse.Namespace, store, procs: ProcessSet) -> Dict[int, int]:
-    """Start this host's replica groups and wait until they (or, on the coordinator
-    alone, every group of the job) ended; each one's torchrun exit status."""
-    for r in a.ids:
-        env = dict(_worker_env(a), COMMSLAYER_REPLICA=str(r), COMMSLAYER_REPLICAS=str(a.replicas))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-               "--nproc-per-node", str(a.nproc_per_replica), "--max-restarts", str(a.max_restarts),
-               "--monitor-interval", "0.1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-               "--role", f"replica{r}", a.script, *a.script_args]
-        procs.start(r, cmd, env, on_line=_group_output(store, r))
+    """Start this host's replica groups (and warm spares, with ``--spares``) and wait until
+    they (or, on the coordinator alone, every group of the job) ended; each one's torchrun
+    exit status."""
+    outputs = {r: _group_output(store, r) for r in a.ids}
+    worker = [a.script, *a.script_args]
+    spares, desk = None, None
+    if a.spares:  # the host's spares are filed under its first replica group (its "node")
+        spares = Spares(a.spares, min(a.ids), store, procs, worker,
+                        dict(_worker_env(a), COMMSLAYER_REPLICAS=str(a.replicas), COMMSLAYER_NODE=str(min(a.ids))),
+                        echo, speaker="coordinator")
+        desk = Desk(spares, store, outputs)
+        worker = ["--no-python", sys.executable, "-S", shim.__file__, *worker]
+    try:
+        for r in a.ids:
+            env = dict(_worker_env(a), COMMSLAYER_REPLICA=str(r), COMMSLAYER_REPLICAS=str(a.replicas))
+            if desk is not None:
+                env["COMMSLAYER_SPARE_DESK"] = desk.path
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+                   "--nproc-per-node", str(a.nproc_per_replica), "--max-restarts", str(a.max_restarts),
+                   "--monitor-interval", "0.1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                   "--role", f"replica{r}", *worker]
+            procs.start(r, cmd, env, on_line=outputs[r])
+        return _watch_groups(a, store, procs, spares)
+    finally:
+        if desk is not None:
+            desk.close()
+
+
+def _watch_groups(a: argparse.Namespace, store, procs: ProcessSet, spares: Optional[Spares]) -> Dict[int, int]:
     codes: Dict[int, int] = {}
     watched = time.monotonic()
     while len(codes) < len(a.ids) or (not a.ids and not all_ended(store, "replica", a.replicas)):
@@ -257,11 +279,14 @@ def _supervise(a: argparse.Namespace, store, procs: ProcessSet) -> Dict[int, int
             check_reachable(store, a.coordinator or a.store)  # also stops on a bug
         else:
             stop_on_bugs(store)
+        if spares is not None:
+            spares.fill()
         if not a.coordinator and time.monotonic() - watched > 0.5:
             watched = time.monotonic()
             _stop_on_crash_loop(a, store)
             _stop_when_no_replica_is_left(a, store)
-        for r, proc in procs.procs.items():
+        for r in a.ids:
+            proc = procs.procs[r]
             if r not in codes and proc.poll() is not None:
                 codes[r] = proc.returncode
                 store.set(f"replica/{r}/{'done' if proc.returncode == 0 else 'gone'}", str(proc.returncode))

@@ -21,9 +21,13 @@ makes a plain ``init_process_group("env://")`` connect to it on every rank
 (an unconverted script runs, without recovery).  ``--nproc-per-node P`` ranks on each of
 ``--nnodes M`` hosts (defaults 2 and 1); the coordinator runs node 0's
 ranks, every other host its ``--node-rank``'s; ``--max-restarts`` counts per
-rank.  ``--spares S`` keeps S warm spares on each host (commslayer.run.spares):
+rank.
+
+``--spares S`` keeps S warm spares on each host (commslayer.run.spares):
 a lost rank's next life is one of them, its imports done, instead of a
-process started cold.
+process started cold.  In replica mode torchrun restarts every rank of the
+group, and each restarted rank is a spare while spares are left: torchrun
+starts commslayer.run.shim, which asks this launcher for one.
 
 Like torchrun, the script is the first argument that is not an option, and
 every argument after it is the script's::
@@ -133,9 +137,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="the address the coordinator listens on (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="the coordinator's port (default: a free one)")
     p.add_argument("--spares", type=int, default=0,
-                   help="per-rank mode: warm spares on each host, started with the job and waiting in "
-                        "resilience.init(); a lost rank's next life is one of them instead of a cold start "
-                        "(default 0)")
+                   help="warm spares on each host, started with the job and waiting in resilience.init(); a "
+                        "lost rank's next life (in replica mode: each rank of a restarted replica group, while "
+                        "spares are left) is one of them instead of a cold start (default 0)")
     p.add_argument("--max-local-procs", type=int,
                    help="refuse to start more processes than this on this host (ranks and spares; in replica "
                         f"mode torchrun agents and their workers) (default {PROCS_PER_CPU} per CPU, at least "
@@ -235,15 +239,16 @@ def _replica_mode(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         if getattr(a, name) is not None:
             p.error(f"--{name.replace('_', '-')} is for per-rank mode (without --replicas); replica mode takes "
                     "--nproc-per-replica and --replica-ids")
-    if a.spares:
-        p.error("--spares is for per-rank mode (without --replicas): in replica mode torchrun restarts a "
-                "replica group's every rank together, and a spare cannot stand in for one of them")
+    _spares(p, a)
     a.nproc_per_replica = 2 if a.nproc_per_replica is None else a.nproc_per_replica
     if a.replicas < 1:
         p.error(f"--replicas {a.replicas}: a job needs at least 1 replica group")
     if a.nproc_per_replica < 1:
         p.error(f"--nproc-per-replica {a.nproc_per_replica}: a replica group needs at least 1 rank")
     a.ids = _replica_ids(p, a.replica_ids or "all", a.replicas)
+    if a.spares and not a.ids:
+        p.error(f"--spares {a.spares} with --replica-ids none: spares stand in for ranks of this host's replica "
+                "groups, and it runs none")
 
 
 def _per_rank_mode(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
@@ -266,12 +271,16 @@ def _per_rank_mode(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.node_rank == 0 and a.coordinator is not None:
         p.error("--coordinator with node rank 0: the coordinator runs node rank 0's ranks; give this host's "
                 "--node-rank (1 and up)")
+    _spares(p, a)
+    a.world_size = a.nnodes * a.nproc_per_node
+
+
+def _spares(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.spares < 0:
         p.error(f"--spares {a.spares}: must be 0 or more")
     if a.spares and a.max_restarts == 0:
         p.error(f"--spares {a.spares} with --max-restarts 0: a spare becomes a lost rank's next life, and "
                 "--max-restarts 0 starts none")
-    a.world_size = a.nnodes * a.nproc_per_node
 
 
 def _bounded(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
@@ -285,8 +294,9 @@ def _bounded(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         here, what = a.nproc_per_node + a.spares, f"--nproc-per-node {a.nproc_per_node}" + (
             f" and --spares {a.spares}" if a.spares else "")
     else:
-        here = len(a.ids) * (a.nproc_per_replica + 1)
-        what = f"{len(a.ids)} replica group(s) of --nproc-per-replica {a.nproc_per_replica} (and a torchrun agent each)"
+        here = len(a.ids) * (a.nproc_per_replica + 1) + a.spares
+        what = f"{len(a.ids)} replica group(s) of --nproc-per-replica {a.nproc_per_replica} (and a torchrun agent " \
+            "each)" + (f" and --spares {a.spares}" if a.spares else "")
     cpus = os.cpu_count() or 1
     limit = a.max_local_procs if a.max_local_procs is not None else max(MIN_LOCAL_PROCS, PROCS_PER_CPU * cpus)
     if a.max_local_procs is not None and a.max_local_procs < 1:

@@ -150,7 +150,7 @@ def _supervise_ranks(job: RankJob, store: Any, procs: ProcessSet) -> List[int]:
         store.set(f"rank/{rank}/life", str(life))
         env = rank_env(job, rank, life)
         current[rank] = _Life(store, rank, life, procs)
-        if spares is not None and life > 0 and spares.take(rank, env, why, current[rank]):
+        if spares is not None and life > 0 and spares.take(rank, f"rank {rank}", env, why, current[rank]):
             return
         if life > 0:
             print(f"supervisor: rank {rank}: {why}; starting life {life} (restart {restarts[rank]} of "

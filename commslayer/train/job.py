@@ -45,7 +45,7 @@ import torch.nn as nn
 
 from commslayer import config, runs
 
-from commslayer.train import failures, packing
+from commslayer.train import failures, packing, spare
 from commslayer.errors import CommError, InvalidArgument
 from commslayer.comm.exits import exit_now
 from commslayer.train.gradients import GradientAverage, local
@@ -544,6 +544,9 @@ class Job:
         if averaged_loss is not None:
             self.losses[step] = averaged_loss.item()
         self._apply()
+        if self._committed_here == 1 and self.rank == 0 and self.replica == 0 and self.restart == 0:
+            spare.publish_optimizers(self.store, self._state.optimizers.values())  # what warm spares import
+            spare.publish_modules(self.store)  # and run (on meta tensors) while they wait
         self.step_s.append(time.perf_counter() - self._t0)
         self._report_recovery(step)
         return True

@@ -224,7 +224,7 @@ class Replicas:
             self._recover(step, time.time())
             return []
         admitted = sorted(ready)
-        self.admissions.append(Admission(step, admitted, self.generation, time.perf_counter() - start))
+        self.admissions.append(Admission(step, admitted, self.generation, time.perf_counter() - start, time.time()))
         recovery_hooks("admitted", {"step": step, "replicas": admitted, "generation": self.generation,
                                     "members": list(self.world.members), "seconds": self.admissions[-1].heal_s})
         return admitted

@@ -52,6 +52,8 @@ import importlib
 import json
 import math
 import os
+import select
+import signal
 import sys
 import threading
 import time
@@ -67,6 +69,8 @@ from commslayer.errors import first_line
 
 # What a spare takes from its assignment; the rest of a rank's environment it was started with.
 ASSIGNED = ("RANK", "LOCAL_RANK", "COMMSLAYER_JOB_RANK", "TORCHELASTIC_RESTART_COUNT")
+# What must be numbers in a replica group's environment that a spare takes whole.
+REPLICA_ASSIGNED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT", "COMMSLAYER_REPLICA")
 POLL_S = 0.01  # how often a waiting spare asks the store for its rank: 100 small requests a second
 MODULES = "job/modules"  # the torch modules rank 0 had imported by its first committed step, one a line
 OPTIMIZERS = "job/optimizers"  # rank 0's optimizers as a spare rebuilds them on meta tensors (JSON)
@@ -81,10 +85,15 @@ def key(node: int, spare: int, what: str) -> str:
     return f"spare/{node}/{spare}/{what}"
 
 
-def assignment(env: Dict[str, str], why: str) -> str:
+def assignment(env: Dict[str, str], why: str, follow: Optional[int] = None) -> str:
     """What the launcher writes under a spare's ``rank`` key: the ``ASSIGNED`` variables
-    of the rank's next life (``env``) and why it was lost."""
-    return json.dumps({"env": {name: env[name] for name in ASSIGNED}, "why": why})
+    of the rank's next life (``env``) and why it was lost.  With ``follow`` (replica mode:
+    the pid of the shim torchrun started for the rank, commslayer.run.shim), ``env`` is
+    the shim's whole environment, which the spare takes in place of its own, and the
+    spare ends when that pid does."""
+    if follow is None:
+        return json.dumps({"env": {name: env[name] for name in ASSIGNED}, "why": why})
+    return json.dumps({"env": env, "why": why, "follow": follow})
 
 
 def wait_for_rank(spare: int) -> None:
@@ -105,17 +114,40 @@ def wait_for_rank(spare: int) -> None:
         # polled, not store.wait: c10d logs a warning each time a blocking wait's slice ends
         wait_for_keys(store, [key(node, spare, "rank")], lambda: warmup.between_polls(), math.inf,
                       slow_after_s=0.0, slow_pause_s=POLL_S)
-        env, why = _parse(store.get(key(node, spare, "rank")))
+        env, why, follow = _parse(store.get(key(node, spare, "rank")))
     except (dist.DistNetworkError, RuntimeError, OSError) as exc:
         print(f"[spare {spare}] leaving without a rank: {first_line(exc)} (the job's store at {address})",
               file=sys.stderr, flush=True)
         sys.exit(1)
     adopted = (spare, time.time())
-    os.environ.update(env)
-    del os.environ["COMMSLAYER_SPARE"]
-    print(f"spare {spare} adopted rank {env['RANK']} (life {env['TORCHELASTIC_RESTART_COUNT']}, pid "
-          f"{os.getpid()}): {why}", flush=True)
+    if follow is None:
+        os.environ.update(env)
+        del os.environ["COMMSLAYER_SPARE"]
+        who = f"rank {env['RANK']}"
+    else:
+        _follow(follow)
+        os.environ.clear()
+        os.environ.update(env)
+        who = f"replica group {env['COMMSLAYER_REPLICA']} rank {env['RANK']}"
+    print(f"spare {spare} adopted {who} (life {env['TORCHELASTIC_RESTART_COUNT']}, pid {os.getpid()}): {why}",
+          flush=True)
     startup.mark_placed()
+
+
+def _follow(pid: int) -> None:
+    """End this process (SIGKILL) when process ``pid`` ends: replica mode's shim, torchrun's
+    handle on this rank, killed with it when torchrun gives up waiting for the group."""
+    try:
+        handle = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return
+
+    def wait() -> None:
+        select.select([handle], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait, name="commslayer-spare-follows", daemon=True).start()
 
 
 def publish_modules(store: Any) -> None:
@@ -261,14 +293,23 @@ class _Warmup:
             warmed_at = time.time()
 
 
-def _parse(raw: bytes) -> Tuple[Dict[str, str], str]:
-    """An assignment, checked: the ``ASSIGNED`` variables, each a decimal number, and why."""
+def _parse(raw: bytes) -> Tuple[Dict[str, str], str, Optional[int]]:
+    """An assignment (``assignment``), checked: the ``ASSIGNED`` variables, each a decimal
+    number, or with a pid to follow a whole environment of strings that names a replica
+    group's rank; why; the pid or None."""
     try:
         given = json.loads(raw)
-        env = given["env"]
-        if not (isinstance(env, dict) and set(env) == set(ASSIGNED)
-                and all(isinstance(v, str) and v.isdigit() for v in env.values())):
+        env, follow = given["env"], given.get("follow")
+        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
             raise ValueError
-        return env, str(given.get("why", ""))
+        numbers: Optional[Tuple[str, ...]]
+        if follow is None:
+            numbers = ASSIGNED if set(env) == set(ASSIGNED) else None
+        else:
+            numbers = REPLICA_ASSIGNED if type(follow) is int and follow > 0 and "COMMSLAYER_SPARE" not in env \
+                else None
+        if numbers is None or not all(env.get(name, "").isdigit() for name in numbers):
+            raise ValueError
+        return env, str(given.get("why", "")), follow
     except (ValueError, KeyError, TypeError):
         raise RuntimeError(f"its assignment is not what commslayer-run writes: {raw[:200]!r}") from None

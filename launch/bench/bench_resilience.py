@@ -27,15 +27,20 @@ launch/bench/bench_training.py's), in these configurations:
   DDP over all 4 ranks on plain Gloo;
 * ``ours, SIGKILL in PHASE`` (``--phases``): ``ours`` with rank 0 of replica
   group 1 SIGKILLed at step ``--fault-step`` in PHASE (the fault harness,
-  ``COMMSLAYER_FAULTS``), which the group's torchrun restarts.
+  ``COMMSLAYER_FAULTS``), which the group's torchrun restarts;
+* with ``--spares S``: ``ours, S warm spares`` (fault-free, the spares waiting:
+  what they cost the ranks' steps) and ``ours, SIGKILL in PHASE, S warm
+  spares`` (the restarted group's ranks are spares while spares are left:
+  commslayer.run.spares).
 
 Figures: a run's step time is, for each step from ``--warmup`` on, the
 slowest rank's (the API's ``step_s``: from the step's start in ``steps()`` to
 the end of ``step()``), median over those steps.  Overhead: the ratio to
 plain HSDP's in the same repeat, minus 1.  A fault's survivor stall is from
 the kill to the commit of the step it hit (world rank 0's recovery record);
-the heal is the admission's join and state transfer on the survivors; both
-from the launcher's summary.  Repeats rotate the order of the
+the heal is the admission's join and state transfer on the survivors; the
+group back is from the kill to that admission (the restarted group voting
+again); all from the launcher's summary.  Repeats rotate the order of the
 configurations.  Progress goes to stderr, the Markdown tables to stdout.
 """
 
@@ -97,8 +102,11 @@ class Bench:
         return [sys.executable, "-m", "commslayer.run.launcher", "--replicas", str(REPLICAS), "--nproc-per-replica",
                 str(RANKS), "--max-restarts", "1", *self.launcher_options, "--run-dir", run_dir, *script]
 
-    def _launch(self, script: List[str], run_dir: str, env: Dict[str, str], log_path: str) -> int:
-        return _run(self.command(script, run_dir), env, log_path)
+    def _launch(self, script: List[str], run_dir: str, env: Dict[str, str], log_path: str, spares: int = 0) -> int:
+        command = self.command(script, run_dir)
+        if spares:
+            command[command.index("--run-dir"):command.index("--run-dir")] = ["--spares", str(spares)]
+        return _run(command, env, log_path)
 
     def fault_free(self, name: str, config: str, run: str) -> dict:
         script, steps, _ = self._script(name)
@@ -113,11 +121,13 @@ class Bench:
         else:
             if config == "ours, after backward":
                 env["COMMSLAYER_AVERAGE_AFTER_BACKWARD"] = "1"
-            rc = self._launch([PLAIN, *script] if config.startswith("plain") else script, run_dir, env, log_path)
+            rc = self._launch([PLAIN, *script] if config.startswith("plain") else script, run_dir, env, log_path,
+                              spares=self.args.spares if config.endswith("warm spares") else 0)
         results = load_results(run_dir)
         if rc != 0 or len(results) != ranks or any(len(r.step_s) != steps for r in results):
             fail(f"{run}: exit status {rc}, {len(results)} ranks' results", log_path)
-        want = {"ours": ["model"], "ours, after backward": []}.get(config, [])
+        want = {"ours": ["model"], "ours, after backward": []}.get(config, ["model"] if config.startswith("ours")
+                                                                   else [])
         if any(r.overlapped != want for r in results):
             fail(f"{run}: modules averaged during backward {[r.overlapped for r in results]}, expected {want}",
                   log_path)
@@ -125,13 +135,13 @@ class Bench:
         slowest = [max(r.step_s[s] for r in results) for s in range(warmup, steps)]
         return {"step_s": statistics.median(slowest), "slowest_rank_step_s": slowest}
 
-    def fault(self, name: str, phase: str, run: str) -> dict:
+    def fault(self, name: str, phase: str, run: str, spares: int = 0) -> dict:
         script, steps, fault_step = self._script(name)
         run_dir, log_path = os.path.join(self.work, run), os.path.join(self.work, run + ".log")
         env = launcher_env(trace=False)
         env["COMMSLAYER_FAULTS"] = json.dumps([{"action": "sigkill", "rank": VICTIM, "step": fault_step,
                                                 "phase": phase, "life": None}])
-        rc = self._launch(script, run_dir, env, log_path)
+        rc = self._launch(script, run_dir, env, log_path, spares=spares)
         summary = load_summary(run_dir)
         if rc != 0 or summary is None or not summary.ok:
             fail(f"{run}: exit status {rc}, summary {'ok' if summary and summary.ok else 'failed or missing'}",
@@ -141,10 +151,14 @@ class Bench:
         heals = [a.heal_s for a in summary.admissions]
         if not heals:
             fail(f"{run}: the killed group never rejoined", log_path)
+        adopted = sum(line.count("takes life") for line in open(log_path))
+        if spares and adopted != min(spares, RANKS):
+            fail(f"{run}: {adopted} spare(s) took a rank, expected {min(spares, RANKS)}", log_path)
         return {"stall_s": rec.committed_at - killed["t"],
                 "detected_to_committed_s": rec.committed_at - rec.detected_at,
                 "fault_step": killed["step"], "recovered_step": rec.step, "heal_s": heals[0],
-                "healed_at_step": summary.admissions[0].step}
+                "healed_at_step": summary.admissions[0].step, "back_s": summary.admissions[0].at - killed["t"],
+                "spares_taken": adopted}
 
 
 def main() -> int:
@@ -154,6 +168,8 @@ def main() -> int:
     p.add_argument("--scripts", nargs="+", default=list(SCRIPTS), choices=list(SCRIPTS))
     p.add_argument("--phases", nargs="+", default=["backward", "allreduce"],
                    choices=["forward", "backward", "allreduce", "optimizer"], help="where the victim dies")
+    p.add_argument("--spares", type=int, default=0, help="also run each fault (and a fault-free run) with this "
+                   "many warm spares (commslayer-run --spares)")
     p.add_argument("--json", help="also write the raw figures here")
     p.add_argument("--smoke", action="store_true", help="check that the benchmark works: every configuration "
                    "but the A/A once, a few steps, the DDP example, a fault in backward; explicit options still apply")
@@ -167,13 +183,18 @@ def main() -> int:
     configs = ["ours", "ours, after backward", "plain HSDP", "plain HSDP (A/A)", "plain torchrun, 4 ranks"]
     if args.smoke:  # the A/A takes the same path as plain HSDP
         configs.remove("plain HSDP (A/A)")
+    warm = f", {args.spares} warm spares" if args.spares else ""
+    if warm:
+        configs.append("ours" + warm)
+    faults = [f"ours, SIGKILL in {phase}{w}" for phase in args.phases for w in ([""] + [warm] * bool(warm))]
     runs: Dict[Tuple[str, str], Callable[[str], dict]] = {}
     for name in args.scripts:
         for config in configs:
             runs[(name, config)] = lambda run, name=name, config=config: bench.fault_free(name, config, run)
-        for phase in args.phases:
-            runs[(name, f"ours, SIGKILL in {phase}")] = lambda run, name=name, phase=phase: bench.fault(name, phase,
-                                                                                                          run)
+        for config in faults:
+            phase = config.split()[3].rstrip(",")
+            runs[(name, config)] = lambda run, name=name, phase=phase, n=args.spares * config.endswith("spares"): \
+                bench.fault(name, phase, run, spares=n)
     figures, revision, began = series(runs, args.repeats, _log, work)
 
     print(f"command: `{shlex.join(['python'] + sys.argv)}`; {REPLICAS} replica groups x {RANKS} ranks on "
@@ -196,13 +217,15 @@ def main() -> int:
                                                                   figures[(name, "ours, after backward")])]
         print(f"| {name} | {median_range(ratios, 100, 2, ' %')} |")
     print("\nA replica group's rank 0 SIGKILLed (seconds; median and min–max over runs):\n")
-    print("| script | phase | kill → the step committed by the survivors (stall) | min–max "
-          "| loss detected → committed | min–max | heal (join + state transfer) | min–max |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| script | fault | kill → the step committed by the survivors (stall) | min–max "
+          "| loss detected → committed | min–max | heal (join + state transfer) | min–max "
+          "| kill → the group back in | min–max |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.scripts:
-        for phase in args.phases:
-            xs = figures[(name, f"ours, SIGKILL in {phase}")]
-            print(f"| {name} | {phase} | {cells(xs, 'stall_s', 'detected_to_committed_s', 'heal_s')} |")
+        for config in faults:
+            xs = figures[(name, config)]
+            cols = cells(xs, 'stall_s', 'detected_to_committed_s', 'heal_s', 'back_s')
+            print(f"| {name} | {config.removeprefix('ours, ')} | {cols} |")
     if args.json:
         save_runs(args.json, revision, began, figures)
     return 0
