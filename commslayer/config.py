@@ -426,14 +426,14 @@ def spare() -> Optional[int]:
     """``COMMSLAYER_SPARE``: set by ``commslayer-run --spares`` for a warm spare, the spare's
     id on its host: the process waits in ``resilience.init`` until its launcher gives it a
     lost rank's identity (commslayer.train.spare). None when unset (a rank). Set outside
-    a job of ``commslayer-run`` (without ``COMMSLAYER_RESTART_UNIT=rank`` or, in replica
-    mode, ``COMMSLAYER_REPLICAS``) it is refused (a value left in an environment would
-    otherwise hold back the recorder and the faults, which wait for a spare to get its rank)."""
+    a job of ``commslayer-run`` (``startup.is_spare``) it is refused (a value left in an
+    environment would otherwise hold back the recorder and the faults, which wait for a
+    spare to get its rank)."""
     value = _integer("COMMSLAYER_SPARE", None, 0)
     if value is not None and not startup.is_spare():
         raise _bad("COMMSLAYER_SPARE", os.environ["COMMSLAYER_SPARE"],
-                   "set only by commslayer-run --spares (with COMMSLAYER_RESTART_UNIT=rank, or COMMSLAYER_REPLICAS "
-                   "in replica mode); unset it")
+                   "set only by commslayer-run --spares, for a process of its job (per-rank mode's "
+                   "COMMSLAYER_RESTART_UNIT=rank, or a replica-mode job's variables); unset it")
     return value
 
 

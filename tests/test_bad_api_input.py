@@ -255,8 +255,9 @@ def test_a_name_longer_than_the_cap_is_refused_and_the_shared_store_survives():
     ({"COMMSLAYER_TRACE_DIR": __file__}, ["COMMSLAYER_TRACE_DIR=", "a directory"]),
     ({"COMMSLAYER_FAULTS_LOG": str(ROOT)}, ["COMMSLAYER_FAULTS_LOG=", "not a directory"]),
     ({"COMMSLAYER_TRACE_MODE": "0777"}, ["COMMSLAYER_TRACE_MODE='0777'", "owner read and write", "0600, 0640"]),
-    # a spare's id left in an environment outside per-rank mode would hold back tracing and faults
-    ({"COMMSLAYER_SPARE": "0"}, ["COMMSLAYER_SPARE='0'", "only by commslayer-run --spares, in per-rank mode"]),
+    # a spare's id left in an environment outside commslayer-run would hold back tracing and faults
+    ({"COMMSLAYER_SPARE": "0"}, ["COMMSLAYER_SPARE='0'", "only by commslayer-run --spares, for a process of its "
+                                 "job"]),
     ({"COMMSLAYER_SPARE": "x", "COMMSLAYER_RESTART_UNIT": "rank"}, ["COMMSLAYER_SPARE='x'"]),
 ])
 def test_every_bad_variable_is_named_with_its_value_and_what_is_allowed(monkeypatch, env, fragments):

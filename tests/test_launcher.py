@@ -116,6 +116,9 @@ def test_the_console_script_is_declared():
      "--nproc-per-node 4 and --spares 1: 5 processes on this host, more than 4: --max-local-procs"),
     (["--spares", "-1", "{script}"], "--spares -1: must be 0 or more"),
     (["--spares", "1", "--max-restarts", "0", "{script}"], "--spares 1 with --max-restarts 0: a spare becomes"),
+    (["--replicas", "2", "--replica-ids", "none", "--spares", "2"], "--spares 2 with --replica-ids none: spares stand"),
+    (["--replicas", "2", "--spares", "2", "--max-local-procs", "6", "{script}"],
+     "(and a torchrun agent each) and --spares 2: 8 processes on this host, more than 6"),
 ])
 def test_nonsense_is_one_line_and_exit_2(tmp_path, args, says):
     script = tmp_path / "job.py"

@@ -1,6 +1,8 @@
-"""Warm spares (``commslayer-run --spares``, ``commslayer.run.spares``, ``commslayer.train.spare``):
-the FSDP2 example, 4 ranks and 1 spare, real SIGKILLs and SIGSTOPs; a lost rank's next life
-is the spare, the final state is bitwise the fault-free run's, and a new spare is started."""
+"""Warm spares (``commslayer-run --spares``, ``commslayer.run.spares``, ``commslayer.train.spare``,
+``commslayer.run.shim``): the FSDP2 example, 4 ranks and 1 spare, real SIGKILLs and SIGSTOPs; a
+lost rank's next life is the spare, the final state is bitwise the fault-free run's, and a new
+spare is started.  In replica mode (2 groups of 2) the restarted group's ranks are spares, and
+the replicas end bitwise identical."""
 
 from __future__ import annotations
 
@@ -141,11 +143,114 @@ def test_a_spare_that_dies_while_it_waits_is_replaced_and_costs_no_rank(clean, t
     assert "summary: warm spares: 1 used, 1 left" in log
 
 
-def test_spares_are_refused_in_replica_mode(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "commslayer.run.launcher", "--replicas", "2", "--spares", "1",
-                          str(EXAMPLE)], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
-    assert "--spares is for per-rank mode" in run.stderr
+def replica_job(tmp_path, faults: List[dict], spares: int, timeout: float = 150) -> Tuple[int, str]:
+    """The FSDP2 example in replica mode, 2 groups of 2, with ``spares`` warm spares and
+    ``faults``: the launcher's exit status and its output."""
+    cmd = [sys.executable, "-m", "commslayer.run.launcher", "--replicas", "2", "--nproc-per-replica", "2",
+           "--max-restarts", "2", "--grace", "3", "--run-dir", str(tmp_path), "--spares", str(spares), str(EXAMPLE),
+           "--steps", str(STEPS)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COMMSLAYER_TRACE_DIR": "", "COMMSLAYER_FAULTS": json.dumps(faults)}
+    run = subprocess.run(cmd, env=env, cwd="/", capture_output=True, text=True, timeout=timeout)
+    return run.returncode, run.stdout + run.stderr
+
+
+def rejoined_at(log: str) -> int:
+    """The step at which the killed replica group was let back in (the summary's line)."""
+    found = re.search(r"summary: replica\(s\) \[1\] rejoined at step (\d+)", log)
+    assert found, job_story(log)
+    return int(found.group(1))
+
+
+@pytest.mark.timeout(200)
+def test_replica_mode_a_restarted_group_s_ranks_are_spares_and_it_is_back_while_the_job_runs(tmp_path):
+    """Rank 0 of replica group 1 SIGKILLed: torchrun restarts the group, both its ranks are
+    the host's two spares (commslayer.run.shim asks the launcher's desk), the group heals
+    from the live one and is voting again long before the end (a cold restart of this
+    group took longer than the rest of this job: it came back at the last step), the
+    replicas end bitwise identical, and two new spares are started."""
+    code, log = replica_job(tmp_path, [{"action": "sigkill", "rank": 2, **KILLS["backward"]}], spares=2)
+    assert code == 0, job_story(log)
+    for rank in (0, 1):
+        assert re.search(rf"coordinator: replica group 1 rank {rank}: torchrun restarted the group \(life 1\); "
+                         r"spare \d \(pid \d+\) takes life 1", log), job_story(log)
+        assert re.search(rf"spare \d adopted replica group 1 rank {rank} \(life 1, pid \d+\)", log), job_story(log)
+    assert "starting life" not in log and "summary: 4 rank(s) finished, every one at step 120: True" in log
+    assert log.count("parameters and optimizer state bitwise identical across replicas [0, 1]: True") == 2, log
+    assert rejoined_at(log) < STEPS - 20, job_story(log)
+    assert "coordinator: spare 2 started" in log and "coordinator: spare 3 started" in log  # S restored
+    assert "summary: warm spares: 2 used, 2 left" in log, log[-3000:]
+
+
+@pytest.mark.timeout(200)
+def test_replica_mode_with_fewer_spares_than_ranks_the_rest_start_cold(tmp_path):
+    """One spare for a group of two: one rank is the spare, the other starts cold through
+    the shim (it becomes the script); still correct."""
+    code, log = replica_job(tmp_path, [{"action": "sigkill", "rank": 3, **KILLS["forward"]}], spares=1)
+    assert code == 0, job_story(log)
+    assert len(re.findall(r"spare 0 \(pid \d+\) takes life 1", log)) == 1, job_story(log)
+    assert log.count("parameters and optimizer state bitwise identical across replicas [0, 1]: True") == 2, log
+    rejoined_at(log)
+    assert "summary: warm spares: 1 used, 1 left" in log, log[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_replica_mode_a_bug_is_never_given_to_a_spare(tmp_path):
+    code, log = replica_job(tmp_path, [{"action": "raise", "rank": 2, **KILLS["backward"]}], spares=2, timeout=100)
+    assert code == 1 and "summary: the job was stopped" in log, job_story(log)
+    assert "takes life" not in log, job_story(log)
+
+
+def test_a_spare_given_a_replica_rank_ends_with_the_shim_torchrun_watches(tmp_path):
+    """The spare follows its shim's pid (commslayer.train.spare._follow): torchrun's SIGKILL
+    of the shim after its grace must not leave the spare running the rank."""
+    shim = subprocess.Popen(["sleep", "60"])
+    follower = subprocess.Popen([sys.executable, "-c", "import sys, time; from commslayer.train.spare import _follow; "
+                                 f"_follow({shim.pid}); print('following', flush=True); time.sleep(60)"],
+                                stdout=subprocess.PIPE, text=True)
+    assert follower.stdout.readline() == "following\n"
+    shim.kill()
+    shim.wait()
+    assert follower.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_the_desk_answers_what_is_not_a_shim_s_request_with_cold(tmp_path):
+    """Replica mode's desk (commslayer.run.spares.Desk) treats its connections as hostile:
+    garbage, a request naming a group this host does not run, one that never ends, and a
+    valid one with no spare ready are each answered (cold, or closed after the deadline);
+    the desk still answers afterwards."""
+    import socket
+
+    import torch.distributed as dist
+
+    from commslayer.run.processes import ProcessSet
+    from commslayer.run.spares import Desk, REQUEST_TIMEOUT_S, Spares
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    procs = ProcessSet(1.0)
+    spares = Spares(0, 0, store, procs, ["-c", "pass"], dict(os.environ), lambda line: None, speaker="test")
+    desk = Desk(spares, store, {1: lambda line: None})
+    try:
+        def ask(payload: bytes) -> bytes:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(REQUEST_TIMEOUT_S + 5)
+                conn.connect(desk.path)
+                conn.sendall(payload)
+                return conn.makefile("rb").readline()
+
+        shim_env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "1"}
+        for payload in (b"not json\n", b'{"pid": 1, "env": []}\n', b'{"pid": -3, "env": {}}\n',
+                        json.dumps({"pid": 99, "env": {**shim_env, "COMMSLAYER_REPLICA": "7"}}).encode() + b"\n",
+                        json.dumps({"pid": 99, "env": {**shim_env, "COMMSLAYER_REPLICA": "1"}}).encode() + b"\n"):
+            assert json.loads(ask(payload)) == {"cold": True}, payload
+        started = time.monotonic()
+        assert ask(b'{"pid": 1') == b""  # never ends: closed at the deadline
+        assert time.monotonic() - started < REQUEST_TIMEOUT_S + 3
+        assert json.loads(ask(b"\n")) == {"cold": True}
+        assert os.stat(os.path.dirname(desk.path)).st_mode & 0o077 == 0  # no other user may ask
+    finally:
+        desk.close()
+        procs.stop()
+    assert not os.path.exists(desk.path)
 
 
 @pytest.mark.timeout(200)

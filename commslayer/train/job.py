@@ -496,8 +496,8 @@ class Job:
             self._checked = True  # the heal compared this state with a live replica's
             if self.rank == 0:
                 failures.record_healed(self.store, self.replica)
-                print(f"[replica {self.replica}] restarted (restart {self.restart}): healed from a live replica, "
-                      f"continuing at step {self.start_step} in generation {self.generation}", flush=True)
+                print(f"[replica {self.replica}] restarted (restart {self.restart}{spare.given()}): healed from a "
+                      f"live replica, continuing at step {self.start_step} in generation {self.generation}", flush=True)
         else:
             self.start_step = 0
         self._begin = time.perf_counter()

@@ -188,9 +188,7 @@ class PeerJob(Job):
             step, own = self._restore(joined=True)
             self._state.unpack(own)
             self.healed_at = step
-            by = f", warm spare {spare.adopted[0]} given the rank {time.time() - spare.adopted[1]:.3f}s ago" \
-                if spare.adopted else ""
-            print(f"[rank {self.rank}] replacement (life {self.restart}{by}): state received from a holder "
+            print(f"[rank {self.rank}] replacement (life {self.restart}{spare.given()}): state received from a holder "
                   f"{self._copies.plan[self.rank]}, continuing at step {step} in generation {self.generation}",
                   flush=True)
         else:
@@ -451,10 +449,9 @@ class PeerJob(Job):
                             op="restore")
         self._copies.confirm()
         if joined:
-            spare_fields = {"spare": spare.adopted[0], "pid": os.getpid()} if spare.adopted else {}
             recovery_hooks("healed", {"step": to_step, "generation": self.generation, "source": source,
                                       "source_replica": None, "bytes": own.numel(),
-                                      "seconds": time.perf_counter() - start, **spare_fields})
+                                      "seconds": time.perf_counter() - start, **spare.heal_fields()})
         return to_step, own
 
     def _fail(self, exc: CommError) -> None:

@@ -50,6 +50,7 @@ from commslayer.errors import CommAborted, CommError, InvalidArgument, StoreUnre
 from commslayer.hooks import recovery_hooks
 from commslayer.reduce_op import ReduceOp
 from commslayer.runs import Admission, Recovery
+from commslayer.train import spare
 from commslayer.comm.work import Work
 
 
@@ -238,7 +239,7 @@ class Replicas:
             raise CommError("the state transfer failed on another rank", comm=self.world.get_name(), op="heal")
         self._healed = True
         recovery_hooks("healed", {"step": step, "generation": self.generation, "seconds": time.perf_counter() - start,
-                                  **self._received})
+                                  **self._received, **spare.heal_fields()})
         return step
 
     def _agreed(self, ok: bool) -> bool:

@@ -150,6 +150,16 @@ def _follow(pid: int) -> None:
     threading.Thread(target=wait, name="commslayer-spare-follows", daemon=True).start()
 
 
+def given() -> str:
+    """What a replacement's line adds when this process was a warm spare (empty otherwise)."""
+    return f", warm spare {adopted[0]} given the rank {time.time() - adopted[1]:.3f}s ago" if adopted else ""
+
+
+def heal_fields() -> Dict[str, Any]:
+    """What a rank's ``healed`` record adds when this process was a warm spare: its id and pid."""
+    return {"spare": adopted[0], "pid": os.getpid()} if adopted else {}
+
+
 def publish_modules(store: Any) -> None:
     """Rank 0, after its first committed step: the torch modules this process has imported,
     for the job's spares to import while they wait."""
