@@ -57,8 +57,9 @@ class Fault:
     ``phase`` (the job's ``point``) or the ``nth`` call of ``op`` on a
     communicator whose name contains ``comm`` (``op`` ``*``: every collective).  ``seconds``: how long a
     ``sigstop`` lasts, or the delay a ``delay`` fault adds before every matching
-    op from the nth on (at a step: one pause there, a rank that stalls once).  ``mismatch``: what a ``mismatch`` fault changes in the
-    op's arguments (shape, dtype or the reduce op)."""
+    op from the nth on (at a step: one pause there, a rank that stalls once).
+    ``mismatch``: what a ``mismatch`` fault changes in the op's arguments (shape,
+    dtype or the reduce op)."""
 
     action: str
     rank: int

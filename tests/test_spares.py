@@ -213,6 +213,47 @@ def test_a_spare_given_a_replica_rank_ends_with_the_shim_torchrun_watches(tmp_pa
     assert follower.wait(timeout=10) == -signal.SIGKILL
 
 
+def test_the_shim_becomes_the_script_or_stands_for_the_spare_it_is_given(tmp_path):
+    """commslayer/run/shim.py against a desk played by the test: answered cold, it runs the
+    script with its arguments in its own pid; given a spare, it passes torchrun's SIGTERM on
+    to it and ends as the spare's exit status says (here: by SIGTERM)."""
+    import socket
+
+    from commslayer.run import shim
+
+    script = tmp_path / "job.py"
+    script.write_text("import os, sys; print('script', os.getpid(), sys.argv[1:], flush=True)\n")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(tmp_path / "desk"))
+    server.listen(4)
+    env = {**os.environ, "COMMSLAYER_SPARE_DESK": str(tmp_path / "desk"), "TORCHELASTIC_RESTART_COUNT": "1"}
+
+    def start() -> "subprocess.Popen[str]":
+        return subprocess.Popen([sys.executable, "-S", shim.__file__, str(script), "--steps", "3"], env=env,
+                                stdout=subprocess.PIPE, text=True)
+
+    cold = start()
+    conn, _ = server.accept()
+    request = json.loads(conn.makefile("rb").readline())
+    assert request["pid"] == cold.pid and request["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"
+    conn.sendall(b'{"cold": true}\n')
+    assert cold.communicate(timeout=30)[0] == f"script {cold.pid} ['--steps', '3']\n" and cold.returncode == 0
+    conn.close()
+
+    spare = subprocess.Popen(["sleep", "60"])  # stands for the spare process
+    handle = start()
+    conn, _ = server.accept()
+    conn.makefile("rb").readline()
+    conn.sendall(json.dumps({"pid": spare.pid}).encode() + b"\n")
+    time.sleep(0.5)  # the shim has its handlers
+    handle.send_signal(signal.SIGTERM)
+    assert spare.wait(timeout=10) == -signal.SIGTERM  # passed on
+    conn.sendall(json.dumps({"exit": -signal.SIGTERM}).encode() + b"\n")
+    assert handle.wait(timeout=10) == -signal.SIGTERM and handle.stdout.read() == ""
+    conn.close()
+    server.close()
+
+
 def test_the_desk_answers_what_is_not_a_shim_s_request_with_cold(tmp_path):
     """Replica mode's desk (commslayer.run.spares.Desk) treats its connections as hostile:
     garbage, a request naming a group this host does not run, one that never ends, and a

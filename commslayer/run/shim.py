@@ -28,7 +28,7 @@ import os
 import signal
 import socket
 import sys
-from typing import List, NoReturn
+from typing import List, NoReturn, Optional
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 ASK_TIMEOUT_S = 10.0  # for the desk's answer: a spare taken or not (its exit status has no deadline)
@@ -45,26 +45,36 @@ def main(argv: List[str]) -> None:
         conn.connect(desk)
         conn.sendall(json.dumps({"pid": os.getpid(), "env": dict(os.environ)}).encode() + b"\n")
         answers = conn.makefile("rb")
-        given = json.loads(answers.readline() or b"{}")
-    except (OSError, ValueError) as exc:
+        spare = _answer(answers.readline(), "pid")
+    except OSError as exc:
         print(f"commslayer-run: the warm spares' desk at {desk} did not answer ({exc}); this rank starts cold",
               file=sys.stderr, flush=True)
         become(script, args)
-    if "pid" not in given:
+    if spare is None or spare <= 0:  # no spare for this rank
         become(script, args)
-    spare = int(given["pid"])
     for sig in FORWARDED:
         signal.signal(sig, lambda signum, frame: _forward(spare, signum))
     conn.settimeout(None)  # the spare runs as long as the rank does
     try:
-        ended = json.loads(answers.readline() or b"{}")
-    except (OSError, ValueError):
-        ended = {}
-    code = ended.get("exit", 1)  # the desk gone with its launcher: a failed life
-    if code < 0:
+        code = _answer(answers.readline(), "exit")
+    except OSError:
+        code = None
+    if code is None:  # the desk gone with its launcher: a failed life
+        code = 1
+    if code < 0 and -code in signal.valid_signals():
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
-    sys.exit(code)
+    sys.exit(code if code >= 0 else 1)
+
+
+def _answer(line: bytes, name: str) -> Optional[int]:
+    """The integer ``name`` of the desk's answer ``line`` (a JSON object), None if it has none."""
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    found = value.get(name) if isinstance(value, dict) else None
+    return found if type(found) is int else None
 
 
 def become(script: str, args: List[str]) -> NoReturn:

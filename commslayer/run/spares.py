@@ -14,11 +14,12 @@ or an admission in the job's store after the rank was handed over
 (``commslayer.runs.record``: per-rank mode's survivors at the first step
 committed after the loss; in replica mode, where the survivors went on
 before torchrun restarted the group, the restarted group let back in), or
-``SUCCESSOR_WAIT_S`` after it was handed over, whichever comes first.  A spare starting is a Python process
-importing torch and the script's modules (1.3–1.4 s in the benchmark's
-cold replacement): started at once, it took that CPU from the ranks
-redoing the interrupted step (on the benchmark's 2 cores, 4 ranks: the
-redone step 0.42 s, 0.29 s with the successor deferred).  With no spare
+``SUCCESSOR_WAIT_S`` after it was handed over, whichever comes first.  A
+spare starting is a Python process importing torch and the script's
+modules (1.3–1.4 s in the benchmark's cold replacement): started at once,
+it took that CPU from the ranks redoing the interrupted step (on the
+benchmark's 2 cores, 4 ranks: the redone step 0.42 s, 0.29 s with the
+successor deferred).  With no spare
 ready (none left, or the new one not started or still starting) the
 replacement starts cold, as without spares.
 

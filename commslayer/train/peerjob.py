@@ -324,7 +324,8 @@ class PeerJob(Job):
             if set(lost) <= set(pending):
                 start = time.perf_counter()
                 full = survivors.reconfigure(sorted(survivors.members + lost))
-                self._admissions.append(Admission(step, lost, full.generation, time.perf_counter() - start, time.time()))
+                self._admissions.append(Admission(step, lost, full.generation, time.perf_counter() - start,
+                                                  time.time()))
                 recovery_hooks("admitted", {"step": step, "replicas": [], "generation": full.generation,
                                             "members": list(full.members), "seconds": self._admissions[-1].heal_s})
                 return full

@@ -15,7 +15,11 @@ takes it, runs what waited for a rank (``commslayer.startup.when_placed``:
 the fault injector, the trace recorder, both filed by rank), and ``init``
 goes on as in a cold replacement: it joins the shard communicator's next
 generation as that rank, receives its state from a holder and redoes the
-step.
+step.  In replica mode the value is the whole environment torchrun gave the
+restarted rank's shim (commslayer.run.shim) and the shim's pid: the spare
+takes that environment in place of its own, ``init`` goes on as in a rank
+torchrun started (it heals from a live replica group), and the spare ends
+when the shim does (``_follow``).
 
 While it waits a spare also imports the torch modules rank 0 had imported
 by its first committed step (``MODULES``, written by ``publish_modules``):
@@ -308,8 +312,8 @@ def _parse(raw: bytes) -> Tuple[Dict[str, str], str, Optional[int]]:
     number, or with a pid to follow a whole environment of strings that names a replica
     group's rank; why; the pid or None."""
     try:
-        given = json.loads(raw)
-        env, follow = given["env"], given.get("follow")
+        data = json.loads(raw)
+        env, follow = data["env"], data.get("follow")
         if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
             raise ValueError
         numbers: Optional[Tuple[str, ...]]
@@ -320,6 +324,6 @@ def _parse(raw: bytes) -> Tuple[Dict[str, str], str, Optional[int]]:
                 else None
         if numbers is None or not all(env.get(name, "").isdigit() for name in numbers):
             raise ValueError
-        return env, str(given.get("why", "")), follow
+        return env, str(data.get("why", "")), follow
     except (ValueError, KeyError, TypeError):
         raise RuntimeError(f"its assignment is not what commslayer-run writes: {raw[:200]!r}") from None
