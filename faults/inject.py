@@ -179,16 +179,28 @@ class Injector:
         self._fired = {e["fault"] for e in log.read() if e["event"] == "injected"}
         self._calls: Dict[int, int] = {}  # fault index -> matching calls so far
         self._lock = threading.Lock()
+        self.rank = job_rank()
+        self._unplaced: List[Fault] = []  # the job's faults, while this process's rank is unknown
 
     def add(self, faults: List[Fault]) -> None:
         """Take the job's ``faults`` (every process gets the same list, in the same
-        order) and keep those aimed at this process that no earlier life fired."""
-        me, now = job_rank(), life()
+        order) and keep those aimed at this process that no earlier life fired.
+        A process with no rank in its environment (a script run without a launcher,
+        but also the launcher itself or a torchrun agent) keeps them until it builds
+        a communicator: its rank there is its rank (``attach``)."""
         for f in faults:
             f.index, self._count = self._count, self._count + 1
-            if f.rank == me and f.life in (None, now) and f.index not in self._fired:
+        if self.rank is None:
+            self._unplaced += faults
+        else:
+            self._arm(faults)
+
+    def _arm(self, faults: List[Fault]) -> None:
+        now = life()
+        for f in faults:
+            if f.rank == self.rank and f.life in (None, now) and f.index not in self._fired:
                 self.faults.append(f)
-                _announce("armed", f)
+                _announce("armed", f, self.rank)
 
     # ---------------------------------------------------------- step points
     def point(self, step: int, phase: str, claim: Optional[Callable[[], bool]] = None) -> None:
@@ -205,6 +217,10 @@ class Injector:
         from commslayer.comm.op_path import DIRECT_OPS
         from commslayer.comm.wire import BACKEND_OPS
 
+        if self.rank is None:
+            self.rank = comm.get_rank()
+            self._arm(self._unplaced)
+            self._unplaced = []
         name = comm.get_name()
         table = comm.global_ranks or comm.members  # job ranks where known; the hook must not hold comm itself
         comm.register_error_hook(lambda err: self.log.write(
@@ -229,7 +245,7 @@ class Injector:
                 if n >= f.nth:
                     if n == f.nth:
                         self.log.write("injected", fault=f.index, action=f.action, what=f.describe(), comm=name)
-                        _announce("fired", f)
+                        _announce("fired", f, self.rank)
                     time.sleep(f.seconds)
                 return call(*args, **kwargs)
             if n != f.nth or f not in self.faults:
@@ -250,7 +266,7 @@ class Injector:
     def _fire(self, f: Fault, act: bool = True, **where: Any) -> None:
         self.faults.remove(f)
         self.log.write("injected", fault=f.index, action=f.action, what=f.describe(), seconds=f.seconds, **where)
-        _announce("fired", f)
+        _announce("fired", f, self.rank)
         if not act:
             return
         if f.action == "sigkill":
@@ -273,10 +289,10 @@ class Injector:
                 time.sleep(3600)
 
 
-def _announce(what: str, f: Fault) -> None:
+def _announce(what: str, f: Fault, rank: Optional[int]) -> None:
     """One line on stderr when a fault is armed and when it fires, naming the variable it
     came from: a value left in an environment must never act unseen in a production job."""
-    print(f"[rank {job_rank()}] fault {what} from COMMSLAYER_FAULTS: {f.describe()} (unset it for a run without "
+    print(f"[rank {rank}] fault {what} from COMMSLAYER_FAULTS: {f.describe()} (unset it for a run without "
           "injected faults)", file=sys.stderr, flush=True)
 
 

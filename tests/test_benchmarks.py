@@ -213,13 +213,14 @@ def test_resilience_smoke():
         else:
             assert numbers(row[4]) and numbers(row[5]), row
     assert [r[0] for r in rows(out, ["script", "median", "min–max"])] == scripts
-    header = ["script", "phase", "kill → the step committed by the survivors (stall)", "min–max",
-              "loss detected → committed", "min–max", "heal (join + state transfer)", "min–max"]
+    header = ["script", "fault", "kill → the step committed by the survivors (stall)", "min–max",
+              "loss detected → committed", "min–max", "heal (join + state transfer)", "min–max",
+              "kill → the group back in", "min–max"]
     faulted = rows(out, header)
-    assert [(r[0], r[1]) for r in faulted] == [("DDP example", "backward")]
+    assert [(r[0], r[1]) for r in faulted] == [("DDP example", "SIGKILL in backward")]
     for row in faulted:
-        stall, detected, heal = numbers(row[2])[0], numbers(row[4])[0], numbers(row[6])[0]
-        assert 0 < detected <= stall and heal > 0, row
+        stall, detected, heal, back = (numbers(row[i])[0] for i in (2, 4, 6, 8))
+        assert 0 < detected <= stall and 0 < heal < back, row
 
 
 @pytest.mark.timeout(240)
