@@ -268,9 +268,9 @@ def test_a_held_groups_native_ops_report_a_lost_peer_to_the_hold_instead_of_rais
 
 def _isolated_and_averaged(rank, size, store):
     """c10d's async ops on a group whose communicator isolates its writes (the resilient
-    modes' groups), SUM and AVG (FSDP2's reduce-scatter), against plain Gloo's SUM on the
-    same inputs (divided by the size for AVG, as the general path divides): each equal
-    bitwise?, and the type of each work."""
+    modes' groups), SUM and AVG (FSDP2's reduce-scatter), float32 and float64, against plain
+    Gloo's SUM on the same inputs (divided by the size for AVG, as the general path divides):
+    each equal bitwise?, and the type of each work."""
     import torch.distributed as dist
 
     import commslayer
@@ -280,32 +280,33 @@ def _isolated_and_averaged(rank, size, store):
     comm = commslayer.new_comm("gloo", name="isolated", store=dist.PrefixStore("iso/", store), rank=rank,
                                size=size, isolate_writes=True)
     group = comm.as_process_group()
-    x = torch.randn(1001 * size, generator=torch.Generator().manual_seed(rank))
-    n = x.numel() // size
     same, kinds = [], []
-    for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-        ref = x.clone()
-        dist.all_reduce(ref, group=plain)
-        got = x.clone()
-        work = dist.all_reduce(got, op=op, group=group, async_op=True)
+    for dtype in (torch.float32, torch.float64):
+        x = torch.randn(1001 * size, generator=torch.Generator().manual_seed(rank), dtype=dtype)
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            ref = x.clone()
+            dist.all_reduce(ref, group=plain)
+            got = x.clone()
+            work = dist.all_reduce(got, op=op, group=group, async_op=True)
+            kinds.append(type(work).__name__)
+            work.get_future().wait()  # the future's way, as DDP reads it
+            same.append(torch.equal(got, ref if op == dist.ReduceOp.SUM else ref.div_(size)))
+            rows = x.view(7 * size, 143)  # a rank's block is whole rows
+            ref = torch.empty(7, 143, dtype=dtype)
+            dist.reduce_scatter_tensor(ref, rows, group=plain)
+            got = torch.empty(7, 143, dtype=dtype)
+            work = dist.reduce_scatter_tensor(got, rows, op=op, group=group, async_op=True)
+            kinds.append(type(work).__name__)
+            work.wait()  # (Gloo's reduce-scatter has no future, and so has none here)
+            same.append(torch.equal(got, ref if op == dist.ReduceOp.SUM else ref.div_(size)))
+        ref = torch.empty(x.numel() * size, dtype=dtype)
+        dist.all_gather_into_tensor(ref, x, group=plain)
+        got = torch.empty(x.numel() * size, dtype=dtype)
+        work = dist.all_gather_into_tensor(got, x, group=group, async_op=True)
         kinds.append(type(work).__name__)
-        work.get_future().wait()  # the future's way, as DDP reads it
-        same.append(torch.equal(got, ref if op == dist.ReduceOp.SUM else ref.div_(size)))
-        ref = torch.empty(n)
-        dist.reduce_scatter_tensor(ref, x, group=plain)
-        got = torch.empty(n)
-        work = dist.reduce_scatter_tensor(got, x, op=op, group=group, async_op=True)
-        kinds.append(type(work).__name__)
-        work.wait()  # (Gloo's reduce-scatter has no future, and so has none here)
-        same.append(torch.equal(got, ref if op == dist.ReduceOp.SUM else ref.div_(size)))
-    ref = torch.empty(x.numel() * size)
-    dist.all_gather_into_tensor(ref, x, group=plain)
-    got = torch.empty(x.numel() * size)
-    work = dist.all_gather_into_tensor(got, x, group=group, async_op=True)
-    kinds.append(type(work).__name__)
-    while not work.is_completed():  # polled: the result is there once it says so
-        time.sleep(0.001)
-    same.append(torch.equal(got, ref))
+        while not work.is_completed():  # polled: the result is there once it says so
+            time.sleep(0.001)
+        same.append(torch.equal(got, ref))
     ints = torch.arange(8, dtype=torch.int64) * (rank + 1)  # an integer AVG truncates: the general path
     work = dist.all_reduce(ints, op=dist.ReduceOp.AVG, group=group, async_op=True)
     kinds.append(type(work).__name__)
@@ -315,10 +316,11 @@ def _isolated_and_averaged(rank, size, store):
 
 @needs_native
 @pytest.mark.timeout(90)
-def test_isolated_groups_and_avg_take_the_native_path_and_match_plain_gloo_bitwise():
-    for same, kinds in run_ranks(_isolated_and_averaged, 2, timeout=60):
-        assert same == [True] * 5, same
-        assert kinds == ["AsyncOpWork"] * 5 + ["C10dWork"], kinds
+@pytest.mark.parametrize("size", [2, 3])
+def test_isolated_groups_and_avg_take_the_native_path_and_match_plain_gloo_bitwise(size):
+    for same, kinds in run_ranks(_isolated_and_averaged, size, timeout=60):
+        assert same == [True] * 10, same
+        assert kinds == ["AsyncOpWork"] * 10 + ["C10dWork"], kinds
 
 
 def _late_write(rank, size, store, isolate):

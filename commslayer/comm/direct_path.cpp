@@ -32,6 +32,7 @@
 #include <deque>
 #include <memory>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -327,6 +328,47 @@ class NativeRing {
   std::unordered_map<PyObject*, std::pair<py::object, int>> where_;  // code object -> Where (kept alive)
 };
 
+// Whether two tensors are plain memory of one dtype on the CPU (contiguous, no
+// conjugate or negative bit), which the copies below move with memcpy or a loop:
+// at::Tensor::copy_'s TensorIterator runs several us of code that a blocking wait
+// left cold (docs/bench/async-path.md).
+bool plain_pair(const at::Tensor& a, const at::Tensor& b) {
+  return a.is_cpu() && b.is_cpu() && a.is_contiguous() && b.is_contiguous() && a.scalar_type() == b.scalar_type() &&
+      !a.is_conj() && !b.is_conj() && !a.is_neg() && !b.is_neg();
+}
+
+// dst = src, two tensors of one size that do not overlap.
+void copy_into(at::Tensor& dst, const at::Tensor& src) {
+  if (plain_pair(dst, src) && dst.numel() == src.numel()) {
+    std::memcpy(dst.data_ptr(), src.data_ptr(), dst.nbytes());
+  } else {
+    dst.copy_(src);
+  }
+}
+
+template <typename T>
+void divide_elements(at::Tensor& out, const at::Tensor& in, int64_t divisor) {
+  const T* from = in.const_data_ptr<T>();
+  T* to = out.mutable_data_ptr<T>();
+  const T by = static_cast<T>(divisor);
+  for (int64_t i = 0, n = out.numel(); i < n; ++i) {
+    to[i] = from[i] / by;
+  }
+}
+
+// out = in / divisor, AVG's division: for float and double one IEEE division per
+// element, what at::div_out computes (bitwise); other dtypes through at::div_out.
+void divide_into(at::Tensor& out, const at::Tensor& in, int64_t divisor) {
+  bool plain = plain_pair(out, in) && out.numel() == in.numel();
+  if (plain && out.scalar_type() == at::kFloat) {
+    divide_elements<float>(out, in, divisor);
+  } else if (plain && out.scalar_type() == at::kDouble) {
+    divide_elements<double>(out, in, divisor);
+  } else {
+    at::div_out(out, in, divisor);
+  }
+}
+
 // Gloo's reduce-scatter is an all-reduce of a copy of the input, whose slice
 // for this rank is copied out when the caller waits, and that wait ignores its
 // timeout (ProcessGroupGloo's reduce_scatter_tensor_coalesced).  Where the
@@ -375,7 +417,12 @@ class AllReduceScatterWork : public c10d::Work {
   void copy_out() {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!copied_) {
-      output_.copy_(sum_.chunk(size_)[rank_]);
+      if (plain_pair(output_, sum_) && sum_.numel() == output_.numel() * size_) {  // this rank's block of the sum
+        std::memcpy(output_.data_ptr(), static_cast<const char*>(sum_.const_data_ptr()) + rank_ * output_.nbytes(),
+                    output_.nbytes());
+      } else {
+        output_.copy_(sum_.chunk(size_)[rank_]);
+      }
       copied_ = true;
     }
   }
@@ -627,9 +674,9 @@ class AsyncOpWork : public c10d::Work {
     at::NoGradGuard no_grad;
     at::Tensor output = output_;
     if (divisor_ != 0) {
-      at::div_out(output, staged_.defined() ? staged_ : output, divisor_);  // what copy_ then div_ gives
+      divide_into(output, staged_.defined() ? staged_ : output, divisor_);  // what copy_ then div_ gives
     } else {
-      output.copy_(staged_);
+      copy_into(output, staged_);
     }
     finished_ = true;
     if (staged_.defined() && pool_ != nullptr) {
@@ -851,7 +898,7 @@ class DirectPath {
         // which may come after the finish step (a poll ran it first).
         staged = kind == kReduceScatter ? at::empty_like(output) : staging_->take(output);
         if (kind == kAllReduce) {
-          staged.copy_(output);  // all_reduce reads it first
+          copy_into(staged, output);  // all_reduce reads it first
         }
       }
       inner = issue(kind, staged.defined() ? staged : output, input);
@@ -1021,7 +1068,8 @@ class DirectPath {
       }
       case kReduceScatter: {
         if ((untimed_ >> kind) & 1) {
-          at::Tensor sum = second.clone();
+          at::Tensor sum = at::empty(second.sizes(), second.options().memory_format(c10::MemoryFormat::Contiguous));
+          copy_into(sum, second);
           std::vector<at::Tensor> tensors{sum};
           return c10::make_intrusive<AllReduceScatterWork>(backend_->allreduce(tensors, allreduce_), sum, first,
                                                            rank_, size_);
