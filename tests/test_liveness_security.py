@@ -188,7 +188,7 @@ def test_a_connection_flood_at_set_up_is_bounded_and_counted():
     from commslayer.detect.liveness import PENDING_MAX
 
     (_, _, dropped0, _), (setup1, extra_fds, dropped1, logged1), (flood, held) = run_ranks(_flooded, 3, timeout=100)
-    assert held > 300, (flood, held)  # more than rank 1 could ever hold at once
+    assert held >= 300, (flood, held)  # more than rank 1 could ever hold at once (256 files), the flood's signal
     assert setup1 < 30, setup1
     # what it did not drop: the connections waiting at the end, and those left in the backlog
     assert dropped0 == 0 and dropped1 >= held - PENDING_MAX - 1 - 18, (dropped1, held)
