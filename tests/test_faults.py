@@ -62,7 +62,12 @@ def test_fast_scenario_passes(name, tmp_path):
         assert longest < 8.0, ridden["detail"]
     if scenario.expect == "survive" and not scenario.straggler:
         # Every fault was survived, and the survivors saw each one (generous bound: speed is a benchmark's).
-        assert all(f["stall_s"] is not None and f["stall_s"] < 10 for f in report["recovery"]["per_fault"])
+        # On a slow machine cascade's restarted group is killed in its heal after the survivors' last step: no
+        # step follows that fault, and the harness's check then requires the group to rejoin at the run's end.
+        [recovered] = [c for c in report["checks"] if c["name"] == "survivors recovered from every fault"]
+        per_fault = report["recovery"]["per_fault"]
+        followed = per_fault[:-1] if "rejoined at the end of the run" in recovered["detail"] else per_fault
+        assert followed and all(f["stall_s"] is not None and f["stall_s"] < 10 for f in followed), per_fault
         assert report["detection"] and all(d["after_s"] < 10 for d in report["detection"])
     if scenario.expect == "stop":
         # What the ranks' communicators logged (the fault log), if anything, is the store's failure, or the
