@@ -380,3 +380,61 @@ def test_should_commit_gives_every_member_the_same_answer(when, expected):
     for answers, waited_s in survivors:
         assert answers == expected, results
         assert waited_s < DETECT_BOUND_S, results  # the loss ended the wait, not the 600 s deadline
+
+
+def _boundaries(rank, size, store):
+    """Members 0 and 1 run steps (an all-reduce, a vote, a check for joiners at the next
+    boundary) until they see member 2, who joins after their third step; then all three
+    step once more. Per step: the ops issued and what ``pending_members`` returned."""
+    import commslayer
+
+    if rank == 2:
+        store.wait(["grow/step3"], timedelta(seconds=30))
+        comm = commslayer.join("gloo", name="grow", member=2, store=store, timeout=OP_TIMEOUT)
+        steps = []
+    else:
+        comm = commslayer.new_comm("gloo", name="grow", store=store, rank=rank, size=2, timeout=OP_TIMEOUT)
+        steps = []
+        while True:
+            ops: list = []
+            handle = comm.register_pre_hook(lambda op, seq, info: ops.append(op))
+            comm.all_reduce(torch.ones(4))
+            assert comm.should_commit()
+            pending = comm.pending_members()
+            handle.remove()
+            steps.append((ops, pending))
+            if rank == 0 and len(steps) == 3:
+                store.set("grow/step3", "1")
+            if pending:
+                break
+            assert len(steps) < 400, "member 2 was never seen"
+            time.sleep(0.01)
+        comm = comm.reconfigure(sorted(comm.members + pending))
+    ops = []
+    handle = comm.register_pre_hook(lambda op, seq, info: ops.append(op))
+    t = torch.full((4,), float(comm.members[comm.get_rank()] + 1))
+    comm.all_reduce(t)
+    committed = comm.should_commit()
+    after = comm.pending_members()
+    handle.remove()
+    return steps, (ops, committed, after, t.tolist(), comm.members)
+
+
+@pytest.mark.timeout(120)
+def test_a_boundary_after_a_committed_vote_needs_no_collective_and_still_finds_a_joiner():
+    """The leader's count of joiners rides on each vote's tally: a check for joiners right
+    after a committed vote that counted none costs no collective, on every member alike;
+    one that counted a joiner is the full check, and the joiner gets in."""
+    results = run_ranks(_boundaries, 3, timeout=90, env=ENV)
+    steps0, steps1 = results[0][0], results[1][0]
+    assert [p for _, p in steps0] == [p for _, p in steps1], results  # the same answer at every boundary
+    first, *quiet, found = steps0
+    # the first check has no vote before it that counted (it asks from then on); it finds nobody
+    assert first == (["all_reduce", "should_commit", "pending_members"], []), steps0
+    assert quiet and all(s == (["all_reduce", "should_commit"], []) for s in quiet), steps0
+    assert found == (["all_reduce", "should_commit", "pending_members", "pending_members"], [2]), steps0
+    for ops, committed, after, summed, members in (r[1] for r in results):
+        assert members == [0, 1, 2] and committed and after == [] and summed == [6.0] * 4, results
+    # the leader (member 0, which asked before) counts on the new generation's first vote too: the others
+    # add no count, the joiner included, and every member skips the check alike
+    assert {tuple(r[1][0]) for r in results} == {("all_reduce", "should_commit")}, results

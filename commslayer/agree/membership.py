@@ -38,7 +38,9 @@ in their next ``reconfigure``.  ``Communicator.pending_members`` asks the
 leader's (rank 0's) view and shares it over the backend: the leader reads the
 announcements on a thread of its own every ``JOINERS_POLL_S`` while it is
 being asked, so that a step costs one small collective and no store request
-(a joiner it sees is read again, fresh, before anyone acts on it).
+(a joiner it sees is read again, fresh, before anyone acts on it); from then
+on its count also rides on each vote's tally (below), and a boundary right
+after a committed vote that counted none needs no collective at all.
 
 Keys live under ``membership/`` of the communicator's root store prefix:
 ``g<g>/joined`` (an appended list of ``member:suspect.suspect,``),

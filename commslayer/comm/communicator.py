@@ -333,7 +333,9 @@ class Communicator(Collectives, PointToPoint):
 
         Rank 0 reads the announcements on a thread of its own while this is being
         called and shares what it last saw over the backend: one small collective,
-        no store request, while nobody is waiting (commslayer.agree.membership). Raises
+        no store request, while nobody is waiting (commslayer.agree.membership). Its
+        count also rides on each ``should_commit`` tally from then on, so a call right
+        after a committed vote that counted none costs nothing. Raises
         ``StoreUnreachable`` on every member once rank 0's read got no answer.
         """
         chk = self._checker("pending_members")
@@ -360,7 +362,7 @@ class Communicator(Collectives, PointToPoint):
         chk = self._checker("should_commit")
         timeout_s = timeout_seconds(timeout, self._timeout_s, chk)
         self._check_resizable(chk)
-        return self.lifecycle.vote(ok, timeout_s, lambda yes, t: self._agree(chk, [int(yes)], t, smallest=True)[0] == 1)
+        return self.lifecycle.vote(ok, timeout_s, lambda values, t: self._agree(chk, values, t, smallest=True))
 
     def _agree(self, chk: Checker, values: List[int], timeout_s: float, *, smallest: bool) -> List[int]:
         """``values`` (as many on every member) as every member gets them, over the backend:

@@ -65,6 +65,7 @@ GOODBYE_CONFIRM_S = 2.0  # how long a goodbye waits for the last round's confirm
 # A timed-out collective looks for what the others timed out in for a tenth of the time it waited,
 # within these bounds: their ops start a little apart, so they time out a little apart.
 MISMATCH_LOOK_S = 2.0
+NOT_COUNTED = 1 << 62  # a vote's count of joiners from a member that does not count them (the tally keeps the least)
 MISMATCH_MIN_S = 0.2
 
 # The legal moves; every other one raises CommAborted naming the state.
@@ -91,6 +92,7 @@ class Lineage:
     peer_timeout_s: float
     isolate: bool  # write isolation (commslayer.comm.isolation)
     resizable: bool = True  # False for a c10d group: watched, but its membership is fixed
+    asks_joiners: bool = False  # pending_members was called: each vote's tally carries the leader's count of joiners
 
     def store_for(self, generation: int) -> dist.Store:
         """The store of ``generation`` (the root store's prefix ``g<g>/`` after generation 0)."""
@@ -145,6 +147,7 @@ class Lifecycle:
         self.watched: bool = parent is not None and parent.watched  # a liveness monitor covers this group
         self._commits = 0  # should_commit rounds of this generation
         self._unconfirmed: Optional[int] = None  # a round this member committed on the tally alone
+        self._joiners_at_vote: Optional[int] = None  # the leader's count of joiners in the last committed tally
         self._confirm_lock = threading.Lock()
 
     # ------------------------------------------------------------------ state
@@ -351,9 +354,15 @@ class Lifecycle:
         """Joiners not in yet, the same list on every member (``Communicator.pending_members``):
         the leader's view (``Membership.joiners``), which ``share(values, timeout_s)``
         hands to every member over the backend, first their number (-1: the leader
-        could not reach the store), then, if any, the joiners."""
+        could not reach the store), then, if any, the joiners. Where the last vote's
+        committed tally counted none (``vote``), every member has that same count
+        and returns no joiner with no collective."""
         lineage = self._resizable()
         self.refuse_closed("pending_members")
+        lineage.asks_joiners = True
+        counted, self._joiners_at_vote = self._joiners_at_vote, None
+        if counted == 0 and self.failure is None:
+            return []
         membership = lineage.membership
         seen: List[int] = []
         failure: Optional[CommError] = None
@@ -361,8 +370,8 @@ class Lifecycle:
         try:
             if leader:
                 try:
-                    seen = membership.joiners(self.members, fresh=False)
-                    if seen:  # seen a moment ago: read again before anyone acts on it
+                    seen = [] if counted is not None else membership.joiners(self.members, fresh=False)
+                    if seen or counted is not None:  # seen a moment ago: read again before anyone acts on it
                         seen = membership.joiners(self.members)
                 except StoreUnreachable as err:
                     failure = err
@@ -378,12 +387,17 @@ class Lifecycle:
             self.fail(err)
             raise
 
-    def vote(self, ok: bool, timeout_s: float, tally: Callable[[bool, float], bool]) -> bool:
+    def vote(self, ok: bool, timeout_s: float, tally: Callable[[List[int], float], List[int]]) -> bool:
         """This member's ``should_commit`` vote; the outcome every member gets (the protocol:
-        commslayer.agree.membership). ``tally(ok, timeout_s)``: whether every member voted yes,
-        over the backend; it raises ``CommError`` when it fails."""
+        commslayer.agree.membership). ``tally(values, timeout_s)``: the least of each of
+        ``values`` over the members, over the backend; it raises ``CommError`` when it
+        fails. The values are the vote (1: yes) and, once ``pending_members`` is asked on
+        this communicator, the leader's count of joiners (``NOT_COUNTED`` from the
+        others): a committed tally that counted none spares the next ``pending_members``
+        its collective."""
         lineage = self._resizable()
         self.refuse_closed("should_commit")
+        self._joiners_at_vote = None
         self._commits += 1
         call = self._commits
         membership = lineage.membership
@@ -398,7 +412,8 @@ class Lifecycle:
             if not ok:
                 membership.settle(generation, call, "abort")
             try:
-                everyone = tally(ok, timeout_s)
+                votes, joiners = tally([int(ok), self._count_joiners(lineage)], timeout_s)
+                everyone = votes == 1
             except CommAborted:
                 raise
             except CommError:
@@ -412,6 +427,7 @@ class Lifecycle:
                 return False
             if everyone:
                 self._unconfirmed = call
+                self._joiners_at_vote = None if joiners == NOT_COUNTED else joiners
                 if self.failure is not None:  # it broke during the tally: ``fail`` may have missed this round
                     self.confirm_commit()
                     self.refuse_closed("should_commit")  # fenced: the others aborted it
@@ -420,6 +436,17 @@ class Lifecycle:
         except (CollectiveTimeout, StoreUnreachable) as err:  # no step can commit on this communicator any more
             self.fail(err)
             raise
+
+    def _count_joiners(self, lineage: Lineage) -> int:
+        """What this member adds to a vote's tally of joiners: the leader, once
+        ``pending_members`` is asked, its background read's count (-1: the store did not
+        answer); ``NOT_COUNTED`` otherwise."""
+        if self._rank != 0 or not lineage.asks_joiners:
+            return NOT_COUNTED
+        try:
+            return len(lineage.membership.joiners(self.members, fresh=False))
+        except StoreUnreachable:
+            return -1
 
     def _gone(self) -> Set[int]:
         """Members lost, or that left (after settling what they knew: ``confirm_commit``)."""

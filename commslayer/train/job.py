@@ -597,7 +597,7 @@ class Job:
         written while the rank is inside one). One store write a second (and a check of
         that key until it is there), never inside an op."""
         self._committed_here += 1
-        if not config.job_store() or not self._status_due():
+        if not self._status_due() or not config.job_store():  # the cheaper test first: it runs at every step
             return
         unit, key = self.failure_unit()
         record = {"unit": unit, "life": self.restart, "pid": os.getpid(), "step": self.step_index,
