@@ -179,8 +179,8 @@ class GradientAverage:
         early, self._early = self._early, []
         covered = {id(p) for e in early for p in e.params}
         buffers = {t.untyped_storage().data_ptr() for e in early for t in e.shards}
-        rest = [local(p.grad) for p in params if p.grad is not None and id(p) not in covered and
-                local(p.grad).untyped_storage().data_ptr() not in buffers]
+        grads = [local(p.grad) for p in params if p.grad is not None and id(p) not in covered]
+        rest = [g for g in grads if g.untyped_storage().data_ptr() not in buffers]
         buckets, layout = pack(rest, extra, self.bucket_bytes)
         started = [e.started for e in early] + [self._live.start(b) for b in buckets]
         averaged = self._live.average([e.buffer for e in early] + buckets, step, started)

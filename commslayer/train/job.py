@@ -537,7 +537,7 @@ class Job:
             self._check_same_state(loss)
         extra = None
         if loss is not None:
-            extra = loss.detach().reshape(1).to(local(grads[0]).dtype) / self.world_size
+            extra = loss.detach().reshape(1).to(grads[0].dtype) / self.world_size  # a DTensor's dtype is its shard's
             dist.all_reduce(extra)
         self._phase("allreduce")
         averaged_loss = self._average.average(params, extra, step)
