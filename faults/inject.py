@@ -151,11 +151,12 @@ class Log:
     def __init__(self, path: Optional[str]) -> None:
         self.path = path
 
-    def write(self, event: str, **fields: Any) -> None:
+    def write(self, event: str, member: Optional[int] = None, **fields: Any) -> None:
+        """Append one event; ``member``: the rank it is about (default: this process's job rank)."""
         if not self.path:
             return
-        line = json.dumps({"event": event, "member": job_rank(), "life": life(), "pid": os.getpid(),
-                           "t": time.time(), **fields}) + "\n"
+        line = json.dumps({"event": event, "member": job_rank() if member is None else member, "life": life(),
+                           "pid": os.getpid(), "t": time.time(), **fields}) + "\n"
         try:
             fd = open_append(self.path)  # never through a link planted as the log's name
             try:
@@ -224,7 +225,7 @@ class Injector:
         name = comm.get_name()
         table = comm.global_ranks or comm.members  # job ranks where known; the hook must not hold comm itself
         comm.register_error_hook(lambda err: self.log.write(
-            "failure", comm=name, error=type(err).__name__, ranks=list(err.ranks),
+            "failure", self.rank, comm=name, error=type(err).__name__, ranks=list(err.ranks),
             members=_members(table, err.ranks), what=err.what))
         wrapped = set()
         for f in self.faults:
@@ -244,7 +245,8 @@ class Injector:
             if f.action == "delay":
                 if n >= f.nth:
                     if n == f.nth:
-                        self.log.write("injected", fault=f.index, action=f.action, what=f.describe(), comm=name)
+                        self.log.write("injected", self.rank, fault=f.index, action=f.action, what=f.describe(),
+                                       comm=name)
                         _announce("fired", f, self.rank)
                     time.sleep(f.seconds)
                 return call(*args, **kwargs)
@@ -265,7 +267,8 @@ class Injector:
     # ---------------------------------------------------------------- firing
     def _fire(self, f: Fault, act: bool = True, **where: Any) -> None:
         self.faults.remove(f)
-        self.log.write("injected", fault=f.index, action=f.action, what=f.describe(), seconds=f.seconds, **where)
+        self.log.write("injected", self.rank, fault=f.index, action=f.action, what=f.describe(), seconds=f.seconds,
+                       **where)
         _announce("fired", f, self.rank)
         if not act:
             return

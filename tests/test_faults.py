@@ -249,14 +249,18 @@ def test_the_waker_waits_for_the_stop_it_ends():
 def test_a_fault_left_in_the_environment_says_so_when_armed_and_when_fired(tmp_path):
     """A COMMSLAYER_FAULTS value left over from a fault run must not slow or kill a job
     unseen: each fault aimed at the process is announced on stderr when armed, and
-    again when it fires (a delay fault too, which does not end the process)."""
+    again when it fires (a delay fault too, which does not end the process). The
+    process has no RANK: its communicator's rank is its rank, in the fault log too."""
     spec = encode([Fault("delay", 0, op="all_reduce", seconds=0.01), Fault("raise", 0, step=9, phase="forward")])
     script = ("import torch, commslayer; c = commslayer.new_comm('gloo', name='left', rank=0, size=1, "
               "store=torch.distributed.HashStore()); [c.all_reduce(torch.ones(4)) for _ in range(3)]; print('done')")
-    env = dict(os.environ, COMMSLAYER_FAULTS=spec, COMMSLAYER_FAULTS_LOG="", OMP_NUM_THREADS="1")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "COMMSLAYER_JOB_RANK")}
+    env.update(COMMSLAYER_FAULTS=spec, COMMSLAYER_FAULTS_LOG=str(tmp_path / "faults.jsonl"), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=80)
     assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr[-3000:]
+    logged = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["member"]) for e in logged] == [("injected", 0)], logged
     said = [x for x in proc.stderr.splitlines() if x.startswith("[rank 0]")]
     assert said == [
         "[rank 0] fault armed from COMMSLAYER_FAULTS: 10 ms delay of rank 0 before every all_reduce (unset it for "
