@@ -185,20 +185,48 @@ def test_ddp_in_per_rank_mode_is_refused_at_register(tmp_path):
 
 
 @pytest.mark.timeout(150)
-def test_every_replica_group_lost_at_once_stops_the_job_instead_of_waiting(tmp_path):
-    """Replica mode, the same barrier on every group's rank 0: every group loses its rank 0
-    to the timeout at the same step, and no replica is left to heal the restarted groups
-    from. Before: they waited 60 s to be admitted, in every life (--max-restarts 3: over
-    4 minutes), then gave up. Now the coordinator stops the job as soon as they restart,
-    naming each group's failure and the script's line."""
+def test_a_barrier_on_every_groups_rank_0_alone_stops_the_job_as_a_bug(tmp_path):
+    """Replica mode, the same barrier on every group's rank 0 (a checkpoint's, say) while
+    rank 1 goes on into the next step's all-gather. Both time out in the same communicator:
+    rank 0 finds rank 1 in another collective at that point, a CollectiveMismatch, and the job
+    stops at once, nothing restarted. Where one side's timeout comes too late for the other to
+    see it (a loaded machine), the groups restart and, with no replica left to heal them from,
+    the coordinator stops the job, naming each group's failure and the script's line; before
+    either rule they waited 60 s to be admitted, in every life (--max-restarts 3: over 4 minutes)."""
     code, out, _ = run(tmp_path, MODES["replica"], "--steps", "12", "--rank0-barrier", "6", "--timeout", "6",
                        timeout=120)
     assert code == 1, job_story(out)
     line = stop_line(out)
+    if "CollectiveMismatch" in line.split(":", 2)[1]:
+        # whichever side the launcher heard from first: rank 0 in the barrier, or rank 1 in the all-gather
+        assert line.startswith("commslayer-run: replica group ") and " (life 0, pid " in line, line
+        mine, theirs = line.split(" with CollectiveMismatch: timed out in ", 1)[1].split(" timed out: ", 1)[0] \
+            .split(" while rank ")
+        assert sorted([mine.split(" #")[0], theirs.split(" in ")[1].split(" #")[0]]) == ["all_gather_single",
+                                                                                        "barrier"], line
+        assert "a deterministic failure" in line, line
+        assert "starting life" not in out, job_story(out)
+    else:
+        assert line.startswith("commslayer-run: every replica group was lost, so no live replica holds"), line
+        for group in (0, 1):
+            assert f"replica group {group} rank 0 (life 0, pid " in line, line
+        assert line.count("in main: dist.barrier()") == 2 and "more likely a bug in the script" in line, line
+    assert "was not admitted within" not in out and "healed from a live replica" not in out, job_story(out)
+
+
+@pytest.mark.timeout(150)
+def test_every_replica_group_lost_at_once_stops_the_job_instead_of_waiting(tmp_path):
+    """Replica mode, every group's rank 0 SIGKILLed at the same step (a fault: the restarted
+    lives would run on): no replica is left to heal the restarted groups from, so the
+    coordinator stops the job as soon as they restart, naming what each group's survivor saw;
+    a peer's death is no sign of a bug, and the stop does not say it is."""
+    code, out, _ = run(tmp_path, MODES["replica"], "--steps", "12", "--kill", "6:0", "--kill", "6:2", timeout=120)
+    assert code == 1, job_story(out)
+    line = stop_line(out)
     assert line.startswith("commslayer-run: every replica group was lost, so no live replica holds"), line
     for group in (0, 1):
-        assert f"replica group {group} rank 0 (life 0, pid " in line, line
-    assert line.count("in main: dist.barrier()") == 2 and "more likely a bug in the script" in line, line
+        assert f"replica group {group} rank 1 (life 0, pid " in line, line
+    assert line.count("failed at step 6 with PeerLost") == 2 and "more likely a bug" not in line, line
     assert "was not admitted within" not in out and "healed from a live replica" not in out, job_story(out)
 
 

@@ -65,8 +65,8 @@ GOODBYE_CONFIRM_S = 2.0  # how long a goodbye waits for the last round's confirm
 # A timed-out collective looks for what the others timed out in for a tenth of the time it waited,
 # within these bounds: their ops start a little apart, so they time out a little apart.
 MISMATCH_LOOK_S = 2.0
-NOT_COUNTED = 1 << 62  # a vote's count of joiners from a member that does not count them (the tally keeps the least)
 MISMATCH_MIN_S = 0.2
+NOT_COUNTED = 1 << 62  # a vote's count of joiners from a member that does not count them (the tally keeps the least)
 
 # The legal moves; every other one raises CommAborted naming the state.
 TRANSITIONS: Dict[State, FrozenSet[State]] = {

@@ -293,9 +293,10 @@ def no_replica_left(store: Any, replicas: int, shards: int, gone: List[int]) -> 
     found = [f for r in range(replicas) for f in _last_failures(store, r, shards)]
     told = "; ".join(f.words() for f in found) or "no rank recorded an exception (each was killed)"
     same = {(f.step, f.error.split(":", 1)[0], f.where.split(",", 1)[0]) for f in found}
+    # A peer lost is a death, whatever caused it: only errors of the ranks' own ops point at the script.
     hint = ("; every group failed the same way at the same step: more likely a bug in the script (a "
-            "collective that only some ranks call, say) than a fault") if len(found) > 1 and len(same) == 1 \
-        else ""
+            "collective that only some ranks call, say) than a fault") \
+        if len(found) > 1 and len(same) == 1 and not found[0].error.startswith("PeerLost") else ""
     return (f"every replica group was lost, so no live replica holds the training state to heal the restarted "
             f"groups from: the job stops instead of letting them wait to be admitted. {told}{hint}")
 

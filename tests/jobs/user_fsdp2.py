@@ -8,7 +8,8 @@ tests/test_bugs.py: run under ``commslayer-run`` in either mode.
 - ``--bug``: the member's loss code raises ``ValueError`` at that step, in every life
   (a bug: it recurs);
 - ``--skip``: the member does not call ``job.step()`` at that step;
-- ``--kill``: the member SIGKILLs itself at that step, in its first life only (a fault);
+- ``--kill``: the member SIGKILLs itself at that step, in its first life only (a fault); given
+  again, another member too;
 - ``--fewer-steps``: the member loops over one step fewer than the others;
 - ``--destroy-first``: the plain script's ``dist.destroy_process_group()`` left before ``job.finish()``;
 - ``--no-optimizer``: ``job.register(model=model)`` alone;
@@ -54,7 +55,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--bug", type=at)
     p.add_argument("--skip", type=at)
-    p.add_argument("--kill", type=at)
+    p.add_argument("--kill", type=at, action="append", default=[])
     p.add_argument("--fewer-steps", type=int)
     p.add_argument("--destroy-first", action="store_true")
     p.add_argument("--no-optimizer", action="store_true")
@@ -84,7 +85,7 @@ def main() -> None:
         if args.bug == (step, job.member):
             x[0, 0] = float("nan")
         check_batch(x, step)
-        if args.kill == (step, job.member) and life == 0:
+        if (step, job.member) in args.kill and life == 0:
             os.kill(os.getpid(), signal.SIGKILL)
         loss = nn.functional.mse_loss(model(x), x.flip(1))
         loss.backward()
