@@ -440,6 +440,11 @@ class AllReduceScatterWork : public c10d::Work {
 // the same dtype and shape: a fresh buffer costs its page faults at every op,
 // several times the copy (docs/bench/async-path.md).  A buffer whose op did not
 // complete is never handed back: the backend may still write into it.
+// A new contiguous tensor of `like`'s dtype, shape and device.
+at::Tensor contiguous_like(const at::Tensor& like) {
+  return at::empty(like.sizes(), like.options().memory_format(c10::MemoryFormat::Contiguous));
+}
+
 class StagingPool {
  public:
   static constexpr size_t kMaxBytes = size_t{64} << 20;  // kept in all: a larger buffer pays its faults each op
@@ -458,7 +463,7 @@ class StagingPool {
         }
       }
     }
-    return at::empty(like.sizes(), like.options().memory_format(c10::MemoryFormat::Contiguous));
+    return contiguous_like(like);
   }
 
   // The buffer of an op that completed and whose result was copied out.
@@ -1068,7 +1073,7 @@ class DirectPath {
       }
       case kReduceScatter: {
         if ((untimed_ >> kind) & 1) {
-          at::Tensor sum = at::empty(second.sizes(), second.options().memory_format(c10::MemoryFormat::Contiguous));
+          at::Tensor sum = contiguous_like(second);
           copy_into(sum, second);
           std::vector<at::Tensor> tensors{sum};
           return c10::make_intrusive<AllReduceScatterWork>(backend_->allreduce(tensors, allreduce_), sum, first,
