@@ -388,13 +388,12 @@ def _boundaries(rank, size, store):
     step once more. Per step: the ops issued and what ``pending_members`` returned."""
     import commslayer
 
+    steps = []
     if rank == 2:
         store.wait(["grow/step3"], timedelta(seconds=30))
         comm = commslayer.join("gloo", name="grow", member=2, store=store, timeout=OP_TIMEOUT)
-        steps = []
     else:
         comm = commslayer.new_comm("gloo", name="grow", store=store, rank=rank, size=2, timeout=OP_TIMEOUT)
-        steps = []
         while True:
             ops: list = []
             handle = comm.register_pre_hook(lambda op, seq, info: ops.append(op))

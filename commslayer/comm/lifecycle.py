@@ -370,8 +370,9 @@ class Lifecycle:
         try:
             if leader:
                 try:
-                    seen = [] if counted is not None else membership.joiners(self.members, fresh=False)
-                    if seen or counted is not None:  # seen a moment ago: read again before anyone acts on it
+                    if counted is None:
+                        seen = membership.joiners(self.members, fresh=False)
+                    if seen or counted is not None:  # seen a moment ago, or counted: read again before anyone acts
                         seen = membership.joiners(self.members)
                 except StoreUnreachable as err:
                     failure = err
