@@ -476,3 +476,21 @@ def test_status_steps_smoke():
         found = re.search(rf"^DDP traced {re.escape(config)}: median of 1 (\d+\.\d+) ms", out, re.M)
         assert found and float(found.group(1)) > 0, out
     assert re.search(r"^DDP repeat 0 on, scraped 1/s: median step \d+\.\d+ ms \([1-9]\d* scrapes\)", out, re.M), out
+
+
+@pytest.mark.timeout(60)
+def test_headline_runs_every_pages_benchmark_with_options_it_has(tmp_path):
+    """``headline.py --list`` names a run for every page under docs/bench/, each of an existing
+    script, with only options that script defines; and runs nothing."""
+    out = run_bench("launch/bench/headline.py", "--list", "--out", str(tmp_path / "headline"), timeout=50)
+    runs = [line.split("\t") for line in out.splitlines()]
+    assert all(len(run) == 3 for run in runs), out
+    pages = {p.name for p in (ROOT / "docs/bench").glob("*.md")}
+    assert {page for _, named, _ in runs for page in named.split(",")} == pages
+    for name, _, command in runs:
+        argv = command.split(" ")
+        script = ROOT / next(a for a in argv if a.startswith("launch/bench/"))
+        source = script.read_text() + (ROOT / "launch/bench/measure.py").read_text()
+        for option in (a for a in argv[argv.index(str(script.relative_to(ROOT))) + 1:] if a.startswith("--")):
+            assert f'"{option}"' in source, f"{name}: {script.name} has no {option}"
+    assert not (tmp_path / "headline").exists()

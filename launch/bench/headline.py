@@ -9,9 +9,11 @@ longer than the figure needs: each run below says what it keeps), never two at o
 and writes into ``--out``:
 
 - ``<run>.md``: what the benchmark printed (its tables), ``<run>.log`` its stderr;
-- ``<run>.json``: its raw figures, where the benchmark takes ``--json``;
-- ``manifest.json``: the revision measured, and for each run its command, when it
-  began, its wall seconds and exit status.
+- ``<run>.json``: its raw figures, where the benchmark takes ``--json`` (the traces of
+  a traced run go to a temporary folder, removed after it);
+- ``manifest.json``: for each run, the revision it measured, its command, when it
+  began, its wall seconds and exit status (a later ``--only`` replaces its runs'
+  entries and keeps the others').
 
 A run that fails or outlives its timeout is recorded and the next one goes on. Reading
 a key figure off a table stays a person's job: the headline row says which cell it is.
@@ -25,8 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,14 +56,14 @@ class Run:
     takes_json: bool = True
     timeout_s: float = 900.0
 
-    def command(self, out: Path) -> List[str]:
+    def command(self, out: Path, traces: str) -> List[str]:
         head = [sys.executable]
         if self.torchrun:
             head += ["-m", "torch.distributed.run", "--nproc-per-node", str(self.torchrun), "--master-port",
                      str(29960 + self.torchrun)]
         argv = head + [f"launch/bench/{self.script}", *self.options]
         if "--tracing" in self.options:
-            argv += ["--trace-dir", str(out / f"traces-{self.name}")]
+            argv += ["--trace-dir", traces]
         return argv + (["--json", str(out / f"{self.name}.json")] if self.takes_json else [])
 
 
@@ -98,6 +102,8 @@ RUNS: List[Run] = [
     Run("overlap", ["overlap.md"], "bench_overlap.py", ["--ranks", "2", "4", "--repeats", "3"]),
     Run("tracing-train", ["tracing.md"], "bench_tracing_train.py", ["--repeats", "5", "--steps", "20"],
         takes_json=False),
+    Run("status-scrape", ["status.md"], "bench_status_scrape.py", ["--ranks", "1000", "--gets", "200"],
+        takes_json=False),
     Run("status-steps", ["status.md"], "bench_status_steps.py", ["--repeats", "3", "--traced"], takes_json=False),
     Run("etcd", ["etcd.md"], "bench_etcd.py", ["--repeats", "3"], timeout_s=1200),
     Run("training", ["training.md"], "bench_training.py", ["--repeats", "3"], timeout_s=1200),
@@ -106,24 +112,29 @@ RUNS: List[Run] = [
     Run("spares-replica", ["resilience.md"], "bench_resilience.py",
         ["--scripts", "FSDP2 example", "--phases", "backward", "--repeats", "3", "--spares", "2"], timeout_s=1200),
     Run("peer", ["peer.md"], "bench_peer.py", ["--repeats", "3"], timeout_s=1800),
+    Run("gloo-exit", ["gloo-exit.md"], "bench_gloo_exit.py", ["--runs", "10"], takes_json=False),
     Run("nccl", ["nccl.md"], "bench_nccl.py", ["--repeats", "3"], takes_json=False, timeout_s=600),
 ]
 
 
 def run_one(run: Run, out: Path) -> dict:
     """Run ``run`` with its output in ``out``; what the manifest records of it."""
-    argv = run.command(out)
     began = time.time()
-    shown = ["python" if a == sys.executable else a for a in argv]
-    with open(out / f"{run.name}.md", "w") as stdout, open(out / f"{run.name}.log", "w") as stderr:
+    with tempfile.TemporaryDirectory(prefix=f"headline-{run.name}-") as traces, \
+            open(out / f"{run.name}.md", "w") as stdout, open(out / f"{run.name}.log", "w") as stderr:
+        argv = run.command(out, traces)
+        proc = subprocess.Popen(argv, env={**os.environ, "OMP_NUM_THREADS": "1", **run.env}, stdout=stdout,
+                                stderr=stderr, start_new_session=True)
         try:
-            rc = subprocess.run(argv, env={**os.environ, "OMP_NUM_THREADS": "1", **run.env},
-                                stdout=stdout, stderr=stderr, timeout=run.timeout_s).returncode
+            rc: int | str = proc.wait(timeout=run.timeout_s)
         except subprocess.TimeoutExpired:
-            rc = None
-    return {"name": run.name, "pages": list(run.pages), "command": shown, "env": run.env,
-            "began": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(began)),
-            "wall_s": round(time.time() - began, 1), "rc": rc if rc is not None else f"timeout {run.timeout_s} s"}
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher's ranks with it
+            proc.wait()
+            rc = f"timeout {run.timeout_s} s"
+    shown = ["python" if a == sys.executable else "<temporary folder>" if a == traces else a for a in argv]
+    return {"name": run.name, "revision": measured_revision(), "pages": list(run.pages), "command": shown,
+            "env": run.env, "began": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(began)),
+            "wall_s": round(time.time() - began, 1), "rc": rc}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -138,17 +149,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = [r for r in RUNS if not args.only or r.name in args.only]
     if args.list:
         for run in chosen:
-            print(f"{run.name}\t{','.join(run.pages)}\t{' '.join(run.command(out))}")
+            print(f"{run.name}\t{','.join(run.pages)}\t{' '.join(run.command(out, '<temporary folder>'))}")
         return 0
     out.mkdir(parents=True, exist_ok=True)
-    manifest = {"revision": measured_revision(), "cpus": os.cpu_count(), "runs": []}
+    path = out / "manifest.json"
+    earlier = json.loads(path.read_text())["runs"] if path.exists() else []
+    done = []
     for run in chosen:
         print(f"{time.strftime('%H:%M:%S')} {run.name} ...", file=sys.stderr, flush=True)
-        manifest["runs"].append(run_one(run, out))
-        with open(out / "manifest.json", "w") as f:  # after each run: a cut series keeps what it measured
-            json.dump(manifest, f, indent=1)
-        print(f"{time.strftime('%H:%M:%S')} {run.name}: rc {manifest['runs'][-1]['rc']}", file=sys.stderr, flush=True)
-    return 0 if all(r["rc"] == 0 for r in manifest["runs"]) else 1
+        done.append(run_one(run, out))
+        kept = [r for r in earlier if r["name"] not in {d["name"] for d in done}]
+        order = [r.name for r in RUNS]
+        runs = sorted(kept + done, key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
+        with open(path, "w") as f:  # after each run: a series cut short keeps what it measured
+            json.dump({"cpus": os.cpu_count(), "runs": runs}, f, indent=1)
+        print(f"{time.strftime('%H:%M:%S')} {run.name}: rc {done[-1]['rc']}", file=sys.stderr, flush=True)
+    return 0 if all(r["rc"] == 0 for r in done) else 1
 
 
 if __name__ == "__main__":
