@@ -123,8 +123,8 @@ def run_one(run: Run, out: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"headline-{run.name}-") as traces, \
             open(out / f"{run.name}.md", "w") as stdout, open(out / f"{run.name}.log", "w") as stderr:
         argv = run.command(out, traces)
-        proc = subprocess.Popen(argv, env={**os.environ, "OMP_NUM_THREADS": "1", **run.env}, stdout=stdout,
-                                stderr=stderr, start_new_session=True)
+        env = {"PYTHONWARNINGS": "ignore:Failed to initialize NumPy", **os.environ, "OMP_NUM_THREADS": "1", **run.env}
+        proc = subprocess.Popen(argv, env=env, stdout=stdout, stderr=stderr, start_new_session=True)
         try:
             rc: int | str = proc.wait(timeout=run.timeout_s)
         except subprocess.TimeoutExpired:
