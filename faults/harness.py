@@ -31,7 +31,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from commslayer.run.launcher import GRACE_S
 from commslayer.run.processes import ProcessSet, become_subreaper, descendants, free_port
@@ -105,7 +105,7 @@ class Options:
         out = []
         for f in scenario.faults(layout):
             if f.op and f.life in (0, None) and f.action != "delay":
-                f = replace(f, nth=self.nth or f.nth, **({"op": self.op, "comm": ""} if self.op else {}))
+                f = replace(f, nth=self.nth or f.nth, op=self.op or f.op, comm="" if self.op else f.comm)
             out.append(f)
         return out
 
@@ -194,8 +194,9 @@ def run(name: str, out_dir: str, options: Optional[Options] = None) -> Dict[str,
     become_subreaper()
     before = set(descendants(os.getpid()))  # a caller's own children are not the job's orphans
     faults = options.faults(scenario, layout)
-    log = Log(os.path.join(run_dir, FAULT_LOG))
-    env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_FAULTS=encode(faults), COMMSLAYER_FAULTS_LOG=log.path,
+    log_path = os.path.join(run_dir, FAULT_LOG)
+    log = Log(log_path)
+    env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_FAULTS=encode(faults), COMMSLAYER_FAULTS_LOG=log_path,
                **scenario.env)
     env.pop("COMMSLAYER_TRACE_DIR", None)  # the launcher's default: <run-dir>/traces
     shape = ["--nproc-per-node", str(layout.ranks)] if layout.per_rank else \
@@ -247,6 +248,7 @@ def run(name: str, out_dir: str, options: Optional[Options] = None) -> Dict[str,
             else:
                 notes.append(f"the job never reached step {layout.step}: the external fault was not injected")
         if scenario.external == "coordinator-stop":  # the job ends without its stopped coordinator
+            assert coordinator_proc is not None  # started above for this fault
             finished = job.wait(deadline, [p for p in job.procs if p is not coordinator_proc])
             for sig in (signal.SIGCONT, signal.SIGKILL):
                 os.killpg(coordinator_proc.pid, sig)
@@ -320,14 +322,12 @@ def _inject_external(kind: str, log: Log, job: _Job, layout: Layout, net: Any,
             else:
                 cluster.kill(i)
         return
-    if kind == "coordinator-kill":
-        log.write("injected", fault="coordinator", action="sigkill", what="SIGKILL of the coordinator",
+    if kind in ("coordinator-kill", "coordinator-stop"):
+        assert coordinator is not None  # run_scenario started it for these
+        sig = signal.SIGKILL if kind == "coordinator-kill" else signal.SIGSTOP
+        log.write("injected", fault="coordinator", action=sig.name.lower(), what=f"{sig.name} of the coordinator",
                   step=job.step, member=-1, target=coordinator.pid)
-        os.killpg(coordinator.pid, signal.SIGKILL)
-    elif kind == "coordinator-stop":
-        log.write("injected", fault="coordinator", action="sigstop", what="SIGSTOP of the coordinator",
-                  step=job.step, member=-1, target=coordinator.pid)
-        os.killpg(coordinator.pid, signal.SIGSTOP)
+        os.killpg(coordinator.pid, sig)
     elif kind == "link-cut":
         log.write("injected", fault="link", action="link-cut", what=f"link of rank {layout.target} cut for "
                   f"{LINK_CUT_S:g}s", step=job.step, member=layout.target)
@@ -539,9 +539,10 @@ def recovery_of(recoveries: List[Recovery], injected: List[dict], results: List[
     for i, inj in enumerate(injected):
         until = injected[i + 1]["t"] if i + 1 < len(injected) else float("inf")
         rec = next((r for r in recoveries if inj["t"] <= r.detected_at < until and r.committed_at), None)
-        per_fault.append({"fault": inj["what"], "stall_s": None if rec is None else round(rec.committed_at - inj["t"], 4),
-                          "detected_to_committed_s": None if rec is None else
-                          round(rec.committed_at - rec.detected_at, 4),
+        committed = None if rec is None else rec.committed_at
+        per_fault.append({"fault": inj["what"], "stall_s": None if committed is None else round(committed - inj["t"], 4),
+                          "detected_to_committed_s": None if rec is None or committed is None else
+                          round(committed - rec.detected_at, 4),
                           "redone_step": None if rec is None else rec.step})
     return {
         "stall_s": per_fault[0]["stall_s"] if per_fault else None, "per_fault": per_fault,
@@ -817,7 +818,7 @@ def _lines(path: str, text: str) -> List[str]:
 
 
 # ---------------------------------------------------------------- reports
-def write_reports(report: Dict[str, Any], directory: str, name: str = "report") -> None:
+def write_reports(report: Union[Dict[str, Any], List[Dict[str, Any]]], directory: str, name: str = "report") -> None:
     """``report.json`` and ``report.md`` (one scenario's report, or a list of them)."""
     with open(os.path.join(directory, f"{name}.json"), "w") as f:
         json.dump(report, f, indent=1)

@@ -252,7 +252,7 @@ class Injector:
                 return call(*args, **kwargs)
             if n != f.nth or f not in self.faults:
                 return call(*args, **kwargs)
-            if f.action == "mismatch":
+            if f.action == "mismatch" and f.mismatch is not None:  # Fault checked that it names one
                 self._fire(f, comm=name, act=False)
                 return call(*_mismatched(f.mismatch, args), **kwargs)
             if f.during:

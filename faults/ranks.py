@@ -83,10 +83,12 @@ def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 60
     by SIGKILL is started again and its last life's result is the one kept.
     ``start="spawn"`` starts each rank as a fresh interpreter: ranks that use CUDA
     need it once the parent asked for the devices (torch then refuses CUDA in a fork)."""
-    ctx = mp.get_context(start)
+    ctx: Any = mp.get_context(start)  # typeshed's BaseContext has no Process
     port = free_port()
-    pipes, procs, lives = [], [], [0] * size
-    old_procs = []
+    pipes: List[Any] = []
+    procs: List[Any] = []
+    lives = [0] * size
+    old_procs: List[Any] = []
 
     def start_rank(rank: int) -> None:
         parent, child = ctx.Pipe(duplex=False)

@@ -1,5 +1,5 @@
 """The type check (mypy, pinned in pyproject.toml's dev extra, configured under
-[tool.mypy]): the whole of commslayer/ and tracing/ in mypy's default mode, the
+[tool.mypy]): the whole of commslayer/, tracing/ and faults/ in mypy's default mode, the
 public API strict; modules listed as the backlog are checked but not yet held to it."""
 
 import subprocess
