@@ -4,9 +4,9 @@ headline table.
 Each page under docs/bench/ gives a key figure that the headline table repeats. Measured
 on different days and commits, those figures cannot be set side by side; this script
 measures them again in one session: it runs each page's benchmark with the options its
-key figure needs (fewer repeats or sizes than a page's full run where the full run takes
-longer than the figure needs: each run below says what it keeps), never two at once,
-and writes into ``--out``:
+key figure needs (``RUNS``: often fewer repeats or sizes than a page's full run, and
+the headline row names what the series did not run again), never two at once, and
+writes into ``--out``:
 
 - ``<run>.md``: what the benchmark printed (its tables), ``<run>.log`` its stderr;
 - ``<run>.json``: its raw figures, where the benchmark takes ``--json`` (the traces of
