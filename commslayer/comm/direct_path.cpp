@@ -13,10 +13,6 @@
 // waits without Python until an op does not simply complete, when Python
 // settles it (docs/bench/async-path.md).
 //
-// The ring reduce-scatter's steps run here too (ring_reduce_scatter), on the
-// communicator's ring thread without the GIL; commslayer/comm/ring.py keeps the
-// op's bookkeeping and the same steps in Python where this module is not built.
-//
 // The flight recorder's record of such an op is written here too, into a
 // NativeRing (tracing/record/recorder.py reads it at dump time and takes a record
 // over when its op fails): filling a Python record cost 25-48 us of the
@@ -1114,102 +1110,6 @@ class DirectPath {
   std::vector<py::object> retired_rings_;  // rings recorded into before, kept for the async ops' slots
 };
 
-// ``out = a + b`` over flat tensors, in pieces of ``piece`` elements: below ATen's
-// grain size each addition stays on this thread (commslayer/comm/ring.py says why).
-void add_in_pieces(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out, int64_t piece) {
-  const int64_t m = a.numel();
-  for (int64_t lo = 0; lo < m; lo += piece) {
-    const int64_t hi = std::min(lo + piece, m);
-    at::Tensor part = out.slice(0, lo, hi);
-    at::add_out(part, a.slice(0, lo, hi), b.slice(0, lo, hi));
-  }
-}
-
-// The ring reduce-scatter of commslayer/comm/ring.py (which explains the algorithm,
-// its summation order and its chunks), run without the GIL on the communicator's
-// ring thread: in Python its sends, receives and additions took the GIL from the
-// training thread for every chunk (docs/bench/step-cost.md).  ``blocks`` are every
-// rank's share of this rank's input, ``result`` this rank's flat output; the op
-// fails with RuntimeError when a transfer fails or ``deadline_s`` (time.monotonic())
-// passes.  The same steps in the same order as RingReduceScatter._run in Python.
-void ring_reduce_scatter(const c10::intrusive_ptr<c10d::Backend>& backend, int64_t tag, int64_t rank, int64_t size,
-                         const std::vector<at::Tensor>& blocks, const at::Tensor& result, int64_t chunk,
-                         int64_t window, int64_t piece, double deadline_s) {
-  at::NoGradGuard no_grad;
-  const int64_t n = size;
-  const int right = static_cast<int>((rank + 1) % n);
-  const int left = static_cast<int>((rank + n - 1) % n);
-  const int64_t m = result.numel();
-  std::vector<std::pair<int64_t, int64_t>> chunks;
-  for (int64_t lo = 0; lo < m; lo += chunk) {
-    chunks.emplace_back(lo, std::min(lo + chunk, m));
-  }
-  const int64_t k_count = static_cast<int64_t>(chunks.size());
-  const int64_t units = (n - 1) * k_count;  // unit i: step i / k_count, chunk i % k_count
-  // two receive buffers, alternating by step; step s's buffer is sent on in step s+1
-  at::Tensor bufs = at::empty({std::min<int64_t>(n - 1, 2), m}, result.options());
-  std::vector<c10::intrusive_ptr<c10d::Work>> recvs(units);
-  // by (step + 1) * k_count + chunk: the send of what a step added (a reused buffer waits for it)
-  std::vector<c10::intrusive_ptr<c10d::Work>> sends(n * k_count);
-  std::vector<c10::intrusive_ptr<c10d::Work>> firsts;
-  auto wait = [deadline_s](c10::intrusive_ptr<c10d::Work>& work) {
-    const double left_s = deadline_s - static_cast<double>(monotonic_ns()) / 1e9;
-    if (left_s <= 0) {
-      throw std::runtime_error("ring reduce-scatter timed out");
-    }
-    // at least 1 ms: Gloo reads a timeout of 0 as none
-    work->wait(std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(std::min(left_s, 1e9) * 1000))));
-    work.reset();
-  };
-  auto post = [&](int64_t i) {
-    const int64_t s = i / k_count, k = i % k_count;
-    if (s >= 2) {  // the chunk of this buffer that step s-1 sent must be out first
-      wait(sends[(s - 1) * k_count + k]);
-    }
-    std::vector<at::Tensor> into{bufs.select(0, s % 2).slice(0, chunks[k].first, chunks[k].second)};
-    recvs[i] = backend->recv(into, left, static_cast<int>(tag));
-  };
-  try {
-    // a receive into a reused buffer waits for the send posted two steps earlier: at most 2 steps ahead
-    const int64_t ahead = std::min(window, 2 * k_count);
-    for (int64_t i = 0; i < std::min(ahead, units); ++i) {  // receives first: the peer may send at once
-      post(i);
-    }
-    const at::Tensor& first = blocks[(rank + n - 1) % n];
-    for (const auto& [lo, hi] : chunks) {
-      std::vector<at::Tensor> out{first.slice(0, lo, hi)};
-      firsts.push_back(backend->send(out, right, static_cast<int>(tag)));
-    }
-    for (int64_t i = 0; i < units; ++i) {
-      const int64_t s = i / k_count, k = i % k_count;
-      const auto [lo, hi] = chunks[k];
-      wait(recvs[i]);
-      at::Tensor got = bufs.select(0, s % 2).slice(0, lo, hi);
-      at::Tensor own = blocks[((rank - s - 2) % n + n) % n].slice(0, lo, hi);
-      if (s < n - 2) {
-        add_in_pieces(got, own, got, piece);
-        std::vector<at::Tensor> out{got};
-        sends[(s + 1) * k_count + k] = backend->send(out, right, static_cast<int>(tag));
-      } else {
-        add_in_pieces(got, own, result.slice(0, lo, hi), piece);
-      }
-      if (i + ahead < units) {
-        post(i + ahead);
-      }
-    }
-    for (auto& work : firsts) {
-      wait(work);
-    }
-    for (auto& work : sends) {
-      if (work) {
-        wait(work);
-      }
-    }
-  } catch (const c10::Error& e) {
-    throw std::runtime_error(e.what_without_backtrace());
-  }
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1231,9 +1131,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     }
     *settle_function = std::move(fn);
   }, py::arg("fn"));
-  m.def("ring_reduce_scatter", &ring_reduce_scatter, py::arg("backend"), py::arg("tag"), py::arg("rank"),
-        py::arg("size"), py::arg("blocks"), py::arg("result"), py::arg("chunk"), py::arg("window"), py::arg("piece"),
-        py::arg("deadline_s"), py::call_guard<py::gil_scoped_release>());
   py::class_<DirectPath>(m, "DirectPath")
       .def(
           py::init<c10::intrusive_ptr<c10d::Backend>, int64_t, const std::string&, const std::vector<at::ScalarType>&,

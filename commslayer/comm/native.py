@@ -256,13 +256,6 @@ def ring(capacity: int, thread_names: Dict[int, str], internal_dirs: Tuple[str, 
                                                          threading.current_thread)
 
 
-def ring_reduce_scatter() -> Optional[Callable[..., None]]:
-    """The ring reduce-scatter's algorithm in native code, run without the GIL
-    (``ring_reduce_scatter`` in direct_path.cpp), or None where there is no native path."""
-    module = _module()
-    return None if module is None else module.ring_reduce_scatter
-
-
 def main() -> int:
     """``commslayer-native``: build the module for this venv unless it is built (the
     README's commands run it); exit 1, with the compiler's words, where it cannot."""

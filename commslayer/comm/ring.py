@@ -15,11 +15,7 @@ can differ from Gloo's order in the last bits.
 
 A ``RingReduceScatter`` is run whole by the communicator's ring thread
 (``work.Waiter``): its ``wait`` is the algorithm, bounded by the op's
-deadline; the caller waits on the thread like on any backend work.  Where
-the native path is built (``commslayer.comm.native``) the algorithm runs in
-C++ without the GIL (``ring_reduce_scatter`` in direct_path.cpp, the same
-steps in the same order): in Python each chunk's sends, receives and
-additions took the GIL from the training thread (docs/bench/step-cost.md).
+deadline; the caller waits on the thread like on any backend work.
 """
 
 from __future__ import annotations
@@ -30,7 +26,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from commslayer.comm import native
 from commslayer.reduce_op import ReduceOp
 
 # Gloo matches point-to-point messages by peer and tag, in order.  Each ring op
@@ -132,11 +127,6 @@ class RingReduceScatter:
         return [(lo, min(lo + self._chunk, m)) for lo in range(0, m, self._chunk)]
 
     def _run(self, deadline: float) -> None:
-        in_native = native.ring_reduce_scatter()
-        if in_native is not None:
-            in_native(self._backend, self._tag, self._rank, self._size, self._blocks, self._result, self._chunk,
-                      _WINDOW, _PIECE, deadline)
-            return
         n, r, backend, tag = self._size, self._rank, self._backend, self._tag
         right, left = (r + 1) % n, (r - 1) % n
         chunks = self._chunks()
