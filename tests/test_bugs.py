@@ -322,7 +322,7 @@ def test_a_rank_that_leaves_the_loop_with_status_0_stops_the_job(tmp_path):
     assert time.monotonic() - began < 60, job_story(out)  # the 120 s wait for a replacement is not there
     line = stop_line(out)
     assert line.startswith("commslayer-run: rank 1 (life 0, pid ") and "before job.finish() with an exit with " \
-        "status 0: a deterministic failure (a rank left the job before it finished" in line, line
+        "status 0: a deterministic failure (a rank left the job before it finished" in line, (line, job_story(out))
     for noise in ("starting life", "resharding", "ReplacementMissing"):
         assert noise not in out, (noise, job_story(out))
 
