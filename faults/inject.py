@@ -39,6 +39,7 @@ from commslayer.runs import read_log
 from tracing.dumps import open_append
 
 ACTIONS = ("sigkill", "exit", "raise", "sigstop", "hang", "delay", "mismatch")
+TOGETHER_WAIT = 10.0  # seconds a fault waits for the others of its ``together``; then it fires alone
 PHASES = ("forward", "backward", "allreduce", "optimizer", "refresh")
 MISMATCHES = ("shape", "dtype", "op")
 
@@ -59,7 +60,10 @@ class Fault:
     ``sigstop`` lasts, or the delay a ``delay`` fault adds before every matching
     op from the nth on (at a step: one pause there, a rank that stalls once).
     ``mismatch``: what a ``mismatch`` fault changes in the op's arguments (shape,
-    dtype or the reduce op)."""
+    dtype or the reduce op).  Faults that share a non-empty ``together`` fire at
+    once: each, when due, waits until every one of them is due (``TOGETHER_WAIT``
+    at most), so that two ranks die in the same op even when one of them reaches
+    it later than the other would notice the first one's death."""
 
     action: str
     rank: int
@@ -72,6 +76,7 @@ class Fault:
     during: bool = False
     seconds: float = 0.0
     mismatch: Optional[str] = None
+    together: str = ""
     index: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
@@ -91,6 +96,8 @@ class Fault:
             raise ValueError(f"a mismatch fault needs an op and mismatch one of {MISMATCHES} (op: all_reduce only)")
         if self.op == "*" and self.action != "delay":
             raise ValueError("op '*' (every collective) is for delay faults only")
+        if not isinstance(self.together, str):
+            raise ValueError(f"fault together={self.together!r}: a tag (a string) shared by faults that fire at once")
         if self.nth < 1:
             raise ValueError(f"fault nth={self.nth}: counts from 1")
 
@@ -182,6 +189,7 @@ class Injector:
         self._lock = threading.Lock()
         self.rank = job_rank()
         self._unplaced: List[Fault] = []  # the job's faults, while this process's rank is unknown
+        self._together: Dict[str, List[int]] = {}  # a ``together`` tag -> the indices of the job's faults with it
 
     def add(self, faults: List[Fault]) -> None:
         """Take the job's ``faults`` (every process gets the same list, in the same
@@ -191,6 +199,8 @@ class Injector:
         a communicator: its rank there is its rank (``attach``)."""
         for f in faults:
             f.index, self._count = self._count, self._count + 1
+            if f.together:
+                self._together.setdefault(f.together, []).append(f.index)
         if self.rank is None:
             self._unplaced += faults
         else:
@@ -267,6 +277,8 @@ class Injector:
     # ---------------------------------------------------------------- firing
     def _fire(self, f: Fault, act: bool = True, **where: Any) -> None:
         self.faults.remove(f)
+        if f.together:
+            self._wait_for_the_others(f)
         self.log.write("injected", self.rank, fault=f.index, action=f.action, what=f.describe(), seconds=f.seconds,
                        **where)
         _announce("fired", f, self.rank)
@@ -290,6 +302,22 @@ class Injector:
         elif f.action == "hang":
             while True:  # alive (heartbeats go on), but never issues the next op
                 time.sleep(3600)
+
+
+    def _wait_for_the_others(self, f: Fault) -> None:
+        """Log ``f`` as due and wait until every fault of its ``together`` is (the log is the
+        only channel the job's processes share); past ``TOGETHER_WAIT``, say so and go on."""
+        if not self.log.path:
+            return
+        self.log.write("due", self.rank, fault=f.index)
+        wanted = set(self._together[f.together])
+        deadline = time.monotonic() + TOGETHER_WAIT
+        while time.monotonic() < deadline:
+            if wanted <= {e["fault"] for e in self.log.read() if e["event"] == "due"}:
+                return
+            time.sleep(0.002)
+        print(f"[rank {self.rank}] fault {f.describe()}: the others of together={f.together!r} were not due "
+              f"within {TOGETHER_WAIT:g} s; it fires alone", file=sys.stderr, flush=True)
 
 
 def _announce(what: str, f: Fault, rank: Optional[int]) -> None:

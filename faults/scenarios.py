@@ -113,8 +113,8 @@ def _shard_op(per_step: int, at: int) -> Callable[[Layout], int]:
 
 def _buddy_pair(layout: Layout) -> List[Fault]:
     """The target and the holder of its state killed in the same all-gather."""
-    return [Fault("sigkill", rank, op="all_gather_single", comm="shards", nth=_shard_op(9, 5)(layout), during=True)
-            for rank in (layout.target, layout.holder)]
+    return [Fault("sigkill", rank, op="all_gather_single", comm="shards", nth=_shard_op(9, 5)(layout), during=True,
+                  together="pair") for rank in (layout.target, layout.holder)]
 
 
 def _mismatch(kind: str) -> Scenario:

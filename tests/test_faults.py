@@ -223,6 +223,34 @@ def test_a_step_delay_pauses_its_rank_once_and_a_process_that_is_no_rank_arms_no
     assert float(launcher.stdout.split("resumed after")[1]) < 0.5, launcher.stdout
 
 
+@pytest.mark.timeout(90)
+def test_faults_fired_together_wait_for_each_other(tmp_path):
+    """buddy-pair-kill's two ranks must die in the same op: a fault with a ``together`` tag,
+    when due, waits in its rank until the other fault of the tag is due in the other rank."""
+    import time
+
+    spec = encode([Fault("delay", rank, step=1, phase="forward", together="pair") for rank in (0, 1)])
+    script = ("import time, torch, faults.inject as fi; t = time.monotonic(); fi.point(1, 'forward'); "
+              "print('resumed after', time.monotonic() - t)")
+    env = dict(os.environ, COMMSLAYER_FAULTS=spec, COMMSLAYER_FAULTS_LOG=str(tmp_path / "faults.jsonl"),
+               OMP_NUM_THREADS="1")
+    first = subprocess.Popen([sys.executable, "-c", script], env=dict(env, RANK="0"), cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(2.0)
+    second = subprocess.run([sys.executable, "-c", script], env=dict(env, RANK="1"), cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    out, err = first.communicate(timeout=60)
+    assert first.returncode == 0 and second.returncode == 0, (err[-2000:], second.stderr[-2000:])
+    assert float(out.split("resumed after")[1]) >= 1.0, out  # it waited for rank 1's process to start
+    logged = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
+    assert sorted((e["event"], e["member"]) for e in logged) == \
+        [("due", 0), ("due", 1), ("injected", 0), ("injected", 1)], logged
+    due_1 = next(e["t"] for e in logged if e["event"] == "due" and e["member"] == 1)
+    assert all(e["t"] >= due_1 for e in logged if e["event"] == "injected"), logged
+    with pytest.raises(ValueError, match="together"):
+        Fault("sigkill", 0, step=1, phase="forward", together=1)  # type: ignore[arg-type]
+
+
 def test_the_waker_waits_for_the_stop_it_ends():
     """A stop that comes after its deadline (a loaded machine) is still ended: a SIGCONT
     sent before the stop would be lost and leave the process stopped for good."""
