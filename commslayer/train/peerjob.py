@@ -15,7 +15,8 @@ How a step survives a lost rank:
   unspecified data, and there the commit vote fails on every survivor.
 - The survivors shrink the shard communicator, mark the lost rank in the
   job's store (``rank/<r>/lost/<life>``: the launcher starts its
-  replacement even if the lost process is only stopped), and wait for the
+  replacement even if the lost process is only stopped; not a rank that
+  said goodbye: its exit status decides), and wait for the
   replacement to announce itself.  It joins the next generation as the same
   rank; the group object that FSDP2 holds carries on over it
   (``CommslayerProcessGroup.replace``): FSDP2 and DeviceMesh notice nothing.
@@ -297,7 +298,10 @@ class PeerJob(Job):
                 f"resume from a checkpoint taken at or before it", comm=survivors.get_name(), op="recover",
                 ranks=hopeless))
         if survivors.get_rank() == 0:
-            for r in lost:
+            # A rank that said goodbye is exiting on its own: its exit status tells the launcher what it was
+            # (status 0 before job.finish() is a bug), and a lost key seen before the exit would replace it.
+            left = {old.members[r] for r in old.lifecycle.departed}
+            for r in [r for r in lost if r not in left]:
                 key = f"rank/{self._launched[r]}"
                 life = self.store.get(f"{key}/member").decode()  # not .../life: a replacement may be up already
                 self.store.set(f"{key}/lost/{life}", str(survivors.generation))
