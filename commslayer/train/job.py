@@ -35,6 +35,7 @@ import logging
 import math
 import numbers
 import os
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
@@ -89,6 +90,52 @@ def op_key(unit_key: str) -> str:
     """The job store's key of a rank's current op, which the status reporters write from a thread
     of their own while the rank is inside an op (``register_status_reporter``)."""
     return f"status/{unit_key}/op"
+
+
+class _StatusWriter:
+    """Writes a rank's status records to the job's store from a thread of its own, reads
+    whether a status server serves the job (``STATUS_SERVED``) there too, and once it does,
+    starts the status reporters (``register_status_reporter``) from there.  A store request
+    may wait out an etcd leader election (1 to 2 s, docs/bench/etcd.md) or a slow store,
+    and the training thread must not.  Only the latest record is kept: one the thread had
+    no time for is replaced, never queued.  A failed request is logged, once a life, and
+    the next record is tried: a status record must not stop the job."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self._latest: Optional[Tuple[str, str, bool]] = None  # (unit key, record, whether to ask if served)
+        self._changed = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+        self._warned = False
+        self.served = False  # set by the thread once it read STATUS_SERVED
+
+    def put(self, unit_key: str, record: Dict[str, Any], ask_served: bool) -> None:
+        """Write ``record`` as the status of the rank ``unit_key`` names as soon as the thread
+        can (and read ``STATUS_SERVED`` afterwards until it is there, if ``ask_served``)."""
+        with self._changed:
+            self._latest = (unit_key, json.dumps(record), ask_served)
+            self._changed.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="commslayer-status-record", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while self._latest is None:
+                    self._changed.wait()
+                (unit_key, record, ask_served), self._latest = self._latest, None
+            try:
+                self._store.set(status_key(unit_key), record)
+                if ask_served and not self.served and self._store.check([STATUS_SERVED]):
+                    self.served = True
+                    for reporter in status_reporters.fns:  # each returns at once
+                        reporter(self._store, op_key(unit_key))
+            except Exception:  # the store's own failures reach the training thread at its next request
+                if not self._warned:
+                    self._warned = True
+                    log.warning("commslayer: a status record could not be written to the job's store (the next "
+                                "one is tried)", exc_info=True)
 
 
 class StateMismatch(CommError):
@@ -382,7 +429,7 @@ class Job:
         self._status_step: Optional[int] = None  # the step it was of
         self._status_every = 1  # a record is written at a step that is a multiple of this (_status_due)
         self._healed: Optional[Dict[str, Any]] = None  # this life's heal (_on_recovery)
-        self._served = False  # a status server serves the job (STATUS_SERVED)
+        self._status_writer: Optional[_StatusWriter] = None  # made with the first record
         register_recovery_hook(self._on_recovery)
         self._committed_here = 0  # steps committed in this life
 
@@ -593,9 +640,10 @@ class Job:
         members, this life's heal if it healed, and, once a status server says it serves
         the job (``STATUS_SERVED``), what the status sources add: the flight recorder's op
         figures, tracing.record.figures), which ``commslayer-run --status-port`` serves
-        (commslayer.run.status); then, once, the status reporters start (the current op,
-        written while the rank is inside one). One store write a second (and a check of
-        that key until it is there), never inside an op."""
+        (commslayer.run.status); once it is served, the status reporters start (the current
+        op, written while the rank is inside one). The record goes to ``_StatusWriter``, whose
+        thread makes the store requests (a write a second, and a check of ``STATUS_SERVED``
+        until it is there): the step never waits on the store for it."""
         self._committed_here += 1
         if not self._status_due() or not config.job_store():  # the cheaper test first: it runs at every step
             return
@@ -604,16 +652,14 @@ class Job:
                   "steps": self._committed_here, "step_s": time.perf_counter() - self._t0,
                   "generation": self.generation, "t": time.time(), "comms": _resizable_comms(),
                   "healed": self._healed}
-        served, self._served = self._served, self._served or bool(status_sources.fns) and self.store.check(
-            [STATUS_SERVED])
-        for reporter in status_reporters.fns if self._served and not served else ():
-            reporter(self.store, op_key(key))  # once a life: it writes from a thread of its own
-        for source in status_sources.fns if self._served else ():
+        if self._status_writer is None:
+            self._status_writer = _StatusWriter(self.store)
+        for source in status_sources.fns if self._status_writer.served else ():
             try:
                 record.update(source(self.step_index))
             except Exception:  # an observer must not stop the job; the record goes without its figures
                 log.exception("commslayer: status source %r raised", source)
-        self.store.set(status_key(key), json.dumps(record))
+        self._status_writer.put(key, record, ask_served=bool(status_sources.fns))
 
     def _status_due(self) -> bool:
         """Whether this committed step writes a status record: a step whose number is a
