@@ -303,7 +303,6 @@ class Injector:
             while True:  # alive (heartbeats go on), but never issues the next op
                 time.sleep(3600)
 
-
     def _wait_for_the_others(self, f: Fault) -> None:
         """Log ``f`` as due and wait until every fault of its ``together`` is (the log is the
         only channel the job's processes share); past ``TOGETHER_WAIT``, say so and go on."""
