@@ -449,6 +449,11 @@ class Lifecycle:
         except StoreUnreachable:
             return -1
 
+    def left_members(self) -> Set[int]:
+        """Members that closed the group on purpose (said goodbye), lost since or not."""
+        with self._lock:
+            return {self.members[r] for r in self.departed}
+
     def _gone(self) -> Set[int]:
         """Members lost, or that left (after settling what they knew: ``confirm_commit``)."""
         with self._lock:

@@ -103,17 +103,18 @@ class _StatusWriter:
 
     def __init__(self, store: Any) -> None:
         self._store = store
-        self._latest: Optional[Tuple[str, str, bool]] = None  # (unit key, record, whether to ask if served)
+        self._latest: Optional[Tuple[str, Dict[str, Any]]] = None  # (unit key, record)
         self._changed = threading.Condition()
         self._thread: Optional[threading.Thread] = None
         self._warned = False
         self.served = False  # set by the thread once it read STATUS_SERVED
 
-    def put(self, unit_key: str, record: Dict[str, Any], ask_served: bool) -> None:
-        """Write ``record`` as the status of the rank ``unit_key`` names as soon as the thread
-        can (and read ``STATUS_SERVED`` afterwards until it is there, if ``ask_served``)."""
+    def put(self, unit_key: str, record: Dict[str, Any]) -> None:
+        """Write ``record`` (not changed afterwards) as the status of the rank ``unit_key``
+        names as soon as the thread can; then, while status sources are registered, read
+        ``STATUS_SERVED`` until it is there."""
         with self._changed:
-            self._latest = (unit_key, json.dumps(record), ask_served)
+            self._latest = (unit_key, record)
             self._changed.notify()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="commslayer-status-record", daemon=True)
@@ -124,10 +125,10 @@ class _StatusWriter:
             with self._changed:
                 while self._latest is None:
                     self._changed.wait()
-                (unit_key, record, ask_served), self._latest = self._latest, None
+                (unit_key, record), self._latest = self._latest, None
             try:
-                self._store.set(status_key(unit_key), record)
-                if ask_served and not self.served and self._store.check([STATUS_SERVED]):
+                self._store.set(status_key(unit_key), json.dumps(record))
+                if status_sources.fns and not self.served and self._store.check([STATUS_SERVED]):
                     self.served = True
                     for reporter in status_reporters.fns:  # each returns at once
                         reporter(self._store, op_key(unit_key))
@@ -659,7 +660,7 @@ class Job:
                 record.update(source(self.step_index))
             except Exception:  # an observer must not stop the job; the record goes without its figures
                 log.exception("commslayer: status source %r raised", source)
-        self._status_writer.put(key, record, ask_served=bool(status_sources.fns))
+        self._status_writer.put(key, record)
 
     def _status_due(self) -> bool:
         """Whether this committed step writes a status record: a step whose number is a

@@ -300,7 +300,7 @@ class PeerJob(Job):
         if survivors.get_rank() == 0:
             # A rank that said goodbye is exiting on its own: its exit status tells the launcher what it was
             # (status 0 before job.finish() is a bug), and a lost key seen before the exit would replace it.
-            left = {old.members[r] for r in old.lifecycle.departed}
+            left = old.lifecycle.left_members()
             for r in [r for r in lost if r not in left]:
                 key = f"rank/{self._launched[r]}"
                 life = self.store.get(f"{key}/member").decode()  # not .../life: a replacement may be up already
