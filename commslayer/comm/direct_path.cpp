@@ -531,6 +531,19 @@ class AsyncOpWork : public c10d::Work {
     }
   }
 
+  // The op's id, sequence number and issue time, for the Python Work that wraps it (NativeWork).
+  int64_t op_id() const {
+    return op_id_;
+  }
+
+  int64_t seq() const {
+    return seq_;
+  }
+
+  int64_t start_ns() const {
+    return start_ns_;
+  }
+
   // Where the op's record is (a NativeRing's slot, kept alive by its DirectPath), or null.
   void record_in(Slot* slot) {
     slot_ = slot;
@@ -1124,7 +1137,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("records", &NativeRing::records)
       .def("take", &NativeRing::take, py::arg("op_id"))
       .def("abort", &NativeRing::abort, py::arg("uid"), py::arg("now_ns"), py::arg("error"));
-  py::class_<AsyncOpWork, c10d::Work, c10::intrusive_ptr<AsyncOpWork>>(m, "AsyncOpWork");
+  py::class_<AsyncOpWork, c10d::Work, c10::intrusive_ptr<AsyncOpWork>>(m, "AsyncOpWork")
+      .def_property_readonly("op_id", &AsyncOpWork::op_id)
+      .def_property_readonly("seq", &AsyncOpWork::seq)
+      .def_property_readonly("start_ns", &AsyncOpWork::start_ns);
   m.def("set_settle", [](py::object fn) {
     if (settle_function == nullptr) {
       settle_function = new py::object();

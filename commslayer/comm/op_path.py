@@ -208,21 +208,17 @@ class OpPath:
     def _issue_async(self, kind: int, a: torch.Tensor, b: torch.Tensor, opts: Any) -> Any:
         """An async ``DIRECT_OPS[kind]`` that c10d asked for with ``opts`` (``a``: the
         output, ``b``: the input), issued by the native path as a c10d ``Work``
-        (``AsyncOpWork``, direct_path.cpp); None when the op does not take that path."""
-        issued = self._issue_native(kind, a, b, opts)
-        return None if issued is None else issued[0]
-
-    def _issue_native(self, kind: int, a: torch.Tensor, b: torch.Tensor, opts: Any) -> Optional[Tuple[Any, int, int]]:
-        """``_issue_async``'s op, with its op id and sequence number."""
+        (``AsyncOpWork``, direct_path.cpp, which carries the op's id and sequence
+        number); None when the op does not take that path.  One Python frame between
+        the adapter's method and native code: each runs with cold caches."""
         path = self._async_path
         if path is None or not self.lifecycle.clean or kind == 2 and self._takes_ring(ReduceOp.SUM, a, b.nbytes):
             return None
-        seq, op_id = self._seq + 1, next(_op_ids)
-        work = path.issue_async(kind, a, b, opts, op_id, seq)
-        if work is None:
-            return None
-        self._seq = seq
-        return work, op_id, seq
+        seq = self._seq + 1
+        work = path.issue_async(kind, a, b, opts, next(_op_ids), seq)
+        if work is not None:
+            self._seq = seq
+        return work
 
     def _native_async(self, kind: int, a: torch.Tensor, b: torch.Tensor, op: Optional[ReduceOp]) -> Optional[Work]:
         """An async all-reduce (``op``: SUM or AVG) or all-gather (``op`` None) of this
@@ -239,15 +235,14 @@ class OpPath:
             if op is not None:  # the native path divides an AVG itself
                 opts.reduceOp = c10d.ReduceOp.AVG if op is ReduceOp.AVG else c10d.ReduceOp.SUM
             self._untimed_opts[(kind, op)] = opts
-        issued = self._issue_native(kind, a, b, opts)
-        if issued is None:
+        work = self._issue_async(kind, a, b, opts)
+        if work is None:
             return None
         comm: "Communicator" = self  # type: ignore[assignment]  # OpPath is its base; no cast call per op
         if not self._swept:
             self._swept = True
             WATCHDOG.sweep_native(comm)
-        work, op_id, seq = issued
-        return NativeWork(comm, DIRECT_OPS[kind], seq, op_id, self._timeout_s, time.monotonic_ns(), work)
+        return NativeWork(comm, DIRECT_OPS[kind], work.seq, work.op_id, self._timeout_s, work.start_ns, work)
 
     def _checker(self, op: str) -> Checker:
         chk = self._checkers.get(op)
