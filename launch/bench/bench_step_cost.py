@@ -119,6 +119,9 @@ def account(found: List[dict], warmup: int) -> dict:
         for name, s in c["threads_cpu_s"].items():
             threads[name] = threads.get(name, 0.0) + s
     return {"cpu_per_step_s": per_step("step_cpu_s"), "main_cpu_per_step_s": per_step("step_main_cpu_s"),
+            "step_call_cpu_per_step_s": per_step("step_call_main_cpu_s"),
+            "optimizer_cpu_per_step_s": per_step("step_optimizer_cpu_s"),
+            "issue_cpu_per_step_s": per_step("step_issue_cpu_s"), "issues_per_step": per_step("step_issues"),
             "gc_per_step_s": per_step("step_gc_s", statistics.fmean), "gc_s": sum(c["gc_s"] for c in found),
             "gc_runs": sum(c["gc_runs"] for c in found),
             "snapshot_s": sum(c["snapshot_s"] for c in found), "snapshots": sum(c["snapshots"] for c in found),
@@ -199,6 +202,21 @@ def tables(args: argparse.Namespace, bench: Bench, figures: Dict[Tuple[str, str]
                   f"{median_range([x['main_cpu_per_step_s'] for x in xs], 1e3, 2)} | "
                   f"{median_range([x['gc_per_step_s'] for x in xs], 1e3, 2)} | "
                   f"{_per_step(xs, 'snapshot_s', steps)} | {_per_step(xs, 'copies_cpu_s', steps)} | {sent:.0f} |")
+    print("\nThe main thread's CPU by part, summed over the 4 ranks, ms per step (each rank's median over its "
+          "steps), median and min–max over runs: inside the job's step() call (the gradient average, the vote, the "
+          "optimizers), of that inside the optimizers' step, the rest of step(), and the c10d adapter's native "
+          "issue of async ops (FSDP2's and DDP's ops on a commslayer group; outside step()), with their count:\n")
+    print("| script | configuration | step() | min–max | optimizers | min–max | step() less optimizers "
+          "| async issues | min–max | issues per step |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name in args.scripts:
+        for config in CONFIGS:
+            xs = figures[(name, config)]
+            rest = statistics.median(x["step_call_cpu_per_step_s"] - x["optimizer_cpu_per_step_s"] for x in xs)
+            issues = statistics.median(x["issues_per_step"] for x in xs)
+            print(f"| {name} | {config} | {median_range([x['step_call_cpu_per_step_s'] for x in xs], 1e3, 2)} | "
+                  f"{median_range([x['optimizer_cpu_per_step_s'] for x in xs], 1e3, 2)} | {rest * 1e3:.2f} | "
+                  f"{median_range([x['issue_cpu_per_step_s'] for x in xs], 1e3, 2)} | {issues:.0f} |")
     print("\nCPU per thread kind over a whole run (s, summed over the ranks, median over runs; kinds over "
           "0.05 s in some configuration):\n")
     for name in args.scripts:

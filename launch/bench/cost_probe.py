@@ -15,6 +15,13 @@ it writes ``cost-<pid>.json`` into ``$COMMSLAYER_RUN_DIR`` with:
   (``gc.callbacks``);
 - ``gc_s`` and ``gc_runs``: the collector's time and runs over the whole
   process, imports and model build included;
+- ``step_call_main_cpu_s``, ``step_optimizer_cpu_s``, ``step_issue_cpu_s`` and
+  ``step_issues``: per training iteration, the main thread's CPU inside the
+  job's ``step()`` call (the gradient average, the vote, the optimizers), of
+  that inside the optimizers' ``step`` (torch's global optimizer hooks), and
+  inside the c10d adapter's native issue of async ops
+  (``OpPath._issue_async``, FSDP2's and DDP's ops on a commslayer group),
+  with the count of those issues;
 - ``snapshot_s`` and ``snapshots``: a peer-redundant job's state snapshots
   (``_State.pack``: a ``torch.save`` of the rank's shard, on the main thread),
   their total time and count;
@@ -27,8 +34,9 @@ it writes ``cost-<pid>.json`` into ``$COMMSLAYER_RUN_DIR`` with:
   threads that are not Python's by the kernel's name, in parentheses), from
   ``/proc/self/task``, at the kernel's clock-tick resolution.
 
-The probe adds two clock reads per step and one per snapshot, exchange and
-collection; it changes nothing else.
+The probe adds a few clock reads per step and per optimizer step, one per
+snapshot, exchange and collection, and one Python call and two clock reads
+per async op the adapter issues (about 1 µs each); it changes nothing else.
 """
 
 import gc
@@ -42,8 +50,16 @@ import time
 from typing import Any, Callable, Dict, List
 
 FIGURES: Dict[str, Any] = {"gc_s": 0.0, "gc_runs": 0, "snapshot_s": 0.0, "snapshots": 0, "copies_cpu_s": 0.0,
-                           "copies": 0, "copies_bytes": 0, "step_cpu_s": [], "step_main_cpu_s": [], "step_gc_s": []}
+                           "copies": 0, "copies_bytes": 0, "step_cpu_s": [], "step_main_cpu_s": [], "step_gc_s": [],
+                           "step_call_main_cpu_s": [], "step_optimizer_cpu_s": [], "step_issue_cpu_s": [],
+                           "step_issues": []}
+# Running totals, taken per iteration at each step's return (the keys' "step_" lists)
+TOTALS: Dict[str, float] = {"optimizer_cpu_s": 0.0, "issue_cpu_s": 0.0, "issues": 0}
+_PER_STEP = (("step_cpu_s", time.process_time), ("step_main_cpu_s", time.thread_time),
+             ("step_gc_s", lambda: FIGURES["gc_s"]), ("step_optimizer_cpu_s", lambda: TOTALS["optimizer_cpu_s"]),
+             ("step_issue_cpu_s", lambda: TOTALS["issue_cpu_s"]), ("step_issues", lambda: TOTALS["issues"]))
 _gc_began = [0.0]
+_optimizer_at = [0.0]  # the main thread's CPU as the optimizer step began
 _last_step: List[float] = []
 
 
@@ -57,14 +73,34 @@ def _on_gc(phase: str, _info: Dict[str, int]) -> None:
 
 def _timed_step(step: Callable[..., Any]) -> Callable[..., Any]:
     def step_and_sample(self: Any, *args: Any, **kwargs: Any) -> Any:
+        began = time.thread_time()
         out = step(self, *args, **kwargs)
-        now = [time.process_time(), time.thread_time(), FIGURES["gc_s"]]
+        now = [read() for _key, read in _PER_STEP]
         if _last_step:
-            for key, at, before in zip(("step_cpu_s", "step_main_cpu_s", "step_gc_s"), now, _last_step):
+            for (key, _read), at, before in zip(_PER_STEP, now, _last_step):
                 FIGURES[key].append(at - before)
+            FIGURES["step_call_main_cpu_s"].append(now[1] - began)
         _last_step[:] = now
         return out
     return step_and_sample
+
+
+def _optimizer_began(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    _optimizer_at[0] = time.thread_time()
+
+
+def _optimizer_ended(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    TOTALS["optimizer_cpu_s"] += time.thread_time() - _optimizer_at[0]
+
+
+def _timed_issue(issue: Callable[..., Any]) -> Callable[..., Any]:
+    def issue_and_time(self: Any, *args: Any) -> Any:
+        began = time.thread_time()
+        out = issue(self, *args)
+        TOTALS["issue_cpu_s"] += time.thread_time() - began
+        TOTALS["issues"] += 1
+        return out
+    return issue_and_time
 
 
 def _timed_pack(pack: Callable[..., Any]) -> Callable[..., Any]:
@@ -121,10 +157,16 @@ def install() -> Any:
     module, whose job the probes time (run it as this module, not as a second copy)."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # launch/: plain.py
     import plain
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    from commslayer.comm import op_path
     from commslayer.comm.exits import register_before_exit
     from commslayer.train import job, peerjob, redundancy
 
     gc.callbacks.append(_on_gc)
+    register_optimizer_step_pre_hook(_optimizer_began)
+    register_optimizer_step_post_hook(_optimizer_ended)
+    op_path.OpPath._issue_async = _timed_issue(op_path.OpPath._issue_async)
     for cls in (job.Job, peerjob.PeerJob, plain.Job):
         if "step" in cls.__dict__:
             cls.step = _timed_step(cls.__dict__["step"])
