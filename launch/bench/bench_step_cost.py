@@ -179,6 +179,17 @@ def _per_step(xs: List[dict], key: str, steps: int, scale: float = 1e3) -> str:
     return median_range([x[key] / steps for x in xs], scale, 2)
 
 
+def _table(args: argparse.Namespace, figures: Dict[Tuple[str, str], List[dict]], header: List[str],
+           cells: Callable[[str, List[dict]], str]) -> None:
+    """One Markdown table of a row per script and configuration: ``header`` after the
+    script and configuration columns; ``cells(script, its runs' figures)``, the rest of a row."""
+    print("| script | configuration | " + " | ".join(header) + " |")
+    print("|---|---|" + "---:|" * len(header))
+    for name in args.scripts:
+        for config in CONFIGS:
+            print(f"| {name} | {config} | {cells(name, figures[(name, config)])} |")
+
+
 def tables(args: argparse.Namespace, bench: Bench, figures: Dict[Tuple[str, str], List[dict]]) -> None:
     """The Markdown tables: step time against the baselines, then the CPU account."""
     print("| script | configuration | step time, median (ms) | min–max (ms) | vs baseline, median | min–max |")
@@ -190,33 +201,29 @@ def tables(args: argparse.Namespace, bench: Bench, figures: Dict[Tuple[str, str]
     print("\nCPU account, summed over the 4 ranks, ms per step (process CPU and main thread: each rank's "
           "median over its steps; gc: its mean; snapshots and copies: the run's total over its steps), median and min–max "
           "over runs:\n")
-    print("| script | configuration | process CPU | min–max | main thread | min–max | gc | min–max "
-          "| snapshots | min–max | copies' threads | min–max | copies' bytes per step |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for name in args.scripts:
+
+    def account_cells(name: str, xs: List[dict]) -> str:
         steps = bench.script(name)[1]
-        for config in CONFIGS:
-            xs = figures[(name, config)]
-            sent = statistics.median(x["copies_bytes"] / steps for x in xs)
-            print(f"| {name} | {config} | {median_range([x['cpu_per_step_s'] for x in xs], 1e3, 2)} | "
-                  f"{median_range([x['main_cpu_per_step_s'] for x in xs], 1e3, 2)} | "
-                  f"{median_range([x['gc_per_step_s'] for x in xs], 1e3, 2)} | "
-                  f"{_per_step(xs, 'snapshot_s', steps)} | {_per_step(xs, 'copies_cpu_s', steps)} | {sent:.0f} |")
+        sent = statistics.median(x["copies_bytes"] / steps for x in xs)
+        return (f"{median_range([x['cpu_per_step_s'] for x in xs], 1e3, 2)} | "
+                f"{median_range([x['main_cpu_per_step_s'] for x in xs], 1e3, 2)} | "
+                f"{median_range([x['gc_per_step_s'] for x in xs], 1e3, 2)} | "
+                f"{_per_step(xs, 'snapshot_s', steps)} | {_per_step(xs, 'copies_cpu_s', steps)} | {sent:.0f}")
+    _table(args, figures, ["process CPU", "min–max", "main thread", "min–max", "gc", "min–max", "snapshots",
+                           "min–max", "copies' threads", "min–max", "copies' bytes per step"], account_cells)
     print("\nThe main thread's CPU by part, summed over the 4 ranks, ms per step (each rank's median over its "
           "steps), median and min–max over runs: inside the job's step() call (the gradient average, the vote, the "
           "optimizers), of that inside the optimizers' step, the rest of step(), and the c10d adapter's native "
           "issue of async ops (FSDP2's and DDP's ops on a commslayer group; outside step()), with their count:\n")
-    print("| script | configuration | step() | min–max | optimizers | min–max | step() less optimizers "
-          "| async issues | min–max | issues per step |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for name in args.scripts:
-        for config in CONFIGS:
-            xs = figures[(name, config)]
-            rest = statistics.median(x["step_call_cpu_per_step_s"] - x["optimizer_cpu_per_step_s"] for x in xs)
-            issues = statistics.median(x["issues_per_step"] for x in xs)
-            print(f"| {name} | {config} | {median_range([x['step_call_cpu_per_step_s'] for x in xs], 1e3, 2)} | "
-                  f"{median_range([x['optimizer_cpu_per_step_s'] for x in xs], 1e3, 2)} | {rest * 1e3:.2f} | "
-                  f"{median_range([x['issue_cpu_per_step_s'] for x in xs], 1e3, 2)} | {issues:.0f} |")
+
+    def part_cells(_name: str, xs: List[dict]) -> str:
+        rest = statistics.median(x["step_call_cpu_per_step_s"] - x["optimizer_cpu_per_step_s"] for x in xs)
+        return (f"{median_range([x['step_call_cpu_per_step_s'] for x in xs], 1e3, 2)} | "
+                f"{median_range([x['optimizer_cpu_per_step_s'] for x in xs], 1e3, 2)} | {rest * 1e3:.2f} | "
+                f"{median_range([x['issue_cpu_per_step_s'] for x in xs], 1e3, 2)} | "
+                f"{statistics.median(x['issues_per_step'] for x in xs):.0f}")
+    _table(args, figures, ["step()", "min–max", "optimizers", "min–max", "step() less optimizers", "async issues",
+                           "min–max", "issues per step"], part_cells)
     print("\nCPU per thread kind over a whole run (s, summed over the ranks, median over runs; kinds over "
           "0.05 s in some configuration):\n")
     for name in args.scripts:
@@ -232,15 +239,10 @@ def tables(args: argparse.Namespace, bench: Bench, figures: Dict[Tuple[str, str]
     print("CPU around the ranks over a whole run (s, median and min–max over runs): the ranks' (all their "
           "threads), the rest of the job's processes (launcher, torchrun agents, store), and the machine's "
           f"other busy time, out of {os.cpu_count()} cores × the run's wall time:\n")
-    print("| script | configuration | run wall | min–max | ranks | min–max | launcher, agents, store | min–max "
-          "| outside the job | min–max |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for name in args.scripts:
-        for config in CONFIGS:
-            xs = figures[(name, config)]
-            print(f"| {name} | {config} | " + " | ".join(
-                median_range([x[k] for x in xs], 1, 2) for k in
-                ("run_wall_s", "ranks_cpu_s", "around_ranks_cpu_s", "outside_cpu_s")) + " |")
+    _table(args, figures, ["run wall", "min–max", "ranks", "min–max", "launcher, agents, store", "min–max",
+                           "outside the job", "min–max"],
+           lambda _name, xs: " | ".join(median_range([x[k] for x in xs], 1, 2) for k in
+                                        ("run_wall_s", "ranks_cpu_s", "around_ranks_cpu_s", "outside_cpu_s")))
 
 
 def main() -> int:
