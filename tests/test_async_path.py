@@ -170,7 +170,8 @@ def test_the_flight_recorder_records_native_async_ops_as_the_general_path_does()
         assert work == "AsyncOpWork" and value == 2.0
         assert ops == [("all_reduce", 1, "completed", True), ("all_gather_single", 2, "completed", True)], ops
         assert late > 0.15e9, late  # the end is the transfer's, not the wait's
-        assert site.startswith(__file__.replace(".pyc", ".py")), site  # the caller, not torch or commslayer
+        # the caller's line, not torch's or commslayer's
+        assert site == f"{__file__.replace('.pyc', '.py')}:{_recorded.__code__.co_firstlineno + 9}", site
 
 
 def _lost(rank, size, store):
