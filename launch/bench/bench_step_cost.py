@@ -43,7 +43,9 @@ vs baseline: a run's step time over its baseline's in the same repeat (plain
 torchrun for per-rank mode, plain HSDP for replica mode), minus 1.  The CPU
 account (cost_probe.py) is per rank and step, summed over the ranks: process
 CPU per iteration, the main thread's, the garbage collector's time, the
-snapshots' and the copies' thread; and per thread kind for the whole run.
+snapshots' and the copies' thread; the main thread's by part (inside the job's
+``step()``, of that inside the optimizers, and in the c10d adapter's native
+issue of async ops, with their count); and per thread kind for the whole run.
 Around the ranks, per run: the CPU of the job's other processes (launcher,
 torchrun agents, store) and of the rest of the machine, which tell a run slowed
 by its own work from one slowed by a neighbour.
