@@ -143,12 +143,13 @@ def test_a_spare_that_dies_while_it_waits_is_replaced_and_costs_no_rank(clean, t
     assert "summary: warm spares: 1 used, 1 left" in log
 
 
-def replica_job(tmp_path, faults: List[dict], spares: int, timeout: float = 150) -> Tuple[int, str]:
+def replica_job(tmp_path, faults: List[dict], spares: int, timeout: float = 150,
+                steps: int = STEPS) -> Tuple[int, str]:
     """The FSDP2 example in replica mode, 2 groups of 2, with ``spares`` warm spares and
-    ``faults``: the launcher's exit status and its output."""
+    ``faults``, for ``steps`` steps: the launcher's exit status and its output."""
     cmd = [sys.executable, "-m", "commslayer.run.launcher", "--replicas", "2", "--nproc-per-replica", "2",
            "--max-restarts", "2", "--grace", "3", "--run-dir", str(tmp_path), "--spares", str(spares), str(EXAMPLE),
-           "--steps", str(STEPS)]
+           "--steps", str(steps)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COMMSLAYER_TRACE_DIR": "", "COMMSLAYER_FAULTS": json.dumps(faults)}
     run = subprocess.run(cmd, env=env, cwd="/", capture_output=True, text=True, timeout=timeout)
     return run.returncode, run.stdout + run.stderr
@@ -165,18 +166,21 @@ def rejoined_at(log: str) -> int:
 def test_replica_mode_a_restarted_group_s_ranks_are_spares_and_it_is_back_while_the_job_runs(tmp_path):
     """Rank 0 of replica group 1 SIGKILLed: torchrun restarts the group, both its ranks are
     the host's two spares (commslayer.run.shim asks the launcher's desk), the group heals
-    from the live one and is voting again long before the end (a cold restart of this
-    group took longer than the rest of this job: it came back at the last step), the
-    replicas end bitwise identical, and two new spares are started."""
-    code, log = replica_job(tmp_path, [{"action": "sigkill", "rank": 2, **KILLS["backward"]}], spares=2)
+    from the live one and is voting again long before the end, the replicas end bitwise
+    identical, and two new spares are started.  The job is long enough for that on a fast
+    machine too: its last 280 steps take 6 s or more, where a warm spare's group was back
+    0.3 to 1.8 s after it was given the rank (a cold restart: longer than the 100 steps
+    after the fault of the 120-step job)."""
+    steps = 300
+    code, log = replica_job(tmp_path, [{"action": "sigkill", "rank": 2, **KILLS["backward"]}], spares=2, steps=steps)
     assert code == 0, job_story(log)
     for rank in (0, 1):
         assert re.search(rf"coordinator: replica group 1 rank {rank}: torchrun restarted the group \(life 1\); "
                          r"spare \d \(pid \d+\) takes life 1", log), job_story(log)
         assert re.search(rf"spare \d adopted replica group 1 rank {rank} \(life 1, pid \d+\)", log), job_story(log)
-    assert "starting life" not in log and "summary: 4 rank(s) finished, every one at step 120: True" in log
+    assert "starting life" not in log and f"summary: 4 rank(s) finished, every one at step {steps}: True" in log
     assert log.count("parameters and optimizer state bitwise identical across replicas [0, 1]: True") == 2, log
-    assert rejoined_at(log) < STEPS - 20, job_story(log)
+    assert rejoined_at(log) < steps - 20, job_story(log)
     assert "coordinator: spare 2 started" in log and "coordinator: spare 3 started" in log  # S restored
     assert "summary: warm spares: 2 used, 2 left" in log, log[-3000:]
 

@@ -290,8 +290,11 @@ def no_replica_left(store: Any, replicas: int, shards: int, gone: List[int]) -> 
                len(restarts(store, r)) > len(_times(store, f"{HEALED}/{r}"))]
     if not waiting or len(waiting) + len(set(gone)) < replicas:
         return None
-    found = [f for r in range(replicas) for f in _last_failures(store, r, shards)]
-    told = "; ".join(f.words() for f in found) or "no rank recorded an exception (each was killed)"
+    per_group = {r: _last_failures(store, r, shards) for r in range(replicas)}
+    found = [f for r in range(replicas) for f in per_group[r]]
+    # a survivor that torchrun ended (SIGTERM, 0.1 s after a peer's death) before it saw the loss records nothing
+    told = "; ".join(fs[0].words() if fs else f"replica group {r}: no rank recorded an exception (each was killed, "
+                     "or ended by its torchrun before it could)" for r, fs in per_group.items())
     same = {(f.step, f.error.split(":", 1)[0], f.where.split(",", 1)[0]) for f in found}
     # A peer lost is a death, whatever caused it: only errors of the ranks' own ops point at the script.
     hint = ("; every group failed the same way at the same step: more likely a bug in the script (a "
