@@ -216,9 +216,11 @@ class Injector:
     # ---------------------------------------------------------- step points
     def point(self, step: int, phase: str, claim: Optional[Callable[[], bool]] = None) -> None:
         """Fire the first fault due at ``step`` (or earlier) in ``phase``; ``claim()``
-        says whether one may fire now (the job's own rule, e.g. one per generation)."""
+        says whether one may fire now (the job's own rule, e.g. one per generation).  A
+        delay loses no process, so it fires without a claim and leaves the generation's to
+        a fault that does."""
         due = [f for f in self.faults if f.phase == phase and f.step is not None and f.step <= step]
-        if not due or (claim is not None and not claim()):
+        if not due or (claim is not None and due[0].action != "delay" and not claim()):
             return
         self._fire(due[0], step=step, phase=phase)
 

@@ -65,9 +65,12 @@ def test_a_spare_adopts_a_killed_rank_and_nothing_is_lost(clean, tmp_path, where
 @pytest.mark.timeout(200)
 def test_two_losses_in_a_row_take_the_spare_then_its_successor(clean, tmp_path):
     """The second loss comes 95 steps after the first (about 6 s here), when the spare started
-    after it is warm (3.2 s after its start, seen in a run of this job)."""
+    after it is warm (3.2 s after its start, seen in a run of this job).  Rank 0 pauses 4 s
+    between them (a delay at one step), so that a machine whose steps are faster but whose
+    processes start no faster still gives the new spare that time."""
     log, _ = run_with_a_spare(tmp_path, clean, [
         {"action": "sigkill", "rank": 2, **KILLS["backward"]},
+        {"action": "delay", "rank": 0, "step": FAULT_STEP + 40, "phase": "forward", "seconds": 4.0},
         {"action": "sigkill", "rank": 1, "step": STEPS - 5, "phase": "backward"}])
     assert adopted(log, 2, 0) and adopted(log, 1, 1), log[-8000:]
     assert "summary: warm spares: 2 used, 1 left" in log
