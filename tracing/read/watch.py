@@ -17,6 +17,7 @@ is visible (a shared file system), while the job runs.
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 import time
@@ -310,10 +311,12 @@ def run(directory: str, *, interval_s: float = 1.0, last: int = 20, once: bool =
     try:
         while True:
             w.poll()
-            if not once:
-                out.write(_CLEAR)
+            # The screen goes out in one write, the clear with it: a clear written on its own
+            # (an unbuffered stdout, PYTHONUNBUFFERED) left the terminal blank until the frame was built.
+            screen = io.StringIO()
             for line in w.frame():
-                say(line, out)
+                say(line, screen)
+            out.write(("" if once else _CLEAR) + screen.getvalue())
             out.flush()
             if once:
                 for problem in w.warnings():
