@@ -290,11 +290,11 @@ def no_replica_left(store: Any, replicas: int, shards: int, gone: List[int]) -> 
                len(restarts(store, r)) > len(_times(store, f"{HEALED}/{r}"))]
     if not waiting or len(waiting) + len(set(gone)) < replicas:
         return None
-    per_group = {r: _last_failures(store, r, shards) for r in range(replicas)}
-    found = [f for r in range(replicas) for f in per_group[r]]
+    last = {r: _last_failure(store, r, shards) for r in range(replicas)}
+    found = [f for f in last.values() if f is not None]
     # a survivor that torchrun ended (SIGTERM, 0.1 s after a peer's death) before it saw the loss records nothing
-    told = "; ".join(fs[0].words() if fs else f"replica group {r}: no rank recorded an exception (each was killed, "
-                     "or ended by its torchrun before it could)" for r, fs in per_group.items())
+    told = "; ".join(f.words() if f is not None else f"replica group {r}: no rank recorded an exception (each was "
+                     "killed, or ended by its torchrun before it could)" for r, f in last.items())
     same = {(f.step, f.error.split(":", 1)[0], f.where.split(",", 1)[0]) for f in found}
     # A peer lost is a death, whatever caused it: only errors of the ranks' own ops point at the script.
     hint = ("; every group failed the same way at the same step: more likely a bug in the script (a "
@@ -309,16 +309,15 @@ def unit_key(replica: int, rank: int) -> str:
     return f"replica{replica}.rank{rank}"
 
 
-def _last_failures(store: Any, replica: int, shards: int) -> List[Failure]:
+def _last_failure(store: Any, replica: int, shards: int) -> Optional[Failure]:
     """The first failure recorded by a rank of replica group ``replica``'s latest life that
-    recorded any (none when each of its ranks was killed)."""
+    recorded any (None when each of its ranks was killed)."""
     for life in range(len(restarts(store, replica)), -1, -1):  # a group that gave up failed in its latest life
         keys = [f"failure/{unit_key(replica, k)}/{life}" for k in range(shards)]
-        found = sorted((Failure.from_json(store.get(k).decode()) for k in keys if store.check([k])),
-                       key=lambda f: f.time)
+        found = [Failure.from_json(store.get(k).decode()) for k in keys if store.check([k])]
         if found:
-            return found[:1]
-    return []
+            return min(found, key=lambda f: f.time)
+    return None
 
 
 def bugs(store: Any) -> List[Failure]:
