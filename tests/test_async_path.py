@@ -365,6 +365,42 @@ def test_an_isolated_native_op_never_writes_late(isolate):
     assert ours == ("AsyncOpWork", 1.0 if isolate else 3.0), ours  # without isolation, Gloo's late write lands
 
 
+def _into(rank, size, store, isolate):
+    """The resilient modes' gradient average (``Collectives._all_reduce_into``): the
+    reduction of ``input`` written to ``output`` only, SUM and AVG, against plain Gloo's
+    in-place all_reduce of a copy."""
+    import torch.distributed as dist
+
+    import commslayer
+    from commslayer import ReduceOp
+
+    dist.init_process_group("gloo", store=dist.PrefixStore("world/", store), rank=rank, world_size=size)
+    comm = commslayer.new_comm("gloo", name="into", store=dist.PrefixStore("into/", store), rank=rank, size=size,
+                               isolate_writes=isolate)
+    x = torch.randn(1000 + rank, generator=torch.Generator().manual_seed(rank))[:1000]
+    seen = {"equal": [], "kinds": [], "input kept": []}
+    for op in (ReduceOp.SUM, ReduceOp.AVG):
+        inp, out = x.clone(), torch.full_like(x, -7.0)
+        work = comm._all_reduce_into(out, inp, op)
+        seen["kinds"].append(type(work).__name__)
+        work.wait()
+        ref = x.clone()
+        dist.all_reduce(ref)
+        seen["equal"].append(torch.equal(out, ref / size if op is ReduceOp.AVG else ref))
+        seen["input kept"].append(torch.equal(inp, x))
+    return seen
+
+
+@needs_native
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("isolate", [True, False])
+def test_an_all_reduce_into_another_tensor_reads_the_input_and_writes_only_the_output(isolate):
+    for seen in run_ranks(_into, 3, isolate, timeout=60):
+        assert seen == {"equal": [True, True], "kinds": ["NativeWork"] * 2, "input kept": [True, True]}, seen
+    for seen in run_ranks(_into, 2, isolate, timeout=60, env={"COMMSLAYER_NATIVE": "0"}):  # the general path
+        assert seen == {"equal": [True, True], "kinds": ["Work"] * 2, "input kept": [True, True]}, seen
+
+
 def _comm_api(rank, size, store):
     """The communicator's own async ops (its API, not c10d's) on the native path and on a
     plain Gloo group, isolated as the resilient modes build theirs; then a deadline, waited

@@ -47,6 +47,19 @@ class Collectives(OpPath):
                          finish=averaging(tensor, op, self._size), fp=self._fp(chk.op, tensor, op),
                          timeout=timeout, async_op=async_op)
 
+    def _all_reduce_into(self, output: torch.Tensor, input: torch.Tensor, op: ReduceOp) -> Work:
+        """An async all-reduce of ``input`` whose result goes to ``output`` (of its dtype
+        and shape), ``input`` left as it is.  On the native path the backend reads
+        ``input`` itself (into the staging copy, where writes are isolated): one pass
+        over the data fewer than copying it to ``output`` and reducing that, which is
+        what the other paths do (the resilient modes' gradient averages, ``Replicas.start``)."""
+        if self._async_path is not None and (op is ReduceOp.SUM or op is ReduceOp.AVG):
+            work = self._native_async(0, output, input, op)
+            if work is not None:
+                return work
+        output.copy_(input)
+        return self.all_reduce(output, op, async_op=True)
+
     def all_reduce_coalesced(self, tensors: List[torch.Tensor], op: ReduceOp = ReduceOp.SUM, *,
                              async_op: bool = False, timeout: Timeout = None) -> Work:
         """Reduce each of ``tensors`` (one dtype) across ranks, in place, as one op on the wire."""

@@ -877,11 +877,13 @@ class DirectPath {
 
   // The async op c10d's caller asked for through the c10d adapter
   // (CommslayerProcessGroup): issue DIRECT_OPS[kind] (a: the output, b: the
-  // input; all_reduce's one tensor is both) as op op_id, number seq, with the
-  // communicator's deadline, and return its AsyncOpWork; None when the op is not
-  // one this path takes (a tensor that does not fit, a reduce op other than a
-  // sum or an average of floating-point tensors, a timeout in opts), for the
-  // general path.  With write isolation the backend writes a staging copy.
+  // input; c10d's all_reduce passes its one tensor as both) as op op_id, number
+  // seq, with the communicator's deadline, and return its AsyncOpWork; None when
+  // the op is not one this path takes (a tensor that does not fit, a reduce op
+  // other than a sum or an average of floating-point tensors, a timeout in opts),
+  // for the general path.  With write isolation the backend writes a staging
+  // copy.  An all_reduce whose output is not its input reads the input and
+  // writes only the output (Collectives._all_reduce_into).
   py::object issue_async(int kind, py::handle a, py::handle b, py::handle opts, int64_t op_id, int64_t seq) {
     const at::Tensor* first = tensor(a);
     if (first == nullptr || settle_function == nullptr) {
@@ -891,13 +893,18 @@ class DirectPath {
     if (reduction == kNotPlain || (reduction == kAverage && !first->is_floating_point() && !first->is_complex())) {
       return py::none();  // an integer AVG truncates: the general path
     }
-    const at::Tensor* second = first;
-    if (kind != kAllReduce) {
-      second = tensor(b);
+    const at::Tensor* second = a.ptr() == b.ptr() ? first : tensor(b);
+    if (second == nullptr) {
+      return py::none();
+    }
+    if (kind == kAllReduce) {
+      if (second != first && (second->scalar_type() != first->scalar_type() || second->sizes() != first->sizes())) {
+        return py::none();
+      }
+    } else {
       const at::Tensor* big = kind == kAllGather ? first : second;
       const at::Tensor* small = kind == kAllGather ? second : first;
-      if (second == nullptr || big->scalar_type() != small->scalar_type() ||
-          big->numel() != small->numel() * size_) {
+      if (big->scalar_type() != small->scalar_type() || big->numel() != small->numel() * size_) {
         return py::none();
       }
     }
@@ -916,8 +923,10 @@ class DirectPath {
         // which may come after the finish step (a poll ran it first).
         staged = kind == kReduceScatter ? at::empty_like(output) : staging_->take(output);
         if (kind == kAllReduce) {
-          copy_into(staged, output);  // all_reduce reads it first
+          copy_into(staged, input);  // all_reduce reads it first
         }
+      } else if (kind == kAllReduce && second != first) {
+        copy_into(output, input);  // reduced in place, in the output
       }
       inner = issue(kind, staged.defined() ? staged : output, input);
     }

@@ -133,9 +133,9 @@ class Replicas:
     def start(self, bucket: torch.Tensor) -> "Started":
         """Start the average of one bucket over the live replica groups now (during
         backward), for ``average`` to finish; ``bucket`` itself is never written."""
-        out = bucket.clone()
+        out = torch.empty_like(bucket)
         try:
-            return Started(out, self.replicate.all_reduce(out, ReduceOp.AVG, async_op=True), self.generation)
+            return Started(out, self.replicate._all_reduce_into(out, bucket, ReduceOp.AVG), self.generation)
         except CommAborted:
             raise  # fenced out: the others went on without this replica group
         except CommError:
