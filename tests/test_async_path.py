@@ -324,9 +324,11 @@ def test_isolated_groups_and_avg_take_the_native_path_and_match_plain_gloo_bitwi
         assert kinds == ["AsyncOpWork"] * 10 + ["C10dWork"], kinds
 
 
-def _late_write(rank, size, store, isolate):
+def _late_write(rank, size, store, isolate, into=False):
     """Rank 1 stops before an async all_reduce through the c10d adapter; rank 0 gives it up
-    (PeerLost), resumes it, and the op Gloo still runs completes: what rank 0's tensor holds."""
+    (PeerLost), resumes it, and the op Gloo still runs completes: what rank 0's tensor holds.
+    ``into``: rank 0's op is replica mode's average (``_all_reduce_into``, out of place);
+    then what its output and its input hold."""
     import torch.distributed as dist
 
     import commslayer
@@ -345,7 +347,9 @@ def _late_write(rank, size, store, isolate):
             pass
         return None
     time.sleep(0.3)
-    work = dist.all_reduce(canary, group=group, async_op=True)
+    out = torch.zeros_like(canary)
+    work = comm._all_reduce_into(out, canary, commslayer.ReduceOp.SUM) if into else \
+        dist.all_reduce(canary, group=group, async_op=True)
     try:
         work.wait()
         return "completed with a stopped peer"
@@ -353,6 +357,8 @@ def _late_write(rank, size, store, isolate):
         pass
     os.kill(int(store.get("pid/1")), signal.SIGCONT)
     time.sleep(1.5)  # the resumed rank joins the op Gloo still runs here
+    if into:
+        return type(work).__name__, out[0].item(), canary[0].item()
     return type(work).__name__, canary[0].item()
 
 
@@ -365,8 +371,18 @@ def test_an_isolated_native_op_never_writes_late(isolate):
     assert ours == ("AsyncOpWork", 1.0 if isolate else 3.0), ours  # without isolation, Gloo's late write lands
 
 
+@needs_native
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("isolate", [True, False])
+def test_an_all_reduce_into_another_tensor_never_writes_its_input_nor_late_into_an_isolated_output(isolate):
+    """Replica mode redoes a failed average from the same gradients: the op's input."""
+    ours, _ = run_ranks(_late_write, 2, isolate, True, timeout=60,
+                        env={"COMMSLAYER_PEER_TIMEOUT_S": "1.5", "COMMSLAYER_HEARTBEAT_S": "0.1"})
+    assert ours == ("NativeWork", 0.0 if isolate else 3.0, 1.0), ours
+
+
 def _into(rank, size, store, isolate):
-    """The resilient modes' gradient average (``Collectives._all_reduce_into``): the
+    """Replica mode's gradient average (``Collectives._all_reduce_into``): the
     reduction of ``input`` written to ``output`` only, SUM and AVG, against plain Gloo's
     in-place all_reduce of a copy."""
     import torch.distributed as dist
@@ -377,7 +393,7 @@ def _into(rank, size, store, isolate):
     dist.init_process_group("gloo", store=dist.PrefixStore("world/", store), rank=rank, world_size=size)
     comm = commslayer.new_comm("gloo", name="into", store=dist.PrefixStore("into/", store), rank=rank, size=size,
                                isolate_writes=isolate)
-    x = torch.randn(1000 + rank, generator=torch.Generator().manual_seed(rank))[:1000]
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(rank))
     seen = {"equal": [], "kinds": [], "input kept": []}
     for op in (ReduceOp.SUM, ReduceOp.AVG):
         inp, out = x.clone(), torch.full_like(x, -7.0)

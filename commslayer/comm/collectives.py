@@ -52,7 +52,7 @@ class Collectives(OpPath):
         and shape), ``input`` left as it is.  On the native path the backend reads
         ``input`` itself (into the staging copy, where writes are isolated): one pass
         over the data fewer than copying it to ``output`` and reducing that, which is
-        what the other paths do (the resilient modes' gradient averages, ``Replicas.start``)."""
+        what the other paths do (replica mode's gradient average, ``Replicas.start``)."""
         if self._async_path is not None and (op is ReduceOp.SUM or op is ReduceOp.AVG):
             work = self._native_async(0, output, input, op)
             if work is not None:
