@@ -379,13 +379,16 @@ def isolate_writes() -> bool:
 
 
 REDUCE_SCATTER_ALGORITHMS = ("auto", "ring", "native")
-RING_MIN_BYTES = 65536  # measured: docs/bench/reduce-scatter.md
+# measured (docs/bench/reduce-scatter.md): the ring won from 64 KiB up on a capped link and at 4 ranks
+# on one host; at 2 ranks on one host, issued async as FSDP2 issues it, it lost below 512 KiB
+RING_MIN_BYTES = 65536
+RING_MIN_BYTES_2_RANKS_ONE_HOST = 524288
 
 
 def reduce_scatter_algorithm() -> str:
     """``COMMSLAYER_REDUCE_SCATTER``: how a Gloo communicator reduce-scatters a sum:
-    ``auto`` (the ring from ``COMMSLAYER_RING_MIN_BYTES`` of input up, Gloo's own
-    below), ``ring`` or ``native`` always (commslayer.comm.ring). Every rank must agree."""
+    ``auto`` (the ring from ``ring_min_bytes`` of input up, Gloo's own below),
+    ``ring`` or ``native`` always (commslayer.comm.ring). Every rank must agree."""
     raw = os.environ.get("COMMSLAYER_REDUCE_SCATTER", "")
     value = raw.strip().lower() or "auto"
     if value not in REDUCE_SCATTER_ALGORITHMS:
@@ -393,9 +396,12 @@ def reduce_scatter_algorithm() -> str:
     return value
 
 
-def ring_min_bytes() -> int:
-    """``COMMSLAYER_RING_MIN_BYTES``: the input size from which ``auto`` takes the ring."""
-    return _integer("COMMSLAYER_RING_MIN_BYTES", RING_MIN_BYTES, 0)
+def ring_min_bytes(size: int, one_host: bool) -> int:
+    """``COMMSLAYER_RING_MIN_BYTES``: the input size from which ``auto`` takes the ring on a
+    communicator of ``size`` ranks, all on one host or not; unset, 512 KiB for 2 ranks on
+    one host (where the bytes it saves are memory copies), else 64 KiB."""
+    default = RING_MIN_BYTES_2_RANKS_ONE_HOST if size == 2 and one_host else RING_MIN_BYTES
+    return _integer("COMMSLAYER_RING_MIN_BYTES", default, 0)
 
 
 def average_after_backward() -> bool:
@@ -494,7 +500,7 @@ _CHECKED: Tuple[Callable[[], object], ...] = (
     trace_jsonl, trace_otel, trace_sink_queue, heartbeat_s, peer_timeout_s, liveness_timing, liveness_host, watch_peers,
     full_mesh_max, isolate_writes, faults_log, trace_mode, replica_id, run_dir, store_timeout_s,
     average_after_backward, restart_unit, node, spare, redundancy, refresh_every, reshard, resharded,
-    reduce_scatter_algorithm, ring_min_bytes, node_sizes, job_store, etcd_auth, etcd_tls,
+    reduce_scatter_algorithm, lambda: ring_min_bytes(2, True), node_sizes, job_store, etcd_auth, etcd_tls,
 )
 _valid: Set[Tuple[Tuple[str, str], ...]] = set()  # environments found valid (resolving a host costs)
 

@@ -117,6 +117,26 @@ def test_environment_picks_the_algorithm(algorithm, used):
         assert seen == algorithm and got == used
 
 
+def _threshold(rank, size, store):
+    import commslayer
+
+    comm = commslayer.new_comm("gloo", name="th", store=store, rank=rank, size=size, timeout=30)
+    used = []
+    for nbytes in (256 << 10, 512 << 10):  # whole inputs, as FSDP2's reduce-scatters of a layer's gradients
+        comm.reduce_scatter_single(torch.empty(nbytes // 4 // size), torch.ones(nbytes // 4))
+        used.append(comm._ring_thread is not None)
+    return used
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("node_sizes,used", [("2", [False, True]), ("1,1", [True, True]), ("", [True, True])])
+def test_two_ranks_on_one_host_take_the_ring_from_512_kib(node_sizes, used):
+    # on one host the ring's Python cost outweighs the bytes it saves below 512 KiB at 2 ranks
+    # (docs/bench/reduce-scatter.md); on two hosts, or with no layout known, it starts at 64 KiB
+    for got in run_ranks(_threshold, 2, timeout=50, env={"COMMSLAYER_NODE_SIZES": node_sizes}):
+        assert got == used
+
+
 def _killed(rank, size, store):
     import commslayer
 

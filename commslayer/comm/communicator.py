@@ -65,6 +65,7 @@ from commslayer.reduce_op import ReduceOp
 from commslayer.comm.validation import Checker, Timeout, timeout_seconds
 from commslayer.comm.wire import BACKEND_OPS, Options
 from commslayer.comm.work import Waiter, Work
+from commslayer.detect.addresses import on_one_host
 
 
 class Communicator(Collectives, PointToPoint):
@@ -149,8 +150,8 @@ class Communicator(Collectives, PointToPoint):
         self._ring_thread: Optional[Waiter] = None  # runs ring reduce-scatters in turn
         # the input size from which a reduce-scatter takes the ring (None: never; commslayer.comm.ring)
         algorithm = hints.get("reduce_scatter") or config.reduce_scatter_algorithm()
-        self._ring_from = None if spec.name != "gloo" or algorithm == "native" else \
-            0 if algorithm == "ring" else config.ring_min_bytes()
+        self._ring_from = None if spec.name != "gloo" or algorithm == "native" else 0 if algorithm == "ring" else \
+            config.ring_min_bytes(size, on_one_host(self.members if global_ranks is None else global_ranks))
         life.watch(store, timeout_s)
         # Our ops whose backend work ignores wait timeouts: a helper thread waits for them.
         self._waited_elsewhere = frozenset(

@@ -126,6 +126,13 @@ def rank_hosts(members: Sequence[int]) -> Optional[List[int]]:
     return [bisect.bisect_right(starts, m) for m in members]
 
 
+def on_one_host(members: Sequence[int]) -> bool:
+    """Whether the launcher's layout puts every one of ``members`` (global ranks) on one
+    node; False where no layout is given. The same on every rank, like ``rank_hosts``."""
+    hosts = rank_hosts(members)
+    return hosts is not None and len(set(hosts)) == 1
+
+
 def _torchrun_layout() -> Optional[List[int]]:
     try:
         rank, node = int(os.environ["RANK"]), int(os.environ["GROUP_RANK"])

@@ -7,9 +7,16 @@ Every rank runs, side by side, rotating their order on every repeat, a float32
 - ``native (A/A)``: a second one of the same, to show the noise of the measurement;
 - ``ring``: ``reduce_scatter="ring"``.
 
+With ``--async-adapter`` each op is issued as FSDP2 issues its reduce-scatters:
+``dist.reduce_scatter_single(out, x, group=g, async_op=True).wait()`` on the
+communicator's ``as_process_group()`` (the c10d adapter, where Gloo's own
+takes the native async path and the ring the general Python path).
+
 A sample is one op between barriers; a repeat's figure is the slowest rank's
 median over ``--iters`` samples; the table gives the median and range over
-repeats, the speed-up of each against ``native``, and (``--link capped``) what
+repeats, the speed-up of each against ``native``, the calling thread's CPU per
+op (``time.thread_time``, each rank's median, averaged over the ranks; the
+median and range over repeats), and (``--link capped``) what
 rank 0 sent per op: the bytes on its link (tc's counters: with TCP/IP and
 Ethernet headers and the ACKs of what it received) and the TCP payload its
 sockets had acknowledged (``ss``), the latter against (n-1)/n of the input.
@@ -21,6 +28,7 @@ host's loopback, without a cap.
 
     python launch/bench/bench_reduce_scatter.py --link capped --ranks 2 4        # as root
     python launch/bench/bench_reduce_scatter.py --link loopback --ranks 2 4 --sizes 4K 64K 256K 1M 4M 16M 64M
+    python launch/bench/bench_reduce_scatter.py --link loopback --async-adapter --ranks 2 4 --sizes 64K 256K 512K 1M
 
 ``--smoke`` checks in seconds that the benchmark works: loopback, 2 ranks,
 64 KiB and 1 MiB, one repeat.
@@ -67,7 +75,8 @@ def run_world(world: int, args: argparse.Namespace) -> List[dict]:
     """Run one worker per rank (in the testbed's namespaces, or on loopback); each rank's results."""
     with tempfile.TemporaryDirectory() as out:
         worker = [sys.executable, str(Path(__file__).resolve()), "--worker", out, "--link", args.link,
-                  "--repeats", str(args.repeats), "--iters", str(args.iters), "--sizes", *args.sizes]
+                  "--repeats", str(args.repeats), "--iters", str(args.iters), "--sizes", *args.sizes] + \
+            (["--async-adapter"] if args.async_adapter else [])
         env = {**os.environ, "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
                "COMMSLAYER_TIMEOUT_S": "300"}
         env.pop("COMMSLAYER_TRACE_DIR", None)
@@ -87,9 +96,11 @@ def summarize(ranks: List[dict]) -> Dict[str, Dict[str, dict]]:
         for cfg in CONFIGS:
             blocks = [[r for r in rank["blocks"] if r["size"] == size and r["config"] == cfg] for rank in ranks]
             per_repeat = [max(statistics.median(b[i]["op_s"]) for b in blocks) for i in range(len(blocks[0]))]
+            cpu = [statistics.fmean(statistics.median(b[i]["cpu_s"]) for b in blocks) for i in range(len(blocks[0]))]
             sent = [b["sent_bytes"] for b in blocks[0] if b["sent_bytes"] is not None]
             row[cfg] = {"median": statistics.median(per_repeat), "min": min(per_repeat), "max": max(per_repeat),
-                        "repeats": per_repeat,
+                        "repeats": per_repeat, "cpu_median": statistics.median(cpu), "cpu_min": min(cpu),
+                        "cpu_max": max(cpu),
                         "rank0_wire": statistics.median(w for w, _ in sent) if sent else None,
                         "rank0_payload": statistics.median(p for _, p in sent) if sent else None}
     return table
@@ -98,8 +109,9 @@ def summarize(ranks: List[dict]) -> Dict[str, Dict[str, dict]]:
 def markdown(world: int, table: Dict[str, Dict[str, dict]]) -> str:
     lines = [f"**{world} ranks**", "",
              "| input | configuration | ms per op, median [min–max] | speed-up vs native "
-             "| rank 0 sent per op: wire / TCP payload (MB) | payload / ((n-1)/n × input) |",
-             "|---|---|---|---|---|---|"]
+             "| caller CPU per op, µs [min–max] | rank 0 sent per op: wire / TCP payload (MB) "
+             "| payload / ((n-1)/n × input) |",
+             "|---|---|---|---|---|---|---|"]
     for size, row in table.items():
         nbytes = int(size)
         base = row["native"]["median"]
@@ -108,7 +120,8 @@ def markdown(world: int, table: Dict[str, Dict[str, dict]]) -> str:
             sent = "–" if wire is None else f"{wire / 1e6:.3f} / {payload / 1e6:.3f}"
             share = "–" if payload is None else f"{payload / ((world - 1) / world * nbytes):.3f}"
             lines.append(f"| {label(nbytes)} | {cfg} | {1e3 * cell['median']:.2f} [{1e3 * cell['min']:.2f}–"
-                         f"{1e3 * cell['max']:.2f}] | {base / cell['median']:.2f}× | {sent} | {share} |")
+                         f"{1e3 * cell['max']:.2f}] | {base / cell['median']:.2f}× | {1e6 * cell['cpu_median']:.1f} "
+                         f"[{1e6 * cell['cpu_min']:.1f}–{1e6 * cell['cpu_max']:.1f}] | {sent} | {share} |")
     return "\n".join(lines)
 
 
@@ -122,6 +135,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--iters", type=int, default=2, help="timed ops per size, configuration and repeat")
     p.add_argument("--timeout", type=float, default=1200, help="seconds one world size may take")
+    p.add_argument("--async-adapter", action="store_true",
+                   help="issue each op async through torch.distributed on the communicator's as_process_group()")
     p.add_argument("--json", help="write the raw results here")
     p.add_argument("--smoke", action="store_true", help="check that the benchmark works, in seconds: loopback, "
                    "2 ranks, 64 KiB and 1 MiB, 1 repeat; explicit options still apply")
@@ -152,6 +167,16 @@ def worker(args: argparse.Namespace) -> None:
     comms = {cfg: commslayer.new_comm("gloo", name=cfg.replace(" ", "_").replace("/", ""), store=store, rank=rank,
                                       size=world, reduce_scatter=hint) for cfg, hint in CONFIGS.items()}
     sync = commslayer.new_comm("gloo", name="sync", store=store, rank=rank, size=world)
+    groups = {}
+    for cfg, comm in comms.items() if args.async_adapter else ():
+        comm.global_ranks = list(range(world))
+        groups[cfg] = comm.as_process_group()
+
+    def reduce_scatter(cfg: str, out: torch.Tensor, x: torch.Tensor) -> None:
+        if groups:
+            torch.distributed.reduce_scatter_single(out, x, group=groups[cfg], async_op=True).wait()
+        else:
+            comms[cfg].reduce_scatter_single(out, x)
     capped = args.link == "capped"
     sizes = [size_bytes(s) // (4 * world) * 4 * world for s in args.sizes]
     blocks = []
@@ -160,22 +185,24 @@ def worker(args: argparse.Namespace) -> None:
         out = torch.empty(x.numel() // world)
         configs = list(CONFIGS)
         for cfg in configs:  # warm-up: connections, allocations
-            comms[cfg].reduce_scatter_single(out, x)
+            reduce_scatter(cfg, out, x)
         for repeat in range(args.repeats):
             for cfg in configs[repeat % len(configs):] + configs[:repeat % len(configs)]:
-                times = []
+                times, cpu = [], []
                 before = (sent_bytes(("ag",))["ag"], tcp_payload_sent()) if capped else None
                 for _ in range(args.iters):
                     sync.barrier()
-                    t0 = time.perf_counter()
-                    comms[cfg].reduce_scatter_single(out, x)
+                    t0, c0 = time.perf_counter(), time.thread_time()
+                    reduce_scatter(cfg, out, x)
                     times.append(time.perf_counter() - t0)
+                    cpu.append(time.thread_time() - c0)
                 sync.barrier()  # the last ACKs are in
                 after = (sent_bytes(("ag",))["ag"], tcp_payload_sent()) if capped else None
                 # the barriers' few bytes count too: a few hundred per op, against MBs
                 sent = None if before is None or after is None else \
                     [(a - b) / args.iters for a, b in zip(after, before)]
-                blocks.append({"size": nbytes, "config": cfg, "repeat": repeat, "op_s": times, "sent_bytes": sent})
+                blocks.append({"size": nbytes, "config": cfg, "repeat": repeat, "op_s": times, "cpu_s": cpu,
+                           "sent_bytes": sent})
     Path(args.worker, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "sizes": sizes, "blocks": blocks}))
     sync.barrier()
     sys.stdout.flush()
