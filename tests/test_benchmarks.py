@@ -411,17 +411,19 @@ def test_peer_smoke():
 
 
 @pytest.mark.timeout(60)
-def test_reduce_scatter_smoke():
-    out = run_bench("launch/bench/bench_reduce_scatter.py", "--smoke", timeout=50)
+@pytest.mark.parametrize("issue", [[], ["--async-adapter"]], ids=["api", "async-adapter"])
+def test_reduce_scatter_smoke(issue):
+    out = run_bench("launch/bench/bench_reduce_scatter.py", "--smoke", *issue, timeout=50)
     assert "**2 ranks**" in out
     header = ["input", "configuration", "ms per op, median [min–max]", "speed-up vs native",
-              "rank 0 sent per op: wire / TCP payload (MB)", "payload / ((n-1)/n × input)"]
+              "caller CPU per op, µs [min–max]", "rank 0 sent per op: wire / TCP payload (MB)",
+              "payload / ((n-1)/n × input)"]
     found = rows(out, header)
     assert [(r[0], r[1]) for r in found] == [(size, cfg) for size in ("64 KiB", "1 MiB")
                                              for cfg in ("native", "native (A/A)", "ring")]
     for row in found:
-        assert median_in_range(row[2]) > 0 and numbers(row[3])[0] > 0
-        assert row[4] == row[5] == "–"  # loopback: no link counters
+        assert median_in_range(row[2]) > 0 and numbers(row[3])[0] > 0 and median_in_range(row[4]) > 0
+        assert row[5] == row[6] == "–"  # loopback: no link counters
     assert "command: python launch/bench/bench_reduce_scatter.py --smoke" in out
 
 
