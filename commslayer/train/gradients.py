@@ -127,18 +127,23 @@ class GradientAverage:
         if self._shard_bytes >= self.bucket_bytes:
             self._start_shards()
 
-    def _start_shards(self) -> None:
+    def _start_shards(self, extra: Optional[torch.Tensor] = None) -> bool:
         """Start the cross-replica average of the FSDP outputs gathered so far, as one
         bucket: one all-reduce per ``bucket_bytes``, not per FSDP module (each op has a
-        fixed cost that a small module's transfer does not repay)."""
+        fixed cost that a small module's transfer does not repay). ``extra`` (``step``'s
+        loss) goes at the bucket's end, sparing it an all-reduce of its own, where the
+        bucket is a copy anyway (several outputs) of its dtype; whether it went."""
         if not self._shards:
-            return
+            return False
         shards = tuple(self._shards)
         self._shards, self._shard_bytes = [], 0
-        flat = torch.cat([t.reshape(-1) for t in shards]) if len(shards) > 1 else shards[0]
+        tail = [extra.reshape(-1)] if extra is not None and len(shards) > 1 and extra.dtype == shards[0].dtype \
+            else []
+        flat = torch.cat([t.reshape(-1) for t in shards] + tail) if len(shards) > 1 else shards[0]
         layout = [list(range(len(shards)))]
         self._early.append(_Early(flat, self._live.start(flat), lambda avg: unpack([avg], layout, shards),
                                   shards=shards))
+        return bool(tail)
 
     def _on_ddp_bucket(self, chunks: _DdpChunks,
                        bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:  # (DDP checks the hints)
@@ -175,13 +180,13 @@ class GradientAverage:
         write them back."""
         for chunks in self._ddp:
             self._start_ddp(chunks, wait=True)
-        self._start_shards()
+        folded = self._start_shards(extra)
         early, self._early = self._early, []
         covered = {id(p) for e in early for p in e.params}
         buffers = {t.untyped_storage().data_ptr() for e in early for t in e.shards}
         grads = [local(p.grad) for p in params if p.grad is not None and id(p) not in covered]
         rest = [g for g in grads if g.untyped_storage().data_ptr() not in buffers]
-        buckets, layout = pack(rest, extra, self.bucket_bytes)
+        buckets, layout = pack(rest, None if folded else extra, self.bucket_bytes)
         started = [e.started for e in early] + [self._live.start(b) for b in buckets]
         averaged = self._live.average([e.buffer for e in early] + buckets, step, started)
         with torch.no_grad():
@@ -189,7 +194,9 @@ class GradientAverage:
                 e.write(avg)
         rest_avg = averaged[len(early):]
         unpack(rest_avg, layout, rest)
-        return rest_avg[-1][-extra.numel():] if extra is not None else None
+        if extra is None:
+            return None
+        return (averaged[len(early) - 1] if folded else rest_avg[-1])[-extra.numel():]
 
     def discard(self) -> None:
         """Forget what backward began (a step that ended without ``average``)."""
