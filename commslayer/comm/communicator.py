@@ -151,7 +151,7 @@ class Communicator(Collectives, PointToPoint):
         # the input size from which a reduce-scatter takes the ring (None: never; commslayer.comm.ring)
         algorithm = hints.get("reduce_scatter") or config.reduce_scatter_algorithm()
         self._ring_from = None if spec.name != "gloo" or algorithm == "native" else 0 if algorithm == "ring" else \
-            config.ring_min_bytes(size, on_one_host(*([global_ranks] if global_ranks else []), self.members))
+            config.ring_min_bytes(size, on_one_host(self.members, global_ranks))
         life.watch(store, timeout_s)
         # Our ops whose backend work ignores wait timeouts: a helper thread waits for them.
         self._waited_elsewhere = frozenset(

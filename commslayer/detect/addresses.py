@@ -126,17 +126,16 @@ def rank_hosts(members: Sequence[int]) -> Optional[List[int]]:
     return [bisect.bisect_right(starts, m) for m in members]
 
 
-def on_one_host(*rank_lists: Sequence[int]) -> bool:
-    """Whether the launcher's layout puts every rank of the first of ``rank_lists`` that
-    it covers on one node; False where it covers none or no layout is given. The same on
-    every rank, like ``rank_hosts``. A job of several torchruns (replica mode) numbers
-    its ranks past one torchrun's layout: the caller passes, after the job's ranks, the
-    members' ranks in their own torchrun where it knows them."""
-    for ranks in rank_lists:
-        hosts = rank_hosts(ranks)
-        if hosts is not None:
-            return len(set(hosts)) == 1
-    return False
+def on_one_host(members: Sequence[int], job_ranks: Optional[Sequence[int]] = None) -> bool:
+    """Whether the launcher's layout puts every member on one node, read over their
+    ``job_ranks`` where the layout covers those, else over ``members`` (their ranks in
+    their own torchrun: a job of several torchruns, replica mode, numbers its ranks past
+    one torchrun's layout); False where no layout is given. The same on every rank,
+    like ``rank_hosts``."""
+    hosts = None if job_ranks is None else rank_hosts(job_ranks)
+    if hosts is None:
+        hosts = rank_hosts(members)
+    return hosts is not None and len(set(hosts)) == 1
 
 
 def _torchrun_layout() -> Optional[List[int]]:

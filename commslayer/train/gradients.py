@@ -196,6 +196,7 @@ class GradientAverage:
         unpack(rest_avg, layout, rest)
         if extra is None:
             return None
+        # folded: into the bucket _start_shards began last, the last of ``early``
         return (averaged[len(early) - 1] if folded else rest_avg[-1])[-extra.numel():]
 
     def discard(self) -> None:
