@@ -227,7 +227,7 @@ class Injector:
     # ------------------------------------------------------- collective hooks
     def attach(self, comm: Any) -> None:
         """Wrap the methods of ``comm`` that a fault of this process targets; log its first failure."""
-        from commslayer.comm.op_path import DIRECT_OPS
+        from commslayer.comm.op_path import DIRECT_OPS, TALLY
         from commslayer.comm.wire import BACKEND_OPS
 
         if self.rank is None:
@@ -245,7 +245,7 @@ class Injector:
                 for op in [o for o in BACKEND_OPS if o not in ("send", "recv", "batch_p2p")] if f.op == "*" else [f.op]:
                     setattr(comm, op, self._wrap(f, getattr(comm, op), name))
                     wrapped.add(op)
-        if wrapped & set(DIRECT_OPS):
+        if wrapped & set(DIRECT_OPS[:TALLY]):
             # c10d's async ops reach the native path without these methods (commslayer.comm.op_path's
             # _issue_async): declining them there sends them through the methods, wrapped
             comm._issue_async = lambda kind, a, b, opts: None

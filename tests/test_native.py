@@ -292,6 +292,59 @@ def test_native_records_equal_python_records(tmp_path):
     assert os.path.exists(results[0]["dump"])
 
 
+def _votes(rank, size, store):
+    import commslayer
+    from tracing.record import recorder
+
+    fast = commslayer.new_comm("gloo", name="native", store=store, rank=rank, size=size, timeout=60)
+    os.environ["COMMSLAYER_NATIVE"] = "0"
+    slow = commslayer.new_comm("gloo", name="python", store=store, rank=rank, size=size, timeout=60)
+    del os.environ["COMMSLAYER_NATIVE"]
+    rec = recorder.FlightRecorder(64, "", job="votes")
+    for comm in (fast, slow):
+        rec.attach(comm)
+    out = {"watched": fast.lifecycle.watched,
+           "votes": [[comm.should_commit(True) for comm in (fast, slow)] for _ in range(3)]}
+    out["python records"] = rec._count
+    out["records"] = [r for r in rec.records() if r["op"] == "should_commit"]
+    # A hook observes the vote: it takes the general path, and the hook sees it.
+    seen = []
+    fast.register_pre_hook(lambda op, op_id, args: seen.append(op))
+    out["hooked"] = (fast.should_commit(True), list(seen))
+    # One member votes no: no on both, whichever path tallied it.
+    out["no"] = [comm.should_commit(rank == 0) for comm in (fast, slow)]
+    fast.abort()
+    slow.abort()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_the_vote_takes_the_direct_path():
+    """should_commit's tally (a MIN all-reduce, once a step in replica mode) runs on the
+    direct path, natively recorded, unless a hook observes it: the same answers and
+    the same records as the pure-Python path's."""
+    if native.why_not() is not None:
+        pytest.skip(f"the native direct path is not built: {native.why_not()}")
+    results = run_ranks(_votes, 2, timeout=100)
+    for out in results:
+        assert out["watched"] and out["votes"] == [[True, True]] * 3, out
+        records = out["records"]
+        # The native ring holds the native communicator's votes: Python recorded only the other's.
+        assert out["python records"] == 3, out
+        by_comm = {name: [r for r in records if r["comm"] == name] for name in ("native", "python")}
+        assert len(by_comm["native"]) == len(by_comm["python"]) == 3, records
+        timing = {"op_id", "comm", "comm_id", "enqueue_ns", "start_ns", "end_ns", "duration_ms"}
+        for fast, slow in zip(by_comm["native"], by_comm["python"]):
+            assert {k: v for k, v in fast.items() if k not in timing} == \
+                {k: v for k, v in slow.items() if k not in timing}, (fast, slow)
+        first = by_comm["native"][0]
+        assert (first["reduce_op"], first["dtype"], first["in_sizes"], first["state"]) == \
+            ("MIN", "int64", [[2]], "completed"), first
+        assert first["call_site"].endswith(f"test_native.py:{_votes.__code__.co_firstlineno + 12}"), first
+        assert out["hooked"] == (True, ["should_commit"]), out["hooked"]
+        assert out["no"] == [False, False], out["no"]
+
+
 def _load_in_child(directory):
     """(exit status, why_not) of a fresh process that loads the module from ``directory``."""
     done = subprocess.run([sys.executable, "-c", "from commslayer.comm import native; "

@@ -39,6 +39,7 @@ recovery: ``shrink``, ``reconfigure``, ``pending_members``, ``should_commit``
 
 from __future__ import annotations
 
+import array
 import threading
 import weakref
 from datetime import timedelta
@@ -58,7 +59,7 @@ from commslayer.hooks import HookHandle, Hooks, OpIO, OpRecorder, created
 from commslayer.comm.isolation import IsolatedBackend
 from commslayer.comm.lifecycle import Lifecycle, Lineage, State
 from commslayer.comm.nan_check import NanCheckHook
-from commslayer.comm.op_path import DIRECT_OPS, settle_native_async
+from commslayer.comm.op_path import DIRECT_OPS, TALLY, settle_native_async
 from commslayer.comm.p2p import PointToPoint
 from commslayer.comm.process_group import register_communicator
 from commslayer.reduce_op import ReduceOp
@@ -368,8 +369,17 @@ class Communicator(Collectives, PointToPoint):
     def _agree(self, chk: Checker, values: List[int], timeout_s: float, *, smallest: bool) -> List[int]:
         """``values`` (as many on every member) as every member gets them, over the backend:
         each the smallest of the members' (an all-reduce), else rank 0's (a broadcast).
-        Recorded and hooked as op ``chk.op``, like any collective."""
-        t = torch.tensor(values, dtype=torch.int64, device=self._device)
+        Recorded and hooked as op ``chk.op``, like any collective.  The smallest is
+        ``should_commit``'s tally, once a step in replica mode: on the communicator's
+        deadline and while no hook observes it, it takes the direct path
+        (docs/bench/step-cost.md).  The tensor is new each time: a failed tally's
+        transfer may still write into it."""
+        t = torch.frombuffer(array.array("q", values), dtype=torch.int64)
+        if self._device.type != "cpu":
+            t = t.to(self._device)
+        if smallest and self._unobserved and timeout_s == self._timeout_s:
+            self._direct_run(TALLY, t, t, ReduceOp.MIN)
+            return t.tolist()
         if smallest:
             opts = self._options.get(c10d.AllreduceOptions, ReduceOp.MIN)
             io, issue = OpIO((t,), (t,), ReduceOp.MIN, None), lambda: self._ops.allreduce([t], opts)

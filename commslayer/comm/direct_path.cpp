@@ -1,5 +1,6 @@
 // The direct path in native code: a synchronous all_reduce, all_gather_single or
-// reduce_scatter_single, checked, issued and waited on without running Python.
+// reduce_scatter_single, checked, issued and waited on without running Python;
+// and the MIN all-reduce that tallies a should_commit vote (kMinAllReduce).
 //
 // Why: after a blocking wait on a real transfer, every line of Python runs with
 // cold caches; the checks, the issue and the wait cost 50-60 us of the calling
@@ -45,7 +46,9 @@ namespace {
 
 static_assert(static_cast<int>(c10::ScalarType::NumOptions) <= 64, "a dtype is a bit of a uint64_t");
 
-enum Kind : int { kAllReduce = 0, kAllGather = 1, kReduceScatter = 2 };
+// commslayer.comm.op_path.DIRECT_OPS[kind]; kMinAllReduce is should_commit's tally,
+// which only DirectPath.run takes.
+enum Kind : int { kAllReduce = 0, kAllGather = 1, kReduceScatter = 2, kMinAllReduce = 3 };
 
 // A record's state, by its index in tracing.records.STATES.
 enum State : int { kScheduled = 0, kStarted = 1, kCompleted = 2, kTimedOut = 3, kFailed = 4, kAborted = 5 };
@@ -835,6 +838,7 @@ class DirectPath {
   void set_timeout(std::chrono::duration<double> timeout, std::chrono::milliseconds wait) {
     auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(timeout);
     allreduce_.timeout = ms;
+    allreduce_min_.timeout = ms;
     allgather_.timeout = ms;
     reduce_scatter_.timeout = ms;
     timeout_s_ = timeout.count();
@@ -1093,6 +1097,10 @@ class DirectPath {
         at::Tensor input = second;
         return backend_->_allgather_base(output, input, allgather_);
       }
+      case kMinAllReduce: {
+        std::vector<at::Tensor> tensors{first};
+        return backend_->allreduce(tensors, allreduce_min_);
+      }
       case kReduceScatter: {
         if ((untimed_ >> kind) & 1) {
           at::Tensor sum = contiguous_like(second);
@@ -1117,6 +1125,7 @@ class DirectPath {
   unsigned untimed_ = 0;  // a bit per kind that runs as AllReduceScatterWork
   int64_t rank_ = 0;
   c10d::AllreduceOptions allreduce_;  // reduceOp: SUM, the default
+  c10d::AllreduceOptions allreduce_min_{c10d::ReduceOp::MIN};
   c10d::AllgatherOptions allgather_;
   c10d::ReduceScatterOptions reduce_scatter_;
   std::chrono::milliseconds wait_{0};

@@ -53,8 +53,11 @@ if TYPE_CHECKING:
     from commslayer.comm.lifecycle import Lifecycle
 
 _op_ids = itertools.count(1)  # process-wide, monotonic
-# The ops the direct path takes (``_direct_run``), by their kind in direct_path.cpp
-DIRECT_OPS = ("all_reduce", "all_gather_single", "reduce_scatter_single")
+# The ops the direct path takes (``_direct_run``), by their kind in direct_path.cpp:
+# the first three as the API's ops and async through the c10d adapter; the last,
+# ``should_commit``'s tally (a MIN all-reduce, ``Communicator._agree``), only synchronous
+DIRECT_OPS = ("all_reduce", "all_gather_single", "reduce_scatter_single", "should_commit")
+TALLY = 3
 # The communicators with a native direct path, by the key their async ops carry
 _keys = itertools.count(1)
 _async_comms: "weakref.WeakValueDictionary[int, Communicator]" = weakref.WeakValueDictionary()
@@ -138,6 +141,7 @@ class OpPath:
     _untimed_opts: Dict[Tuple[int, Optional[ReduceOp]], Any]
     _swept = False  # whether the watchdog sweeps this communicator's native async ops
     _direct: bool
+    _unobserved: bool  # no hook observes this communicator's ops and check mode is off
     _dense: Callable[..., bool]
     _dense_sized: Callable[..., bool]
     _direct_td: timedelta
@@ -151,7 +155,8 @@ class OpPath:
         self._direct_td = structs.timedelta(timeout_s)
         self._direct_opts = tuple(
             structs.get(cls, op) for cls, op in ((c10d.AllreduceOptions, ReduceOp.SUM), (c10d.AllgatherOptions, None),
-                                                 (c10d.ReduceScatterOptions, ReduceOp.SUM)))
+                                                 (c10d.ReduceScatterOptions, ReduceOp.SUM),
+                                                 (c10d.AllreduceOptions, ReduceOp.MIN)))
         for opts in self._direct_opts:
             structs.deadline(opts, timeout_s)
         if self._native is not None:
@@ -193,7 +198,7 @@ class OpPath:
         observes this communicator's ops, check mode is off and writes are not
         isolated; and the native async path (``_issue_async``) while no hook
         observes and check mode is off, isolating writes itself where they are."""
-        unobserved = self._check is None and not (
+        self._unobserved = unobserved = self._check is None and not (
             self._pre.fns or self._checks.fns or self._post.fns or self.completion_hooks.fns)
         self._direct = unobserved and self._ops is self._backend
         self._async_path = self._native if unobserved and (self.recorder is None or self._native_records) \
@@ -286,7 +291,7 @@ class OpPath:
                 failed = self._native.run(kind, a, b, op_id if record is None else 0, seq)  # None: completed
             else:
                 opts = self._direct_opts[kind]
-                c10d_work = self._backend.allreduce([a], opts) if kind == 0 else \
+                c10d_work = self._backend.allreduce([a], opts) if kind in (0, TALLY) else \
                     (self._backend._allgather_base if kind == 1 else self._backend._reduce_scatter_base)(a, b, opts)
         except (RuntimeError, CommError) as exc:
             if record is None and recorder is not None:

@@ -108,7 +108,8 @@ class Record:
         (r.op_id, (r.comm, r.comm_id, r.generation), r.seq, kind, r.dtype, in_shape, out_shape, r.timeout_s, state,
          r.start_ns, r.end_ns, r.thread, code, lasti, r.step, r.error, r.async_op, r.wait_ns, r.wait_end_ns) = fields
         r.op = DIRECT_OPS[kind]
-        r.reduce_op = None if r.op == "all_gather_single" else ReduceOp.SUM  # the direct path's only one
+        # the direct path's only reductions: should_commit's tally takes the least
+        r.reduce_op = None if r.op == "all_gather_single" else ReduceOp.MIN if r.op == "should_commit" else ReduceOp.SUM
         r.in_sizes, r.out_sizes = [torch.Size(in_shape)], [torch.Size(out_shape)]
         r.root = r.peer = r.stack = None
         r.state = STATES[state]
