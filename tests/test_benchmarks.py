@@ -93,7 +93,7 @@ def test_hotpath_smoke(ranks):
     header = ["variant", "CPU µs/op, median of rounds", "min–max over rounds", "minus plain c10d"]
     found = table(out, header, "variant")
     assert list(found) == ["plain c10d", "commslayer", "commslayer + recorder", "commslayer, isolate_writes",
-                           "recorder calls alone"]
+                           "recorder calls alone"] + (["should_commit", "should_commit + recorder"] if ranks > 1 else [])
     for row in found.values():
         med, (lo, hi) = numbers(row[header[1]])[0], numbers(row[header[2]])
         assert 0 < lo == med == hi  # one round

@@ -12,7 +12,11 @@ default group), a commslayer communicator, a commslayer communicator
 watched by a flight recorder (``tracing.record.recorder``), a communicator with
 write isolation (``isolate_writes=True``: a staging copy in and out per op),
 and the recorder's own per-op calls without an op (``scheduled``,
-``started``, ``ended`` on a finished ``Work``).
+``started``, ``ended`` on a finished ``Work``).  With 2 or more ranks also
+``should_commit`` (the vote a resilient job casts once a step: its tally, a
+MIN all-reduce of two int64, and the vote's own Python), untraced and with
+the recorder; on one rank nobody watches the members and the vote takes the
+store instead.
 
     python launch/bench/bench_hotpath.py --ops 20000 --rounds 7
     torchrun --nproc-per-node 2 launch/bench/bench_hotpath.py --ops 500 --rounds 7
@@ -81,6 +85,9 @@ def main() -> int:
                     "commslayer + recorder": lambda: traced.all_reduce(t),
                     "commslayer, isolate_writes": lambda: isolated.all_reduce(t),
                     "recorder calls alone": lambda: record_only()}
+        if world > 1:
+            variants.update({"should_commit": lambda: plain.should_commit(),
+                             "should_commit + recorder": lambda: traced.should_commit()})
         per_op = {v: [] for v in variants}
         for _ in range(args.rounds):
             for name, call in variants.items():
