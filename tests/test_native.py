@@ -55,14 +55,30 @@ def test_a_build_that_cannot_happen_says_why(tmp_path, monkeypatch):
     assert done.returncode == 0 and done.stdout.startswith("None its source is missing"), done.stdout + done.stderr
 
 
-def _three_paths(rank, size, store):
+def _native_and_python(rank, size, store):
+    """Two communicators of the same ranks: "native" on the native direct path, "python" on the pure-Python one."""
     import commslayer
 
-    dist.init_process_group("gloo", store=dist.PrefixStore("plain/", store), rank=rank, world_size=size)
     fast = commslayer.new_comm("gloo", name="native", store=store, rank=rank, size=size, timeout=60)
     os.environ["COMMSLAYER_NATIVE"] = "0"
     slow = commslayer.new_comm("gloo", name="python", store=store, rank=rank, size=size, timeout=60)
     del os.environ["COMMSLAYER_NATIVE"]
+    return fast, slow
+
+
+def _same_but_times(native_records, python_records):
+    """The two paths' records of the same ops say the same, save the times and the communicator."""
+    timing = {"op_id", "comm", "comm_id", "enqueue_ns", "start_ns", "end_ns", "duration_ms"}
+    for fast, slow in zip(native_records, python_records):
+        assert {k: v for k, v in fast.items() if k not in timing} == \
+            {k: v for k, v in slow.items() if k not in timing}, (fast, slow)
+
+
+def _three_paths(rank, size, store):
+    import commslayer
+
+    dist.init_process_group("gloo", store=dist.PrefixStore("plain/", store), rank=rank, world_size=size)
+    fast, slow = _native_and_python(rank, size, store)
     out = {"native": fast._native is not None, "python": slow._native is None, "differ": [], "compared": 0}
 
     def same(what, *tensors):
@@ -183,10 +199,7 @@ def _recorded_both_ways(rank, size, store, trace_dir):
     import commslayer
     from tracing.record import recorder
 
-    fast = commslayer.new_comm("gloo", name="native", store=store, rank=rank, size=size, timeout=60)
-    os.environ["COMMSLAYER_NATIVE"] = "0"
-    slow = commslayer.new_comm("gloo", name="python", store=store, rank=rank, size=size, timeout=60)
-    del os.environ["COMMSLAYER_NATIVE"]
+    fast, slow = _native_and_python(rank, size, store)
     # A short ring keeps the newest records of both kinds, by op id.
     small = recorder.FlightRecorder(5, "", job="small")
     for comm in (fast, slow):
@@ -270,10 +283,8 @@ def test_native_records_equal_python_records(tmp_path):
         assert out["python records"] == 4 + out["taken before"], out
         by_comm = {name: [r for r in records if r["comm"] == name] for name in ("native", "python")}
         assert len(by_comm["native"]) == len(by_comm["python"]) == 4, records
-        timing = {"op_id", "comm", "comm_id", "enqueue_ns", "start_ns", "end_ns", "duration_ms"}
-        for fast, slow in zip(by_comm["native"], by_comm["python"]):
-            assert {k: v for k, v in fast.items() if k not in timing} == \
-                {k: v for k, v in slow.items() if k not in timing}, (fast, slow)
+        _same_but_times(by_comm["native"], by_comm["python"])
+        for fast in by_comm["native"]:
             assert fast["enqueue_ns"] <= fast["start_ns"] < fast["end_ns"], fast
             assert fast["duration_ms"] == (fast["end_ns"] - fast["start_ns"]) / 1e6
         first = by_comm["native"][0]
@@ -293,13 +304,9 @@ def test_native_records_equal_python_records(tmp_path):
 
 
 def _votes(rank, size, store):
-    import commslayer
     from tracing.record import recorder
 
-    fast = commslayer.new_comm("gloo", name="native", store=store, rank=rank, size=size, timeout=60)
-    os.environ["COMMSLAYER_NATIVE"] = "0"
-    slow = commslayer.new_comm("gloo", name="python", store=store, rank=rank, size=size, timeout=60)
-    del os.environ["COMMSLAYER_NATIVE"]
+    fast, slow = _native_and_python(rank, size, store)
     rec = recorder.FlightRecorder(64, "", job="votes")
     for comm in (fast, slow):
         rec.attach(comm)
@@ -333,14 +340,11 @@ def test_the_vote_takes_the_direct_path():
         assert out["python records"] == 3, out
         by_comm = {name: [r for r in records if r["comm"] == name] for name in ("native", "python")}
         assert len(by_comm["native"]) == len(by_comm["python"]) == 3, records
-        timing = {"op_id", "comm", "comm_id", "enqueue_ns", "start_ns", "end_ns", "duration_ms"}
-        for fast, slow in zip(by_comm["native"], by_comm["python"]):
-            assert {k: v for k, v in fast.items() if k not in timing} == \
-                {k: v for k, v in slow.items() if k not in timing}, (fast, slow)
+        _same_but_times(by_comm["native"], by_comm["python"])
         first = by_comm["native"][0]
         assert (first["reduce_op"], first["dtype"], first["in_sizes"], first["state"]) == \
             ("MIN", "int64", [[2]], "completed"), first
-        assert first["call_site"].endswith(f"test_native.py:{_votes.__code__.co_firstlineno + 12}"), first
+        assert first["call_site"].endswith(f"test_native.py:{_votes.__code__.co_firstlineno + 8}"), first
         assert out["hooked"] == (True, ["should_commit"]), out["hooked"]
         assert out["no"] == [False, False], out["no"]
 

@@ -184,16 +184,16 @@ class GradientAverage:
         early, self._early = self._early, []
         covered = {id(p) for e in early for p in e.params}
         buffers = {t.untyped_storage().data_ptr() for e in early for t in e.shards}
-        grads = [local(p.grad) for p in params if p.grad is not None and id(p) not in covered]
-        rest = [g for g in grads if g.untyped_storage().data_ptr() not in buffers]
-        buckets, layout = pack(rest, None if folded else extra, self.bucket_bytes)
-        started = [e.started for e in early] + [self._live.start(b) for b in buckets]
-        averaged = self._live.average([e.buffer for e in early] + buckets, step, started)
-        with torch.no_grad():
+        with torch.no_grad():  # where a DTensor's to_local is its shard, not an autograd call of 10s of us
+            grads = [local(p.grad) for p in params if p.grad is not None and id(p) not in covered]
+            rest = [g for g in grads if g.untyped_storage().data_ptr() not in buffers]
+            buckets, layout = pack(rest, None if folded else extra, self.bucket_bytes)
+            started = [e.started for e in early] + [self._live.start(b) for b in buckets]
+            averaged = self._live.average([e.buffer for e in early] + buckets, step, started)
             for e, avg in zip(early, averaged):
                 e.write(avg)
-        rest_avg = averaged[len(early):]
-        unpack(rest_avg, layout, rest)
+            rest_avg = averaged[len(early):]
+            unpack(rest_avg, layout, rest)
         if extra is None:
             return None
         # folded: into the bucket _start_shards began last, the last of ``early``

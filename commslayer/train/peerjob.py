@@ -59,7 +59,6 @@ from commslayer.comm.create import join, new_comm
 from commslayer.errors import CommAborted, CommError, InvalidArgument, first_line
 from commslayer.comm.exits import before_exit, exit_now
 from commslayer.train import failures, packing, spare
-from commslayer.train.gradients import local
 from commslayer.hooks import recovery_hooks
 from commslayer.train.redundancy import PeerCopies, StateLost, holders
 from commslayer.reduce_op import ReduceOp
@@ -247,7 +246,7 @@ class PeerJob(Job):
         step, _, grads = self._begin_step(loss)
         average = None
         if loss is not None:
-            average = loss.detach().reshape(1).to(local(grads[0]).dtype) / self.world_size
+            average = loss.detach().reshape(1).to(grads[0].dtype) / self.world_size  # a DTensor's dtype is its shard's
             dist.all_reduce(average)
         self._phase("allreduce")
         copied = self._copies.wait()
