@@ -316,10 +316,15 @@ def _votes(rank, size, store):
     out["records"] = [r for r in rec.records() if r["op"] == "should_commit"]
     # A hook observes the vote: it takes the general path, and the hook sees it.
     seen = []
-    fast.register_pre_hook(lambda op, op_id, args: seen.append(op))
+    hook = fast.register_pre_hook(lambda op, op_id, args: seen.append(op))
     out["hooked"] = (fast.should_commit(True), list(seen))
-    # One member votes no: no on both, whichever path tallied it.
+    # One member votes no: no on both, on the general path and, the hook gone, on the
+    # direct path's kept buffer; the yes after it is a yes.
     out["no"] = [comm.should_commit(rank == 0) for comm in (fast, slow)]
+    hook.remove()
+    before = rec._count
+    out["no, direct"] = [fast.should_commit(rank == 0), fast.should_commit(True)]
+    out["python records of those"] = rec._count - before
     fast.abort()
     slow.abort()
     return out
@@ -347,6 +352,7 @@ def test_the_vote_takes_the_direct_path():
         assert first["call_site"].endswith(f"test_native.py:{_votes.__code__.co_firstlineno + 8}"), first
         assert out["hooked"] == (True, ["should_commit"]), out["hooked"]
         assert out["no"] == [False, False], out["no"]
+        assert out["no, direct"] == [False, True] and out["python records of those"] == 0, out
 
 
 def _load_in_child(directory):

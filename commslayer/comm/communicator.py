@@ -99,6 +99,7 @@ class Communicator(Collectives, PointToPoint):
         self._size = size
         self._native: Any = None  # the direct path in native code (set below, where it is built)
         self._native_records = False  # whether it writes the flight recorder's records (record_natively)
+        self._tally_buffer: Optional[Tuple["array.array[int]", torch.Tensor]] = None  # should_commit's (_tally)
         self._set_timeout_s(timeout_s)
         self._hints = hints
         self.uid = uid  # the same on every member, unique in the job
@@ -364,22 +365,37 @@ class Communicator(Collectives, PointToPoint):
         chk = self._checker("should_commit")
         timeout_s = timeout_seconds(timeout, self._timeout_s, chk)
         self._check_resizable(chk)
-        return self.lifecycle.vote(ok, timeout_s, lambda values, t: self._agree(chk, values, t, smallest=True))
+        return self.lifecycle.vote(ok, timeout_s, self._tally)
+
+    def _tally(self, values: List[int], timeout_s: float) -> List[int]:
+        """``should_commit``'s tally of the vote's two ``values``: each the smallest of the
+        members'.  Once a step in replica mode, so on a CPU communicator's deadline and
+        while no hook observes it, it takes the direct path, in a buffer it keeps
+        (docs/bench/step-cost.md); a failed tally drops the buffer, as its transfer may
+        still write into it."""
+        if not (self._unobserved and timeout_s == self._timeout_s and self._device.type == "cpu"):
+            return self._agree(self._checker("should_commit"), values, timeout_s, smallest=True)
+        held = self._tally_buffer
+        if held is None:
+            numbers = array.array("q", values)
+            held = self._tally_buffer = (numbers, torch.frombuffer(numbers, dtype=torch.int64))
+        numbers, t = held
+        numbers[0], numbers[1] = values
+        try:
+            self._direct_run(TALLY, t, t, ReduceOp.MIN)
+        except BaseException:
+            self._tally_buffer = None
+            raise
+        return numbers.tolist()
 
     def _agree(self, chk: Checker, values: List[int], timeout_s: float, *, smallest: bool) -> List[int]:
         """``values`` (as many on every member) as every member gets them, over the backend:
         each the smallest of the members' (an all-reduce), else rank 0's (a broadcast).
-        Recorded and hooked as op ``chk.op``, like any collective.  The smallest is
-        ``should_commit``'s tally, once a step in replica mode: on the communicator's
-        deadline and while no hook observes it, it takes the direct path
-        (docs/bench/step-cost.md).  The tensor is new each time: a failed tally's
-        transfer may still write into it."""
+        Recorded and hooked as op ``chk.op``, like any collective.  The tensor is new each
+        time: a failed op's transfer may still write into it."""
         t = torch.frombuffer(array.array("q", values), dtype=torch.int64)
         if self._device.type != "cpu":
             t = t.to(self._device)
-        if smallest and self._unobserved and timeout_s == self._timeout_s:
-            self._direct_run(TALLY, t, t, ReduceOp.MIN)
-            return t.tolist()
         if smallest:
             opts = self._options.get(c10d.AllreduceOptions, ReduceOp.MIN)
             io, issue = OpIO((t,), (t,), ReduceOp.MIN, None), lambda: self._ops.allreduce([t], opts)
