@@ -8,9 +8,12 @@ Under ``commslayer-run`` (``COMMSLAYER_REPLICAS`` > 1) it is plain HSDP:
 the group's gradients averaged across replica groups in one flat
 all-reduce per step after backward, the way ``launch/train.py --plain``
 does it.  Every rank writes the same result file as a resilient run
-(``commslayer.runs``), so the benchmarks read both alike.
+(``commslayer.runs``), so the benchmarks read both alike.  ``--vote`` (before the
+script) adds to plain HSDP's step what ``should_commit`` adds and nothing else:
+after the average, a MIN all-reduce of two int64 over all the job's ranks.
 
     torchrun --nproc-per-node 4 launch/plain.py launch/examples/ddp_resilient.py --steps 40
+    commslayer-run --replicas 2 --nproc-per-replica 2 launch/plain.py --vote launch/examples/fsdp2_resilient.py
 """
 
 import os
@@ -32,6 +35,8 @@ from commslayer.comm.exits import exit_now
 class Job:
     """The plain stand-in for ``commslayer.train.job.Job``."""
 
+    vote = False  # ``--vote``: a tally over the job's ranks at every step, as should_commit's
+
     def __init__(self, run_dir: Optional[str] = None) -> None:
         timeout = timedelta(seconds=60)
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -43,12 +48,18 @@ class Job:
         dist.init_process_group("gloo", timeout=timeout)
         self.process_group = dist.group.WORLD
         self.mesh = init_device_mesh("cpu", (self.world_size,))
-        self.replicate = None
+        self.replicate = self.world = None
         if self.replicas > 1:
             host, port = os.environ["COMMSLAYER_JOB_STORE"].rsplit(":", 1)
             store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout, use_libuv=True)
             self.replicate = dist.ProcessGroupGloo(dist.PrefixStore(f"plain/replicate{self.rank}/", store),
                                                    self.replica, self.replicas, timeout)
+            if self.vote:
+                self.world = dist.ProcessGroupGloo(dist.PrefixStore("plain/world/", store), self.member,
+                                                   self.replicas * self.world_size, timeout)
+                self.tally = torch.ones(2, dtype=torch.int64)
+                self.tally_opts = dist.AllreduceOptions()
+                self.tally_opts.reduceOp = dist.ReduceOp.MIN
         self.run_dir = run_dir if run_dir is not None else config.run_dir()
         self.modules: List[nn.Module] = []
         self.optimizers: List[torch.optim.Optimizer] = []
@@ -81,6 +92,8 @@ class Job:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
             parts = [flat[-1:]] if parts else []
+        if self.world is not None:
+            self.world.allreduce([self.tally], self.tally_opts).wait()
         for opt in self.optimizers:
             opt.step()
             opt.zero_grad()
@@ -103,12 +116,16 @@ def init(*, run_dir: Optional[str] = None, **_ignored: Any) -> Job:
 
 
 def main() -> None:
-    """Run the script in ``sys.argv[1]`` with this module standing in for ``commslayer.resilience``."""
+    """Run the script in ``sys.argv[1]`` (after ``--vote``, if given) with this module standing in for
+    ``commslayer.resilience``."""
     import commslayer
 
     me = sys.modules[__name__]
     sys.modules["commslayer.resilience"] = me
     commslayer.resilience = me
+    if sys.argv[1:2] == ["--vote"]:
+        Job.vote = True
+        del sys.argv[1]
     script = sys.argv[1]
     sys.argv = sys.argv[1:]
     runpy.run_path(script, run_name="__main__")

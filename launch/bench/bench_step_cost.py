@@ -21,6 +21,9 @@ CPU went.  Configurations:
 * ``plain HSDP`` and ``plain HSDP (A/A)``: ``commslayer-run --replicas 2
   --nproc-per-replica 2 launch/plain.py SCRIPT``: plain Gloo groups, one flat
   all-reduce across the groups after backward: replica mode's baseline and its noise;
+* ``plain HSDP + vote``: the same with ``launch/plain.py --vote``, a MIN all-reduce
+  of two int64 over the 4 ranks after the average: ``should_commit``'s collective
+  alone, without the rest of the resilience API;
 * ``replica, untraced`` / ``replica, recorder`` / ``replica, JSON lines``:
   ``commslayer-run --replicas 2 --nproc-per-replica 2 SCRIPT`` with
   ``COMMSLAYER_TRACE_DIR=""`` / the launcher's default (the flight recorder,
@@ -84,11 +87,13 @@ SCRIPTS = {  # name -> (path, its options, steps)
 }
 SMOKE_OPTIONS = {"train.py": ["--dim", "32", "--layers", "2", "--seq", "32", "--batch", "4", "--vocab", "64"]}
 PLAIN_T, PLAIN_H = "plain torchrun", "plain HSDP"
+PLAIN_ARGS = {"plain replicas": [PLAIN], "plain replicas, vote": [PLAIN, "--vote"]}  # before the script
 CONFIGS: Dict[str, Tuple[str, Dict[str, Optional[str]]]] = {  # name -> (launch, environment: None = the launcher's)
     PLAIN_T: ("torchrun", {}),
     PLAIN_T + " (A/A)": ("torchrun", {}),
     PLAIN_H: ("plain replicas", {}),
     PLAIN_H + " (A/A)": ("plain replicas", {}),
+    PLAIN_H + " + vote": ("plain replicas, vote", {}),
     "replica, untraced": ("replicas", {}),
     "replica, recorder": ("replicas", {"COMMSLAYER_TRACE_DIR": None}),
     "replica, JSON lines": ("replicas", {"COMMSLAYER_TRACE_DIR": None, "COMMSLAYER_TRACE_JSONL": "1"}),
@@ -161,7 +166,7 @@ class Bench:
             shape = (["--nproc-per-node", str(RANKS)] if launch == "per-rank" else
                      ["--replicas", "2", "--nproc-per-replica", str(RANKS // 2)])
             cmd = [sys.executable, "-m", "commslayer.run.launcher", *shape, "--run-dir", run_dir, PROBE,
-                   *([PLAIN] if launch == "plain replicas" else []), *script]
+                   *PLAIN_ARGS.get(launch, []), *script]
         with open(log_path, "w") as log, CpuAround() as around:
             rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, timeout=900).returncode
