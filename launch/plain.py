@@ -16,6 +16,7 @@ after the average, a MIN all-reduce of two int64 over all the job's ranks.
     commslayer-run --replicas 2 --nproc-per-replica 2 launch/plain.py --vote launch/examples/fsdp2_resilient.py
 """
 
+import argparse
 import os
 import runpy
 import sys
@@ -123,12 +124,16 @@ def main() -> None:
     me = sys.modules[__name__]
     sys.modules["commslayer.resilience"] = me
     commslayer.resilience = me
-    if sys.argv[1:2] == ["--vote"]:
-        Job.vote = True
-        del sys.argv[1]
-    script = sys.argv[1]
-    sys.argv = sys.argv[1:]
-    runpy.run_path(script, run_name="__main__")
+    parser = argparse.ArgumentParser(description="Run a commslayer.resilience script the plain way.")
+    parser.add_argument("--vote", action="store_true",
+                        help="after the cross-replica average, a MIN all-reduce of two int64 over all the "
+                             "job's ranks (should_commit's collective alone)")
+    parser.add_argument("script")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    args = parser.parse_args()
+    Job.vote = args.vote
+    sys.argv = [args.script, *args.args]
+    runpy.run_path(args.script, run_name="__main__")
 
 
 if __name__ == "__main__":
