@@ -131,6 +131,8 @@ def main() -> None:
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     args = parser.parse_args()
+    if args.vote and int(os.environ.get("COMMSLAYER_REPLICAS", "1")) < 2:
+        parser.error("--vote adds a tally across replica groups: run under commslayer-run --replicas 2 or more")
     Job.vote = args.vote
     sys.argv = [args.script, *args.args]
     runpy.run_path(args.script, run_name="__main__")
