@@ -32,11 +32,14 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 from commslayer.errors import ConfigError
 from commslayer.runs import read_log
 from tracing.dumps import open_append
+
+if TYPE_CHECKING:
+    from commslayer.hooks import HookHandle
 
 ACTIONS = ("sigkill", "exit", "raise", "sigstop", "hang", "delay", "mismatch")
 TOGETHER_WAIT = 10.0  # seconds a fault waits for the others of its ``together``; then it fires alone
@@ -190,6 +193,9 @@ class Injector:
         self.rank = job_rank()
         self._unplaced: List[Fault] = []  # the job's faults, while this process's rank is unknown
         self._together: Dict[str, List[int]] = {}  # a ``together`` tag -> the indices of the job's faults with it
+        self._at_steps = False  # whether step faults fire at the job's phases (``fire_at_steps``)
+        self._step_faults = False  # whether the job has a fault at a step (not at an op)
+        self._phase_hook: Optional[HookHandle] = None
 
     def add(self, faults: List[Fault]) -> None:
         """Take the job's ``faults`` (every process gets the same list, in the same
@@ -205,6 +211,23 @@ class Injector:
             self._unplaced += faults
         else:
             self._arm(faults)
+        if any(f.step is not None for f in faults):
+            self._step_faults = True
+            self._hook_phases()
+
+    def fire_at_steps(self) -> None:
+        """Fire step faults at the phases of any job on ``commslayer.resilience``.  The
+        phase hook is registered only once the job has a step fault: a run with none (a
+        launcher's run directory sets the fault log alone) pays nothing per step."""
+        self._at_steps = True
+        self._hook_phases()
+
+    def _hook_phases(self) -> None:
+        from commslayer.hooks import register_phase_hook
+
+        if self._at_steps and self._step_faults and self._phase_hook is None:
+            self._phase_hook = register_phase_hook(
+                lambda job, step, phase: self.point(step, phase, lambda: fault_window(job, step)))
 
     def _arm(self, faults: List[Fault]) -> None:
         now = life()
@@ -373,7 +396,6 @@ def install() -> None:
     """Attach the injector to every communicator this process builds from now on, and
     fire step faults at the phases of any job on ``commslayer.resilience`` (idempotent)."""
     from commslayer.hooks import live_communicators, register_communicator_hook
-    from commslayer.hooks import register_phase_hook
 
     global _installed
     if _installed:
@@ -383,7 +405,7 @@ def install() -> None:
     register_communicator_hook(inj.attach)
     for comm in live_communicators():
         inj.attach(comm)
-    register_phase_hook(lambda job, step, phase: inj.point(step, phase, lambda: fault_window(job, step)))
+    inj.fire_at_steps()
 
 
 def fault_window(job: Any, step: int) -> bool:

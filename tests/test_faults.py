@@ -179,6 +179,27 @@ def test_fault_specs_round_trip_and_reject_bad_input():
         Fault("sigkill", 0, op="*")
 
 
+def test_a_run_without_step_faults_registers_no_phase_hook():
+    """A launcher's run directory sets the fault log alone: the injector must not cost the
+    job's steps a phase hook (nor its backward a tensor hook) when there is no step fault."""
+    from commslayer.hooks import phase_hooks
+    from faults.inject import Injector, Log
+
+    before = phase_hooks.fns
+    inj = Injector(Log(None))
+    inj.fire_at_steps()
+    inj.add([Fault("delay", 0, op="all_reduce", seconds=0.1)])
+    assert phase_hooks.fns == before
+    inj.add([Fault("sigkill", 1, step=5, phase="backward")])  # another rank's: every rank's steps are points
+    try:
+        assert len(phase_hooks.fns) == len(before) + 1
+        inj.add([Fault("exit", 0, step=6, phase="forward")])
+        assert len(phase_hooks.fns) == len(before) + 1
+    finally:
+        assert inj._phase_hook is not None
+        inj._phase_hook.remove()
+
+
 def _job_with_faults(faults: str, tmp_path: Path, rank: str = "0") -> subprocess.CompletedProcess:
     """A one-process job (rank ``rank``; "": a process that is no rank, as a launcher):
     import torch (the injector starts), fire the step-1 forward faults."""

@@ -494,8 +494,9 @@ class Job:
         self._phase("optimizer")
 
     def _on_output(self, module: nn.Module, inputs: Any, output: Any) -> None:
-        """The first module's output: its gradient is where backward begins."""
-        if isinstance(output, torch.Tensor) and output.requires_grad:
+        """The first module's output: its gradient is where backward begins.  A tensor
+        hook costs autograd a Python call in backward: none while no phase hook is registered."""
+        if _phase_hooks.fns and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(lambda grad: self._phase("backward"))
 
     def _phase(self, phase: str) -> None:
