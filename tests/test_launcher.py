@@ -235,3 +235,38 @@ def test_what_a_sigkilled_launcher_started_dies_with_it(tmp_path, mode):
     for pid in left:
         os.kill(pid, 9)
     assert len(up) == 2 and not left, (up, left)
+
+
+WORKER_ON_SIGTERM = '''
+import signal, sys, time
+def ended(*_):
+    raise RuntimeError("the worker's own error on SIGTERM")
+signal.signal(signal.SIGTERM, ended)
+print("worker ready", flush=True)
+time.sleep(60)
+'''
+
+
+@pytest.mark.timeout(60)
+def test_stopping_a_torchrun_agent_folds_its_own_traceback_and_keeps_the_workers(tmp_path):
+    """A stopped job's output used to end in two 40-line tracebacks of torchrun's frames
+    per replica group (its answer to the launcher's SIGTERM), burying the line that says
+    why the job stopped. That traceback is one line now; a worker's own is kept whole."""
+    from commslayer.run.processes import ProcessSet
+
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER_ON_SIGTERM)
+    procs, lines = ProcessSet(grace_s=10.0), []
+    procs.start("agent", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "0",
+                          str(script)], dict(os.environ, OMP_NUM_THREADS="1"), lines.append)
+    deadline = time.monotonic() + 30
+    while not any("worker ready" in x for x in lines) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert any("worker ready" in x for x in lines), "".join(lines)
+    procs.stop()
+    out = "".join(lines)
+    assert "SignalException" not in out and not any('File "' in x and "torch/distributed" in x for x in lines), out
+    [folded] = [x for x in lines if x.startswith("(torchrun's traceback of signal 15, sent to stop it:")]
+    assert int(folded.split("stop it: ")[1].split()[0]) > 10, folded
+    worker = out.index("Traceback (most recent call last):")
+    assert "RuntimeError: the worker's own error on SIGTERM" in out[worker:], out

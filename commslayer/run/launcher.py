@@ -75,7 +75,8 @@ what torchrun would set (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``COMMSLAYER_JOB_RANK``.  Every process started here runs in its own
 session and is ended (SIGTERM, then SIGKILL after ``--grace``), with
 everything it started, when the launcher exits, Ctrl-C and SIGTERM
-included.  With ``--run-dir``, the coordinator prints at the end the run's
+included (a torchrun agent's traceback of that SIGTERM, tens of lines of
+torch's frames, is one line of the output).  With ``--run-dir``, the coordinator prints at the end the run's
 summary (commslayer's recoveries, the survivor stall per fault, whether the
 replicas' state matches; also in ``<run-dir>/summary.json``) and
 ``--compare-to`` compares its loss curve with another run's.

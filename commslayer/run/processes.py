@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Dict, Hashable, List
+from typing import Callable, Dict, Hashable, List, Optional
 
 PR_SET_CHILD_SUBREAPER = 36
 # Run as ``python -S -c _TIED <parent pid> <command...>`` (no site: a few ms): SIGTERM on the
@@ -48,6 +49,7 @@ class ProcessSet:
         self._readers: List[threading.Thread] = []
         self._relays: Dict[Hashable, threading.Thread] = {}  # each key's latest process's output reader
         self.exited = threading.Event()  # set when a process's output ends (it exited): a supervisor wakes
+        self._stopping = threading.Event()  # set by ``stop``: what it makes torchrun print is folded
         # A caller's children from before are not ours to end.
         self._before = set(descendants(os.getpid()))
 
@@ -63,7 +65,8 @@ class ProcessSet:
                                 stdin=subprocess.DEVNULL, start_new_session=True, text=True, bufsize=1)
         self.procs[key] = proc
         self._started.append(proc)
-        t = threading.Thread(target=_relay, args=(proc, on_line, self.exited), daemon=True)
+        t = threading.Thread(target=_relay, args=(proc, SignalTracebacks(on_line, self._stopping), self.exited),
+                             daemon=True)
         t.start()
         self._readers.append(t)
         self._relays[key] = t
@@ -87,6 +90,7 @@ class ProcessSet:
         each one's process group (a torchrun agent then ends its workers) and SIGCONT
         (a stopped process handles its SIGTERM only once it runs), SIGKILL after the
         grace period to whatever is left below this process."""
+        self._stopping.set()
         live = [p for p in self._started if p.poll() is None]
         for p in live:
             for sig in (signal.SIGTERM, signal.SIGCONT):
@@ -115,10 +119,73 @@ class ProcessSet:
             t.join(timeout=1)
 
 
-def _relay(proc: subprocess.Popen, on_line: Callable[[str], None], exited: threading.Event) -> None:
+def _relay(proc: subprocess.Popen, on_line: "SignalTracebacks", exited: threading.Event) -> None:
     for line in proc.stdout:
         on_line(line)
+    on_line.close()
     exited.set()
+
+
+_CHAINED = ("", "During handling of the above exception, another exception occurred:",
+            "The above exception was the direct cause of the following exception:")
+_SIGNAL_EXCEPTION = re.compile(r"SignalException: Process \d+ got signal: (\d+)$")
+_HELD_LINES = 500  # a traceback longer than this is shown as it is
+
+
+class SignalTracebacks:
+    """One process's output on its way to ``on_line``, with the traceback a torchrun
+    agent prints when ``stop`` signals it (tens of lines of torch's own frames ending
+    in ``SignalException``, chained twice: nothing about the job) folded into one line
+    once ``stopping`` is set.  Every other line passes as it came, and so does every
+    other traceback, whole."""
+
+    def __init__(self, on_line: Callable[[str], None], stopping: threading.Event) -> None:
+        self._on_line = on_line
+        self._stopping = stopping
+        self._held: List[str] = []  # a traceback begun while stopping, not yet known to be torchrun's
+        self._signal: Optional[str] = None  # the signal its last exception line names, once it ends in one
+
+    def __call__(self, line: str) -> None:
+        if self._held:
+            text = line.rstrip("\n")
+            if self._signal is None or text in _CHAINED or text.startswith("Traceback "):
+                self._hold(line, text)
+                return
+            self._fold()  # the traceback ended in the signal's exception: this line is the next one
+        if self._stopping.is_set() and line.startswith("Traceback (most recent call last):"):
+            self._held = [line]
+            return
+        self._on_line(line)
+
+    def _hold(self, line: str, text: str) -> None:
+        self._held.append(line)
+        if text in _CHAINED[1:] or text.startswith("Traceback "):
+            self._signal = None  # another traceback of the chain follows
+        elif self._signal is None and text and not text.startswith(" "):  # the traceback's exception
+            found = _SIGNAL_EXCEPTION.search(text)
+            if found is None:
+                self._flush()
+                return
+            self._signal = found.group(1)
+        if len(self._held) > _HELD_LINES:
+            self._flush()
+
+    def close(self) -> None:
+        """The output ended: pass on, or fold, what is held."""
+        if self._signal is not None:
+            self._fold()
+        elif self._held:
+            self._flush()
+
+    def _fold(self) -> None:
+        self._on_line(f"(torchrun's traceback of signal {self._signal}, sent to stop it: {len(self._held)} lines "
+                      "left out)\n")
+        self._held, self._signal = [], None
+
+    def _flush(self) -> None:
+        held, self._held, self._signal = self._held, [], None
+        for line in held:
+            self._on_line(line)
 
 
 def descendants(pid: int) -> List[int]:
