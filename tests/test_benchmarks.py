@@ -101,14 +101,14 @@ def test_hotpath_smoke(ranks):
     assert found["plain c10d"][header[3]] == "+0.00"
 
 
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize("how", [[], ["--async-op"]], ids=["sync", "async"])
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("how", [[], ["--async-op", "--dispatch"]], ids=["sync", "async"])
 def test_overhead_smoke(tmp_path, how):
     out = run_bench("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-                    "launch/bench/bench_overhead.py", "--smoke", *how, timeout=80, env={"TMPDIR": str(tmp_path)})
+                    "launch/bench/bench_overhead.py", "--smoke", *how, timeout=140, env={"TMPDIR": str(tmp_path)})
     traced = ["recorder", "recorder+jsonl", "recorder+jsonl+otel", "backend", "general", "python"]
-    if how:  # the routed path, traced and not, and the adapter's communicator called directly
-        traced += ["c10d-adapter", "c10d-adapter+recorder", "adapter-comm"]
+    if how:  # the routed path, traced and not, the adapter's communicator called directly, the C++ backends
+        traced += ["c10d-adapter", "c10d-adapter+recorder", "adapter-comm", "forward-backend", "forward-backend-pysub"]
     traced += ["nan-check"]
     header = ["op", "size", "reps", "plain (A)", "plain2 (A')", "commslayer (B)", "B/A", "A'/A", "B−A"]
     header += [col for v in traced for col in (v, "/A", "−A")]
@@ -124,6 +124,7 @@ def test_overhead_smoke(tmp_path, how):
     for op in ("all_reduce", "all_gather_single", "reduce_scatter_single"):
         assert f"- {op}: equal" in out
     assert not list(tmp_path.glob("bench-overhead-*")), "the traced variants' temporary directory was left behind"
+    assert not list(tmp_path.glob("bench-forward-*")), "the forwarding backend's build was left behind"
 
 
 @pytest.mark.timeout(150)

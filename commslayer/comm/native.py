@@ -65,8 +65,9 @@ def module_path(directory: Optional[str] = None) -> str:
     return os.path.join(directory or build_dir(), module_name() + ".so")
 
 
-def compile_command(name: str, output: str) -> List[str]:
-    """One ``c++`` command that compiles and links the module against this torch."""
+def compile_command(name: str, output: str, source: str = SOURCE) -> List[str]:
+    """One ``c++`` command that compiles ``source`` and links it, as module ``name``, against this
+    torch (launch/bench/bench_overhead.py builds a probe backend with it too)."""
     # Here, not at the top: it imports setuptools (about 70 ms), which only a build needs,
     # and every process that builds a communicator imports this module.
     import torch.utils.cpp_extension as cpp_extension
@@ -76,7 +77,7 @@ def compile_command(name: str, output: str) -> List[str]:
                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"]
     for include in cpp_extension.include_paths() + [sysconfig.get_paths()["include"]]:
         command += ["-isystem", include]
-    command += [SOURCE, "-o", output]
+    command += [source, "-o", output]
     for lib in cpp_extension.library_paths():
         command += [f"-L{lib}", f"-Wl,-rpath,{lib}"]
     return command + ["-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python"]

@@ -37,7 +37,15 @@ With ``--tracing`` three more variants run beside them, each on its own
 communicator watched by its own flight recorder (``tracing.record.recorder``): the
 recorder alone (``recorder``), plus structlog JSON lines (``recorder+jsonl``),
 plus OpenTelemetry spans and metrics (``recorder+jsonl+otel``).  Their files
-go under ``--trace-dir``.  With ``--nan-check`` one more, ``nan-check``, runs
+go under ``--trace-dir``.  With ``--dispatch`` two more measure what reaching a C++ backend through
+``torch.distributed`` costs, the design a commslayer group without Python
+methods would have: ``forward-backend``, c10d's own (C++) ``ProcessGroup``
+whose CPU backend is ``ForwardBackend`` (launch/bench/forward_backend.cpp,
+built at start into a temporary directory: a C++ backend that hands each op
+to a Gloo backend of its own and does nothing else), and
+``forward-backend-pysub``, the same backend under a Python subclass of
+``ProcessGroup`` that overrides nothing (as ``CommslayerProcessGroup`` is a
+Python subclass).  With ``--nan-check`` one more, ``nan-check``, runs
 commslayer with the NaN check on (``commslayer.NanCheckHook``), on a
 communicator of its own.
 
@@ -227,6 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "group (the routed path); with --tracing also 'c10d-adapter+recorder', such a group "
                         "watched by a flight recorder; with --breakdown also 'adapter-comm', the first "
                         "group's communicator called directly")
+    p.add_argument("--dispatch", action="store_true",
+                   help="also measure 'forward-backend' and 'forward-backend-pysub': torch.distributed's call on a "
+                        "c10d ProcessGroup, and on a Python subclass of it, whose CPU backend is a C++ backend "
+                        "that forwards to Gloo (launch/bench/forward_backend.cpp, built at start)")
     p.add_argument("--nan-check", action="store_true",
                    help="also measure commslayer with the NaN check on (commslayer.NanCheckHook), on a "
                         "communicator of its own")
@@ -267,6 +279,7 @@ class Groups:
     async_op: bool = False  # --async-op: every variant issues async and waits on the work
     adapter: Optional[dist.ProcessGroup] = None  # --async-op: a new_group(backend="commslayer") group
     adapter_traced: Optional[dist.ProcessGroup] = None  # --async-op --tracing: one watched by a flight recorder
+    forwarding: Dict[str, Tuple[dist.ProcessGroup, Any]] = field(default_factory=dict)  # --dispatch: group, backend
 
 
 def setup() -> Groups:
@@ -313,6 +326,52 @@ def _adapter_group(name: str) -> Any:
     comm = commslayer.new_comm("gloo", name=name)
     comm.global_ranks = list(range(comm.get_size()))
     return comm.as_process_group()
+
+
+class _Subclass(dist.ProcessGroup):
+    """A Python subclass of c10d's ProcessGroup that overrides nothing (``--dispatch``)."""
+
+
+def forwarding_groups() -> Dict[str, Tuple[dist.ProcessGroup, Any]]:
+    """``--dispatch``'s groups, by variant: each a ProcessGroup whose CPU backend is a
+    ``ForwardBackend`` over a Gloo backend of its own, with that backend.  Rank 0 builds
+    the module into a temporary directory (removed at exit) while the others wait."""
+    import importlib.machinery
+    import importlib.util
+    import subprocess
+
+    name = "commslayer_bench_forward"
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 0:
+        directory = tempfile.mkdtemp(prefix="bench-forward-")
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forward_backend.cpp")
+        built = subprocess.run(native.compile_command(name, os.path.join(directory, name + ".so"), source),
+                               capture_output=True, text=True, timeout=native.BUILD_TIMEOUT_S)
+        if built.returncode != 0:
+            print(f"[bench_overhead] cannot build {source}: {built.stderr[-2000:]}", file=sys.stderr, flush=True)
+            directory = ""
+        store.set("bench-forward/directory", directory)
+    directory = store.get("bench-forward/directory").decode()  # the store's own deadline bounds the wait
+    if not directory:
+        raise SystemExit("--dispatch: the forwarding backend did not build (rank 0 says why)")
+    loader = importlib.machinery.ExtensionFileLoader(name, os.path.join(directory, name + ".so"))
+    spec = importlib.util.spec_from_file_location(name, loader.path, loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    custom = dist.ProcessGroup.BackendType.CUSTOM
+    groups = {}
+    for variant, make in (("forward-backend", lambda ps: dist.ProcessGroup(ps, rank, size)),
+                          ("forward-backend-pysub", lambda ps: _Subclass(rank, size))):
+        prefixed = dist.PrefixStore(f"bench-{variant}/", store)
+        backend = module.ForwardBackend(dist.ProcessGroupGloo(prefixed, rank, size, _dt.timedelta(seconds=60)))
+        group = make(prefixed)
+        group._set_default_backend(custom)
+        group._register_backend(torch.device("cpu"), custom, backend)
+        groups[variant] = (group, backend)
+    return groups
 
 
 def plain_call(op: str, group: dist.ProcessGroup, inp: torch.Tensor, out: Optional[torch.Tensor],
@@ -364,6 +423,8 @@ def variant_calls(op: str, g: Groups, b: Buffers) -> Dict[str, Op]:
         calls["c10d-adapter"] = lambda: plain_call(op, g.adapter, b.inp, b.out, a)
     if g.adapter_traced is not None:
         calls["c10d-adapter+recorder"] = lambda: plain_call(op, g.adapter_traced, b.inp, b.out, a)
+    for name, (group, _) in g.forwarding.items():
+        calls[name] = lambda group=group: plain_call(op, group, b.inp, b.out, a)
     backend = g.plain2._get_backend(torch.device("cpu"))
     calls["backend"] = lambda: backend_call(op, backend, b.inp, b.out)
     general = g.comm.get_timeout()
@@ -728,6 +789,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.breakdown:
             VARIANTS = VARIANTS + ("adapter-comm",)
             g.traced["adapter-comm"] = g.adapter.communicator("cpu")
+    if args.dispatch:
+        g.forwarding = forwarding_groups()
+        VARIANTS = VARIANTS + tuple(g.forwarding)
     if args.nan_check:
         VARIANTS = VARIANTS + ("nan-check",)
         g.traced["nan-check"] = commslayer.new_comm("gloo", name="bench-nan-check")
@@ -741,6 +805,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 results.append(reduce_samples(op, size, samples))
                 print(f"[bench_overhead] {op} {fmt_bytes(size)}: {samples.shape[1]} reps", file=sys.stderr,
                       flush=True)
+    for name, (_, backend) in g.forwarding.items():  # its ops went through the C++ backend, not around it
+        assert backend.forwarded() > 0, f"{name}: no op reached the forwarding backend"
     verdict = verify_all(g, args)
     if g.rank == 0:
         print(report(meta, results, verdict), flush=True)
