@@ -123,6 +123,7 @@ class OpRecorder(Protocol):
 
 
 phase_hooks = Hooks("phase")  # fn(job, step, phase); the job calls them itself: what they raise propagates
+step_hooks = Hooks("step")  # fn(job, step); an observer: what it raises is logged and skipped
 
 
 def register_phase_hook(fn: Callable[..., Any]) -> HookHandle:
@@ -131,6 +132,14 @@ def register_phase_hook(fn: Callable[..., Any]) -> HookHandle:
     Here rather than in ``resilience`` so that the fault harness can register while
     torch is still importing."""
     return phase_hooks.add(fn)
+
+
+def register_step_hook(fn: Callable[..., Any]) -> HookHandle:
+    """Run ``fn(job, step)`` once as each step of a resilient job begins (before the
+    loop's body runs): for an observer that needs only the step, such as the flight
+    recorder, one call a step where a phase hook costs four and a hook on the
+    backward pass."""
+    return step_hooks.add(fn)
 
 
 recovery_hooks = Hooks("recovery")  # fn(kind, fields); a broken observer is logged and skipped

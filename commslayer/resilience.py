@@ -39,7 +39,7 @@ from commslayer import config
 from commslayer.train import failures, spare
 from commslayer.errors import CommError, InvalidArgument, first_line
 from commslayer.comm.exits import exit_now
-from commslayer.hooks import register_phase_hook  # noqa: F401  (public here: where a user looks)
+from commslayer.hooks import register_phase_hook, register_step_hook  # noqa: F401  (public here: where a user looks)
 from commslayer.train.job import BUCKET_BYTES, Job, StateMismatch  # noqa: F401  (StateMismatch: public here)
 from commslayer.train.peerjob import PeerJob
 from commslayer.train.replicas import ReplicaBroken

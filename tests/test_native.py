@@ -213,7 +213,7 @@ def _recorded_both_ways(rank, size, store, trace_dir):
     for comm in (fast, slow):
         rec.attach(comm)
     out["native ring"] = rec.native_ring is not None
-    rec._phase(None, 7, "forward")
+    rec._step_begins(None, 7)
     for op, dtype in (("all_reduce", torch.float32), ("all_gather_single", torch.int64),
                       ("reduce_scatter_single", torch.bfloat16)):
         for comm in (fast, slow):

@@ -211,7 +211,7 @@ from tracing.record.recorder import install
 rec = install(sys.argv[1], capacity=16)
 comm = commslayer.new_comm("gloo", name="one", store=dist.HashStore(), rank=0, size=1)
 [source] = status_sources.fns
-rec._phase(None, 5, "forward")  # a resilient job's phase hook: the ops of step 5
+rec._step_begins(None, 5)  # a resilient job's step hook: the ops of step 5
 for _ in range(10):
     comm.all_reduce(torch.ones(256))
 comm.broadcast(torch.ones(8, dtype=torch.float64), 0)

@@ -25,7 +25,8 @@ Fault points: ``resilience.register_phase_hook(fn)`` runs ``fn(job, step, phase)
 ``forward`` (entering the first registered module), ``backward`` (its
 output's gradient), ``allreduce`` (entering the average) and ``optimizer``
 (before the optimizer's step).  The fault harness fires its step faults
-there, in any script that uses this module.
+there, in any script that uses this module.  ``register_step_hook(fn)`` runs
+``fn(job, step)`` once as each step begins (the flight recorder's).
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ from commslayer.comm.exits import exit_now
 from commslayer.train.gradients import GradientAverage, local
 from commslayer.hooks import live_communicators, register_recovery_hook, status_reporters, status_sources
 from commslayer.hooks import phase_hooks as _phase_hooks
+from commslayer.hooks import step_hooks as _step_hooks
 from commslayer.train.replicas import Replicas, fingerprint
 from commslayer.runs import Admission, Recovery
 from commslayer.train.reshard import piece
@@ -554,13 +556,19 @@ class Job:
             self._t0 = time.perf_counter()
             self._replicas.admit(self._state, step)
             self._report_admissions()
-            self.step_index, self._stepped = step, False
+            self._enter_step(step)
             self._average.discard()
             yield step
             if not self._stepped:
                 raise InvalidArgument(f"step {step} ended without job.step(): call it once per step, after "
                                       "backward", op="steps")
         self.step_index = -1
+
+    def _enter_step(self, step: int) -> None:
+        """The loop is in ``step`` from here; the step hooks are told."""
+        self.step_index, self._stepped = step, False
+        if _step_hooks.fns:
+            _step_hooks(self, step)
 
     def _begin_loop(self, total: int) -> None:
         if isinstance(total, bool) or not isinstance(total, numbers.Integral) or total < 1:

@@ -204,7 +204,7 @@ class PeerJob(Job):
         self._begin = time.perf_counter()
         while step < total:
             self._t0 = time.perf_counter()
-            self.step_index, self._stepped = step, False
+            self._enter_step(step)
             if step % self._refresh_every == 0 and (self._copies.confirmed is None
                                                     or self._copies.confirmed.step != step):
                 self._copies.refresh(step, self._state.pack(self._copies.spare()))

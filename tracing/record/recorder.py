@@ -45,7 +45,7 @@ import commslayer
 from commslayer import config
 from commslayer.comm import native
 from commslayer.comm.exits import before_exit, before_exit_ran, exit_now, exiting_here, register_before_exit
-from commslayer.hooks import OpIO, register_phase_hook, register_recovery_hook
+from commslayer.hooks import OpIO, register_recovery_hook, register_step_hook
 
 from tracing import fr_format
 from tracing.record import figures
@@ -203,8 +203,8 @@ class FlightRecorder:
         self.event("generation", dict(info, uid=uid),
                    members=list(info["members"]), before=None if before is None else list(before))
 
-    def _phase(self, job: Any, step: int, phase: str) -> None:
-        """A resilient job's phase hook: events carry the step they happened in."""
+    def _step_begins(self, job: Any, step: int) -> None:
+        """A resilient job's step hook: events carry the step they happened in."""
         self._step = step
         if self._native is not None:
             self._native.step = step
@@ -403,7 +403,7 @@ def install(trace_dir: Optional[str] = None, *, capacity: Optional[int] = None,
                              mode=config.trace_mode())
         for comm in commslayer.live_communicators():
             rec.attach(comm)
-        rec._handles += [commslayer.register_communicator_hook(rec.attach), register_phase_hook(rec._phase),
+        rec._handles += [commslayer.register_communicator_hook(rec.attach), register_step_hook(rec._step_begins),
                          register_recovery_hook(lambda kind, fields: rec.event(kind, **fields)), *figures.attach(rec)]
         if rec.writer is not None and config.trace_jsonl():
             from tracing.record.jsonl import JsonlSink
