@@ -207,15 +207,22 @@ def load(directory: Optional[str] = None) -> Optional[ModuleType]:
         _why_not = f"{path} is not loaded: " + (refused or f"{broken}; `commslayer-native` builds it again")
         return None
     try:
-        loader = importlib.machinery.ExtensionFileLoader(name, path)
-        spec = importlib.util.spec_from_file_location(name, path, loader=loader)
-        assert spec is not None
-        module = importlib.util.module_from_spec(spec)
-        loader.exec_module(module)
+        module = load_extension(name, path)
     except ImportError as exc:  # built against another torch, say
         _why_not = f"{path} does not load: {exc}"
         return None
     _loaded = module
+    return module
+
+
+def load_extension(name: str, path: str) -> ModuleType:
+    """The extension module ``name`` built at ``path`` (``compile_command``), loaded
+    without a place on ``sys.path``; ``ImportError`` when it does not load."""
+    loader = importlib.machinery.ExtensionFileLoader(name, path)
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
     return module
 
 

@@ -336,8 +336,6 @@ def forwarding_groups() -> Dict[str, Tuple[dist.ProcessGroup, Any]]:
     """``--dispatch``'s groups, by variant: each a ProcessGroup whose CPU backend is a
     ``ForwardBackend`` over a Gloo backend of its own, with that backend.  Rank 0 builds
     the module into a temporary directory (removed at exit) while the others wait."""
-    import importlib.machinery
-    import importlib.util
     import subprocess
 
     name = "commslayer_bench_forward"
@@ -355,11 +353,7 @@ def forwarding_groups() -> Dict[str, Tuple[dist.ProcessGroup, Any]]:
     directory = store.get("bench-forward/directory").decode()  # the store's own deadline bounds the wait
     if not directory:
         raise SystemExit("--dispatch: the forwarding backend did not build (rank 0 says why)")
-    loader = importlib.machinery.ExtensionFileLoader(name, os.path.join(directory, name + ".so"))
-    spec = importlib.util.spec_from_file_location(name, loader.path, loader=loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
+    module = native.load_extension(name, os.path.join(directory, name + ".so"))
     rank, size = dist.get_rank(), dist.get_world_size()
     custom = dist.ProcessGroup.BackendType.CUSTOM
     groups = {}
