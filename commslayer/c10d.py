@@ -1,11 +1,12 @@
 """The c10d adapter: commslayer as a ``torch.distributed`` backend.
 
 ``init_process_group(backend="commslayer")`` (or ``"cpu:commslayer,cuda:commslayer"``)
-and ``new_group`` build, through ``create``, a ``CommslayerProcessGroup``
-(commslayer.comm.process_group) over one communicator per device type that this
-module builds (``group_communicator``): CPU → Gloo, CUDA → NCCL, with
-deadlines, classified errors and hooks.  ``adopting`` makes the default
-group over a communicator that exists already (a resilient job's).
+and ``new_group`` build, through ``create``, a group (commslayer.comm.process_group's
+``process_group``) over one communicator per device type that this module
+builds (``group_communicator``): CPU → Gloo, CUDA → NCCL, with deadlines,
+classified errors and hooks.  ``adopting`` makes the default group over a
+communicator that exists already (a resilient job's).  ``group_of`` finds
+commslayer's side of a group (``CommslayerGroup``: its communicators, its hold).
 
 The backend name and ``COMMSLAYER_ROUTE_C10D=1`` (routing an unmodified job)
 are made known to c10d by ``commslayer.registration``, which builds groups
@@ -26,10 +27,10 @@ from commslayer.comm import backends
 from commslayer.comm.communicator import Communicator
 from commslayer.errors import InvalidArgument
 from commslayer.comm.lifecycle import watched_lineage
-from commslayer.comm.process_group import CommslayerProcessGroup, job_rank_shift
+from commslayer.comm.process_group import CommslayerGroup, group_of, job_rank_shift, process_group
 from commslayer.agree.store import bounded
 
-__all__ = ["CommslayerProcessGroup", "adopting", "create", "group_communicator", "job_rank_shift"]
+__all__ = ["CommslayerGroup", "adopting", "create", "group_communicator", "group_of", "job_rank_shift"]
 
 
 def group_communicator(kind: str, store: dist.Store, rank: int, timeout_s: float, group_name: str,
@@ -64,7 +65,7 @@ def adopting(comm: Communicator) -> Iterator[None]:
         _adopted.remove(comm)
 
 
-def create(dist_opts, backend_options) -> CommslayerProcessGroup:
+def create(dist_opts, backend_options) -> dist.ProcessGroup:
     """The ``"commslayer"`` backend's creator (``commslayer.registration``): a group over
     ``dist_opts``, or over the communicator being adopted (``adopting``)."""
     if _adopted:
@@ -73,10 +74,10 @@ def create(dist_opts, backend_options) -> CommslayerProcessGroup:
             raise InvalidArgument(f"init_process_group(rank={dist_opts.group_rank}, world_size="
                                   f"{dist_opts.group_size}) over {comm.get_name()!r}, rank {comm.get_rank()} of "
                                   f"{comm.get_size()}", comm=comm.get_name(), op="init_process_group")
-        return CommslayerProcessGroup([comm])
+        return process_group([comm])
     config.validate()  # start-up of a c10d job: a bad COMMSLAYER_* variable fails init_process_group
     timeout_s = config.group_timeout(dist_opts.timeout).total_seconds()
     kinds = ["gloo"] + (["nccl"] if torch.cuda.is_available() and dist.is_nccl_available() else [])
     default_ranks = list(dist_opts.global_ranks_in_group) or list(range(dist_opts.group_size))
-    return CommslayerProcessGroup([group_communicator(kind, dist_opts.store, dist_opts.group_rank, timeout_s,
+    return process_group([group_communicator(kind, dist_opts.store, dist_opts.group_rank, timeout_s,
                                                       str(dist_opts.group_id), default_ranks) for kind in kinds])

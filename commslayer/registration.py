@@ -66,10 +66,9 @@ def install_routing() -> None:
             config = dist.BackendConfig(dist.Backend(str(backend)))
             dc._world.pg_map[pg] = (backend, store)
             dc._world.pg_backend_config[pg] = str(config)
-            from commslayer.comm.process_group import CommslayerProcessGroup  # built by now: imported at the first group
+            from commslayer.comm.process_group import answer_as  # built by now: imported at the first group
 
-            if isinstance(pg, CommslayerProcessGroup):
-                pg.answer_as(_default_backend(config))
+            answer_as(pg, _default_backend(config))
         return pg, store
 
     setattr(routed, "_commslayer_routed", True)

@@ -37,7 +37,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from commslayer import Communicator, InvalidArgument
 from commslayer import config
-from commslayer.c10d import CommslayerProcessGroup, group_communicator, job_rank_shift
+from commslayer.c10d import group_communicator, group_of, job_rank_shift
 
 
 class FsdpInternalsChanged(RuntimeError):
@@ -219,8 +219,8 @@ def _communicator_for(group: Any, comm: Optional[Communicator], interface: Optio
     shard_ranks = [r + shift for r in dist.get_process_group_ranks(shard_pg)]
     if comm is not None:
         parent = comm
-    elif isinstance(shard_pg, CommslayerProcessGroup):
-        parent = shard_pg.communicator(device_type)
+    elif group_of(shard_pg) is not None:
+        parent = group_of(shard_pg).communicator(device_type)
     else:
         parent = _default_group_communicator(device_type)
     if parent.get_device().type != device_type:

@@ -12,6 +12,13 @@ from faults.ranks import RankDied, run_ranks
 __all__ = ["RankDied", "free_port", "job_story", "on_threads", "run_ranks"]
 
 
+def group_kind(pg: Any) -> str:
+    """``"commslayer"`` for a group of commslayer's, else the group's type name."""
+    from commslayer.c10d import group_of
+
+    return "commslayer" if group_of(pg) is not None else type(pg).__name__
+
+
 def on_threads(*calls: Callable[[], Any], stagger_s: float = 0.0, timeout_s: float = 10.0) -> List[Any]:
     """Run each call on a thread of its own and return each one's result or exception,
     all within ``timeout_s``. With no ``stagger_s`` the threads are released at the

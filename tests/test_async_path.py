@@ -1,5 +1,5 @@
-"""c10d's async ops through the adapter on the native path (``AsyncOpWork``,
-commslayer/comm/direct_path.cpp): real ranks compare every result bitwise with
+"""c10d's async ops through the adapter on the native path (``GroupBackend`` and
+``AsyncOpWork``, commslayer/comm/direct_path.cpp): real ranks compare every result bitwise with
 a plain Gloo group on the same inputs, and hold the path to the guarantees of
 the general one: a deadline met by the caller's wait and by the watchdog when
 nobody waits, a lost peer named, an error that stays with its op."""
@@ -14,6 +14,10 @@ from datetime import timedelta
 import pytest
 import torch
 
+import commslayer
+import faults
+import tracing
+from commslayer.c10d import group_of
 from commslayer.comm import native
 from tests.harness import RankDied, run_ranks
 
@@ -68,7 +72,7 @@ def _same_as_plain(rank, size, store):
     x = torch.randn(1001 * size, generator=torch.Generator().manual_seed(rank))
     ref, _ = _ops(plain, x, size)
     got, kinds = _ops(routed, x, size)
-    return [torch.equal(a, b) for a, b in zip(ref, got)], kinds, routed.communicator("cpu")._seq
+    return [torch.equal(a, b) for a, b in zip(ref, got)], kinds, group_of(routed).communicator("cpu")._seq
 
 
 @needs_native
@@ -77,8 +81,61 @@ def _same_as_plain(rank, size, store):
 def test_async_ops_take_the_native_path_and_match_plain_gloo_bitwise(size):
     for equal, kinds, seq in run_ranks(_same_as_plain, size, timeout=60):
         assert equal == [True] * 7, equal
-        assert kinds == ["AsyncOpWork"] * 4 + ["C10dWork"], kinds
+        assert kinds == ["AsyncOpWork"] * 4 + ["PythonWork"], kinds
         assert seq == 7  # every op numbered, whichever path it took
+
+
+@pytest.mark.timeout(90)
+def test_without_the_native_module_a_group_takes_the_python_path_and_matches_plain_gloo_bitwise():
+    for equal, kinds, seq in run_ranks(_same_as_plain, 2, timeout=60, env={"COMMSLAYER_NATIVE": "0"}):
+        assert equal == [True] * 7, equal
+        assert kinds == ["C10dWork"] * 5, kinds  # CommslayerProcessGroup's own works
+        assert seq == 7
+
+
+def _python_called(rank, size, store):
+    """The Python functions each async op calls while torch.distributed issues it, on a
+    plain Gloo group and on a commslayer group."""
+    import sys
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.PrefixStore("world/", store), rank=rank, world_size=size)
+    groups = {"plain": dist.new_group(backend="gloo"), "ours": dist.new_group(backend="commslayer")}
+    x = torch.ones(64 * size)
+    out = {}
+    for name, group in groups.items():
+        for _ in range(2):  # the second round: caches warm, nothing imported or built on first use
+            called = []
+
+            def profile(frame, event, arg):
+                if event == "call":
+                    called.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+
+            works = []
+            sys.setprofile(profile)
+            works.append(dist.all_reduce(x.clone(), group=group, async_op=True))
+            works.append(dist.all_gather_into_tensor(torch.empty(64 * size * size), x, group=group, async_op=True))
+            works.append(dist.reduce_scatter_tensor(torch.empty(64), x, group=group, async_op=True))
+            sys.setprofile(None)
+            for work in works:
+                work.wait()
+        out[name] = (called, [type(w).__name__ for w in works])
+    dist.destroy_process_group()
+    return out
+
+
+@needs_native
+@pytest.mark.timeout(90)
+def test_c10ds_async_ops_on_a_commslayer_group_run_no_python_of_commslayers():
+    """The group is c10d's own ProcessGroup and its backend is C++ (GroupBackend): issuing
+    FSDP2's and DDP's ops runs the same Python as on plain Gloo, torch's own."""
+    for seen in run_ranks(_python_called, 2, timeout=60):
+        (plain, plain_kinds), (ours, kinds) = seen["plain"], seen["ours"]
+        assert kinds == ["AsyncOpWork"] * 3, kinds
+        mine = tuple(os.path.dirname(m.__file__) + os.sep for m in (commslayer, faults, tracing))
+        assert not [f for f in ours if f.startswith(mine)], ours
+        assert len(ours) == len(plain), (ours, plain)
 
 
 def _deadline(rank, size, store):
@@ -114,7 +171,7 @@ def _deadline(rank, size, store):
     # nobody waits: the watchdog declares it timed out, and breaks its communicator
     work = dist.all_gather_into_tensor(torch.empty(8), torch.ones(4), group=unwaited, async_op=True)
     time.sleep(2.5)
-    failure = unwaited.communicator("cpu").lifecycle.failure
+    failure = group_of(unwaited).communicator("cpu").lifecycle.failure
     out["watchdog"] = None if failure is None else (type(failure).__name__, failure.op)
     try:
         work.wait()
@@ -244,7 +301,7 @@ def _held(rank, size, store):
     group = dist.new_group(backend="commslayer", timeout=timedelta(seconds=30))
     dist.all_reduce(torch.ones(2), group=group)
     taken: list = []
-    group.hold(taken.append)
+    group_of(group).hold(taken.append)
     if rank == 1:
         time.sleep(0.1)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -321,7 +378,7 @@ def _isolated_and_averaged(rank, size, store):
 def test_isolated_groups_and_avg_take_the_native_path_and_match_plain_gloo_bitwise(size):
     for same, kinds in run_ranks(_isolated_and_averaged, size, timeout=60):
         assert same == [True] * 10, same
-        assert kinds == ["AsyncOpWork"] * 10 + ["C10dWork"], kinds
+        assert kinds == ["AsyncOpWork"] * 10 + ["PythonWork"], kinds
 
 
 def _late_write(rank, size, store, isolate, into=False):

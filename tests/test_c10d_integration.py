@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import free_port, run_ranks
+from commslayer.c10d import group_of
+from tests.harness import free_port, group_kind, run_ranks
 
 JOB = Path(__file__).parent / "jobs" / "train_fsdp2.py"
 
@@ -44,10 +45,10 @@ def test_fsdp2_and_ddp_match_plain_gloo(tmp_path, nproc):
     routed = _torchrun(tmp_path, "gloo", nproc, COMMSLAYER_ROUTE_C10D="1",
                        COMMSLAYER_TRACE_DIR=str(tmp_path / "traces"))
     assert plain["world_type"] == "ProcessGroup"
-    assert ours["world_type"] == routed["world_type"] == "CommslayerProcessGroup"
+    assert ours["world_type"] == routed["world_type"] == "commslayer"
     assert routed["backend"] == "gloo"  # the job still sees what it asked for, under every name
     assert routed["names"] == plain["names"] and plain["names"]["ddp"] == "gloo", (routed["names"], plain["names"])
-    assert ours["names"]["name"] == ours["names"]["ddp"] == "commslayer"
+    assert ours["names"]["name"] == ours["names"]["ddp"] == "gloo"  # the backend that carries it, as c10d names it
     assert routed["recording"] and not ours["recording"]
     for run in (ours, routed):
         _assert_bitwise(plain["fsdp"], run["fsdp"])
@@ -91,7 +92,7 @@ def _device_qualified(rank, size, store):
     work.wait()
     pair = dist.new_group([0, 1])
     dist.broadcast(t, src=1, group=pair)
-    name = type(dist.group.WORLD).__name__
+    name = group_kind(dist.group.WORLD)
     dist.destroy_process_group()
     return t[0].item(), name
 
@@ -99,7 +100,7 @@ def _device_qualified(rank, size, store):
 @pytest.mark.timeout(60)
 def test_device_qualified_backend_string():
     for value, name in run_ranks(_device_qualified, 3, timeout=40):
-        assert value == 3.0 and name == "CommslayerProcessGroup"
+        assert value == 3.0 and name == "commslayer"
 
 
 def _destroy_after_timeout(rank, size, store):
@@ -139,7 +140,7 @@ def _functional_collectives(rank, size, store):
     dist.init_process_group("commslayer", store=store, rank=rank, world_size=size)
     group = dist.group.WORLD
     calls = []
-    group._comms["cpu"].register_pre_hook(lambda *args, **kwargs: calls.append(1))
+    group_of(group).communicator("cpu").register_pre_hook(lambda *args, **kwargs: calls.append(1))
 
     @torch.compile(backend="eager")
     def compiled(x):

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from commslayer.c10d import group_of
 from tests.harness import run_ranks
 
 STEPS = 3
@@ -88,7 +89,7 @@ def _bitwise_and_records(rank, size, store, hsdp, trace_dir):
     out["rs_uid"] = rs_comm.uid
     out["rs_comms"] = _rs_comms(rec.records(), start)
     shard_group = mesh.get_group("shard" if hsdp else 0)
-    out["shard_uid"] = shard_group.communicator().uid
+    out["shard_uid"] = group_of(shard_group).communicator().uid
 
     # toggling builds nothing new: count c10d groups and communicators
     counts = []

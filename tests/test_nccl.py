@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_ranks
+from tests.harness import group_kind, run_ranks
 
 pytestmark = [
     pytest.mark.cuda,
@@ -115,7 +115,7 @@ def _train(backend: str, store, prefix: str, device: str, overlap: bool = False)
     dist.barrier()
     seen.update(x=x, y=y, gathered=gathered, scattered=scattered)
     out = {k: bytes(v.cpu().reshape(-1).view(torch.uint8).tolist()) for k, v in seen.items()}
-    out["group"] = type(dist.group.WORLD).__name__
+    out["group"] = group_kind(dist.group.WORLD)
     dist.destroy_process_group()
     return out
 
@@ -139,7 +139,7 @@ def test_c10d_backend_on_cuda_matches_plain_nccl(tmp_path):
     bitwise what plain NCCL gives, every op recorded on the CUDA communicator and
     completed."""
     plain, ours, ops = run_ranks(_backends, 1, str(tmp_path), "cuda", timeout=200, start="spawn")[0]
-    assert plain.pop("group") == "ProcessGroup" and ours.pop("group") == "CommslayerProcessGroup"
+    assert plain.pop("group") == "ProcessGroup" and ours.pop("group") == "commslayer"
     assert plain == ours
     names = {op for op, _, comm in ops if comm.endswith(":cuda")}
     assert {"all_reduce", "all_gather_single", "reduce_scatter_single", "broadcast"} <= names, ops
@@ -164,7 +164,7 @@ def test_fsdp_overlap_on_cuda_matches_plain_nccl():
     plain, ours = run_ranks(_overlap, 1, "cuda", timeout=200, start="spawn")[0]
     if ours is None:
         pytest.skip(plain)
-    assert plain.pop("group") == "ProcessGroup" and ours.pop("group") == "CommslayerProcessGroup"
+    assert plain.pop("group") == "ProcessGroup" and ours.pop("group") == "commslayer"
     assert plain == ours
 
 

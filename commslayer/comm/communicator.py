@@ -32,7 +32,8 @@ hooks: ``register_pre_hook``, ``register_post_hook``,
 ``register_abort_hook``, ``register_error_hook``
 
 management: ``split``, ``abort``, ``finalize``, ``as_process_group``,
-``record_natively`` (the flight recorder's)
+``record_natively`` (the flight recorder's), ``decline_native_async`` (the
+fault injector's)
 
 recovery: ``shrink``, ``reconfigure``, ``pending_members``, ``should_commit``
 """
@@ -128,7 +129,7 @@ class Communicator(Collectives, PointToPoint):
         me = weakref.ref(self)  # the check must not keep its communicator alive
         self._check = CrossRankCheck(store, name, rank, size, lambda op, seq: None if (c := me()) is None else c.lifecycle.interruption(op, seq)) \
             if check else None
-        self._seq = 0
+        self._counted = 0  # OpPath._seq
         self._p2p_seq: Dict[Tuple[int, int], int] = {}
         self._splits: Set[str] = set()
         self._batches = 0  # batch_p2p ops issued (their trace records' numbers)

@@ -21,6 +21,7 @@
 
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <pybind11/chrono.h>
@@ -31,10 +32,12 @@
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <map>
 #include <memory>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -489,6 +492,10 @@ class StagingPool {
   size_t bytes_ = 0;  // of the buffers in free_
 };
 
+// The process's op ids (records, settle_native_async's registry): one series for the
+// ops Python issues (DirectPath.next_op_id) and those GroupBackend issues without it.
+std::atomic<int64_t> next_op_id{1};
+
 // The Python function that settles an async op whose wait did not simply
 // complete (commslayer.comm.op_path.settle_native_async): set once by the
 // module's set_settle and never freed, since a work may need it while the
@@ -791,6 +798,18 @@ class AsyncOpWork : public c10d::Work {
 // it, and the deadline its option structs carry.
 class DirectPath {
  public:
+  // What the options of an async op c10d asked for leave this path to do: a sum (an
+  // all-gather counts as one), an average (a sum, then divided: Gloo has no AVG), or
+  // nothing (another reduce op, or a timeout of their own).
+  enum Reduction : int { kNotPlain = 0, kSum = 1, kAverage = 2 };
+
+  static Reduction reduction_of(const c10d::ReduceOp& op, std::chrono::milliseconds timeout) {
+    if (timeout != c10d::kUnsetTimeout) {
+      return kNotPlain;
+    }
+    return op.op_ == c10d::ReduceOp::SUM ? kSum : op.op_ == c10d::ReduceOp::AVG ? kAverage : kNotPlain;
+  }
+
   DirectPath(
       c10::intrusive_ptr<c10d::Backend> backend,
       int64_t size,
@@ -820,13 +839,29 @@ class DirectPath {
   // A backend's destructor may block on its own threads, and those may need the
   // GIL (a future's Python callback): let go of the backend without it, as
   // torch's bindings do for theirs.
+  // A GroupBackend's issue may drop the last reference, on a thread without the
+  // GIL: the Python objects are let go of with it.
   ~DirectPath() {
     if (PyGILState_Check()) {
       py::gil_scoped_release no_gil;
       backend_.reset();
+      in_flight_.clear();
     } else {
       backend_.reset();
+      in_flight_.clear();
     }
+    if (!Py_IsInitialized() || _Py_IsFinalizing()) {
+      ids_.release();
+      ring_object_.release();
+      for (auto& ring : retired_rings_) {
+        ring.release();
+      }
+      return;
+    }
+    py::gil_scoped_acquire gil;
+    ids_ = py::object();
+    ring_object_ = py::object();
+    retired_rings_.clear();
   }
 
   DirectPath(const DirectPath&) = delete;
@@ -834,7 +869,9 @@ class DirectPath {
 
   // The op's deadline (in the backend's option structs) and how long one wait
   // blocks: the whole deadline, or a slice when a liveness monitor may break
-  // the communicator meanwhile.
+  // the communicator meanwhile.  Set as the communicator is built, before its
+  // ops, and when its deadline changes (Communicator.set_timeout), not while
+  // GroupBackend issues.
   void set_timeout(std::chrono::duration<double> timeout, std::chrono::milliseconds wait) {
     auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(timeout);
     allreduce_.timeout = ms;
@@ -867,70 +904,107 @@ class DirectPath {
 
   // Whether async ops write into staging copies (commslayer.comm.isolation's rule).
   void set_isolate(bool isolate) {
-    isolate_ = isolate;
+    isolate_.store(isolate);
+  }
+
+  // Whether GroupBackend may issue c10d's async ops here: Python's conditions for
+  // the native async path hold (no hook observes, the communicator is clean).
+  void set_open(bool open) {
+    open_.store(open);
+  }
+
+  // The input size from which a reduce-scatter takes the ring instead (-1: never): those go to Python.
+  void set_ring_from(int64_t bytes) {
+    ring_from_.store(bytes);
+  }
+
+  // The communicator's collectives so far, and the next one's number: counted here
+  // so that GroupBackend numbers its ops without Python (Communicator._seq).
+  int64_t seq() const {
+    return seq_.load();
+  }
+
+  int64_t next_seq() {
+    return seq_.fetch_add(1) + 1;
+  }
+
+  void set_seq(int64_t seq) {
+    seq_.store(seq);
   }
 
   // Where run records its ops (a NativeRing), or None: the flight recorder sets it.
   void record_into(py::object ring) {
-    if (ring_ != nullptr) {
+    if (ring_.load() != nullptr) {
       retired_rings_.push_back(ring_object_);  // async ops in flight may still write into it
     }
-    ring_ = ring.is_none() ? nullptr : ring.cast<NativeRing*>();
+    ring_.store(ring.is_none() ? nullptr : ring.cast<NativeRing*>());
     ring_object_ = std::move(ring);
   }
 
-  // The async op c10d's caller asked for through the c10d adapter
-  // (CommslayerProcessGroup): issue DIRECT_OPS[kind] (a: the output, b: the
-  // input; c10d's all_reduce passes its one tensor as both) as op op_id, number
-  // seq, with the communicator's deadline, and return its AsyncOpWork; None when
-  // the op is not one this path takes (a tensor that does not fit, a reduce op
-  // other than a sum or an average of floating-point tensors, a timeout in opts),
-  // for the general path.  With write isolation the backend writes a staging
-  // copy.  An all_reduce whose output is not its input reads the input and
-  // writes only the output (Collectives._all_reduce_into).
-  py::object issue_async(int kind, py::handle a, py::handle b, py::handle opts, int64_t op_id, int64_t seq) {
-    const at::Tensor* first = tensor(a);
-    if (first == nullptr || settle_function == nullptr) {
+  // An async op of the communicator's own API (Communicator._native_async, GIL
+  // held): DIRECT_OPS[kind] (a: the output, b: the input; all_reduce passes its one
+  // tensor as both) with the reduction opts asks for, as issue does; None where
+  // this path does not take it.
+  py::object issue_async(int kind, py::handle a, py::handle b, py::handle opts) {
+    const at::Tensor* output = tensor(a);
+    const at::Tensor* input = a.ptr() == b.ptr() ? output : tensor(b);
+    if (output == nullptr || input == nullptr) {
       return py::none();
     }
-    Reduction reduction = plain_options(kind, opts);
-    if (reduction == kNotPlain || (reduction == kAverage && !first->is_floating_point() && !first->is_complex())) {
-      return py::none();  // an integer AVG truncates: the general path
-    }
-    const at::Tensor* second = a.ptr() == b.ptr() ? first : tensor(b);
-    if (second == nullptr) {
+    c10::intrusive_ptr<AsyncOpWork> work = issue_async_op(kind, *output, *input, plain_options(kind, opts), true);
+    if (!work) {
       return py::none();
     }
-    if (kind == kAllReduce) {
-      if (second != first && (second->scalar_type() != first->scalar_type() || second->sizes() != first->sizes())) {
-        return py::none();
+    return py::cast(work);
+  }
+
+  // The async op a caller of c10d asked for (GroupBackend, or issue_async): issue
+  // DIRECT_OPS[kind] with the communicator's deadline as its next op, and return its
+  // AsyncOpWork; null when the op is not one this path takes (the path is closed,
+  // a tensor does not fit, a reduction other than a sum or an average of
+  // floating-point tensors, a reduce-scatter that takes the ring).  gil: whether
+  // the caller holds the GIL.  With write isolation the backend writes a staging
+  // copy.  An all_reduce whose output is not its input reads the input and writes
+  // only the output (Collectives._all_reduce_into).
+  c10::intrusive_ptr<AsyncOpWork> issue_async_op(int kind, const at::Tensor& output, const at::Tensor& input,
+                                                 Reduction reduction, bool gil) {
+    if (!open_.load() || settle_function == nullptr || !fits_async(kind, output, input, reduction)) {
+      return {};
+    }
+    int64_t ring_from = ring_from_.load();
+    if (kind == kReduceScatter && ring_from >= 0 && static_cast<int64_t>(input.nbytes()) >= ring_from) {
+      return {};  // Python decides whether it takes the ring
+    }
+    int64_t seq = next_seq();
+    int64_t op_id = next_op_id.fetch_add(1);
+    Slot* slot = nullptr;
+    if (ring_.load() != nullptr) {  // the record's call site is Python's: taken with the GIL
+      std::optional<py::gil_scoped_acquire> taken;
+      if (!gil) {
+        taken.emplace();
       }
-    } else {
-      const at::Tensor* big = kind == kAllGather ? first : second;
-      const at::Tensor* small = kind == kAllGather ? second : first;
-      if (big->scalar_type() != small->scalar_type() || big->numel() != small->numel() * size_) {
-        return py::none();
+      NativeRing* ring = ring_.load();
+      if (ring != nullptr) {
+        slot = ring->slot(ring->begin(op_id, seq, kind, output, input, ids_, timeout_s_, true));
       }
     }
-    // References of our own, taken and dropped with the GIL: a tensor's first
-    // reference beyond its Python object's, and its last, touch that object.
-    at::Tensor output = *first;
-    at::Tensor input = *second;
-    Slot* slot = ring_ == nullptr ? nullptr
-        : ring_->slot(ring_->begin(op_id, seq, kind, output, input, ids_, timeout_s_, true));
     c10::intrusive_ptr<c10d::Work> inner;
     at::Tensor staged;  // write isolation: the backend writes a copy, the caller's tensor gets it on success
     {
-      py::gil_scoped_release no_gil;
-      if (isolate_) {
+      std::optional<py::gil_scoped_release> released;
+      if (gil) {
+        released.emplace();
+      }
+      if (isolate_.load()) {
         // Not pooled: Gloo's reduce-scatter copies this rank's slice out in its wait,
         // which may come after the finish step (a poll ran it first).
         staged = kind == kReduceScatter ? at::empty_like(output) : staging_->take(output);
         if (kind == kAllReduce) {
           copy_into(staged, input);  // all_reduce reads it first
         }
-      } else if (kind == kAllReduce && second != first) {
-        copy_into(output, input);  // reduced in place, in the output
+      } else if (kind == kAllReduce && !input.is_same(output)) {
+        at::Tensor reduced = output;
+        copy_into(reduced, input);  // reduced in place, in the output
       }
       inner = issue(kind, staged.defined() ? staged : output, input);
     }
@@ -943,16 +1017,19 @@ class DirectPath {
                                                  reduction == kAverage ? size_ : 0,
                                                  kind == kReduceScatter ? nullptr : staging_);
     work->record_in(slot);
-    // Freeing an op may let go of the GIL (its tensors' Python objects), so the
-    // watchdog's sweep may run meanwhile: the ended ones are freed here once
-    // in_flight_ is whole.  Only the oldest are let go here, the sweep frees the rest.
+    // Freeing an op may take the GIL (its tensors' Python objects), and the
+    // watchdog's sweep may run meanwhile: the ended ones are freed here, out of
+    // in_flight_'s lock.  Only the oldest are let go here, the sweep frees the rest.
     std::vector<c10::intrusive_ptr<AsyncOpWork>> ended;
-    while (!in_flight_.empty() && in_flight_.front()->completed()) {
-      ended.push_back(std::move(in_flight_.front()));
-      in_flight_.pop_front();
+    {
+      std::lock_guard<std::mutex> lock(in_flight_mutex_);
+      while (!in_flight_.empty() && in_flight_.front()->completed()) {
+        ended.push_back(std::move(in_flight_.front()));
+        in_flight_.pop_front();
+      }
+      in_flight_.push_back(work);
     }
-    in_flight_.push_back(work);
-    return py::cast(work);
+    return work;
   }
 
   // The watchdog's sweep (GIL held): settle the async ops that failed, are overdue,
@@ -963,13 +1040,17 @@ class DirectPath {
     // so far, taken out of in_flight_, and frees those that ended (swept) once
     // in_flight_ is whole again.
     std::deque<c10::intrusive_ptr<AsyncOpWork>> swept;
-    swept.swap(in_flight_);
+    {
+      std::lock_guard<std::mutex> lock(in_flight_mutex_);
+      swept.swap(in_flight_);
+    }
     std::deque<c10::intrusive_ptr<AsyncOpWork>> kept;
     for (auto& work : swept) {
       if (!work->sweep(now_ns, broken)) {
         kept.push_back(work);
       }
     }
+    std::lock_guard<std::mutex> lock(in_flight_mutex_);
     kept.insert(kept.end(), in_flight_.begin(), in_flight_.end());
     in_flight_.swap(kept);
     return in_flight_.size();
@@ -985,7 +1066,7 @@ class DirectPath {
   py::object run(int kind, py::handle a, py::handle b, int64_t op_id, int64_t seq) {
     const at::Tensor& first = THPVariable_Unpack(a.ptr());
     const at::Tensor& second = THPVariable_Unpack(b.ptr());
-    NativeRing* ring = op_id != 0 ? ring_ : nullptr;
+    NativeRing* ring = op_id != 0 ? ring_.load() : nullptr;
     size_t index = ring == nullptr ? 0 : ring->begin(op_id, seq, kind, first, second, ids_, timeout_s_, false);
     int64_t end_ns = 0;
     py::object failed = issue_and_wait(kind, first, second, &end_ns);
@@ -1001,11 +1082,32 @@ class DirectPath {
       return nullptr;
     }
     const at::Tensor& tensor = THPVariable_Unpack(t.ptr());
-    if (tensor.layout() != c10::kStrided || tensor.device().type() != device_type_ ||
-        !((dtypes_ >> static_cast<int>(tensor.scalar_type())) & 1) || !tensor.is_contiguous()) {
-      return nullptr;
+    return fits_tensor(tensor) ? &tensor : nullptr;
+  }
+
+  // A dense, contiguous tensor on the group's device type, of a dtype it carries,
+  // that no Python subclass dispatches.
+  bool fits_tensor(const at::Tensor& t) const {
+    return t.layout() == c10::kStrided && t.device().type() == device_type_ &&
+        ((dtypes_ >> static_cast<int>(t.scalar_type())) & 1) && t.is_contiguous() &&
+        !t.unsafeGetTensorImpl()->is_python_dispatch();
+  }
+
+  // Whether an async op's tensors fit this path: both fit, and an all_reduce's have
+  // one dtype and shape; a gather's or scatter's one dtype, the big one size times the small.
+  bool fits_async(int kind, const at::Tensor& output, const at::Tensor& input, Reduction reduction) const {
+    if (reduction == kNotPlain || (reduction == kAverage && !output.is_floating_point() && !output.is_complex())) {
+      return false;  // an integer AVG truncates: the general path
     }
-    return &tensor;
+    if (!fits_tensor(output) || (!input.is_same(output) && !fits_tensor(input))) {
+      return false;
+    }
+    if (kind == kAllReduce) {
+      return input.scalar_type() == output.scalar_type() && input.sizes() == output.sizes();
+    }
+    const at::Tensor& big = kind == kAllGather ? output : input;
+    const at::Tensor& small = kind == kAllGather ? input : output;
+    return big.scalar_type() == small.scalar_type() && big.numel() == small.numel() * size_;
   }
 
   // The record of async op op_id (in slot) takes the time the transfer ends, from
@@ -1026,15 +1128,6 @@ class DirectPath {
     });
   }
 
-  // What the options of an async op c10d asked for leave this path to do: a sum (an
-  // all-gather counts as one), an average (a sum, then divided: Gloo has no AVG), or
-  // nothing (another reduce op, or a timeout of their own).
-  enum Reduction : int { kNotPlain = 0, kSum = 1, kAverage = 2 };
-
-  static Reduction reduction_of(const c10d::ReduceOp& op) {
-    return op.op_ == c10d::ReduceOp::SUM ? kSum : op.op_ == c10d::ReduceOp::AVG ? kAverage : kNotPlain;
-  }
-
   static Reduction plain_options(int kind, py::handle opts) {
     switch (kind) {
       case kAllReduce: {
@@ -1042,7 +1135,7 @@ class DirectPath {
           return kNotPlain;
         }
         const auto& o = opts.cast<const c10d::AllreduceOptions&>();
-        return o.timeout == c10d::kUnsetTimeout ? reduction_of(o.reduceOp) : kNotPlain;
+        return reduction_of(o.reduceOp, o.timeout);
       }
       case kAllGather: {
         if (!py::isinstance<c10d::AllgatherOptions>(opts)) {
@@ -1055,7 +1148,7 @@ class DirectPath {
           return kNotPlain;
         }
         const auto& o = opts.cast<const c10d::ReduceScatterOptions&>();
-        return o.timeout == c10d::kUnsetTimeout ? reduction_of(o.reduceOp) : kNotPlain;
+        return reduction_of(o.reduceOp, o.timeout);
       }
       default:
         return kNotPlain;
@@ -1131,14 +1224,293 @@ class DirectPath {
   std::chrono::milliseconds wait_{0};
   std::chrono::milliseconds slice_{0};  // an async op's wait slice: wait_ where it is one, else 0
   int64_t key_ = 0;  // this communicator's in settle_native_async's registry (set_key)
-  bool isolate_ = false;  // async ops write into staging copies (set_isolate)
+  std::atomic<bool> isolate_{false};  // async ops write into staging copies (set_isolate)
+  std::atomic<bool> open_{false};  // GroupBackend may issue here (set_open)
+  std::atomic<int64_t> ring_from_{-1};  // set_ring_from
+  std::atomic<int64_t> seq_{0};  // the communicator's collectives so far
   std::shared_ptr<StagingPool> staging_ = std::make_shared<StagingPool>();
+  std::mutex in_flight_mutex_;  // GroupBackend issues without the GIL
   std::deque<c10::intrusive_ptr<AsyncOpWork>> in_flight_;  // async ops not yet seen to end
   double timeout_s_ = 0;  // the deadline, as the records give it
   py::object ids_;  // the communicator's (name, uid, generation), for the records
-  NativeRing* ring_ = nullptr;  // where run records, kept alive by ring_object_
+  std::atomic<NativeRing*> ring_{nullptr};  // where ops record, kept alive by ring_object_
   py::object ring_object_;
   std::vector<py::object> retired_rings_;  // rings recorded into before, kept for the async ops' slots
+};
+
+// A Python Work (commslayer.comm.process_group.C10dWork) as a c10d Work, for the
+// ops GroupBackend hands to Python: every virtual a caller of c10d may use goes
+// to the Python object, with the GIL (torch's own holder forwards only wait and
+// get_future).
+class PythonWork : public c10d::Work {
+ public:
+  explicit PythonWork(py::object work) : work_(std::move(work)) {}
+
+  ~PythonWork() override {
+    if (Py_IsInitialized() && !_Py_IsFinalizing()) {
+      py::gil_scoped_acquire gil;
+      work_ = py::object();
+    } else {
+      work_.release();
+    }
+  }
+
+  bool isCompleted() override {
+    py::gil_scoped_acquire gil;
+    return work_.attr("is_completed")().cast<bool>();
+  }
+
+  bool isSuccess() const override {
+    py::gil_scoped_acquire gil;
+    return work_.attr("is_success")().cast<bool>();
+  }
+
+  std::exception_ptr exception() const override {
+    py::gil_scoped_acquire gil;
+    py::object error = work_.attr("exception")();
+    if (error.is_none()) {
+      return nullptr;
+    }
+    return std::make_exception_ptr(std::runtime_error(py::str(error).cast<std::string>()));
+  }
+
+  int sourceRank() const override {
+    py::gil_scoped_acquire gil;
+    return work_.attr("_source_rank")().cast<int>();
+  }
+
+  std::vector<at::Tensor> result() override {
+    py::gil_scoped_acquire gil;
+    return work_.attr("result")().cast<std::vector<at::Tensor>>();
+  }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    py::gil_scoped_acquire gil;
+    py::object bound = timeout.count() > 0 ? py::cast(timeout) : py::none();
+    return work_.attr("wait")(bound).cast<bool>();
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    py::gil_scoped_acquire gil;
+    return work_.attr("get_future")().cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
+  }
+
+ private:
+  py::object work_;
+};
+
+// A commslayer group's backend, registered on c10d's own ProcessGroup for each
+// of its device types (commslayer/comm/process_group.py): what torch.distributed's
+// calls and C++ callers (DDP's reducer, FSDP2) reach through c10d's dispatcher.
+// The async all_reduce, all_gather_single and reduce_scatter_single that the CPU
+// communicator's direct path takes are issued here without a line of Python
+// (DirectPath::issue_async_op); every other op, and those where the path is
+// closed, go to the group's Python ops with the GIL (CommslayerGroup), their
+// Work a PythonWork.  The few ops commslayer does not carry go to c10d's backend
+// of the tensors' device (inners: the first communicators' backends), as c10d
+// would send them.
+class GroupBackend : public c10d::Backend {
+ public:
+  GroupBackend(int rank, int size, py::object ops,
+               const std::map<std::string, c10::intrusive_ptr<c10d::Backend>>& inners)
+      : c10d::Backend(rank, size), ops_(std::move(ops)) {
+    for (const auto& [device_type, backend] : inners) {
+      inners_.emplace_back(c10::Device(device_type).type(), backend);
+    }
+  }
+
+  ~GroupBackend() override {
+    if (Py_IsInitialized() && !_Py_IsFinalizing()) {
+      py::gil_scoped_acquire gil;
+      ops_ = py::object();
+    } else {
+      ops_.release();
+    }
+    std::optional<py::gil_scoped_release> released;  // a backend's destructor may need the GIL on its threads
+    if (PyGILState_Check()) {
+      released.emplace();
+    }
+    inners_.clear();
+  }
+
+  const std::string getBackendName() const override {
+    return "commslayer";
+  }
+
+  // The group's Python ops (CommslayerGroup), for commslayer's helpers.
+  py::object ops() const {
+    return ops_;
+  }
+
+  // The CPU communicator's direct path, which issues the native ops (a DirectPath,
+  // or None: every op goes to Python).  Held weakly: a communicator that let go of
+  // its path (it was retired) has none.
+  void set_path(const std::shared_ptr<DirectPath>& path) {
+    std::lock_guard<std::mutex> lock(path_mutex_);
+    path_ = path;
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override {
+    if (tensors.size() == 1) {
+      if (auto work = native(kAllReduce, tensors[0], tensors[0], opts.reduceOp, opts.timeout)) {
+        return work;
+      }
+    }
+    return python("allreduce", tensors, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override {
+    if (auto work = native(kAllGather, output, input, c10d::ReduceOp::SUM, opts.timeout)) {
+      return work;
+    }
+    return python("_allgather_base", output, input, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override {
+    if (auto work = native(kReduceScatter, output, input, opts.reduceOp, opts.timeout)) {
+      return work;
+    }
+    return python("_reduce_scatter_base", output, input, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override {
+    return python("allreduce_coalesced", tensors, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override {
+    return python("allgather", outputs, inputs, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) override {
+    return python("allgather_into_tensor_coalesced", outputs, inputs, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override {
+    return python("reduce_scatter", outputs, inputs, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::ReduceScatterOptions& opts) override {
+    return python("reduce_scatter_tensor_coalesced", outputs, inputs, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_split_sizes,
+                                               std::vector<int64_t>& input_split_sizes,
+                                               const c10d::AllToAllOptions& opts) override {
+    return python("alltoall_base", output, input, output_split_sizes, input_split_sizes, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override {
+    return python("broadcast", tensors, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override {
+    return python("reduce", tensors, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override {
+    return python("gather", outputs, inputs, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override {
+    return python("scatter", outputs, inputs, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
+    return python("barrier", opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
+    return python("send", tensors, dst, tag);
+  }
+
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
+    return python("recv", tensors, src, tag);
+  }
+
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
+    return python("recv_anysource", tensors, tag);
+  }
+
+  // What commslayer does not carry, as c10d would have done it.
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override {
+    return inner(inputs.at(0))->allgather_coalesced(outputs, inputs, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override {
+    return inner(inputs.at(0))->alltoall(outputs, inputs, opts);
+  }
+
+  // c10d sends it to the CPU backend whatever the group's devices (Gloo's alone has one).
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override {
+    inner(at::empty({0}))->monitoredBarrier(opts, wait_all_ranks);
+  }
+
+  void abort() override {
+    py::gil_scoped_acquire gil;
+    ops_.attr("abort")();
+  }
+
+  void shutdown() override {
+    py::gil_scoped_acquire gil;
+    ops_.attr("shutdown")();
+  }
+
+ private:
+  const c10::intrusive_ptr<c10d::Backend>& inner(const at::Tensor& t) const {
+    for (const auto& [device_type, backend] : inners_) {
+      if (device_type == t.device().type()) {
+        return backend;
+      }
+    }
+    throw std::invalid_argument("the group has no backend for " + t.device().str() + " tensors");
+  }
+
+  c10::intrusive_ptr<c10d::Work> native(int kind, const at::Tensor& output, const at::Tensor& input,
+                                        const c10d::ReduceOp& op, std::chrono::milliseconds timeout) {
+    DirectPath::Reduction reduction = DirectPath::reduction_of(op, timeout);
+    if (reduction == DirectPath::kNotPlain) {
+      return {};
+    }
+    std::shared_ptr<DirectPath> path;
+    {
+      std::lock_guard<std::mutex> lock(path_mutex_);
+      path = path_.lock();
+    }
+    if (!path) {
+      return {};
+    }
+    return path->issue_async_op(kind, output, input, reduction, PyGILState_Check());
+  }
+
+  template <typename... Args>
+  c10::intrusive_ptr<c10d::Work> python(const char* method, Args&&... args) {
+    py::gil_scoped_acquire gil;
+    return c10::make_intrusive<PythonWork>(ops_.attr(method)(std::forward<Args>(args)...));
+  }
+
+  py::object ops_;
+  std::vector<std::pair<c10::DeviceType, c10::intrusive_ptr<c10d::Backend>>> inners_;
+  std::mutex path_mutex_;
+  std::weak_ptr<DirectPath> path_;
 };
 
 }  // namespace
@@ -1165,7 +1537,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     }
     *settle_function = std::move(fn);
   }, py::arg("fn"));
-  py::class_<DirectPath>(m, "DirectPath")
+  py::class_<DirectPath, std::shared_ptr<DirectPath>>(m, "DirectPath")
       .def(
           py::init<c10::intrusive_ptr<c10d::Backend>, int64_t, const std::string&, const std::vector<at::ScalarType>&,
                    const std::vector<int>&, py::object, std::chrono::duration<double>, std::chrono::milliseconds>(),
@@ -1177,8 +1549,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("record_into", &DirectPath::record_into, py::arg("ring"))
       .def("set_key", &DirectPath::set_key, py::arg("key"))
       .def("set_isolate", &DirectPath::set_isolate, py::arg("isolate"))
-      .def("issue_async", &DirectPath::issue_async, py::arg("kind"), py::arg("a"), py::arg("b"), py::arg("opts"),
-           py::arg("op_id"), py::arg("seq"))
+      .def("issue_async", &DirectPath::issue_async, py::arg("kind"), py::arg("a"), py::arg("b"), py::arg("opts"))
+      .def("set_open", &DirectPath::set_open, py::arg("open"))
+      .def("set_ring_from", &DirectPath::set_ring_from, py::arg("bytes"))
+      .def("seq", &DirectPath::seq)
+      .def("next_seq", &DirectPath::next_seq)
+      .def("set_seq", &DirectPath::set_seq, py::arg("seq"))
+      .def_static("next_op_id", []() { return next_op_id.fetch_add(1); })
+      .def_static("start_op_ids", [](int64_t first) { next_op_id.store(first); }, py::arg("first"))
       .def("sweep", &DirectPath::sweep, py::arg("now_ns"), py::arg("broken"))
       .def("run", &DirectPath::run, py::arg("kind"), py::arg("a"), py::arg("b"), py::arg("op_id"), py::arg("seq"));
+  py::class_<PythonWork, c10d::Work, c10::intrusive_ptr<PythonWork>>(m, "PythonWork");
+  py::class_<GroupBackend, c10d::Backend, c10::intrusive_ptr<GroupBackend>>(m, "GroupBackend")
+      .def(py::init<int, int, py::object, const std::map<std::string, c10::intrusive_ptr<c10d::Backend>>&>(),
+           py::arg("rank"), py::arg("size"), py::arg("ops"), py::arg("inners"))
+      .def_property_readonly("ops", &GroupBackend::ops)
+      .def("set_path", &GroupBackend::set_path, py::arg("path"));
 }

@@ -176,7 +176,15 @@ class Lifecycle:
             raise CommAborted(f"communicator was {self.describe()}", comm=self._name, op=op)
         self.state = to
         self.reason = reason
+        self._unclean()
+
+    def _unclean(self) -> None:
+        """Ops check the group from now on; and c10d's async ops, which the
+        native path issues without Python, no longer take it (``DirectPath.set_open``)."""
         self.clean = False
+        native = getattr(self._owner(), "_native", None)
+        if native is not None:
+            native.set_open(False)
 
     def fail(self, err: CommError) -> bool:
         """The first failure breaks an ACTIVE communicator and runs the error hooks (once,
@@ -595,7 +603,7 @@ class Lifecycle:
             for r in ranks:
                 self.departed.setdefault(r, now)
             if self.departed:
-                self.clean = False
+                self._unclean()
         for child, parent_ranks in self.live_children():
             child.peers_left(in_child(ranks, parent_ranks))
 

@@ -256,6 +256,15 @@ def direct_path(backend: Any, size: int, device_type: str, dtypes: Any, untimed:
     return module.DirectPath(backend, size, device_type, list(dtypes), untimed, ids, timeout, wait)
 
 
+def group_backend(rank: int, size: int, side: Any, inners: Dict[str, Any]) -> Any:
+    """A c10d group's backend (``GroupBackend`` in direct_path.cpp) whose ops go to
+    ``side`` (commslayer.comm.process_group's ``CommslayerGroup``) unless native code
+    issues them, and those commslayer does not carry to ``inners[device type]`` (c10d's
+    backends of the group's first communicators); None where there is no native path."""
+    module = _module()
+    return None if module is None else module.GroupBackend(rank, size, side, inners)
+
+
 def ring(capacity: int, thread_names: Dict[int, str], internal_dirs: Tuple[str, ...], threading_file: str) -> Any:
     """A flight recorder's ring for the records of native direct-path ops
     (``NativeRing`` in direct_path.cpp), or None where there is no native path."""

@@ -11,9 +11,11 @@ async ops need, its issue, wait and flight-recorder record in native code
 where ``commslayer.comm.native`` is built (docs/bench/direct-path.md).
 
 The same three ops issued async through the c10d adapter (what FSDP2 and
-DDP issue) take ``_issue_async``, while no hook observes the communicator
-and a flight recorder, if any, takes native records: native code issues the
-op and returns a c10d ``Work`` of its own, whose wait runs no Python unless
+DDP issue) reach the group's native backend (``GroupBackend``,
+commslayer.comm.process_group), which issues them on the communicator's
+native path while no hook observes the communicator and a flight recorder,
+if any, takes native records (``_update_direct`` opens and closes it); that
+path numbers them itself (``_seq``) and returns a c10d ``Work`` of its own, whose wait runs no Python unless
 the op does not simply complete; then ``settle_native_async`` settles it
 here, as the general path's ``Work`` would (docs/bench/async-path.md).  That
 native ``Work`` also takes the two finishing steps the resilient modes need:
@@ -52,7 +54,10 @@ if TYPE_CHECKING:
     from commslayer.comm.communicator import Communicator
     from commslayer.comm.lifecycle import Lifecycle
 
-_op_ids = itertools.count(1)  # process-wide, monotonic
+# Process-wide, monotonic: Python's count until a native direct path exists, then
+# the native module's, which numbers c10d's async ops without Python (GroupBackend).
+_op_ids = itertools.count(1)
+_next_op_id: Callable[[], int] = _op_ids.__next__
 # The ops the direct path takes (``_direct_run``), by their kind in direct_path.cpp:
 # the first three as the API's ops and async through the c10d adapter; the last,
 # ``should_commit``'s tally (a MIN all-reduce, ``Communicator._agree``), only synchronous
@@ -77,7 +82,7 @@ def settle_native_async(key: int, kind: int, op_id: int, seq: int, start_ns: int
     (the native side then runs its finish step); ``RUNNING`` when it still runs
     (the watchdog looked at a communicator that is not broken after all); raises
     its ``CommError`` when it failed, unless the c10d group that issued it is held
-    (``CommslayerProcessGroup.hold``): then the hold's callback takes the error and
+    (``CommslayerGroup.hold``): then the hold's callback takes the error and
     the op counts as done, its outputs as they were (``HELD``)."""
     comm = _async_comms.get(key)
     if comm is None:  # gone: its group was destroyed while the op ran
@@ -118,7 +123,7 @@ class OpPath:
     _barrier_opts: Any
     _check: Optional[CrossRankCheck]
     _checkers: Dict[str, Checker]
-    _seq: int  # the collectives issued
+    _counted: int  # the collectives issued, where there is no native path to count them (``_seq``)
     _p2p_seq: Dict[Tuple[int, int], int]  # (src, dst) -> the messages numbered in that pair
     _batches: int
     _ring_from: Optional[int]
@@ -133,13 +138,15 @@ class OpPath:
     _ring_thread: Optional[Waiter]
     _native: Any
     _native_records: bool
-    _async_path: Any  # the native path of c10d's async ops (``_issue_async``), or None
+    _async_path: Any  # the native path of async ops (``_native_async``, c10d's GroupBackend), or None
     # where a failed native async op's error goes instead of its waiter: the hold of
-    # the c10d group that issues them (CommslayerProcessGroup.hold), or None
+    # the c10d group that issues them (CommslayerGroup.hold), or None
     _held_failures: Optional[Callable[[CommError], None]] = None
     # the option structs, without a deadline of their own, of the API's native async ops
     _untimed_opts: Dict[Tuple[int, Optional[ReduceOp]], Any]
     _swept = False  # whether the watchdog sweeps this communicator's native async ops
+    # async ops must reach the communicator's methods (the fault injector wraps them): no native async path
+    _async_declined = False
     _direct: bool
     _unobserved: bool  # no hook observes this communicator's ops and check mode is off
     _dense: Callable[..., bool]
@@ -168,11 +175,34 @@ class OpPath:
         break the communicator meanwhile (``Work.wait_issued``'s)."""
         return self._direct_td, WAIT_SLICE if self.lifecycle.watched else self._direct_td
 
+    @property
+    def _seq(self) -> int:
+        """The collectives issued so far: counted by the native path where there is one,
+        since c10d's async ops are numbered there without Python (GroupBackend)."""
+        native = self._native
+        return self._counted if native is None else int(native.seq())
+
+    def _next_seq(self) -> int:
+        """The next collective's number (counted as issued)."""
+        native = self._native
+        if native is None:
+            self._counted += 1
+            return self._counted
+        return int(native.next_seq())
+
     def _take_direct_path(self, path: Any) -> None:
         """Run the direct path's checks and ops in native code through ``path`` (a
         ``DirectPath``, commslayer.comm.native), or in Python (None)."""
+        global _next_op_id
+        self._counted = self._seq
         self._native = path
         self._native_records = False
+        if path is not None:
+            path.set_seq(self._counted)
+            if _next_op_id == _op_ids.__next__:  # from now on the native module counts
+                type(path).start_op_ids(next(_op_ids))
+                _next_op_id = type(path).next_op_id
+            path.set_ring_from(-1 if self._ring_from is None else self._ring_from)
         if path is None:
             direct = Checker(self._name, "direct", self._rank, self._size, self._spec.device_type,
                              self._spec.dtypes)
@@ -196,34 +226,26 @@ class OpPath:
     def _update_direct(self) -> None:
         """Whether the direct path (``_direct_run``) is open: only while no hook
         observes this communicator's ops, check mode is off and writes are not
-        isolated; and the native async path (``_issue_async``) while no hook
+        isolated; and the native async path (``_native_async``, GroupBackend) while no hook
         observes and check mode is off, isolating writes itself where they are."""
         self._unobserved = unobserved = self._check is None and not (
             self._pre.fns or self._checks.fns or self._post.fns or self.completion_hooks.fns)
         self._direct = unobserved and self._ops is self._backend
-        self._async_path = self._native if unobserved and (self.recorder is None or self._native_records) \
-            else None
+        self._async_path = self._native if unobserved and not self._async_declined and (
+            self.recorder is None or self._native_records) else None
         if self._native is not None:
             self._native.set_isolate(self._ops is not self._backend)
+            self._native.set_open(self._async_path is not None and self.lifecycle.clean)
+
+    def decline_native_async(self) -> None:
+        """Send every async op through this communicator's methods (and c10d's through
+        its group's Python ops), not the native path: for a caller that wraps the methods."""
+        self._async_declined = True
+        self._update_direct()
 
     def _takes_ring(self, op: ReduceOp, output: torch.Tensor, input_bytes: int) -> bool:
         """Whether this reduce-scatter runs as the ring (commslayer.comm.ring) rather than Gloo's own."""
         return self._ring_from is not None and input_bytes >= self._ring_from and ring_fits(op, output, self._size)
-
-    def _issue_async(self, kind: int, a: torch.Tensor, b: torch.Tensor, opts: Any) -> Any:
-        """An async ``DIRECT_OPS[kind]`` that c10d asked for with ``opts`` (``a``: the
-        output, ``b``: the input), issued by the native path as a c10d ``Work``
-        (``AsyncOpWork``, direct_path.cpp, which carries the op's id and sequence
-        number); None when the op does not take that path.  One Python frame between
-        the adapter's method and native code: each runs with cold caches."""
-        path = self._async_path
-        if path is None or not self.lifecycle.clean or kind == 2 and self._takes_ring(ReduceOp.SUM, a, b.nbytes):
-            return None
-        seq = self._seq + 1
-        work = path.issue_async(kind, a, b, opts, next(_op_ids), seq)
-        if work is not None:
-            self._seq = seq
-        return work
 
     def _native_async(self, kind: int, a: torch.Tensor, b: torch.Tensor, op: Optional[ReduceOp]) -> Optional[Work]:
         """An async all-reduce (``op``: SUM or AVG) or all-gather (``op`` None) of this
@@ -240,7 +262,8 @@ class OpPath:
             if op is not None:  # the native path divides an AVG itself
                 opts.reduceOp = c10d.ReduceOp.AVG if op is ReduceOp.AVG else c10d.ReduceOp.SUM
             self._untimed_opts[(kind, op)] = opts
-        work = self._issue_async(kind, a, b, opts)
+        path = self._async_path
+        work = None if path is None or not self.lifecycle.clean else path.issue_async(kind, a, b, opts)
         if work is None:
             return None
         comm: "Communicator" = self  # type: ignore[assignment]  # OpPath is its base; no cast call per op
@@ -271,8 +294,8 @@ class OpPath:
         issue and the wait run in native code (``DirectPath.run``)."""
         comm: "Communicator" = self  # type: ignore[assignment]  # OpPath is its base; no cast call per op
         op = DIRECT_OPS[kind]
-        self._seq = seq = self._seq + 1
-        op_id = next(_op_ids)
+        seq = self._next_seq()
+        op_id = _next_op_id()
         timeout_s = self._timeout_s
         recorder = self.recorder
         in_native = self._native is not None
@@ -342,8 +365,8 @@ class OpPath:
         timeout_s = self._timeout_s if timeout is None else timeout_seconds(timeout, self._timeout_s, chk)
         collective = seq is None
         if seq is None:
-            self._seq = seq = self._seq + 1
-        op_id = next(_op_ids)
+            seq = self._next_seq()
+        op_id = _next_op_id()
         recorder = self.recorder
         record = None if recorder is None else recorder.scheduled(
             comm, op, op_id, seq, io, peer, async_op, timeout_s)

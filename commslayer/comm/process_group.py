@@ -1,17 +1,26 @@
-"""commslayer's communicators as a c10d ``ProcessGroup``: ``CommslayerProcessGroup``.
+"""commslayer's communicators as a c10d ``ProcessGroup``.
 
-A Python subclass of c10d's ``ProcessGroup`` that sends every collective
-c10d's Python API or C++ callers (DDP's reducer) make through a
-``Communicator`` per device type (CPU → Gloo, CUDA → NCCL), so they get
-deadlines, classified errors and hooks; its c10d ``Work``s (``C10dWork``)
-wrap commslayer ``Work``s, except those of an async all_reduce,
-all_gather_single or reduce_scatter_single on CPU that the native path
-issues (``Communicator._issue_async``): a c10d ``Work`` of its own, whose
-wait runs no Python while the op completes (docs/bench/async-path.md).  A C++ ``Backend`` cannot be subclassed from
-Python, so the group registers each communicator's own c10d backend object
-too: that gives the group its name (DeviceMesh needs it) and serves callers
-that go straight to the dispatcher (functional collectives), which therefore
-bypass commslayer's deadlines.
+A group that c10d's Python API and C++ callers (DDP's reducer, FSDP2) use
+sends every collective through a ``Communicator`` per device type (CPU →
+Gloo, CUDA → NCCL), so it gets deadlines, classified errors and hooks.
+
+Where the native module is built (commslayer.comm.native), the group is c10d's
+own ``ProcessGroup`` with a ``GroupBackend`` (direct_path.cpp) registered per
+device type: c10d's dispatcher reaches it without Python, and it issues the
+async all_reduce, all_gather_single and reduce_scatter_single that the
+communicator's native path takes (FSDP2's and DDP's) without a line of Python,
+a c10d ``Work`` of its own whose wait runs none while the op completes
+(docs/bench/async-path.md).  Every other op it hands to the group's Python
+side, ``CommslayerGroup``, whose c10d ``Work`` (``C10dWork``) wraps commslayer
+``Work``s.  A Python subclass of ``ProcessGroup`` would cost each call a
+lookup of Python overrides (measured in docs/bench/async-path.md).  Where the
+module is not built, the group is such a subclass, ``CommslayerProcessGroup``,
+whose methods are ``CommslayerGroup``'s; it registers each communicator's own
+c10d backend, which serves callers that go straight to the dispatcher
+(functional collectives), bypassing commslayer's deadlines.
+
+``group_of`` finds commslayer's side of a group, for the helpers that the
+resilient modes use (``communicator``, ``hold``, ``replace``).
 
 It builds no communicator: ``commslayer.c10d`` builds those of the groups
 c10d creates, and ``Communicator.as_process_group`` wraps one that exists
@@ -22,7 +31,7 @@ module and not the other.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,6 +39,7 @@ import torch.distributed.distributed_c10d as dc
 from torch._C import _distributed_c10d as c10d
 
 from commslayer import config
+from commslayer.comm import native
 from commslayer.comm.watchdog import WATCHDOG
 from commslayer.errors import CommError, InvalidArgument
 from commslayer.startup import BACKEND_NAME
@@ -103,35 +113,27 @@ class C10dWork(dist.Work):
         return torch.futures.collect_all([w.get_future() for w in self._works]).then(settle)
 
 
-class CommslayerProcessGroup(dist.ProcessGroup):
-    """A c10d ``ProcessGroup`` whose ops run on commslayer communicators."""
+class CommslayerGroup:
+    """commslayer's side of a c10d group: its communicators, its hold, and the ops
+    c10d hands to Python, each under c10d's name for it."""
 
     def __init__(self, comms: Sequence[Communicator]) -> None:
-        """A group over ``comms``: one communicator per device type, all of one rank and size."""
-        super().__init__(comms[0].get_rank(), comms[0].get_size())
+        """The side of a group over ``comms``: one communicator per device type, all of one rank and size."""
         self._held: Optional[Callable[[CommError], None]] = None
-        self._answers = BACKEND_NAME
         self._comms: Dict[str, Communicator] = {}
-        # the CPU communicator, whose async all_reduce, all_gather_single and
-        # reduce_scatter_single may take the native path
-        self._cpu: Optional[Communicator] = None
+        self._backend: Any = None  # the group's GroupBackend, where it has one
         for comm in comms:
-            self._attach(comm)
+            self._comms[comm.get_device().type] = comm
+            self._held_by(comm)
 
-    def _attach(self, comm: Communicator) -> None:
-        device_type = comm.get_device().type
-        self._comms[device_type] = comm
-        kind = dist.ProcessGroup.BackendType.NCCL if device_type == "cuda" else dist.ProcessGroup.BackendType.GLOO
-        self._register_backend(torch.device(device_type), kind, comm._backend)
-        if len(self._comms) == 1:
-            self._set_default_backend(kind)
-        self._take_cpu()
-
-    def _take_cpu(self) -> None:
-        cpu = self._cpu = self._comms.get("cpu")
-        if cpu is not None:
-            cpu._held_failures = self._held  # a held group's native async ops report to the hold too
-            WATCHDOG.sweep_native(cpu)
+    def _held_by(self, comm: Communicator) -> None:
+        """``comm`` carries this group's ops: its native async ops report to the hold too,
+        and the group's backend issues them on its native path."""
+        comm._held_failures = self._held
+        if self._backend is not None and comm.get_device().type == "cpu":
+            self._backend.set_path(comm._native)
+        if comm._native is not None:
+            WATCHDOG.sweep_native(comm)
 
     def communicator(self, device_type: str = "cpu") -> Communicator:
         """The communicator that carries this group's ops on ``device_type``."""
@@ -145,24 +147,8 @@ class CommslayerProcessGroup(dist.ProcessGroup):
     def _comm(self, t: torch.Tensor) -> Communicator:
         return self.communicator(t.device.type)
 
-    def getBackendName(self) -> str:  # noqa: N802 (c10d's C++ name; DDP's logging reads it)
-        return self._answers
-
-    def name(self) -> str:
-        return self._answers
-
-    def answer_as(self, name: str) -> None:
-        """Give ``name`` as this group's backend name (``name()``, DDP's logging data):
-        a routed group answers with the backend the job asked for."""
-        self._answers = name
-
     # collectives: c10d's Python API and C++ callers use these names
     def allreduce(self, tensors, opts=None):
-        cpu = self._cpu
-        if cpu is not None and len(tensors) == 1:
-            work = cpu._issue_async(0, tensors[0], tensors[0], opts)
-            if work is not None:
-                return work
         if not hasattr(opts, "reduceOp"):  # the old allreduce(tensors, op) form
             op, opts = opts, c10d.AllreduceOptions()
             if op is not None:
@@ -176,17 +162,12 @@ class CommslayerProcessGroup(dist.ProcessGroup):
             tensors, opts.reduceOp, async_op=True, timeout=_timeout(opts))])
 
     def all_gather_single(self, output, input, opts=None):
-        cpu = self._cpu
-        if cpu is not None:
-            work = cpu._issue_async(1, output, input, opts)
-            if work is not None:
-                return work
         return self.all_gather_single_coalesced([output], [input], opts)
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        chunks = [c for o in outputs for c in o.chunk(self.size())]  # Gloo's result: one per rank
+        chunks = [c for o in outputs for c in o.chunk(self._comm(o).get_size())]  # Gloo's result: one per rank
         return self._many(chunks, lambda: [
             self._comm(i).all_gather_single(o, i, async_op=True, timeout=_timeout(opts))
             for o, i in zip(outputs, inputs)])
@@ -199,11 +180,6 @@ class CommslayerProcessGroup(dist.ProcessGroup):
             for outs, i in zip(output_lists, inputs)])
 
     def reduce_scatter_single(self, output, input, opts=None):
-        cpu = self._cpu
-        if cpu is not None:
-            work = cpu._issue_async(2, output, input, opts)
-            if work is not None:
-                return work
         return self.reduce_scatter_single_coalesced([output], [input], opts)
 
     _reduce_scatter_base = reduce_scatter_single
@@ -285,20 +261,21 @@ class CommslayerProcessGroup(dist.ProcessGroup):
         (``commslayer.resilience``): FSDP2 and DeviceMesh run on to the step's
         end, where the step is voted down and redone."""
         self._held = on_failure
-        self._take_cpu()
+        for comm in self._comms.values():
+            self._held_by(comm)
 
     def replace(self, comm: Communicator) -> None:
         """Carry on over ``comm``, a later generation of this group's communicator with
         the same rank and size (a replacement rank joined). The group object that
         FSDP2 and DeviceMesh hold stays the same; c10d's registered backend (used
-        only by dispatcher callers, see the module doc) stays the first one's."""
+        for the ops commslayer does not carry) stays the first one's."""
         old = self.communicator(comm.get_device().type)
         if (comm.get_rank(), comm.get_size()) != (old.get_rank(), old.get_size()):
             raise InvalidArgument(f"replace: generation {comm.generation} has rank {comm.get_rank()} of "
                                   f"{comm.get_size()}, the group rank {old.get_rank()} of {old.get_size()}",
                                   comm=comm.get_name(), op="replace")
         self._comms[comm.get_device().type] = comm
-        self._take_cpu()
+        self._held_by(comm)
 
     # lifecycle
     def abort(self) -> None:
@@ -310,6 +287,74 @@ class CommslayerProcessGroup(dist.ProcessGroup):
             comm.finalize()
 
 
+class CommslayerProcessGroup(CommslayerGroup, dist.ProcessGroup):
+    """The group where the native module is not built: c10d's ``ProcessGroup`` as a
+    Python subclass whose methods are ``CommslayerGroup``'s (see the module doc)."""
+
+    def __init__(self, comms: Sequence[Communicator]) -> None:
+        dist.ProcessGroup.__init__(self, comms[0].get_rank(), comms[0].get_size())
+        CommslayerGroup.__init__(self, comms)
+        for comm in comms:
+            self._register_backend(comm.get_device(), _backend_type(comm), comm._backend)
+        self._set_default_backend(_default_type(comms))
+
+
+def _backend_type(comm: Communicator) -> dist.ProcessGroup.BackendType:
+    return dist.ProcessGroup.BackendType.NCCL if comm.get_device().type == "cuda" else \
+        dist.ProcessGroup.BackendType.GLOO
+
+
+def _default_type(comms: Sequence[Communicator]) -> dist.ProcessGroup.BackendType:
+    """What c10d makes a group's default backend, and so its name: NCCL if any device uses it."""
+    types = [_backend_type(comm) for comm in comms]
+    return dist.ProcessGroup.BackendType.NCCL if dist.ProcessGroup.BackendType.NCCL in types else types[0]
+
+
+def process_group(comms: Sequence[Communicator]) -> dist.ProcessGroup:
+    """A c10d group over ``comms``, one communicator per device type, all of one rank and
+    size: c10d's own ``ProcessGroup`` with a ``GroupBackend`` per device type where the
+    native module is built, else a ``CommslayerProcessGroup`` (see the module doc)."""
+    side = CommslayerGroup(comms)
+    backend = native.group_backend(comms[0].get_rank(), comms[0].get_size(), side,
+                                   {comm.get_device().type: comm._backend for comm in comms})
+    if backend is None:
+        return CommslayerProcessGroup(comms)
+    side._backend = backend
+    pg = dist.ProcessGroup(comms[0].get_rank(), comms[0].get_size())
+    for comm in comms:
+        side._held_by(comm)
+        # c10d's own backend under its own type, for what reads it by type (DDP's
+        # logger casts the GLOO one to ProcessGroupGloo); the device's ops to ours
+        pg._register_backend(comm.get_device(), _backend_type(comm), comm._backend)
+        pg._register_backend(comm.get_device(), dist.ProcessGroup.BackendType.CUSTOM, backend)
+    pg._set_default_backend(_default_type(comms))
+    return pg
+
+
+def group_of(pg: Any) -> Optional[CommslayerGroup]:
+    """commslayer's side of c10d group ``pg``; None where ``pg`` is not commslayer's."""
+    if isinstance(pg, CommslayerGroup):
+        return pg
+    for device in getattr(pg, "_device_types", ()):
+        try:
+            side = getattr(pg._get_backend(device), "ops", None)
+        except RuntimeError:
+            continue
+        if isinstance(side, CommslayerGroup):
+            return side
+    return None
+
+
+def answer_as(pg: dist.ProcessGroup, name: str) -> None:
+    """Give ``name`` (``"gloo"``, ``"nccl"``) as commslayer group ``pg``'s backend name
+    (``name()``, DDP's logging data), where it has that backend: a routed group
+    answers with the one the job asked for."""
+    kind = dist.ProcessGroup.BackendType.NCCL if name == "nccl" else dist.ProcessGroup.BackendType.GLOO
+    device = "cuda" if name == "nccl" else "cpu"
+    if torch.device(device) in pg._device_types:
+        pg._set_default_backend(kind)
+
+
 def job_rank_shift(my_rank: int) -> int:
     """What to add to a default-group rank to get the job's rank (``COMMSLAYER_JOB_RANK``):
     a job run as several torchruns numbers each one's ranks from 0, and each
@@ -319,9 +364,9 @@ def job_rank_shift(my_rank: int) -> int:
     return 0 if job is None else job - my_rank
 
 
-def register_communicator(comm: Communicator) -> CommslayerProcessGroup:
+def register_communicator(comm: Communicator) -> dist.ProcessGroup:
     """Wrap ``comm`` as a ``ProcessGroup`` and register it with c10d under a fresh name."""
-    pg = CommslayerProcessGroup([comm])
+    pg = process_group([comm])
     name = f"commslayer:{comm.uid}"
     pg._set_group_name(name)
     if comm.global_ranks is not None:  # the job's ranks: back to the default group's

@@ -10,7 +10,7 @@ How a step survives a lost rank:
 
 - The default process group (what ``job.mesh`` and FSDP2 use) runs on the
   shard communicator, a commslayer communicator with generations.  The
-  group is *held* (``CommslayerProcessGroup.hold``): an op that fails does
+  group is *held* (``CommslayerGroup.hold``): an op that fails does
   not raise into FSDP2's hooks, the step runs on to ``job.step`` on
   unspecified data, and there the commit vote fails on every survivor.
 - The survivors shrink the shard communicator, mark the lost rank in the
@@ -19,7 +19,7 @@ How a step survives a lost rank:
   said goodbye: its exit status decides), and wait for the
   replacement to announce itself.  It joins the next generation as the same
   rank; the group object that FSDP2 holds carries on over it
-  (``CommslayerProcessGroup.replace``): FSDP2 and DeviceMesh notice nothing.
+  (``CommslayerGroup.replace``): FSDP2 and DeviceMesh notice nothing.
 - Every rank's state is also held by its buddies (``commslayer.train.redundancy``):
   the replacement receives its state from one, the survivors go back to the
   same boundary from their own snapshot, and the interrupted step (with the
@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from commslayer import config, runs
-from commslayer.c10d import CommslayerProcessGroup, adopting
+from commslayer.c10d import CommslayerGroup, adopting, group_of
 from commslayer.comm.communicator import Communicator
 from commslayer.comm.create import join, new_comm
 from commslayer.errors import CommAborted, CommError, InvalidArgument, first_line
@@ -122,10 +122,10 @@ class PeerJob(Job):
         self._group().hold(self._on_failure)
         return store, 0, 1
 
-    def _group(self) -> CommslayerProcessGroup:
-        pg = dist.group.WORLD
-        assert isinstance(pg, CommslayerProcessGroup)
-        return pg
+    def _group(self) -> CommslayerGroup:
+        side = group_of(dist.group.WORLD)
+        assert side is not None
+        return side
 
     def _on_failure(self, err: CommError) -> None:
         if self._broken is None:

@@ -44,8 +44,8 @@ whose CPU backend is ``ForwardBackend`` (launch/bench/forward_backend.cpp,
 built at start into a temporary directory: a C++ backend that hands each op
 to a Gloo backend of its own and does nothing else), and
 ``forward-backend-pysub``, the same backend under a Python subclass of
-``ProcessGroup`` that overrides nothing (as ``CommslayerProcessGroup`` is a
-Python subclass).  With ``--nan-check`` one more, ``nan-check``, runs
+``ProcessGroup`` that overrides nothing (as the group commslayer builds was
+before its own C++ backend, ``GroupBackend``, and still is without the native module).  With ``--nan-check`` one more, ``nan-check``, runs
 commslayer with the NaN check on (``commslayer.NanCheckHook``), on a
 communicator of its own.
 
@@ -155,6 +155,7 @@ import torch.distributed as dist
 
 import commslayer
 from commslayer import config as cl_config
+from commslayer.c10d import group_of
 from commslayer.comm import native
 from commslayer.comm.ring import in_ring_order
 
@@ -286,10 +287,8 @@ def setup() -> Groups:
     if cl_config.route_c10d():
         raise SystemExit("unset COMMSLAYER_ROUTE_C10D: with it the 'plain' baseline would run on commslayer too")
     dist.init_process_group("gloo")
-    from commslayer.c10d import CommslayerProcessGroup
-
     plain = dist.group.WORLD
-    assert not isinstance(plain, CommslayerProcessGroup), "the default group is commslayer's, not plain Gloo"
+    assert group_of(plain) is None, "the default group is commslayer's, not plain Gloo"
     plain2 = dist.new_group(backend="gloo")
     sync = dist.new_group(backend="gloo")
     comm = commslayer.new_comm("gloo", name="bench")
@@ -778,11 +777,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             g.adapter_traced = _adapter_group("bench-adapter-traced")
             FlightRecorder(cl_config.trace_buffer(), os.path.join(args.trace_dir, "adapter"),
-                           job=cl_config.job_id()).attach(g.adapter_traced.communicator("cpu"))
+                           job=cl_config.job_id()).attach(group_of(g.adapter_traced).communicator("cpu"))
             VARIANTS = VARIANTS + ("c10d-adapter+recorder",)
         if args.breakdown:
             VARIANTS = VARIANTS + ("adapter-comm",)
-            g.traced["adapter-comm"] = g.adapter.communicator("cpu")
+            g.traced["adapter-comm"] = group_of(g.adapter).communicator("cpu")
     if args.dispatch:
         g.forwarding = forwarding_groups()
         VARIANTS = VARIANTS + tuple(g.forwarding)

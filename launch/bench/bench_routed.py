@@ -49,6 +49,8 @@ def worker(job: str, steps: int, dim: int, layers: int, batch: int, out: str) ->
     import torch.distributed as dist
     import torch.nn as nn
 
+    from commslayer.c10d import group_of
+
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), nn.ReLU()) for _ in range(layers)])
@@ -73,7 +75,7 @@ def worker(job: str, steps: int, dim: int, layers: int, batch: int, out: str) ->
         optimizer.step()
         optimizer.zero_grad()
         times.append(time.perf_counter() - began)
-    group = type(dist.group.WORLD).__name__
+    group = "commslayer" if group_of(dist.group.WORLD) is not None else type(dist.group.WORLD).__name__
     with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump({"group": group, "step_s": times}, f)
     dist.destroy_process_group()
@@ -102,7 +104,7 @@ def run(job: str, config: str, args: argparse.Namespace, scratch: str, name: str
                 ranks.append(json.load(f))
     if done.returncode != 0 or len(ranks) != 2:
         raise SystemExit(f"{job} {config} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    routed = {r["group"] for r in ranks} == {"CommslayerProcessGroup"}
+    routed = {r["group"] for r in ranks} == {"commslayer"}
     if routed != config.startswith("routed"):
         raise SystemExit(f"{job} {config}: the default group was {ranks[0]['group']}")
     slowest = [max(per_rank) for per_rank in zip(*(r["step_s"] for r in ranks))][args.warmup:]

@@ -47,8 +47,7 @@ torchrun for per-rank mode, plain HSDP for replica mode), minus 1.  The CPU
 account (cost_probe.py) is per rank and step, summed over the ranks: process
 CPU per iteration, the main thread's, the garbage collector's time, the
 snapshots' and the copies' thread; the main thread's by part (inside the job's
-``step()``, of that inside the optimizers, and in the c10d adapter's native
-issue of async ops, with their count); and per thread kind for the whole run.
+``step()``, and of that inside the optimizers); and per thread kind for the whole run.
 Around the ranks, per run: the CPU of the job's other processes (launcher,
 torchrun agents, store) and of the rest of the machine, which tell a run slowed
 by its own work from one slowed by a neighbour.
@@ -130,7 +129,6 @@ def account(found: List[dict], warmup: int) -> dict:
     return {"cpu_per_step_s": per_step("step_cpu_s"), "main_cpu_per_step_s": per_step("step_main_cpu_s"),
             "step_call_cpu_per_step_s": per_step("step_call_main_cpu_s"),
             "optimizer_cpu_per_step_s": per_step("step_optimizer_cpu_s"),
-            "issue_cpu_per_step_s": per_step("step_issue_cpu_s"), "issues_per_step": per_step("step_issues"),
             "gc_per_step_s": per_step("step_gc_s", statistics.fmean), "gc_s": sum(c["gc_s"] for c in found),
             "gc_runs": sum(c["gc_runs"] for c in found),
             "snapshot_s": sum(c["snapshot_s"] for c in found), "snapshots": sum(c["snapshots"] for c in found),
@@ -222,17 +220,13 @@ def tables(args: argparse.Namespace, bench: Bench, figures: Dict[Tuple[str, str]
                            "min–max", "copies' threads", "min–max", "copies' bytes per step"], account_cells)
     print("\nThe main thread's CPU by part, summed over the 4 ranks, ms per step (each rank's median over its "
           "steps), median and min–max over runs: inside the job's step() call (the gradient average, the vote, the "
-          "optimizers), of that inside the optimizers' step, the rest of step(), and the c10d adapter's native "
-          "issue of async ops (FSDP2's and DDP's ops on a commslayer group; outside step()), with their count:\n")
+          "optimizers), of that inside the optimizers' step, and the rest of step():\n")
 
     def part_cells(_name: str, xs: List[dict]) -> str:
         rest = statistics.median(x["step_call_cpu_per_step_s"] - x["optimizer_cpu_per_step_s"] for x in xs)
         return (f"{median_range([x['step_call_cpu_per_step_s'] for x in xs], 1e3, 2)} | "
-                f"{median_range([x['optimizer_cpu_per_step_s'] for x in xs], 1e3, 2)} | {rest * 1e3:.2f} | "
-                f"{median_range([x['issue_cpu_per_step_s'] for x in xs], 1e3, 2)} | "
-                f"{statistics.median(x['issues_per_step'] for x in xs):.0f}")
-    _table(args, figures, ["step()", "min–max", "optimizers", "min–max", "step() less optimizers", "async issues",
-                           "min–max", "issues per step"], part_cells)
+                f"{median_range([x['optimizer_cpu_per_step_s'] for x in xs], 1e3, 2)} | {rest * 1e3:.2f}")
+    _table(args, figures, ["step()", "min–max", "optimizers", "min–max", "step() less optimizers"], part_cells)
     print("\nCPU per thread kind over a whole run (s, summed over the ranks, median over runs; kinds over "
           "0.05 s in some configuration):\n")
     for name in args.scripts:

@@ -15,13 +15,10 @@ it writes ``cost-<pid>.json`` into ``$COMMSLAYER_RUN_DIR`` with:
   (``gc.callbacks``);
 - ``gc_s`` and ``gc_runs``: the collector's time and runs over the whole
   process, imports and model build included;
-- ``step_call_main_cpu_s``, ``step_optimizer_cpu_s``, ``step_issue_cpu_s`` and
-  ``step_issues``: per training iteration, the main thread's CPU inside the
-  job's ``step()`` call (the gradient average, the vote, the optimizers), of
-  that inside the optimizers' ``step`` (torch's global optimizer hooks), and
-  inside the c10d adapter's native issue of async ops
-  (``OpPath._issue_async``, FSDP2's and DDP's ops on a commslayer group),
-  with the count of those issues;
+- ``step_call_main_cpu_s`` and ``step_optimizer_cpu_s``: per training
+  iteration, the main thread's CPU inside the job's ``step()`` call (the
+  gradient average, the vote, the optimizers), and of that inside the
+  optimizers' ``step`` (torch's global optimizer hooks);
 - ``snapshot_s`` and ``snapshots``: a peer-redundant job's state snapshots
   (``_State.pack``: a ``torch.save`` of the rank's shard, on the main thread),
   their total time and count;
@@ -35,8 +32,9 @@ it writes ``cost-<pid>.json`` into ``$COMMSLAYER_RUN_DIR`` with:
   ``/proc/self/task``, at the kernel's clock-tick resolution.
 
 The probe adds a few clock reads per step and per optimizer step, one per
-snapshot, exchange and collection, and one Python call and two clock reads
-per async op the adapter issues (about 1 µs each); it changes nothing else.
+snapshot, exchange and collection (about 1 µs each); it changes nothing else.
+(The async ops FSDP2 and DDP issue on a commslayer group run no Python since
+the group's C++ backend, so there is no Python call of theirs to time.)
 """
 
 import gc
@@ -51,13 +49,11 @@ from typing import Any, Callable, Dict, List
 
 FIGURES: Dict[str, Any] = {"gc_s": 0.0, "gc_runs": 0, "snapshot_s": 0.0, "snapshots": 0, "copies_cpu_s": 0.0,
                            "copies": 0, "copies_bytes": 0, "step_cpu_s": [], "step_main_cpu_s": [], "step_gc_s": [],
-                           "step_call_main_cpu_s": [], "step_optimizer_cpu_s": [], "step_issue_cpu_s": [],
-                           "step_issues": []}
+                           "step_call_main_cpu_s": [], "step_optimizer_cpu_s": []}
 # Running totals, taken per iteration at each step's return (the keys' "step_" lists)
-TOTALS: Dict[str, float] = {"optimizer_cpu_s": 0.0, "issue_cpu_s": 0.0, "issues": 0}
+TOTALS: Dict[str, float] = {"optimizer_cpu_s": 0.0}
 _PER_STEP = (("step_cpu_s", time.process_time), ("step_main_cpu_s", time.thread_time),
-             ("step_gc_s", lambda: FIGURES["gc_s"]), ("step_optimizer_cpu_s", lambda: TOTALS["optimizer_cpu_s"]),
-             ("step_issue_cpu_s", lambda: TOTALS["issue_cpu_s"]), ("step_issues", lambda: TOTALS["issues"]))
+             ("step_gc_s", lambda: FIGURES["gc_s"]), ("step_optimizer_cpu_s", lambda: TOTALS["optimizer_cpu_s"]))
 _gc_began = [0.0]
 _optimizer_at = [0.0]  # the main thread's CPU as the optimizer step began
 _last_step: List[float] = []
@@ -91,16 +87,6 @@ def _optimizer_began(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
 
 def _optimizer_ended(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
     TOTALS["optimizer_cpu_s"] += time.thread_time() - _optimizer_at[0]
-
-
-def _timed_issue(issue: Callable[..., Any]) -> Callable[..., Any]:
-    def issue_and_time(self: Any, *args: Any) -> Any:
-        began = time.thread_time()
-        out = issue(self, *args)
-        TOTALS["issue_cpu_s"] += time.thread_time() - began
-        TOTALS["issues"] += 1
-        return out
-    return issue_and_time
 
 
 def _timed_pack(pack: Callable[..., Any]) -> Callable[..., Any]:
@@ -159,14 +145,12 @@ def install() -> Any:
     import plain
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-    from commslayer.comm import op_path
     from commslayer.comm.exits import register_before_exit
     from commslayer.train import job, peerjob, redundancy
 
     gc.callbacks.append(_on_gc)
     register_optimizer_step_pre_hook(_optimizer_began)
     register_optimizer_step_post_hook(_optimizer_ended)
-    op_path.OpPath._issue_async = _timed_issue(op_path.OpPath._issue_async)
     for cls in (job.Job, peerjob.PeerJob, plain.Job):
         if "step" in cls.__dict__:
             cls.step = _timed_step(cls.__dict__["step"])

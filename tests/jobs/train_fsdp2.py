@@ -17,6 +17,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from commslayer.c10d import group_of
+
 STEPS = 5
 
 
@@ -68,7 +70,7 @@ def main() -> None:
              "ddp": ddp._get_ddp_logging_data()["backend_name"], "sub": (dist.get_backend(sub), sub.name())
              if rank in (0, 1) else None}
     if rank == 0:
-        torch.save({"names": names, "fsdp": fsdp_params, "ddp": ddp_params, "world_type": type(dist.group.WORLD).__name__,
+        torch.save({"names": names, "fsdp": fsdp_params, "ddp": ddp_params, "world_type": "commslayer" if group_of(dist.group.WORLD) else "ProcessGroup",
                     "backend": dist.get_backend(), "sub": x.item(), "gathered": torch.cat(gathered),
                     # whether commslayer's recorder watched this run (started from the environment)
                     "recording": getattr(sys.modules.get("tracing.record.recorder"), "recorder", lambda: None)() is not None},
