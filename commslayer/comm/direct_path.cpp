@@ -446,6 +446,18 @@ class AllReduceScatterWork : public c10d::Work {
 // the same dtype and shape: a fresh buffer costs its page faults at every op,
 // several times the copy (docs/bench/async-path.md).  A buffer whose op did not
 // complete is never handed back: the backend may still write into it.
+// Let go of Python objects from code that may not hold the GIL: with the GIL, or,
+// while the interpreter ends, not at all (the OS takes them back at exit).
+template <typename... Objects>
+void drop_python(Objects&... objects) {
+  if (Py_IsInitialized() && !_Py_IsFinalizing()) {
+    py::gil_scoped_acquire gil;
+    ((objects = Objects()), ...);
+  } else {
+    (objects.release(), ...);
+  }
+}
+
 // A new contiguous tensor of `like`'s dtype, shape and device.
 at::Tensor contiguous_like(const at::Tensor& like) {
   return at::empty(like.sizes(), like.options().memory_format(c10::MemoryFormat::Contiguous));
@@ -531,13 +543,8 @@ class AsyncOpWork : public c10d::Work {
   }
 
   ~AsyncOpWork() override {
-    if (error_) {  // a Python object: let go of it with the GIL, or leave it to the OS at exit
-      if (Py_IsInitialized() && !_Py_IsFinalizing()) {
-        py::gil_scoped_acquire gil;
-        error_ = py::object();
-      } else {
-        error_.release();
-      }
+    if (error_) {
+      drop_python(error_);
     }
   }
 
@@ -850,18 +857,10 @@ class DirectPath {
       backend_.reset();
       in_flight_.clear();
     }
-    if (!Py_IsInitialized() || _Py_IsFinalizing()) {
-      ids_.release();
-      ring_object_.release();
-      for (auto& ring : retired_rings_) {
-        ring.release();
-      }
-      return;
+    for (auto& ring : retired_rings_) {
+      drop_python(ring);
     }
-    py::gil_scoped_acquire gil;
-    ids_ = py::object();
-    ring_object_ = py::object();
-    retired_rings_.clear();
+    drop_python(ids_, ring_object_);
   }
 
   DirectPath(const DirectPath&) = delete;
@@ -1247,12 +1246,7 @@ class PythonWork : public c10d::Work {
   explicit PythonWork(py::object work) : work_(std::move(work)) {}
 
   ~PythonWork() override {
-    if (Py_IsInitialized() && !_Py_IsFinalizing()) {
-      py::gil_scoped_acquire gil;
-      work_ = py::object();
-    } else {
-      work_.release();
-    }
+    drop_python(work_);
   }
 
   bool isCompleted() override {
@@ -1320,12 +1314,7 @@ class GroupBackend : public c10d::Backend {
   }
 
   ~GroupBackend() override {
-    if (Py_IsInitialized() && !_Py_IsFinalizing()) {
-      py::gil_scoped_acquire gil;
-      ops_ = py::object();
-    } else {
-      ops_.release();
-    }
+    drop_python(ops_);
     std::optional<py::gil_scoped_release> released;  // a backend's destructor may need the GIL on its threads
     if (PyGILState_Check()) {
       released.emplace();
