@@ -516,6 +516,8 @@ py::object* settle_function = nullptr;
 // What it returns: the op still runs; it completed; it failed and a held group took the error.
 enum SettleOutcome : int { kSettleRunning = 0, kSettleCompleted = 1, kSettleHeld = 2 };
 
+struct PathShared;
+
 // An async all_reduce, all_gather_single or reduce_scatter_single issued by
 // DirectPath.issue_async: what c10d's callers (torch.distributed's async ops,
 // DDP's reducer, FSDP2) get back, with the op's deadline.  A wait that
@@ -531,13 +533,14 @@ class AsyncOpWork : public c10d::Work {
   enum Settled : int { kRunning = 0, kSettling = 1, kDone = 2, kFailed = 3 };
 
   // output: the caller's tensor; staged: the copy the backend writes instead (write
-  // isolation; undefined: the backend writes output); divisor: AVG's, or 0.
+  // isolation; undefined: the backend writes output); divisor: AVG's, or 0; path:
+  // what the issuing DirectPath shares with its ops.
   AsyncOpWork(c10::intrusive_ptr<c10d::Work> inner, int64_t key, int kind, int64_t op_id, int64_t seq,
               double timeout_s, std::chrono::milliseconds slice, at::Tensor output, at::Tensor staged,
-              int64_t divisor, std::shared_ptr<StagingPool> pool)
+              int64_t divisor, std::shared_ptr<PathShared> path)
       : inner_(std::move(inner)), key_(key), kind_(kind), op_id_(op_id), seq_(seq), timeout_s_(timeout_s),
         slice_(slice), output_(std::move(output)), staged_(std::move(staged)), divisor_(divisor),
-        pool_(std::move(pool)) {
+        path_(std::move(path)) {
     start_ns_ = monotonic_ns();
     deadline_ns_ = start_ns_ + static_cast<int64_t>(timeout_s * 1e9);
   }
@@ -604,7 +607,7 @@ class AsyncOpWork : public c10d::Work {
   // Block until the op is done (timeout: the caller's bound, 0 for none); raise
   // its CommError if it failed.
   bool wait(std::chrono::milliseconds timeout) override {
-    int64_t began_ns = monotonic_ns();
+    int64_t began_ns = slot_ != nullptr ? monotonic_ns() : 0;  // only a record reads it
     if (settled_.load() == kDone) {
       recorded(began_ns, false);
       return true;
@@ -621,6 +624,7 @@ class AsyncOpWork : public c10d::Work {
         int running = kRunning;
         settled_.compare_exchange_strong(running, kDone);
         recorded(began_ns, true);
+        leave_in_flight();  // last: it may let go of this work
         return true;
       } catch (const std::exception&) {
         left_ns = left(timeout);  // Python settles the op from here
@@ -714,10 +718,13 @@ class AsyncOpWork : public c10d::Work {
       copy_into(output, staged_);
     }
     finished_ = true;
-    if (staged_.defined() && pool_ != nullptr) {
-      pool_->give(staged_);  // its op completed: the backend is done with it
+    if (staged_.defined() && kind_ != kReduceScatter) {
+      give_staged();  // its op completed: the backend is done with it
     }
   }
+
+  void give_staged() const;  // below PathShared
+  void leave_in_flight();
 
   // What the backend's future holds, with the caller's tensor where the backend had a copy.
   c10::IValue outputs() const {
@@ -798,8 +805,36 @@ class AsyncOpWork : public c10d::Work {
   mutable std::mutex finish_mutex_;
   mutable bool finished_ = false;
   std::atomic<bool> held_{false};  // it failed, and a held group took the error
-  std::shared_ptr<StagingPool> pool_;  // where staged_ goes once the op completed
+  std::shared_ptr<PathShared> path_;
 };
+
+// What a DirectPath shares with its async ops: the staging buffers they hand
+// back, and the ops not yet seen to end, which the watchdog sweeps.  An op a wait
+// saw end leaves that list at once, so the caller that drops it frees it then, as
+// c10d's callers free Gloo's work, and not the next issue, an op later, when
+// what it touches has left the cache (docs/bench/async-path.md).
+struct PathShared {
+  StagingPool staging;
+  std::mutex in_flight_mutex;  // GroupBackend issues without the GIL
+  std::deque<c10::intrusive_ptr<AsyncOpWork>> in_flight;
+};
+
+void AsyncOpWork::give_staged() const {
+  path_->staging.give(staged_);
+}
+
+void AsyncOpWork::leave_in_flight() {
+  c10::intrusive_ptr<AsyncOpWork> listed;  // let go of after the lock
+  std::lock_guard<std::mutex> lock(path_->in_flight_mutex);
+  auto& works = path_->in_flight;
+  if (!works.empty() && works.back().get() == this) {  // waited on as soon as issued
+    listed = std::move(works.back());
+    works.pop_back();
+  } else if (!works.empty() && works.front().get() == this) {  // the oldest: waited on in issue order
+    listed = std::move(works.front());
+    works.pop_front();
+  }  // else the next issues or the sweep let go of it
+}
 
 // One communicator's direct path: its backend, what a tensor must be to take
 // it, and the deadline its option structs carry.
@@ -852,10 +887,10 @@ class DirectPath {
     if (PyGILState_Check()) {
       py::gil_scoped_release no_gil;
       backend_.reset();
-      in_flight_.clear();
+      forget_in_flight();
     } else {
       backend_.reset();
-      in_flight_.clear();
+      forget_in_flight();
     }
     for (auto& ring : retired_rings_) {
       drop_python(ring);
@@ -997,7 +1032,7 @@ class DirectPath {
       if (isolate_.load()) {
         // Not pooled: Gloo's reduce-scatter copies this rank's slice out in its wait,
         // which may come after the finish step (a poll ran it first).
-        staged = kind == kReduceScatter ? at::empty_like(output) : staging_->take(output);
+        staged = kind == kReduceScatter ? at::empty_like(output) : shared_->staging.take(output);
         if (kind == kAllReduce) {
           copy_into(staged, input);  // all_reduce reads it first
         }
@@ -1013,20 +1048,23 @@ class DirectPath {
     bool finishes = staged.defined() || reduction == kAverage;
     auto work = c10::make_intrusive<AsyncOpWork>(std::move(inner), key_, kind, op_id, seq, timeout_s_, slice_,
                                                  finishes ? output : at::Tensor(), staged,
-                                                 reduction == kAverage ? size_ : 0,
-                                                 kind == kReduceScatter ? nullptr : staging_);
+                                                 reduction == kAverage ? size_ : 0, shared_);
     work->record_in(slot);
     // Freeing an op may take the GIL (its tensors' Python objects), and the
     // watchdog's sweep may run meanwhile: the ended ones are freed here, out of
-    // in_flight_'s lock.  Only the oldest are let go here, the sweep frees the rest.
-    std::vector<c10::intrusive_ptr<AsyncOpWork>> ended;
+    // the list's lock.  Two of the oldest at most (no wait saw them end), the sweep frees the rest.
+    c10::intrusive_ptr<AsyncOpWork> ended[2];
     {
-      std::lock_guard<std::mutex> lock(in_flight_mutex_);
-      while (!in_flight_.empty() && in_flight_.front()->completed()) {
-        ended.push_back(std::move(in_flight_.front()));
-        in_flight_.pop_front();
+      std::lock_guard<std::mutex> lock(shared_->in_flight_mutex);
+      auto& works = shared_->in_flight;
+      for (auto& one : ended) {
+        if (works.empty() || !works.front()->completed()) {
+          break;
+        }
+        one = std::move(works.front());
+        works.pop_front();
       }
-      in_flight_.push_back(work);
+      works.push_back(work);
     }
     return work;
   }
@@ -1036,12 +1074,12 @@ class DirectPath {
   size_t sweep(int64_t now_ns, bool broken) {
     // Settling runs Python, and freeing an op may let go of the GIL: either lets
     // another thread issue an op meanwhile, so the sweep works on the ops issued
-    // so far, taken out of in_flight_, and frees those that ended (swept) once
-    // in_flight_ is whole again.
+    // so far, taken out of the list, and frees those that ended (swept) once
+    // the list is whole again.
     std::deque<c10::intrusive_ptr<AsyncOpWork>> swept;
     {
-      std::lock_guard<std::mutex> lock(in_flight_mutex_);
-      swept.swap(in_flight_);
+      std::lock_guard<std::mutex> lock(shared_->in_flight_mutex);
+      swept.swap(shared_->in_flight);
     }
     std::deque<c10::intrusive_ptr<AsyncOpWork>> kept;
     for (auto& work : swept) {
@@ -1049,10 +1087,11 @@ class DirectPath {
         kept.push_back(work);
       }
     }
-    std::lock_guard<std::mutex> lock(in_flight_mutex_);
-    kept.insert(kept.end(), in_flight_.begin(), in_flight_.end());
-    in_flight_.swap(kept);
-    return in_flight_.size();
+    std::lock_guard<std::mutex> lock(shared_->in_flight_mutex);
+    auto& works = shared_->in_flight;
+    kept.insert(kept.end(), works.begin(), works.end());
+    works.swap(kept);
+    return works.size();
   }
 
   // Issue op op_id, number seq, and wait for it, without the GIL; with a ring
@@ -1178,6 +1217,13 @@ class DirectPath {
     return py::make_tuple(py::cast(std::move(failed)), py::str(failure));
   }
 
+  // Let go of the async ops still listed, which hold shared_ back: as the path goes.
+  void forget_in_flight() {
+    std::deque<c10::intrusive_ptr<AsyncOpWork>> works;
+    std::lock_guard<std::mutex> lock(shared_->in_flight_mutex);
+    works.swap(shared_->in_flight);
+  }
+
   c10::intrusive_ptr<c10d::Work> issue(int kind, const at::Tensor& first, const at::Tensor& second) {
     switch (kind) {
       case kAllReduce: {
@@ -1227,9 +1273,8 @@ class DirectPath {
   std::atomic<bool> open_{false};  // GroupBackend may issue here (set_open)
   std::atomic<int64_t> ring_from_{-1};  // set_ring_from
   std::atomic<int64_t> seq_{0};  // the communicator's collectives so far
-  std::shared_ptr<StagingPool> staging_ = std::make_shared<StagingPool>();
-  std::mutex in_flight_mutex_;  // GroupBackend issues without the GIL
-  std::deque<c10::intrusive_ptr<AsyncOpWork>> in_flight_;  // async ops not yet seen to end
+  // Its async ops hold it too; the ops in its list hold it back, until forget_in_flight.
+  std::shared_ptr<PathShared> shared_ = std::make_shared<PathShared>();
   double timeout_s_ = 0;  // the deadline, as the records give it
   py::object ids_;  // the communicator's (name, uid, generation), for the records
   std::atomic<NativeRing*> ring_{nullptr};  // where ops record, kept alive by ring_object_

@@ -263,7 +263,7 @@ class OpPath:
                 opts.reduceOp = c10d.ReduceOp.AVG if op is ReduceOp.AVG else c10d.ReduceOp.SUM
             self._untimed_opts[(kind, op)] = opts
         path = self._async_path
-        work = None if path is None or not self.lifecycle.clean else path.issue_async(kind, a, b, opts)
+        work = None if path is None else path.issue_async(kind, a, b, opts)  # closed (set_open) while unclean
         if work is None:
             return None
         comm: "Communicator" = self  # type: ignore[assignment]  # OpPath is its base; no cast call per op
