@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -407,12 +408,12 @@ def test_a_killed_build_leaves_no_partial_module_behind(tmp_path):
     out = tmp_path / "build"
     env = {**os.environ, "CXX": str(compiler)}
     build = subprocess.Popen([sys.executable, "-c", f"from commslayer.comm import native; native.build({str(out)!r})"],
-                             env=env, cwd=ROOT)
+                             env=env, cwd=ROOT, start_new_session=True)
     deadline = time.monotonic() + 60
     while not (out.is_dir() and any(n.endswith(".so.partial") for n in os.listdir(out))):
         assert time.monotonic() < deadline and build.poll() is None, "the build never started"
         time.sleep(0.05)
-    build.kill()
+    os.killpg(build.pid, signal.SIGKILL)  # the build and its compiler, as a killed job's are: no orphan left
     build.wait()
     left = [n for n in os.listdir(out) if n.endswith(".so.partial")]
     assert len(left) == 1 and f".{build.pid}." in left[0], left  # what a killed build leaves
