@@ -702,28 +702,7 @@ class AsyncOpWork : public c10d::Work {
  private:
   // The step between the backend's success and the caller's: the staged result
   // copied into the caller's tensor, AVG's division; once, whoever comes first.
-  void finish() const {
-    if (!output_.defined()) {
-      return;
-    }
-    std::lock_guard<std::mutex> lock(finish_mutex_);
-    if (finished_) {
-      return;
-    }
-    at::NoGradGuard no_grad;
-    at::Tensor output = output_;
-    if (divisor_ != 0) {
-      divide_into(output, staged_.defined() ? staged_ : output, divisor_);  // what copy_ then div_ gives
-    } else {
-      copy_into(output, staged_);
-    }
-    finished_ = true;
-    if (staged_.defined() && kind_ != kReduceScatter) {
-      give_staged();  // its op completed: the backend is done with it
-    }
-  }
-
-  void give_staged() const;  // below PathShared
+  void finish() const;  // below PathShared, whose pool takes the staging copy back
   void leave_in_flight();
 
   // What the backend's future holds, with the caller's tensor where the backend had a copy.
@@ -819,8 +798,25 @@ struct PathShared {
   std::deque<c10::intrusive_ptr<AsyncOpWork>> in_flight;
 };
 
-void AsyncOpWork::give_staged() const {
-  path_->staging.give(staged_);
+void AsyncOpWork::finish() const {
+  if (!output_.defined()) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(finish_mutex_);
+  if (finished_) {
+    return;
+  }
+  at::NoGradGuard no_grad;
+  at::Tensor output = output_;
+  if (divisor_ != 0) {
+    divide_into(output, staged_.defined() ? staged_ : output, divisor_);  // what copy_ then div_ gives
+  } else {
+    copy_into(output, staged_);
+  }
+  finished_ = true;
+  if (staged_.defined() && kind_ != kReduceScatter) {
+    path_->staging.give(staged_);  // its op completed: the backend is done with it
+  }
 }
 
 void AsyncOpWork::leave_in_flight() {
@@ -884,11 +880,11 @@ class DirectPath {
   // A GroupBackend's issue may drop the last reference, on a thread without the
   // GIL: the Python objects are let go of with it.
   ~DirectPath() {
-    if (PyGILState_Check()) {
-      py::gil_scoped_release no_gil;
-      backend_.reset();
-      forget_in_flight();
-    } else {
+    {
+      std::optional<py::gil_scoped_release> released;
+      if (PyGILState_Check()) {
+        released.emplace();
+      }
       backend_.reset();
       forget_in_flight();
     }
