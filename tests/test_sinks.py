@@ -181,6 +181,93 @@ def test_every_op_reaches_jsonl_spans_and_metrics(tmp_path):
     assert len({s["trace_id"] for s in ar}) == len(ar) == 5
 
 
+# ------------------------------------------------ the native path's ops
+def _native_ops(rank, size, store):
+    import threading
+
+    import commslayer
+    from commslayer.comm import native
+    from tracing.record import recorder
+    from tracing.record.jsonl import JsonlSink
+
+    rec = recorder.install(signals=False)
+    comm = commslayer.new_comm("gloo", name="fast", store=store, rank=rank, size=size, timeout=20)
+    out: Dict[str, Any] = {"built": native.why_not() is None, "native ring": rec.native_ring is not None}
+    sink = JsonlSink.attached(rec)
+    for _ in range(3):
+        comm.all_reduce(torch.ones(64))
+    comm.all_reduce(torch.ones(64), async_op=True).wait()
+    comm.all_gather_single(torch.empty(8 * size), torch.ones(8))
+    comm.reduce_scatter_single(torch.empty(4), torch.ones(4 * size))
+    comm.broadcast(torch.ones(4), 0)  # not a direct op: a Python record
+    sink.flush()
+    out["records"] = rec.records()
+
+    # A drain that comes after the ring moved on counts what it missed (the buffer is 16).
+    with sink._lock:  # the sink's thread cannot drain meanwhile
+        for _ in range(40):
+            comm.all_reduce(torch.ones(4))
+    sink.flush()
+    out["stats"] = sink.stats()
+
+    # An op in flight when its communicator is aborted: one line, aborted.
+    stuck = commslayer.new_comm("gloo", name="stuck", store=store, rank=rank, size=size, timeout=30)
+    stuck.all_reduce(torch.ones(4))
+    if rank == 0:  # rank 1 never joins the second
+        errors: List[str] = []
+
+        def op() -> None:
+            try:
+                stuck.all_reduce(torch.ones(4))
+            except commslayer.CommError as exc:
+                errors.append(type(exc).__name__)
+
+        thread = threading.Thread(target=op)
+        thread.start()
+        time.sleep(0.5)
+        stuck.abort()
+        thread.join(20)
+        out["stuck error"] = errors
+        store.set("aborted", "1")
+    else:
+        store.wait(["aborted"])
+        stuck.abort()
+    sink.flush()
+    comm.abort()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_native_ops_reach_the_sinks_from_the_native_ring(tmp_path):
+    """A sink no longer sends the direct path's ops through Python: its thread reads their
+    records from the native ring, and writes what the dump says of them."""
+    env = {"COMMSLAYER_TRACE_DIR": str(tmp_path), "COMMSLAYER_TRACE_JSONL": "1", "COMMSLAYER_TRACE_BUFFER": "16"}
+    results = run_ranks(_native_ops, 2, timeout=100, env=env)
+    for rank, out in enumerate(results):
+        if not out["built"]:
+            pytest.skip("the native direct path is not built")
+        assert out["native ring"], out
+        ops = [e for e in _lines(tmp_path / f"rank{rank}.jsonl") if e["event"] == "collective"]
+        first = {e["op_id"]: e for e in ops if e["comm"] == "fast"}
+        dumped = out["records"]
+        assert [r["op"] for r in dumped] == ["all_reduce"] * 4 + ["all_gather_single", "reduce_scatter_single",
+                                                                     "broadcast"]
+        for r in dumped:  # field by field, but the async op's wait, which may end after its record
+            line = first[r["op_id"]]
+            assert {k: v for k, v in line.items() if k in r and not k.startswith("wait")} == \
+                {k: v for k, v in r.items() if not k.startswith("wait")}, (line, r)
+        assert "test_sinks.py" in first[dumped[0]["op_id"]]["call_site"]
+        later = [e for e in ops if e["comm"] == "fast" and e["op_id"] not in {r["op_id"] for r in dumped}]
+        dropped = out["stats"]["dropped"]
+        assert dropped > 0 and len(later) + dropped == 40, (len(later), out["stats"])
+        reported = [e for e in _lines(tmp_path / f"rank{rank}.jsonl") if e["event"] == "sink_dropped"]
+        assert sum(e["dropped"] for e in reported) == dropped
+        assert [e["seq"] for e in later] == list(range(48 - len(later), 48))  # the newest survive
+        stuck = [(e["seq"], e["state"]) for e in ops if e["comm"] == "stuck"]
+        assert stuck == ([(1, "completed"), (2, "aborted")] if rank == 0 else [(1, "completed")]), stuck
+    assert results[0]["stuck error"] == ["CommAborted"], results[0]
+
+
 # ------------------------------------------------------------- failures
 def _failures(rank, size, store):
     import logging

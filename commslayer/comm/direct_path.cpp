@@ -203,10 +203,14 @@ class NativeRing {
   }
 
   // Take the record of op_id out of the ring (its op failed: Python settles it
-  // from here on); None when the ring has moved past it.
+  // from here on); None when the ring has moved past it, or when an abort ended
+  // it: that record is final, and a trace sink may have read it already.
   py::object take(int64_t op_id) {
     for (Slot& s : slots_) {
       if (s.op_id == op_id) {
+        if (s.end_ns >= 0) {
+          return py::none();
+        }
         py::object record = fields(s);
         if (s.op_id != op_id) {
           return py::none();  // overwritten while its tuple was built

@@ -54,6 +54,7 @@ from commslayer.comm.watchdog import WATCHDOG
 from commslayer.hooks import register_status_reporter, register_status_source
 
 from tracing.messages import IN_FLIGHT, op_name
+from tracing.record.oprecord import NativeCursor
 from tracing.records import COMPLETED, FINAL_STATES, STATES
 
 if TYPE_CHECKING:
@@ -75,9 +76,9 @@ class StatusFigures:
         self._rec = rec
         self._reporter = reporter
         self._totals: Dict[Tuple[str, str], List[Any]] = {}  # (comm, op) -> [ops, bytes, sum s, buckets, errors]
-        self._counted: Set[int] = set()  # op ids counted that are still in a ring
+        self._counted: Set[int] = set()  # op ids counted that are still in the Python ring
         self._total = 0  # ops counted in all
-        self._native_from = 0  # the native ring's first record not read yet, or still in flight when read
+        self._native = NativeCursor()
         self._wall_minus_mono = rec.clock["wall_ns"] - rec.clock["mono_ns"]
 
     def __call__(self, step: int) -> Dict[str, Any]:
@@ -96,7 +97,7 @@ class StatusFigures:
 
     def _read(self) -> Tuple[List[Op], Set[int], int, int]:
         """The finished ops in both rings not counted yet, the ids of every finished op in
-        them, the ops in flight, and how many ops were recorded in all."""
+        the Python one, the ops in flight, and how many ops were recorded in all."""
         rec, counted = self._rec, self._counted
         new: List[Op] = []
         finished: Set[int] = set()
@@ -117,20 +118,10 @@ class StatusFigures:
         recorded = rec._count
         if rec._native is not None:
             recorded += rec._native.count - rec._native.taken
-            first, fields = rec._native.records_from(self._native_from)
-            self._native_from = first + len(fields)
-            for position, f in enumerate(fields, first):
-                if f is None:  # taken over by the Python ring
-                    continue
+            ended, flying = self._native.read(rec._native)
+            in_flight += len(flying)
+            for f in ended:
                 (op_id, (comm, uid, gen), seq, kind, dtype, in_shape, out_shape, _, state, start, end) = f[:11]
-                if end is None:
-                    in_flight += 1
-                    self._native_from = min(self._native_from, position)  # read it again next time
-                    continue
-                if op_id in counted:
-                    finished.add(op_id)
-                    continue
-                finished.add(op_id)
                 new.append((op_id, comm, uid, gen, seq, DIRECT_OPS[kind], _bytes(dtype, [in_shape], [out_shape]),
                             (end - start) / 1e9, STATES[state], start, f[14]))
         return new, finished, in_flight, recorded
@@ -162,7 +153,8 @@ class CurrentOp:
 
     def __init__(self, rec: "FlightRecorder") -> None:
         self._rec = rec
-        self._from = [0, 0]  # per ring (Python, native): the first position not read yet, or in flight when read
+        self._from = 0  # the Python ring's first position not read yet, or in flight when read
+        self._cursor = NativeCursor()  # the native ring's
         self._ended: Optional[Tuple[int, str, str, int, str]] = None  # (end ns, comm, op, seq, state)
         self._wall_minus_mono = rec.clock["wall_ns"] - rec.clock["mono_ns"]
 
@@ -194,15 +186,15 @@ class CurrentOp:
         rec = self._rec
         flying: List[Tuple[int, str, str, int, str]] = []
         count = rec._count
-        first = max(self._from[0], count - rec.capacity)
-        self._from[0] = count
+        first = max(self._from, count - rec.capacity)
+        self._from = count
         for position in range(first, count):
             r = rec._ring[position % rec.capacity]
             if r is None:
                 continue
             if r.end_ns is None or r.state not in FINAL_STATES:
                 flying.append((r.start_ns or r.enqueue_ns, r.comm, r.op, r.seq, IN_FLIGHT))
-                self._from[0] = min(self._from[0], position)
+                self._from = min(self._from, position)
             else:
                 self._end(r.end_ns, r.comm, r.op, r.seq, r.state)
         return flying
@@ -210,21 +202,12 @@ class CurrentOp:
     def _native(self) -> List[Tuple[int, str, str, int, str]]:
         """The native ring's, likewise."""
         ring = self._rec._native
-        flying: List[Tuple[int, str, str, int, str]] = []
         if ring is None:
-            return flying
-        first, fields = ring.records_from(self._from[1])
-        self._from[1] = first + len(fields)
-        for position, f in enumerate(fields, first):
-            if f is None:  # taken over by the Python ring
-                continue
-            (_, (comm, _, _), seq, kind, _, _, _, _, state, start, end) = f[:11]
-            if end is None:
-                flying.append((start, comm, DIRECT_OPS[kind], seq, IN_FLIGHT))
-                self._from[1] = min(self._from[1], position)
-            else:
-                self._end(end, comm, DIRECT_OPS[kind], seq, STATES[state])
-        return flying
+            return []
+        ended, flying = self._cursor.read(ring)
+        for (_, (comm, _, _), seq, kind, _, _, _, _, state, _, end) in (f[:11] for f in ended):
+            self._end(end, comm, DIRECT_OPS[kind], seq, STATES[state])
+        return [(f[9], f[1][0], DIRECT_OPS[f[3]], f[2], IN_FLIGHT) for f in flying]
 
 
 class OpReporter:

@@ -1,9 +1,13 @@
-"""One op's trace record as the hot path fills it: ``Record``.
+"""One op's trace record as the hot path fills it: ``Record``; and ``NativeCursor``,
+which reads the native direct path's records as their ops end.
 
 The flight recorder (``tracing.record.recorder``) makes one per op and keeps it in
 its ring; the sinks (``tracing.record.sinks``, ``tracing.record.jsonl``,
 ``tracing.record.otel``) take it as the op ends.  Both import it from here, so
-neither imports the other's module to know what a record is.
+neither imports the other's module to know what a record is.  The native path's
+ops write their records into the recorder's ``NativeRing`` instead; a reader that
+comes back now and then (a sink's thread, the status figures) reads the ones that
+ended since its last look with a ``NativeCursor``.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import functools
 import os
 from types import CodeType
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -137,6 +141,44 @@ class Record:
         d["thread"] = thread_names.get(self.thread, str(self.thread))
         d["call_site"] = "?" if self.call_site is None else _site(*self.call_site)
         return d
+
+
+NativeFields = Tuple[Any, ...]  # a NativeRing's record: ``fields`` in direct_path.cpp
+
+
+class NativeCursor:
+    """Where a reader of a ``NativeRing`` is: each ``read`` returns the records
+    that ended since the last one, each once, and those still in flight, which
+    the next read looks at again.  Not thread-safe: one reader at a time."""
+
+    def __init__(self, position: int = 0) -> None:
+        self.position = position  # the first record not read yet, or the oldest read in flight
+        self.missed = 0  # records the ring overwrote before a read reached them
+        self._returned: Set[int] = set()  # positions at or after ``position`` returned as ended
+
+    def read(self, ring: Any) -> Tuple[List[NativeFields], List[NativeFields]]:
+        """The records of ``ring`` that ended since the last read, and those in flight,
+        oldest first; a record taken over by the Python ring is in neither."""
+        first, fields = ring.records_from(self.position)
+        if first > self.position:
+            self.missed += first - self.position - sum(1 for p in self._returned if p < first)
+        position = first + len(fields)
+        ended: List[NativeFields] = []
+        flying: List[NativeFields] = []
+        seen: List[int] = []
+        for at, f in enumerate(fields, first):
+            if f is None:
+                continue
+            if f[10] is None:  # its end
+                flying.append(f)
+                position = min(position, at)
+                continue
+            seen.append(at)
+            if at not in self._returned:
+                ended.append(f)
+        self.position = position
+        self._returned = {at for at in seen if at >= position}
+        return ended, flying
 
 
 @functools.lru_cache(maxsize=4096)

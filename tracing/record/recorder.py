@@ -13,8 +13,9 @@ themselves, into the recorder's ``NativeRing``: a Python record costs tens
 of µs of the calling thread after a transfer, a native one about what the
 op's checks do.  The dump merges both rings by op id; a native op that fails
 hands its record over to a Python one (``take_native``), which its ``Work``
-then settles as any other.  With a sink or full stacks, every op takes the
-Python record, since sinks take ``Record`` objects as ops end.
+then settles as any other.  The trace sinks read the native ring from their
+own threads (``tracing.record.sinks``); with full stacks, or a sink that takes
+``Record`` objects only as ops end, every op takes the Python record.
 
 Dumps (``rank<R>.json``, plus ``fr/commslayer_fr_rank_<R>`` in the format of
 PyTorch's Flight Recorder) are written atomically into the trace directory:
@@ -106,7 +107,7 @@ class FlightRecorder:
         self._ring: List[Optional[Record]] = [None] * capacity
         self._count = 0
         # the native direct path's records (None: no native path); native_ring is what
-        # communicators write into, None while a sink or full stacks need Python records
+        # communicators write into, None while full stacks or a sink need Python records
         self._native = native.ring(capacity, thread_names, _INTERNAL_DIRS, threading.__file__)
         self.native_ring: Any = None
         self._comms: Dict[str, Tuple["weakref.ReferenceType[commslayer.Communicator]", Dict[str, Any]]] = {}
@@ -210,7 +211,8 @@ class FlightRecorder:
             self._native.step = step
 
     def add_sink(self, sink: Any) -> None:
-        """Give ``sink`` every record as its op ends (``sink.enqueue(record)``)."""
+        """Give ``sink`` every record as its op ends (``sink.enqueue(record)``); a sink whose
+        ``reads_native_ring`` is true reads the native path's records itself."""
         self.sinks.append(sink)
         self._sinks_changed()
 
@@ -221,7 +223,8 @@ class FlightRecorder:
         self._sinks_changed()
 
     def _sinks_changed(self) -> None:
-        self.native_ring = None if self.sinks or self.stack else self._native
+        python_only = self.stack or not all(getattr(s, "reads_native_ring", False) for s in self.sinks)
+        self.native_ring = None if python_only else self._native
         for ref, _ in list(self._comms.values()):
             comm = ref()
             if comm is not None and comm.recorder is self:

@@ -7,6 +7,13 @@ deque (past the bound it drops and counts, it never blocks or grows without
 limit); its own daemon thread drains the deque and does the slow part.
 Lifecycle events of the communicators (created, split, aborted, errors) are
 queued the same way.
+
+The native direct path's ops call no sink at all: their records are in the
+recorder's ``NativeRing``, and the sink's thread reads the ones that ended
+since its last drain (``tracing.record.oprecord.NativeCursor``), so that a
+sink leaves those ops on the native path (docs/bench/step-cost.md).  A
+record the ring overwrote before a drain reached it counts as dropped; a
+drain that read more than a quarter of the ring comes back ten times sooner.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Tuple, Type,
 import commslayer
 from commslayer import config
 
-from tracing.record.oprecord import Record, global_rank
+from tracing.record.oprecord import NativeCursor, Record, global_rank
 
 if TYPE_CHECKING:
     from tracing.record.recorder import FlightRecorder
@@ -43,6 +50,13 @@ _ERROR_EVENTS = {"CollectiveTimeout": "collective_timeout", "PeerLost": "peer_lo
 _Sink = TypeVar("_Sink", bound="QueuedSink")
 
 
+def _when(item: Item) -> int:
+    """When a batch's item happened (monotonic ns): an op's end, an event's time."""
+    if isinstance(item, Record):
+        return item.enqueue_ns if item.end_ns is None else item.end_ns
+    return int(item.get("mono_ns", 0))
+
+
 class QueuedSink:
     """The shared machinery of a trace sink: a hot-path enqueue and a draining thread.
 
@@ -50,12 +64,15 @@ class QueuedSink:
     bounded deque; a daemon thread calls ``process`` with everything queued,
     every ``interval_s`` or as soon as a quarter of the bound is reached.
     ``flush()`` does the same from the caller's thread and waits for it.
+    Each batch also holds the native path's records that ended since the last
+    one (``reads_native_ring``), and is in the order things happened.
     Subclasses implement ``process`` and may set ``lifecycle`` to also queue
     communicator events (created, split, aborted, errors).
     """
 
     thread_name = "commslayer-trace-sink"
     lifecycle = False
+    reads_native_ring = True  # the recorder keeps native ops native (FlightRecorder._sinks_changed)
 
     def __init__(self, rec: FlightRecorder, *, capacity: Optional[int] = None, interval_s: float = 0.1) -> None:
         self.rec = rec
@@ -72,6 +89,9 @@ class QueuedSink:
         self._reported_drops = 0
         self._closed = False
         self._handles: List[Any] = []
+        ring = rec._native
+        self._cursor = None if ring is None else NativeCursor(ring.count)  # ops that end from now on
+        self._wait_s = interval_s
         self._thread = threading.Thread(target=self._loop, name=self.thread_name, daemon=True)
 
     # ------------------------------------------------------------ attaching
@@ -138,7 +158,7 @@ class QueuedSink:
     # ------------------------------------------------------------- draining
     def _loop(self) -> None:
         while not self._closed:
-            self._wake.wait(self.interval_s)
+            self._wake.wait(self._wait_s)
             self._wake.clear()
             self._woken = False
             self._drain()
@@ -146,7 +166,10 @@ class QueuedSink:
     def _drain(self) -> None:
         with self._lock:
             q = self._queue
-            items = [q.popleft() for _ in range(len(q))]
+            items: List[Item] = [q.popleft() for _ in range(len(q))]
+            if self._cursor is not None:
+                items += self._native_records()
+                items.sort(key=_when)
             dropped = self.dropped
             if dropped != self._reported_drops:
                 items.append({"event": "sink_dropped", "dropped": dropped - self._reported_drops,
@@ -161,6 +184,16 @@ class QueuedSink:
                 if self.process_errors == 1:
                     log.exception("commslayer tracing: %s failed (later failures are counted, not logged)",
                                   type(self).__name__)
+
+    def _native_records(self) -> List[Record]:
+        """The native path's records that ended since the last drain (lock held)."""
+        cursor, ring = self._cursor, self.rec._native
+        assert cursor is not None
+        backlog, missed = ring.count - cursor.position, cursor.missed
+        ended, _ = cursor.read(ring)
+        self.dropped += cursor.missed - missed
+        self._wait_s = self.interval_s / 10 if backlog > self.rec.capacity // 4 else self.interval_s
+        return [Record.from_native(fields, []) for fields in ended]
 
     def process(self, items: List[Item]) -> None:
         """Handle a batch of records and lifecycle events (on the sink's thread)."""
