@@ -14,6 +14,8 @@ its all-gathers and reduce-scatters async through the c10d adapter; ``ddp``:
 * ``routed``: ``COMMSLAYER_ROUTE_C10D=1``, tracing off;
 * ``routed, recorder``: the same with the flight recorder on
   (``COMMSLAYER_TRACE_DIR``, its dump in a scratch directory);
+* ``routed, JSON lines``: the recorder and its structlog JSON lines sink
+  (``COMMSLAYER_TRACE_JSONL=1``), one line per op;
 * ``routed, native off``: routed with ``COMMSLAYER_NATIVE=0``, where every
   async op takes the general Python path, as all did before the native async
   path (docs/bench/async-path.md): what the native path saves.
@@ -21,8 +23,9 @@ its all-gathers and reduce-scatters async through the c10d adapter; ``ddp``:
 Each run is one ``torchrun --nproc-per-node 2`` of this file's worker; a run's
 figure is the median over its steps from ``--warmup`` on of the slowest
 rank's step time (forward, backward, the optimizer).  Every repeat runs each
-configuration once, the order rotated from repeat to repeat.  ``--smoke``
-runs each once for a few steps of a small model.
+configuration once, the order rotated from repeat to repeat; ``--configs``
+picks some of them.  ``--smoke`` runs each once for a few steps of a small
+model.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from typing import Dict, List, Tuple
 
 from measure import ROOT, launcher_env, median_range, ratio_cells, series
 
-CONFIGS = ("plain", "plain (A/A)", "routed", "routed, recorder", "routed, native off")
+CONFIGS = ("plain", "plain (A/A)", "routed", "routed, recorder", "routed, JSON lines", "routed, native off")
 JOBS = ("fsdp2", "ddp")
 
 
@@ -86,8 +89,10 @@ def run(job: str, config: str, args: argparse.Namespace, scratch: str, name: str
     env = launcher_env(trace=False)
     if config.startswith("routed"):
         env["COMMSLAYER_ROUTE_C10D"] = "1"
-    if config == "routed, recorder":
+    if config in ("routed, recorder", "routed, JSON lines"):
         env["COMMSLAYER_TRACE_DIR"] = os.path.join(scratch, name)
+    if config == "routed, JSON lines":
+        env["COMMSLAYER_TRACE_JSONL"] = "1"
     if config == "routed, native off":
         env["COMMSLAYER_NATIVE"] = "0"
     out = os.path.join(scratch, name + "-out")
@@ -120,6 +125,8 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--jobs", nargs="+", default=list(JOBS), choices=JOBS)
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS,
+                   help="the configurations to run (plain is always run: the others are figures against it)")
     p.add_argument("--json", help="also write the runs' figures here")
     p.add_argument("--smoke", action="store_true", help="every configuration once, 6 steps of a small model")
     p.add_argument("--worker", choices=JOBS, help=argparse.SUPPRESS)
@@ -131,8 +138,9 @@ def main() -> int:
     if args.smoke:
         args.repeats, args.steps, args.warmup, args.dim, args.layers, args.batch = 1, 6, 2, 64, 2, 4
     scratch = tempfile.mkdtemp(prefix="bench-routed-")
+    configs = ["plain"] + [c for c in CONFIGS if c in args.configs and c != "plain"]
     runs = {(job, config): (lambda name, job=job, config=config: run(job, config, args, scratch, name))
-            for job in args.jobs for config in CONFIGS}
+            for job in args.jobs for config in configs}
     figures, revision, began = series(runs, args.repeats, lambda line: print(line, file=sys.stderr, flush=True),
                                       scratch)
     print(f"command: python launch/bench/bench_routed.py {' '.join(sys.argv[1:])}")
@@ -143,7 +151,7 @@ def main() -> int:
     print("|---|---|---:|---:|---:|---:|")
     for job in args.jobs:
         base = figures[(job, "plain")]
-        for config in CONFIGS:
+        for config in configs:
             xs = figures[(job, config)]
             print(f"| {job} | {config} | {median_range([x['step_s'] for x in xs], 1e3, 2)} | "
                   f"{ratio_cells(xs, base, 'vs_plain')} |")
