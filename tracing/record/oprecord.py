@@ -154,30 +154,28 @@ class NativeCursor:
     def __init__(self, position: int = 0) -> None:
         self.position = position  # the first record not read yet, or the oldest read in flight
         self.missed = 0  # records the ring overwrote before a read reached them
-        self._returned: Set[int] = set()  # positions at or after ``position`` returned as ended
+        self._done: Set[int] = set()  # positions at or after ``position`` returned as ended, or taken
 
     def read(self, ring: Any) -> Tuple[List[NativeFields], List[NativeFields]]:
         """The records of ``ring`` that ended since the last read, and those in flight,
         oldest first; a record taken over by the Python ring is in neither."""
         first, fields = ring.records_from(self.position)
         if first > self.position:
-            self.missed += first - self.position - sum(1 for p in self._returned if p < first)
+            self.missed += first - self.position - sum(1 for p in self._done if p < first)
         position = first + len(fields)
         ended: List[NativeFields] = []
         flying: List[NativeFields] = []
-        seen: List[int] = []
+        done: List[int] = []
         for at, f in enumerate(fields, first):
-            if f is None:
-                continue
-            if f[10] is None:  # its end
+            if f is not None and f[10] is None:  # no end yet
                 flying.append(f)
                 position = min(position, at)
                 continue
-            seen.append(at)
-            if at not in self._returned:
+            done.append(at)
+            if f is not None and at not in self._done:
                 ended.append(f)
         self.position = position
-        self._returned = {at for at in seen if at >= position}
+        self._done = {at for at in done if at >= position}
         return ended, flying
 
 
