@@ -8,7 +8,8 @@ fallback to the default.  ``validate()`` checks every variable at once and
 reports all bad ones in one message; it runs at start-up (``new_comm``,
 ``join``, a commslayer ``torch.distributed`` group, the tracing autoload),
 so a typo fails the job before it builds anything rather than when a trace
-is dumped or a peer is judged.
+is dumped or a peer is judged.  A variable that is allowed but does nothing
+in the environment it is in gets a warning there.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import warnings
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, overload
 
@@ -523,4 +525,10 @@ def validate() -> None:
         raise ConfigError(problems[0])
     if problems:
         raise ConfigError(f"{len(problems)} bad COMMSLAYER_* variables: " + "; ".join(problems))
+    if not trace_dir():
+        for name in ("COMMSLAYER_TRACE_JSONL", "COMMSLAYER_TRACE_OTEL"):
+            if _flag(name):
+                warnings.warn(f"{name} is on, but COMMSLAYER_TRACE_DIR is not set: tracing starts only with a "
+                              "trace directory (or a program's own tracing.record.recorder.install(trace_dir)), "
+                              "so this sink writes nothing", stacklevel=2)
     _valid.add(snapshot)

@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -278,6 +279,18 @@ def test_validate_reports_every_bad_variable_in_one_message(monkeypatch):
         config.validate()
     for name in ("COMMSLAYER_JOB_RANK='-7'", "COMMSLAYER_TRACE_BUFFER='abc'", "COMMSLAYER_HEARTBEAT_S='x'"):
         assert name in str(info.value)
+
+
+@pytest.mark.parametrize("sink", ["COMMSLAYER_TRACE_JSONL", "COMMSLAYER_TRACE_OTEL"])
+def test_a_sink_without_a_trace_directory_is_warned_of(monkeypatch, sink):
+    monkeypatch.delenv("COMMSLAYER_TRACE_DIR", raising=False)
+    monkeypatch.setenv(sink, "1")
+    with pytest.warns(UserWarning, match=f"{sink} is on, but COMMSLAYER_TRACE_DIR is not set"):
+        config.validate()
+    monkeypatch.setenv("COMMSLAYER_TRACE_DIR", str(ROOT))  # a directory: nothing to warn of
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config.validate()
 
 
 @pytest.mark.parametrize("zero", ["0", "0.0", "0.00", "0e0", " 0 "])
