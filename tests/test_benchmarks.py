@@ -130,7 +130,8 @@ def test_overhead_smoke(tmp_path, how):
 @pytest.mark.timeout(240)
 def test_routed_smoke():
     out = run_bench("launch/bench/bench_routed.py", "--smoke", timeout=230)
-    header = ["job", "configuration", "step ms (median)", "min–max", "vs plain (median)", "min–max"]
+    header = ["job", "configuration", "step ms (median)", "min–max", "vs plain (median)", "min–max",
+              "CPU ms a step, 2 ranks (median)", "main thread (median)"]
     found = rows(out, header)
     configs = ["plain", "plain (A/A)", "routed", "routed, recorder", "routed, JSON lines", "routed, native off"]
     assert [r[:2] for r in found] == [[job, c] for job in ("fsdp2", "ddp") for c in configs], found
@@ -138,6 +139,8 @@ def test_routed_smoke():
         low, high = numbers(row[3])
         assert 0 < low <= numbers(row[2])[0] <= high, row
         assert row[4] == "–" if row[1] == "plain" else len(numbers(row[5])) == 2, row
+        cpu, main = numbers(row[6])[0], numbers(row[7])[0]
+        assert 0 < main <= cpu, row
 
 
 @pytest.mark.timeout(120)

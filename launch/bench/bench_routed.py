@@ -22,7 +22,10 @@ its all-gathers and reduce-scatters async through the c10d adapter; ``ddp``:
 
 Each run is one ``torchrun --nproc-per-node 2`` of this file's worker; a run's
 figure is the median over its steps from ``--warmup`` on of the slowest
-rank's step time (forward, backward, the optimizer).  Every repeat runs each
+rank's step time (forward, backward, the optimizer).  Beside it, the CPU a
+step takes, summed over the ranks (each rank's median): the whole process's
+and its main thread's, so that a routed step that costs more can be told
+from one that waits more.  Every repeat runs each
 configuration once, the order rotated from repeat to repeat; ``--configs``
 picks some of them.  ``--smoke`` runs each once for a few steps of a small
 model.
@@ -70,17 +73,21 @@ def worker(job: str, steps: int, dim: int, layers: int, batch: int, out: str) ->
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(dist.get_rank())
     times: List[float] = []
+    cpu: List[float] = []
+    main_cpu: List[float] = []
     for _ in range(steps):
         x = torch.randn(batch, dim, generator=gen)
-        began = time.perf_counter()
+        began, began_cpu, began_main = time.perf_counter(), time.process_time(), time.thread_time()
         loss = model(x).square().mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         times.append(time.perf_counter() - began)
+        cpu.append(time.process_time() - began_cpu)
+        main_cpu.append(time.thread_time() - began_main)
     group = "commslayer" if group_of(dist.group.WORLD) is not None else type(dist.group.WORLD).__name__
     with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump({"group": group, "step_s": times}, f)
+        json.dump({"group": group, "step_s": times, "cpu_s": cpu, "main_cpu_s": main_cpu}, f)
     dist.destroy_process_group()
 
 
@@ -113,7 +120,8 @@ def run(job: str, config: str, args: argparse.Namespace, scratch: str, name: str
     if routed != config.startswith("routed"):
         raise SystemExit(f"{job} {config}: the default group was {ranks[0]['group']}")
     slowest = [max(per_rank) for per_rank in zip(*(r["step_s"] for r in ranks))][args.warmup:]
-    return {"step_s": statistics.median(slowest)}
+    return {"step_s": statistics.median(slowest),
+            **{key: sum(statistics.median(r[key][args.warmup:]) for r in ranks) for key in ("cpu_s", "main_cpu_s")}}
 
 
 def main() -> int:
@@ -147,14 +155,16 @@ def main() -> int:
     print(f"revision {revision}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(began))}; "
           f"{args.repeats} repeats; model: {args.layers} layers of {args.dim}, batch {args.batch} per rank; "
           f"2 ranks; steps {args.warmup}..{args.steps - 1} of each run\n")
-    print("| job | configuration | step ms (median) | min–max | vs plain (median) | min–max |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| job | configuration | step ms (median) | min–max | vs plain (median) | min–max "
+          "| CPU ms a step, 2 ranks (median) | main thread (median) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for job in args.jobs:
         base = figures[(job, "plain")]
         for config in configs:
             xs = figures[(job, config)]
             print(f"| {job} | {config} | {median_range([x['step_s'] for x in xs], 1e3, 2)} | "
-                  f"{ratio_cells(xs, base, 'vs_plain')} |")
+                  f"{ratio_cells(xs, base, 'vs_plain')} | {statistics.median(x['cpu_s'] for x in xs) * 1e3:.2f} | "
+                  f"{statistics.median(x['main_cpu_s'] for x in xs) * 1e3:.2f} |")
     if args.json:
         table: Dict[str, List[dict]] = {" / ".join(key): xs for key, xs in figures.items()}
         with open(args.json, "w") as f:
