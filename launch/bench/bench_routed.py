@@ -43,7 +43,7 @@ import tempfile
 import time
 from typing import Dict, List, Tuple
 
-from measure import ROOT, launcher_env, median_range, ratio_cells, series
+from measure import ROOT, launcher_env, series, step_cells
 
 CONFIGS = ("plain", "plain (A/A)", "routed", "routed, recorder", "routed, JSON lines", "routed, native off")
 JOBS = ("fsdp2", "ddp")
@@ -162,8 +162,8 @@ def main() -> int:
         base = figures[(job, "plain")]
         for config in configs:
             xs = figures[(job, config)]
-            print(f"| {job} | {config} | {median_range([x['step_s'] for x in xs], 1e3, 2)} | "
-                  f"{ratio_cells(xs, base, 'vs_plain')} | {statistics.median(x['cpu_s'] for x in xs) * 1e3:.2f} | "
+            print(f"| {job} | {config} | {step_cells(xs, base, 'vs_plain')} | "
+                  f"{statistics.median(x['cpu_s'] for x in xs) * 1e3:.2f} | "
                   f"{statistics.median(x['main_cpu_s'] for x in xs) * 1e3:.2f} |")
     if args.json:
         table: Dict[str, List[dict]] = {" / ".join(key): xs for key, xs in figures.items()}
