@@ -369,7 +369,7 @@ class Communicator(Collectives, PointToPoint):
         return self.lifecycle.vote(ok, timeout_s, self._tally)
 
     def _tally(self, values: List[int], timeout_s: float) -> List[int]:
-        """``should_commit``'s tally of the vote's two ``values``: each the smallest of the
+        """``should_commit``'s tally of the vote's ``values``: each the smallest of the
         members'.  Once a step in replica mode, so on a CPU communicator's deadline and
         while no hook observes it, it takes the direct path, in a buffer it keeps
         (docs/bench/step-cost.md); a failed tally drops the buffer, as its transfer may
@@ -381,7 +381,7 @@ class Communicator(Collectives, PointToPoint):
             numbers = array.array("q", values)
             held = self._tally_buffer = (numbers, torch.frombuffer(numbers, dtype=torch.int64))
         numbers, t = held
-        numbers[0], numbers[1] = values
+        numbers[0], = values
         try:
             self._direct_run(TALLY, t, t, ReduceOp.MIN)
         except BaseException:
