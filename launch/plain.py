@@ -10,7 +10,7 @@ all-reduce per step after backward, the way ``launch/train.py --plain``
 does it.  Every rank writes the same result file as a resilient run
 (``commslayer.runs``), so the benchmarks read both alike.  ``--vote`` (before the
 script) adds to plain HSDP's step what ``should_commit`` adds and nothing else:
-after the average, a MIN all-reduce of two int64 over all the job's ranks.
+after the average, a MIN all-reduce of one int64 over all the job's ranks.
 
     torchrun --nproc-per-node 4 launch/plain.py launch/examples/ddp_resilient.py --steps 40
     commslayer-run --replicas 2 --nproc-per-replica 2 launch/plain.py --vote launch/examples/fsdp2_resilient.py
@@ -58,7 +58,7 @@ class Job:
             if self.vote:
                 self.world = dist.ProcessGroupGloo(dist.PrefixStore("plain/world/", store), self.member,
                                                    self.replicas * self.world_size, timeout)
-                self.tally = torch.ones(2, dtype=torch.int64)
+                self.tally = torch.ones(1, dtype=torch.int64)
                 self.tally_opts = dist.AllreduceOptions()
                 self.tally_opts.reduceOp = dist.ReduceOp.MIN
         self.run_dir = run_dir if run_dir is not None else config.run_dir()
@@ -126,7 +126,7 @@ def main() -> None:
     commslayer.resilience = me
     parser = argparse.ArgumentParser(description="Run a commslayer.resilience script the plain way.")
     parser.add_argument("--vote", action="store_true",
-                        help="after the cross-replica average, a MIN all-reduce of two int64 over all the "
+                        help="after the cross-replica average, a MIN all-reduce of one int64 over all the "
                              "job's ranks (should_commit's collective alone)")
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")

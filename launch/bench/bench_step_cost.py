@@ -22,7 +22,7 @@ CPU went.  Configurations:
   --nproc-per-replica 2 launch/plain.py SCRIPT``: plain Gloo groups, one flat
   all-reduce across the groups after backward: replica mode's baseline and its noise;
 * ``plain HSDP + vote``: the same with ``launch/plain.py --vote``, a MIN all-reduce
-  of two int64 over the 4 ranks after the average: ``should_commit``'s collective
+  of one int64 over the 4 ranks after the average: ``should_commit``'s collective
   alone, without the rest of the resilience API;
 * ``replica, untraced`` / ``replica, recorder`` / ``replica, JSON lines``:
   ``commslayer-run --replicas 2 --nproc-per-replica 2 SCRIPT`` with
