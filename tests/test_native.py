@@ -349,7 +349,7 @@ def test_the_vote_takes_the_direct_path():
         _same_but_times(by_comm["native"], by_comm["python"])
         first = by_comm["native"][0]
         assert (first["reduce_op"], first["dtype"], first["in_sizes"], first["state"]) == \
-            ("MIN", "int64", [[2]], "completed"), first
+            ("MIN", "int64", [[1]], "completed"), first  # one int64: the vote and the joiners counted
         assert first["call_site"].endswith(f"test_native.py:{_votes.__code__.co_firstlineno + 8}"), first
         assert out["hooked"] == (True, ["should_commit"]), out["hooked"]
         assert out["no"] == [False, False], out["no"]
