@@ -408,7 +408,7 @@ class Lifecycle:
         ``pending_members`` is asked on this communicator, the leader's count of
         joiners (``NOT_COUNTED`` from the others): a committed tally that counted none
         spares the next ``pending_members`` its collective. One int64, not two: a Gloo
-        all-reduce of two takes about a fifth longer at 4 ranks, docs/bench/step-cost.md."""
+        all-reduce of two takes a fifth to a quarter longer at 4 ranks, docs/bench/step-cost.md."""
         lineage = self._resizable()
         self.refuse_closed("should_commit")
         self._joiners_at_vote = None
