@@ -426,7 +426,9 @@ class Lifecycle:
             if not ok:
                 membership.settle(generation, call, "abort")
             try:
-                [least] = tally([(YES if ok else 0) + self._count_joiners(lineage)], timeout_s)
+                counted = self._count_joiners(lineage)
+                mine = (YES if ok else 0) + (NOT_COUNTED if counted is None else counted + 1)
+                [least] = tally([mine], timeout_s)
                 everyone = least >= YES
             except CommAborted:
                 raise
@@ -441,7 +443,7 @@ class Lifecycle:
                 return False
             if everyone:
                 self._unconfirmed = call
-                self._joiners_at_vote = None if least - YES == NOT_COUNTED else least - YES - 1
+                self._joiners_at_vote = None if least - YES == NOT_COUNTED else least - YES - 1  # ``mine``'s
                 if self.failure is not None:  # it broke during the tally: ``fail`` may have missed this round
                     self.confirm_commit()
                     self.refuse_closed("should_commit")  # fenced: the others aborted it
@@ -451,16 +453,16 @@ class Lifecycle:
             self.fail(err)
             raise
 
-    def _count_joiners(self, lineage: Lineage) -> int:
-        """What this member adds to a vote's tally for the joiners: the leader, once
-        ``pending_members`` is asked, its background read's count plus one (0: the store
-        did not answer); ``NOT_COUNTED`` otherwise."""
+    def _count_joiners(self, lineage: Lineage) -> Optional[int]:
+        """The count of joiners this member puts on a vote's tally: the leader's, once
+        ``pending_members`` is asked, from its background read (-1: the store did not
+        answer); None from the others."""
         if self._rank != 0 or not lineage.asks_joiners:
-            return NOT_COUNTED
+            return None
         try:
-            return len(lineage.membership.joiners(self.members, fresh=False)) + 1
+            return len(lineage.membership.joiners(self.members, fresh=False))
         except StoreUnreachable:
-            return 0
+            return -1
 
     def left_members(self) -> Set[int]:
         """Members that closed the group on purpose (said goodbye), lost since or not."""
