@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from datetime import timedelta
 
@@ -215,20 +216,29 @@ def _recorded(rank, size, store):
     work.wait()
     gathered = torch.empty(2000)
     dist.all_gather_into_tensor(gathered, t, group=group)
+    value = t[0].item()
+    rec._step_begins(None, 7)
+    for _ in range(3):  # a thread named and codes known: these records are begun without the GIL (raw_frames)
+        dist.all_reduce(t, group=group, async_op=True).wait()
     ops = [r for r in rec.records() if r["comm"] == f"c10d:{group.group_name}:cpu"]
-    return type(work).__name__, [(r["op"], r["seq"], r["state"], r["async_op"]) for r in ops], \
-        ops[0]["wait_ns"] - ops[0]["end_ns"], ops[0]["call_site"], t[0].item()
+    return type(work).__name__, [(r["op"], r["seq"], r["state"], r["async_op"]) for r in ops[:2]], \
+        ops[0]["wait_ns"] - ops[0]["end_ns"], [r["call_site"] for r in ops], [r.get("step") for r in ops], \
+        value, rec._native.raw_frames
 
 
 @needs_native
 @pytest.mark.timeout(60)
 def test_the_flight_recorder_records_native_async_ops_as_the_general_path_does():
-    for work, ops, late, site, value in run_ranks(_recorded, 2, timeout=40):
+    here = __file__.replace('.pyc', '.py')
+    line = _recorded.__code__.co_firstlineno
+    for work, ops, late, sites, steps, value, raw_frames in run_ranks(_recorded, 2, timeout=40):
         assert work == "AsyncOpWork" and value == 2.0
         assert ops == [("all_reduce", 1, "completed", True), ("all_gather_single", 2, "completed", True)], ops
         assert late > 0.15e9, late  # the end is the transfer's, not the wait's
         # the caller's line, not torch's or commslayer's
-        assert site == f"{__file__.replace('.pyc', '.py')}:{_recorded.__code__.co_firstlineno + 9}", site
+        assert sites == [f"{here}:{line + 9}", f"{here}:{line + 13}"] + [f"{here}:{line + 17}"] * 3, sites
+        assert steps == [None, None, 7, 7, 7], steps
+        assert raw_frames == (sys.version_info[:2] == (3, 11)), raw_frames
 
 
 def _lost(rank, size, store):

@@ -41,6 +41,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace py = pybind11;
@@ -63,7 +64,90 @@ int64_t monotonic_ns() {
   return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
 }
 
-// One op's record.  The Python objects are touched only with the GIL held.
+// CPython 3.11's frame (_PyInterpreterFrame, Include/internal/pycore_frame.h),
+// as far as a call site reads it.  A thread's frames change only as that
+// thread runs Python, so a thread that released the GIL to issue an op can read
+// its own without it.  NativeRing checks the layout once, against the public
+// API, before it trusts it; other versions take the GIL and the public API.
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+#define COMMSLAYER_RAW_FRAMES 1
+struct RawFrame {
+  PyObject* f_func;
+  PyObject* f_globals;
+  PyObject* f_builtins;
+  PyObject* f_locals;
+  PyCodeObject* f_code;
+  PyObject* frame_obj;
+  RawFrame* previous;
+  _Py_CODEUNIT* prev_instr;
+  int stacktop;
+  bool is_entry;
+  char owner;
+};
+constexpr char kOwnedByGenerator = 1;  // FRAME_OWNED_BY_GENERATOR
+
+// The first complete frame from f outwards (PyFrame_GetBack's rule: a frame
+// whose code has not begun yet is skipped).
+const RawFrame* complete(const RawFrame* f) {
+  while (f != nullptr && f->owner != kOwnedByGenerator &&
+         f->prev_instr < _PyCode_CODE(f->f_code) + f->f_code->_co_firsttraceable) {
+    f = f->previous;
+  }
+  return f;
+}
+
+// The calling thread's innermost complete frame, or null (a thread that never ran Python).
+const RawFrame* innermost_raw() {
+  PyThreadState* state = PyGILState_GetThisThreadState();
+  if (state == nullptr || state->cframe == nullptr) {
+    return nullptr;
+  }
+  return complete(reinterpret_cast<const RawFrame*>(state->cframe->current_frame));
+}
+
+// The calling thread's frames without the GIL.
+struct RawFrames {
+  using Frame = const RawFrame*;
+  static Frame back(Frame f) {
+    return complete(f->previous);
+  }
+  static PyObject* code(Frame f) {
+    return reinterpret_cast<PyObject*>(f->f_code);
+  }
+  static int lasti(Frame f) {  // PyFrame_GetLasti's
+    int lasti = static_cast<int>(f->prev_instr - _PyCode_CODE(f->f_code));
+    return lasti < 0 ? -1 : lasti * static_cast<int>(sizeof(_Py_CODEUNIT));
+  }
+};
+#endif
+
+// The calling thread's frames through the public API (GIL held); each one
+// walked becomes a frame object.
+struct PublicFrames {
+  using Frame = py::object;
+  static Frame back(const Frame& f) {
+    return py::reinterpret_steal<py::object>(
+        reinterpret_cast<PyObject*>(PyFrame_GetBack(reinterpret_cast<PyFrameObject*>(f.ptr()))));
+  }
+  static PyObject* code(const Frame& f) {  // borrowed: the frame holds it
+    PyCodeObject* code = PyFrame_GetCode(reinterpret_cast<PyFrameObject*>(f.ptr()));
+    Py_DECREF(code);
+    return reinterpret_cast<PyObject*>(code);
+  }
+  static int lasti(const Frame& f) {
+    return PyFrame_GetLasti(reinterpret_cast<PyFrameObject*>(f.ptr()));
+  }
+  static Frame innermost() {
+    PyFrameObject* current = PyEval_GetFrame();
+    return current == nullptr ? py::object() : py::reinterpret_borrow<py::object>(
+        reinterpret_cast<PyObject*>(current));
+  }
+};
+
+constexpr int64_t kNoStep = INT64_MIN;  // a record outside a resilient job's steps
+
+// One op's record.  Plain data, so that it is written without the GIL: the
+// Python objects it points to are the ring's (ids, code), kept while it may point to them.
 struct Slot {
   int64_t op_id = 0;  // 0: empty (never written, or taken over by Python)
   int64_t seq = 0;
@@ -80,78 +164,114 @@ struct Slot {
   int64_t wait_end_ns = -1;  // and its last one ended
   unsigned long thread = 0;
   int lasti = 0;
-  py::object ids;  // the communicator's (name, uid, generation)
-  py::object code;  // the call site's code object, or null
-  py::object step;  // the resilient job's step, or None
-  py::object error;  // null, or the error text of an aborted op
+  PyObject* ids = nullptr;  // the communicator's (name, uid, generation): NativeRing::hold
+  PyObject* code = nullptr;  // the call site's code object (NativeRing::where_), or null
+  int64_t step = kNoStep;  // the resilient job's step
+  std::string error;  // the error text of an aborted op ("": none)
 };
 
 // The flight recorder's ring for the direct path's ops (tracing.record.recorder's
 // FlightRecorder holds one).  Each slot is written while its op runs; the
 // recorder reads them all at dump time and merges them with its own records
-// by op_id.
+// by op_id.  A record is begun without the GIL where the call site can be
+// read without it (COMMSLAYER_RAW_FRAMES, once the thread is named and the
+// codes on its walk are known): c10d calls GroupBackend without the GIL, and
+// taking it back cost a hand-off per op that another Python thread may win.
 class NativeRing {
  public:
-  // internal_dirs and threading_file say which frames are ours (the call site
+  // internal_paths and threading_file say which frames are ours (the call site
   // walk of tracing.record.recorder._caller); thread_names is the recorder's dict of
-  // thread names, which this fills for each thread's first op.
-  NativeRing(int64_t capacity, py::dict thread_names, py::tuple internal_dirs, py::object threading_file,
+  // thread names, which this fills for each thread's first op.  GIL held.
+  NativeRing(int64_t capacity, py::dict thread_names, py::tuple internal_paths, py::object threading_file,
              py::object current_thread)
       : capacity_(std::max<int64_t>(capacity, 1)),
         thread_names_(std::move(thread_names)),
-        internal_dirs_(std::move(internal_dirs)),
+        internal_paths_(std::move(internal_paths)),
         threading_file_(std::move(threading_file)),
         current_thread_(std::move(current_thread)) {
-    step = py::none();
+#ifdef COMMSLAYER_RAW_FRAMES
+    raw_frames_ = raw_frames_agree();
+#endif
   }
 
-  int64_t count() const {
+  int64_t count() {
+    std::lock_guard<std::mutex> lock(mutex_);
     return count_;
   }
 
-  int64_t taken() const {
+  int64_t taken() {
+    std::lock_guard<std::mutex> lock(mutex_);
     return taken_;
   }
 
-  // A new record, of an op that starts now (GIL held): its slot's index.
-  size_t begin(int64_t op_id, int64_t seq, int kind, const at::Tensor& output, const at::Tensor& input,
-               const py::object& ids, double timeout_s, bool async_op) {
-    // What may run Python (and so let another thread in) comes before the slot is taken.
-    unsigned long thread = PyThread_get_thread_ident();
-    name_thread(thread);
-    py::object code;
-    int lasti = 0;
-    call_site(code, lasti);
-    if (static_cast<int64_t>(slots_.size()) < capacity_) {
-      slots_.emplace_back();  // the ring grows as ops come, up to its capacity
-    }
-    size_t index = static_cast<size_t>(count_ % capacity_);
-    ++count_;
-    Slot& s = slots_[index];
-    s.op_id = op_id;
-    s.seq = seq;
-    s.kind = kind;
-    s.state = kStarted;
-    s.dtype = input.scalar_type();
-    s.in_shape.assign(input.sizes().begin(), input.sizes().end());
-    s.out_shape.assign(output.sizes().begin(), output.sizes().end());
-    s.timeout_s = timeout_s;
-    s.ids = ids;
-    s.step = step;
-    s.error = py::object();
-    s.thread = thread;
-    s.code = std::move(code);
-    s.lasti = lasti;
-    s.end_ns = -1;
-    s.async_op = async_op;
-    s.wait_ns = s.wait_end_ns = -1;
-    s.start_ns = monotonic_ns();
-    return index;
+  // Whether records are begun without the GIL (the call site read from CPython's frames).
+  bool raw_frames() const {
+    return raw_frames_;
   }
 
-  // The slot of a record begun (GIL held): it stays where it is while the ring grows.
-  Slot* slot(size_t index) {
-    return &slots_[index];
+  // The resilient job's current step, None outside one (tracing.record.recorder's phase hook sets it).
+  py::object step() const {
+    int64_t step = step_.load();
+    return step == kNoStep ? py::object(py::none()) : py::object(py::int_(step));
+  }
+
+  void set_step(const py::object& step) {
+    step_.store(step.is_none() ? kNoStep : step.cast<int64_t>());
+  }
+
+  // Keep ids (a communicator's (name, uid, generation)) for the records that
+  // point to it (GIL held): as long as the ring, since a dump may come after
+  // the communicator is gone.
+  void hold(const py::object& ids) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const py::object& held : held_) {
+      if (held.ptr() == ids.ptr()) {
+        return;
+      }
+    }
+    held_.push_back(ids);
+  }
+
+  // A new record, of an op that starts now: its slot, which stays where it is
+  // while the ring grows.  gil: whether the caller holds the GIL; the record
+  // takes it only where the call site cannot be read without it.  ids: held.
+  Slot* begin(int64_t op_id, int64_t seq, int kind, const at::Tensor& output, const at::Tensor& input,
+              PyObject* ids, double timeout_s, bool async_op, bool gil) {
+    thread_local bool named = false;
+    std::optional<py::gil_scoped_acquire> taken;
+    if (!gil && (!raw_frames_ || !named)) {
+      taken.emplace();
+      gil = true;
+    }
+    if (!named) {
+      thread_names_[py::int_(PyThread_get_thread_ident())] = current_thread_().attr("name");
+      named = true;
+    }
+    for (;;) {
+      std::unique_lock<std::mutex> lock(mutex_, std::defer_lock);
+      Site site;
+#ifdef COMMSLAYER_RAW_FRAMES
+      if (raw_frames_) {
+        lock.lock();
+        site = walk<RawFrames>(innermost_raw());
+      }
+#endif
+      if (!raw_frames_) {  // the public API's walk makes frame objects, which may run Python: not under the lock
+        site = walk<PublicFrames>(PublicFrames::innermost(), &lock);
+      }
+      if (!lock.owns_lock()) {
+        lock.lock();
+      }
+      if (site.unknown == nullptr) {
+        return write(op_id, seq, kind, output, input, ids, timeout_s, async_op, site);
+      }
+      lock.unlock();
+      if (!gil) {
+        taken.emplace();
+        gil = true;
+      }
+      learn(site.unknown);
+    }
   }
 
   // The op of slot s completed at end_ns; a slot that another op took meanwhile,
@@ -176,12 +296,11 @@ class NativeRing {
   }
 
   // Every record, oldest first, as tuples (tracing.record.recorder.Record.from_native).
-  py::list records() const {
+  py::list records() {
     py::list out;
-    for (int64_t i = std::max<int64_t>(0, count_ - capacity_); i < count_; ++i) {
-      const Slot& s = slots_[static_cast<size_t>(i % capacity_)];
-      if (s.op_id != 0) {
-        out.append(fields(s));
+    for (const Copy& c : copies(0).second) {
+      if (c.slot.op_id != 0) {
+        out.append(fields(c));
       }
     }
     return out;
@@ -191,13 +310,11 @@ class NativeRing {
   // them), the oldest the ring still holds if it moved past `from`: (the
   // position of the first, a list with None where a record was taken).  For a
   // reader that comes back for the new ones only (the status figures).
-  py::tuple records_from(int64_t from) const {
-    int64_t first = std::max<int64_t>({int64_t{0}, from, count_ - capacity_});
-    int64_t last = count_;
+  py::tuple records_from(int64_t from) {
+    auto [first, copied] = copies(from);
     py::list out;
-    for (int64_t i = first; i < last; ++i) {
-      const Slot& s = slots_[static_cast<size_t>(i % capacity_)];
-      out.append(s.op_id != 0 ? fields(s) : py::object(py::none()));
+    for (const Copy& c : copied) {
+      out.append(c.slot.op_id != 0 ? fields(c) : py::object(py::none()));
     }
     return py::make_tuple(first, out);
   }
@@ -206,44 +323,213 @@ class NativeRing {
   // from here on); None when the ring has moved past it, or when an abort ended
   // it: that record is final, and a trace sink may have read it already.
   py::object take(int64_t op_id) {
-    for (Slot& s : slots_) {
-      if (s.op_id == op_id) {
-        if (s.end_ns >= 0) {
-          return py::none();
+    std::optional<Copy> copy;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (Slot& s : slots_) {
+        if (s.op_id == op_id) {
+          if (s.end_ns >= 0) {
+            return py::none();
+          }
+          copy.emplace(copy_of(s));
+          s.op_id = 0;
+          ++taken_;
+          break;
         }
-        py::object record = fields(s);
-        if (s.op_id != op_id) {
-          return py::none();  // overwritten while its tuple was built
-        }
-        s.op_id = 0;
-        s.ids = s.code = s.step = s.error = py::object();
-        ++taken_;
-        return record;
       }
     }
-    return py::none();
+    return copy ? py::object(fields(*copy)) : py::object(py::none());
   }
 
   // Mark the ops of communicator uid still in flight as aborted at now_ns; how many.
   int abort(const py::str& uid, int64_t now_ns, const py::str& error) {
+    std::vector<PyObject*> of_uid;  // the held ids of that communicator (held_ only grows)
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (const py::object& ids : held_) {
+        of_uid.push_back(ids.ptr());
+      }
+    }
+    of_uid.erase(std::remove_if(of_uid.begin(), of_uid.end(), [&uid](PyObject* ids) {
+      return !py::str(py::reinterpret_borrow<py::object>(ids)[py::int_(1)]).equal(uid);
+    }), of_uid.end());
+    std::string text = error;
     int marked = 0;
+    std::lock_guard<std::mutex> lock(mutex_);
     for (Slot& s : slots_) {
-      if (s.op_id != 0 && s.state == kStarted && s.end_ns < 0 && py::str(s.ids[py::int_(1)]).equal(uid)) {
+      if (s.op_id != 0 && s.state == kStarted && s.end_ns < 0 &&
+          std::find(of_uid.begin(), of_uid.end(), s.ids) != of_uid.end()) {
         s.state = kAborted;
         s.end_ns = now_ns;
-        s.error = error;
+        s.error = text;
         ++marked;
       }
     }
     return marked;
   }
 
-  py::object step;  // the resilient job's current step (tracing.record.recorder's phase hook sets it)
-
  private:
-  enum Where : int { kOutside = 0, kInternal = 1, kThreading = 2 };
+  enum Where : int { kOutside = 0, kInternal = 1, kThreading = 2, kUnknown = 3 };
 
-  py::tuple fields(const Slot& s) const {
+  // A walk's outcome: the call site (code null: none), or a code it has not classified yet.
+  struct Site {
+    PyObject* code = nullptr;
+    int lasti = 0;
+    PyObject* unknown = nullptr;
+  };
+
+  // A slot as a reader copied it, with references to its Python objects.
+  struct Copy {
+    Slot slot;
+    py::object ids;
+    py::object code;
+  };
+
+  // Where code is, by what learn found (mutex_ held).
+  int where(PyObject* code) const {
+    auto found = where_.find(code);
+    return found == where_.end() ? kUnknown : found->second.second;
+  }
+
+  // The call site, as code object and instruction offset:
+  // tracing.record.recorder._caller's, two frames up (the op's method called
+  // Communicator._direct_run, which called DirectPath.run, or torch.distributed's
+  // function and its logger called c10d), unless an op of ours issued it.
+  // mutex_ held, or, for the public API (lock: mutex_'s, released), taken
+  // around each look at where_.  Stops at the first code not classified yet.
+  template <typename Frames>
+  Site walk(typename Frames::Frame frame, std::unique_lock<std::mutex>* lock = nullptr) {
+    Site site;
+    auto at = [&](const typename Frames::Frame& f) {
+      if (lock != nullptr) {
+        lock->lock();
+      }
+      int found = where(Frames::code(f));
+      if (lock != nullptr) {
+        lock->unlock();
+      }
+      if (found == kUnknown) {
+        site.unknown = Frames::code(f);
+      }
+      return found;
+    };
+    for (int i = 0; i < 2 && frame; ++i) {
+      frame = Frames::back(frame);
+    }
+    if (frame) {
+      int here = at(frame);
+      if (here == kInternal) {
+        typename Frames::Frame inner{};
+        while (frame && here == kInternal) {
+          inner = frame;
+          frame = Frames::back(frame);
+          here = frame ? at(frame) : kOutside;
+        }
+        if (inner && frame && here == kThreading) {
+          frame = inner;  // an op of commslayer's own thread: the outermost frame of ours
+        }
+      }
+      if (site.unknown != nullptr) {
+        return site;
+      }
+    }
+    if (frame) {
+      site.code = Frames::code(frame);
+      site.lasti = Frames::lasti(frame);
+      if (lock != nullptr) {
+        lock->lock();  // the public API's frame objects are gone after this: where_ keeps its code
+        if (where(site.code) == kUnknown) {
+          site.unknown = site.code;  // another thread let go of it meanwhile
+        }
+      }
+    }
+    return site;
+  }
+
+  // Classify code (GIL held), keeping it while where_ may point to it.  When
+  // where_ is full, the codes that no record points to go.
+  void learn(PyObject* code_ptr) {
+    py::object code = py::reinterpret_borrow<py::object>(code_ptr);
+    py::object filename = code.attr("co_filename");
+    int where = kOutside;
+    if (filename.equal(threading_file_)) {
+      where = kThreading;
+    } else if (py::bool_(filename.attr("startswith")(internal_paths_))) {
+      where = kInternal;
+    }
+    std::vector<py::object> dropped;  // let go of after the lock: a code's weakref callback runs Python
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (where_.size() >= kWhereCapacity) {
+        std::unordered_set<PyObject*> sites;
+        for (const Slot& s : slots_) {
+          if (s.op_id != 0 && s.code != nullptr) {
+            sites.insert(s.code);
+          }
+        }
+        for (auto it = where_.begin(); it != where_.end();) {
+          if (sites.count(it->first) == 0) {
+            dropped.push_back(std::move(it->second.first));
+            it = where_.erase(it);
+          } else {
+            ++it;
+          }
+        }
+      }
+      where_.emplace(code_ptr, std::make_pair(std::move(code), where));
+    }
+  }
+
+  // The slot of a new record, with its call site (mutex_ held).
+  Slot* write(int64_t op_id, int64_t seq, int kind, const at::Tensor& output, const at::Tensor& input,
+              PyObject* ids, double timeout_s, bool async_op, const Site& site) {
+    if (static_cast<int64_t>(slots_.size()) < capacity_) {
+      slots_.emplace_back();  // the ring grows as ops come, up to its capacity
+    }
+    Slot& s = slots_[static_cast<size_t>(count_ % capacity_)];
+    ++count_;
+    s.op_id = op_id;
+    s.seq = seq;
+    s.kind = kind;
+    s.state = kStarted;
+    s.dtype = input.scalar_type();
+    s.in_shape.assign(input.sizes().begin(), input.sizes().end());
+    s.out_shape.assign(output.sizes().begin(), output.sizes().end());
+    s.timeout_s = timeout_s;
+    s.ids = ids;
+    s.step = step_.load();
+    s.error.clear();
+    s.thread = PyThread_get_thread_ident();
+    s.code = site.code;
+    s.lasti = site.lasti;
+    s.end_ns = -1;
+    s.async_op = async_op;
+    s.wait_ns = s.wait_end_ns = -1;
+    s.start_ns = monotonic_ns();
+    return &s;
+  }
+
+  // Slot s with references to its Python objects (GIL and mutex_ held: no allocation of Python's).
+  static Copy copy_of(const Slot& s) {
+    return Copy{s, s.ids == nullptr ? py::object() : py::reinterpret_borrow<py::object>(s.ids),
+                s.code == nullptr ? py::object() : py::reinterpret_borrow<py::object>(s.code)};
+  }
+
+  // The slots of the records begun at or after position `from`, as copied
+  // under the lock (GIL held), and the position of the first.
+  std::pair<int64_t, std::vector<Copy>> copies(int64_t from) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    int64_t first = std::max<int64_t>({int64_t{0}, from, count_ - capacity_});
+    std::vector<Copy> out;
+    out.reserve(static_cast<size_t>(count_ - first));
+    for (int64_t i = first; i < count_; ++i) {
+      out.push_back(copy_of(slots_[static_cast<size_t>(i % capacity_)]));
+    }
+    return {first, std::move(out)};
+  }
+
+  static py::tuple fields(const Copy& c) {
+    const Slot& s = c.slot;
     py::tuple in_shape(s.in_shape.size());
     for (size_t i = 0; i < s.in_shape.size(); ++i) {
       in_shape[i] = py::int_(s.in_shape[i]);
@@ -252,90 +538,54 @@ class NativeRing {
     for (size_t i = 0; i < s.out_shape.size(); ++i) {
       out_shape[i] = py::int_(s.out_shape[i]);
     }
+    auto optional = [](int64_t value) { return value < 0 ? py::object(py::none()) : py::object(py::int_(value)); };
     return py::make_tuple(
-        s.op_id, s.ids, s.seq, s.kind, s.dtype, in_shape, out_shape, s.timeout_s, s.state, s.start_ns,
-        s.end_ns < 0 ? py::object(py::none()) : py::object(py::int_(s.end_ns)), s.thread,
-        s.code ? s.code : py::object(py::none()), s.lasti, s.step, s.error ? s.error : py::object(py::none()),
-        s.async_op, s.wait_ns < 0 ? py::object(py::none()) : py::object(py::int_(s.wait_ns)),
-        s.wait_end_ns < 0 ? py::object(py::none()) : py::object(py::int_(s.wait_end_ns)));
+        s.op_id, c.ids, s.seq, s.kind, s.dtype, in_shape, out_shape, s.timeout_s, s.state, s.start_ns,
+        optional(s.end_ns), s.thread, c.code ? c.code : py::object(py::none()), s.lasti,
+        s.step == kNoStep ? py::object(py::none()) : py::object(py::int_(s.step)),
+        s.error.empty() ? py::object(py::none()) : py::object(py::str(s.error)), s.async_op, optional(s.wait_ns),
+        optional(s.wait_end_ns));
   }
 
-  void name_thread(unsigned long ident) {
-    thread_local bool named = false;
-    if (!named) {
-      thread_names_[py::int_(ident)] = current_thread_().attr("name");
-      named = true;
+#ifdef COMMSLAYER_RAW_FRAMES
+  // Whether CPython's frames, read as RawFrame, are the public API's (GIL held):
+  // the same codes and offsets, frame by frame, from the constructor's caller out.
+  static bool raw_frames_agree() {
+    if (PyGILState_GetThisThreadState() != PyThreadState_Get()) {
+      return false;
     }
-  }
-
-  // Where the code of frame is: ours (commslayer, tracing, torch), threading's, or the caller's.
-  int where(PyFrameObject* frame) {
-    py::object code = py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(PyFrame_GetCode(frame)));
-    auto found = where_.find(code.ptr());
-    if (found != where_.end()) {
-      return found->second.second;
-    }
-    if (where_.size() >= kWhereCapacity) {
-      where_.clear();
-    }
-    py::object filename = code.attr("co_filename");
-    int where = kOutside;
-    if (filename.equal(threading_file_)) {
-      where = kThreading;
-    } else if (py::bool_(filename.attr("startswith")(internal_dirs_))) {
-      where = kInternal;
-    }
-    where_.emplace(code.ptr(), std::make_pair(code, where));
-    return where;
-  }
-
-  static py::object back(const py::object& frame) {
-    return py::reinterpret_steal<py::object>(
-        reinterpret_cast<PyObject*>(PyFrame_GetBack(reinterpret_cast<PyFrameObject*>(frame.ptr()))));
-  }
-
-  // The call site, as code object and instruction offset: tracing.record.recorder's,
-  // read without making a Python call.  The op's method called
-  // Communicator._direct_run, which called DirectPath.run: the caller is two
-  // frames up, unless an op of ours issued it.
-  void call_site(py::object& code, int& lasti) {
-    PyFrameObject* current = PyEval_GetFrame();
-    py::object frame = current == nullptr ? py::object() : py::reinterpret_borrow<py::object>(
-        reinterpret_cast<PyObject*>(current));
-    for (int i = 0; i < 2 && frame; ++i) {
-      frame = back(frame);
-    }
-    auto at = [this](const py::object& f) { return where(reinterpret_cast<PyFrameObject*>(f.ptr())); };
-    if (frame && at(frame) == kInternal) {
-      py::object inner;
-      while (frame && at(frame) == kInternal) {
-        inner = frame;
-        frame = back(frame);
+    const RawFrame* raw = innermost_raw();
+    py::object frame = PublicFrames::innermost();
+    for (int depth = 0; depth < 16 && (raw != nullptr || frame); ++depth) {
+      if (raw == nullptr || !frame || RawFrames::code(raw) != PublicFrames::code(frame) ||
+          RawFrames::lasti(raw) != PublicFrames::lasti(frame)) {
+        return false;
       }
-      if (inner && frame && at(frame) == kThreading) {
-        frame = inner;  // an op of commslayer's own thread: the outermost frame of ours
-      }
+      raw = RawFrames::back(raw);
+      frame = PublicFrames::back(frame);
     }
-    if (frame) {
-      auto* f = reinterpret_cast<PyFrameObject*>(frame.ptr());
-      code = py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(PyFrame_GetCode(f)));
-      lasti = PyFrame_GetLasti(f);
-    }
+    return true;
   }
+#endif
 
   static constexpr size_t kWhereCapacity = 4096;
 
   int64_t capacity_;
+  bool raw_frames_ = false;
+  std::atomic<int64_t> step_{kNoStep};
+  // Guards what follows; never held while the GIL is taken.
+  std::mutex mutex_;
   // The ring: op i in slot i % capacity_.  A deque, so that a slot stays where
-  // it is while the ring grows (a thread may hold one across a Python call).
+  // it is while the ring grows (an op holds its slot while it runs).
   std::deque<Slot> slots_;
   int64_t count_ = 0;  // records ever begun
   int64_t taken_ = 0;  // of those, taken over by Python
+  std::vector<py::object> held_;  // every ids a record may point to
+  std::unordered_map<PyObject*, std::pair<py::object, int>> where_;  // code object -> Where (kept)
   py::dict thread_names_;
-  py::tuple internal_dirs_;
+  py::tuple internal_paths_;
   py::object threading_file_;
   py::object current_thread_;
-  std::unordered_map<PyObject*, std::pair<py::object, int>> where_;  // code object -> Where (kept alive)
 };
 
 // Whether two tensors are plain memory of one dtype on the CPU (contiguous, no
@@ -971,7 +1221,11 @@ class DirectPath {
     if (ring_.load() != nullptr) {
       retired_rings_.push_back(ring_object_);  // async ops in flight may still write into it
     }
-    ring_.store(ring.is_none() ? nullptr : ring.cast<NativeRing*>());
+    NativeRing* native = ring.is_none() ? nullptr : ring.cast<NativeRing*>();
+    if (native != nullptr) {
+      native->hold(ids_);
+    }
+    ring_.store(native);
     ring_object_ = std::move(ring);
   }
 
@@ -1011,17 +1265,9 @@ class DirectPath {
     }
     int64_t seq = next_seq();
     int64_t op_id = next_op_id.fetch_add(1);
-    Slot* slot = nullptr;
-    if (ring_.load() != nullptr) {  // the record's call site is Python's: taken with the GIL
-      std::optional<py::gil_scoped_acquire> taken;
-      if (!gil) {
-        taken.emplace();
-      }
-      NativeRing* ring = ring_.load();
-      if (ring != nullptr) {
-        slot = ring->slot(ring->begin(op_id, seq, kind, output, input, ids_, timeout_s_, true));
-      }
-    }
+    NativeRing* ring = ring_.load();
+    Slot* slot = ring == nullptr ? nullptr
+                                 : ring->begin(op_id, seq, kind, output, input, ids_.ptr(), timeout_s_, true, gil);
     c10::intrusive_ptr<c10d::Work> inner;
     at::Tensor staged;  // write isolation: the backend writes a copy, the caller's tensor gets it on success
     {
@@ -1105,11 +1351,12 @@ class DirectPath {
     const at::Tensor& first = THPVariable_Unpack(a.ptr());
     const at::Tensor& second = THPVariable_Unpack(b.ptr());
     NativeRing* ring = op_id != 0 ? ring_.load() : nullptr;
-    size_t index = ring == nullptr ? 0 : ring->begin(op_id, seq, kind, first, second, ids_, timeout_s_, false);
+    Slot* slot = ring == nullptr ? nullptr
+                                 : ring->begin(op_id, seq, kind, first, second, ids_.ptr(), timeout_s_, false, true);
     int64_t end_ns = 0;
     py::object failed = issue_and_wait(kind, first, second, &end_ns);
-    if (ring != nullptr && failed.is_none()) {
-      NativeRing::completed(*ring->slot(index), op_id, end_ns);
+    if (slot != nullptr && failed.is_none()) {
+      NativeRing::completed(*slot, op_id, end_ns);
     }
     return failed;
   }
@@ -1553,11 +1800,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "commslayer's direct path in native code (commslayer/comm/native.py builds and loads it)";
   py::class_<NativeRing>(m, "NativeRing")
       .def(py::init<int64_t, py::dict, py::tuple, py::object, py::object>(), py::arg("capacity"),
-           py::arg("thread_names"), py::arg("internal_dirs"), py::arg("threading_file"), py::arg("current_thread"))
+           py::arg("thread_names"), py::arg("internal_paths"), py::arg("threading_file"), py::arg("current_thread"))
       .def("records_from", &NativeRing::records_from, py::arg("from"))
       .def_property_readonly("count", &NativeRing::count)
       .def_property_readonly("taken", &NativeRing::taken)
-      .def_readwrite("step", &NativeRing::step)
+      .def_property("step", &NativeRing::step, &NativeRing::set_step)
+      .def_property_readonly("raw_frames", &NativeRing::raw_frames)
       .def("records", &NativeRing::records)
       .def("take", &NativeRing::take, py::arg("op_id"))
       .def("abort", &NativeRing::abort, py::arg("uid"), py::arg("now_ns"), py::arg("error"));

@@ -265,11 +265,11 @@ def group_backend(rank: int, size: int, side: Any, inners: Dict[str, Any]) -> An
     return None if module is None else module.GroupBackend(rank, size, side, inners)
 
 
-def ring(capacity: int, thread_names: Dict[int, str], internal_dirs: Tuple[str, ...], threading_file: str) -> Any:
+def ring(capacity: int, thread_names: Dict[int, str], internal_paths: Tuple[str, ...], threading_file: str) -> Any:
     """A flight recorder's ring for the records of native direct-path ops
     (``NativeRing`` in direct_path.cpp), or None where there is no native path."""
     module = _module()
-    return None if module is None else module.NativeRing(capacity, thread_names, internal_dirs, threading_file,
+    return None if module is None else module.NativeRing(capacity, thread_names, internal_paths, threading_file,
                                                          threading.current_thread)
 
 

@@ -35,12 +35,14 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 import weakref
 from collections import deque
 from types import FrameType
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import orjson
+import typing_extensions
 
 import commslayer
 from commslayer import config
@@ -57,10 +59,13 @@ from tracing.records import ABORTED, EVENT_CAPACITY, SCHEDULED, new_dump
 
 log = logging.getLogger("commslayer.tracing")
 
-_INTERNAL_DIRS = tuple(
+# The code that is not a call site: commslayer's, tracing's and torch's folders, and the
+# files of the wrappers torch puts around functions it deprecates (typing_extensions.deprecated's,
+# which is warnings.deprecated's from Python 3.13): dist.all_gather_into_tensor is one.
+_INTERNAL_PATHS = tuple(
     os.path.dirname(os.path.abspath(str(m.__file__))) + os.sep
     for m in (commslayer, sys.modules[__package__], sys.modules["torch"])
-)
+) + tuple(os.path.abspath(str(m.__file__)) for m in (typing_extensions, warnings))
 
 
 def clock_anchor(tries: int = 5) -> Dict[str, int]:
@@ -84,7 +89,7 @@ def _caller(frame: Optional[FrameType]) -> Optional[FrameType]:
     """The first frame outside commslayer, tracing and torch: the code that issued the op;
     for an op of commslayer's own thread (the copies' refresh) the outermost frame of ours."""
     inner = None
-    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_PATHS):
         inner, frame = frame, frame.f_back
     if inner is not None and frame is not None and frame.f_code.co_filename == threading.__file__:
         return inner
@@ -108,7 +113,7 @@ class FlightRecorder:
         self._count = 0
         # the native direct path's records (None: no native path); native_ring is what
         # communicators write into, None while full stacks or a sink need Python records
-        self._native = native.ring(capacity, thread_names, _INTERNAL_DIRS, threading.__file__)
+        self._native = native.ring(capacity, thread_names, _INTERNAL_PATHS, threading.__file__)
         self.native_ring: Any = None
         self._comms: Dict[str, Tuple["weakref.ReferenceType[commslayer.Communicator]", Dict[str, Any]]] = {}
         self._sinks_changed()
@@ -174,7 +179,7 @@ class FlightRecorder:
         # the walk ends unless an op of ours issued it: each frame looked at becomes a frame
         # object, which costs microseconds after a transfer.
         caller = sys._getframe(3)
-        frame = _caller(caller) if caller.f_code.co_filename.startswith(_INTERNAL_DIRS) else caller
+        frame = _caller(caller) if caller.f_code.co_filename.startswith(_INTERNAL_PATHS) else caller
         r.call_site = None if frame is None else (frame.f_code, frame.f_lasti)  # f_lineno decodes a line table
         r.stack = [f"{f.filename}:{f.lineno} in {f.name}" for f in traceback.extract_stack(frame)] \
             if self.stack and frame is not None else None
