@@ -86,8 +86,8 @@ def clock_anchor(tries: int = 5) -> Dict[str, int]:
 
 
 def _caller(frame: Optional[FrameType]) -> Optional[FrameType]:
-    """The first frame outside commslayer, tracing and torch: the code that issued the op;
-    for an op of commslayer's own thread (the copies' refresh) the outermost frame of ours."""
+    """The first frame outside ``_INTERNAL_PATHS`` (commslayer, tracing, torch): the code that
+    issued the op; for an op of commslayer's own thread (the copies' refresh) the outermost frame of ours."""
     inner = None
     while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_PATHS):
         inner, frame = frame, frame.f_back
