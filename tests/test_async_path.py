@@ -241,6 +241,41 @@ def test_the_flight_recorder_records_native_async_ops_as_the_general_path_does()
         assert raw_frames == (sys.version_info[:2] == (3, 11)), raw_frames
 
 
+def _many_call_sites(rank, size, store):
+    import weakref
+
+    import torch.distributed as dist
+
+    from tracing.record.recorder import install
+
+    dist.init_process_group("gloo", store=dist.PrefixStore("world/", store), rank=rank, world_size=size)
+    rec = install(None, capacity=100, signals=False)
+    group = dist.new_group(backend="commslayer")
+    t = torch.zeros(4)
+    first = None
+    for i in range(SITES):  # each function its own code object: more than the ring's map of codes keeps
+        namespace: dict = {}
+        exec(compile(f"def site(dist, t, group):\n    dist.all_reduce(t, group=group, async_op=True).wait()\n",
+                     f"<site {i}>", "exec"), namespace)
+        namespace["site"](dist, t, group)
+        first = first or weakref.ref(namespace["site"].__code__)
+    ops = [r for r in rec.records() if r["comm"] == f"c10d:{group.group_name}:cpu"]
+    return [(r["seq"], r["call_site"]) for r in ops], first() is None
+
+
+SITES = 4200  # past NativeRing's 4096 codes
+
+
+@needs_native
+@pytest.mark.timeout(90)
+def test_the_native_ring_keeps_its_records_call_sites_and_lets_go_of_older_codes():
+    """More distinct call sites than the ring's map of codes holds: the records still
+    in the ring keep theirs, and the codes no record points to are let go of."""
+    for sites, first_gone in run_ranks(_many_call_sites, 2, timeout=70):
+        assert sites == [(i + 1, f"<site {i}>:2") for i in range(SITES - 100, SITES)], sites[:3]
+        assert first_gone
+
+
 def _lost(rank, size, store):
     import torch.distributed as dist
 

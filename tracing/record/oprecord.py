@@ -139,7 +139,7 @@ class Record:
         d["backend_op"] = BACKEND_OPS[self.op]
         d["reduce_op"] = None if self.reduce_op is None else repr(self.reduce_op).replace("ReduceOp.", "")
         d["thread"] = thread_names.get(self.thread, str(self.thread))
-        d["call_site"] = "?" if self.call_site is None else _site(*self.call_site)
+        d["call_site"] = "?" if self.call_site is None else _site(self.call_site[0].co_filename, *self.call_site)
         return d
 
 
@@ -180,11 +180,13 @@ class NativeCursor:
 
 
 @functools.lru_cache(maxsize=4096)
-def _site(code: CodeType, lasti: int) -> str:
-    """"file:line" of the instruction at byte offset ``lasti`` of ``code`` (what ``f_lineno`` says)."""
+def _site(filename: str, code: CodeType, lasti: int) -> str:
+    """"file:line" of the instruction at byte offset ``lasti`` of ``code`` (what ``f_lineno`` says).
+    ``filename`` is ``code``'s, in the key: code objects compare equal without it, so the same
+    function at the same line of two files would take the first one's site."""
     line = next((ln for start, end, ln in code.co_lines() if start <= lasti < end and ln is not None),
                 code.co_firstlineno)
-    return f"{code.co_filename}:{line}"
+    return f"{filename}:{line}"
 
 
 def global_rank() -> int:
