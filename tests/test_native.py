@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -267,6 +268,15 @@ def _recorded_both_ways(rank, size, store, trace_dir):
 
 
 @pytest.mark.timeout(120)
+def test_a_reader_past_the_native_rings_end_reads_nothing():
+    """A cursor whose position is past the records ever begun (one made for another
+    ring) reads an empty list from there, not an error."""
+    if native.why_not() is not None:
+        pytest.skip(f"the native direct path is not built: {native.why_not()}")
+    ring = native.ring(8, {}, (), threading.__file__)
+    assert ring.records_from(5) == (5, []) and ring.records() == [] and ring.count == 0
+
+
 def test_native_records_equal_python_records(tmp_path):
     """The native direct path writes its records itself (direct_path.cpp's NativeRing): they
     say what the Python recorder says of the same ops, field by field, save the times."""

@@ -522,7 +522,7 @@ class NativeRing {
     std::lock_guard<std::mutex> lock(mutex_);
     int64_t first = std::max<int64_t>({int64_t{0}, from, count_ - capacity_});
     std::vector<Copy> out;
-    out.reserve(static_cast<size_t>(count_ - first));
+    out.reserve(static_cast<size_t>(std::max<int64_t>(0, count_ - first)));
     for (int64_t i = first; i < count_; ++i) {
       out.push_back(copy_of(slots_[static_cast<size_t>(i % capacity_)]));
     }
