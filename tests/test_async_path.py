@@ -241,6 +241,9 @@ def test_the_flight_recorder_records_native_async_ops_as_the_general_path_does()
         assert raw_frames == (sys.version_info[:2] == (3, 11)), raw_frames
 
 
+SITES = 4200  # past NativeRing's 4096 codes
+
+
 def _many_call_sites(rank, size, store):
     import weakref
 
@@ -255,15 +258,13 @@ def _many_call_sites(rank, size, store):
     first = None
     for i in range(SITES):  # each function its own code object: more than the ring's map of codes keeps
         namespace: dict = {}
-        exec(compile(f"def site(dist, t, group):\n    dist.all_reduce(t, group=group, async_op=True).wait()\n",
+        exec(compile("def site(dist, t, group):\n    dist.all_reduce(t, group=group, async_op=True).wait()\n",
                      f"<site {i}>", "exec"), namespace)
         namespace["site"](dist, t, group)
-        first = first or weakref.ref(namespace["site"].__code__)
+        if first is None:
+            first = weakref.ref(namespace["site"].__code__)
     ops = [r for r in rec.records() if r["comm"] == f"c10d:{group.group_name}:cpu"]
     return [(r["seq"], r["call_site"]) for r in ops], first() is None
-
-
-SITES = 4200  # past NativeRing's 4096 codes
 
 
 @needs_native
