@@ -224,7 +224,6 @@ class NativeRing {
   // point to it (GIL held): as long as the ring, since a dump may come after
   // the communicator is gone.
   void hold(const py::object& ids) {
-    std::lock_guard<std::mutex> lock(mutex_);
     for (const py::object& held : held_) {
       if (held.ptr() == ids.ptr()) {
         return;
@@ -257,11 +256,15 @@ class NativeRing {
         site = walk<RawFrames>(innermost_raw());
       }
 #endif
-      if (!raw_frames_) {  // the public API's walk makes frame objects, which may run Python: not under the lock
-        site = walk<PublicFrames>(PublicFrames::innermost(), &lock);
-      }
-      if (!lock.owns_lock()) {
+      if (!raw_frames_) {
+        // Every thread holds the GIL here, and where_ changes only with it: the walk
+        // needs no lock, and takes none while the public API makes frame objects
+        // (which may run Python).  Its site's code is kept only if where_ still has it.
+        site = walk<PublicFrames>(PublicFrames::innermost());
         lock.lock();
+        if (site.code != nullptr && where(site.code) == kUnknown) {
+          site.unknown = site.code;  // let go of meanwhile, by another thread's learn
+        }
       }
       if (site.unknown == nullptr) {
         return write(op_id, seq, kind, output, input, ids, timeout_s, async_op, site);
@@ -344,16 +347,12 @@ class NativeRing {
 
   // Mark the ops of communicator uid still in flight as aborted at now_ns; how many.
   int abort(const py::str& uid, int64_t now_ns, const py::str& error) {
-    std::vector<PyObject*> of_uid;  // the held ids of that communicator (held_ only grows)
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      for (const py::object& ids : held_) {
+    std::vector<PyObject*> of_uid;  // the held ids of that communicator
+    for (const py::object& ids : held_) {
+      if (py::str(ids[py::int_(1)]).equal(uid)) {
         of_uid.push_back(ids.ptr());
       }
     }
-    of_uid.erase(std::remove_if(of_uid.begin(), of_uid.end(), [&uid](PyObject* ids) {
-      return !py::str(py::reinterpret_borrow<py::object>(ids)[py::int_(1)]).equal(uid);
-    }), of_uid.end());
     std::string text = error;
     int marked = 0;
     std::lock_guard<std::mutex> lock(mutex_);
@@ -396,19 +395,13 @@ class NativeRing {
   // tracing.record.recorder._caller's, two frames up (the op's method called
   // Communicator._direct_run, which called DirectPath.run, or torch.distributed's
   // function and its logger called c10d), unless an op of ours issued it.
-  // mutex_ held, or, for the public API (lock: mutex_'s, released), taken
-  // around each look at where_.  Stops at the first code not classified yet.
+  // mutex_ held, or (the public API) the GIL, by every thread.  Stops at the
+  // first code not classified yet.
   template <typename Frames>
-  Site walk(typename Frames::Frame frame, std::unique_lock<std::mutex>* lock = nullptr) {
+  Site walk(typename Frames::Frame frame) {
     Site site;
     auto at = [&](const typename Frames::Frame& f) {
-      if (lock != nullptr) {
-        lock->lock();
-      }
       int found = where(Frames::code(f));
-      if (lock != nullptr) {
-        lock->unlock();
-      }
       if (found == kUnknown) {
         site.unknown = Frames::code(f);
       }
@@ -437,12 +430,6 @@ class NativeRing {
     if (frame) {
       site.code = Frames::code(frame);
       site.lasti = Frames::lasti(frame);
-      if (lock != nullptr) {
-        lock->lock();  // the public API's frame objects are gone after this: where_ keeps its code
-        if (where(site.code) == kUnknown) {
-          site.unknown = site.code;  // another thread let go of it meanwhile
-        }
-      }
     }
     return site;
   }
@@ -581,7 +568,7 @@ class NativeRing {
   std::deque<Slot> slots_;
   int64_t count_ = 0;  // records ever begun
   int64_t taken_ = 0;  // of those, taken over by Python
-  std::vector<py::object> held_;  // every ids a record may point to
+  std::vector<py::object> held_;  // every ids a record may point to (GIL-guarded, not mutex_)
   std::unordered_map<PyObject*, std::pair<py::object, int>> where_;  // code object -> Where (kept)
   py::dict thread_names_;
   py::tuple internal_paths_;
