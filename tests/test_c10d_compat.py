@@ -56,13 +56,19 @@ def test_a_job_cannot_tell_routed_commslayer_from_gloo(tmp_path: Path) -> None:
         diffs = differences(plain[rank], routed[rank])
         # docs/api.md (route switch): plain Gloo's reduce-scatter works answer is_completed()
         # False even after wait() returned; commslayer's answer True
-        assert sorted(diffs) == [f"/collectives async=True/{op}[0]/is_completed[1]: False vs True"
-                                 for op in ("reduce_scatter", "reduce_scatter_tensor")], \
+        assert sorted(diffs) == [f"/{part} async=True/{op}[0]/is_completed[1]: False vs True"
+                                 for part, op in (("collectives", "reduce_scatter"),
+                                                  ("collectives", "reduce_scatter_tensor"),
+                                                  ("non-contiguous", "reduce_scatter_tensor"))], \
             f"rank {rank}:\n" + "\n".join(diffs)
     # the comparison is of runs that did something: results moved, timeouts fired
     ours = routed[0]
     assert ours["world"]["backend"] == "gloo" and ours["groups"]["mesh"]["dp"]["size"] == 2
     assert ours["collectives async=False"]["all_reduce"][1].tolist() == [0.0, 3.0, 6.0, 9.0, 12.0, 15.0]
+    for async_op in (False, True):  # written through views that are not contiguous, as Gloo writes them
+        strided = ours[f"non-contiguous async={async_op}"]
+        assert strided["all_reduce"][1][0].tolist()[0] == [3.0, 15.0, 27.0], strided["all_reduce"]
+        assert strided["reduce_scatter_tensor"][1][0].tolist()[0] == [3.0, 27.0, 51.0]
     assert ours["p2p"]["recv any"][0] == 1 and ours["p2p"]["batch"][1].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
     # torch turns received bytes back into objects through numpy; without it both runs raised alike
     gathered = ours["objects"]["gather_object"]

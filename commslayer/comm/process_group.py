@@ -12,7 +12,8 @@ communicator's native path takes (FSDP2's and DDP's) without a line of Python,
 a c10d ``Work`` of its own whose wait runs none while the op completes
 (docs/bench/async-path.md).  Every other op it hands to the group's Python
 side, ``CommslayerGroup``, whose c10d ``Work`` (``C10dWork``) wraps commslayer
-``Work``s.  A Python subclass of ``ProcessGroup`` would cost each call a
+``Work``s; so are ops on tensors that are not contiguous, which Gloo runs and the
+communicators refuse: they run on contiguous copies (``_dense``).  A Python subclass of ``ProcessGroup`` would cost each call a
 lookup of Python overrides (measured in docs/bench/async-path.md).  Where the
 module is not built, the group is such a subclass, ``CommslayerProcessGroup``,
 whose methods are ``CommslayerGroup``'s; it registers each communicator's own
@@ -31,7 +32,7 @@ module and not the other.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -55,15 +56,32 @@ def _timeout(opts) -> Optional[timedelta]:
     return t if isinstance(t, timedelta) and t.total_seconds() > 0 else None
 
 
+CopyBack = List[Tuple[torch.Tensor, torch.Tensor]]  # (a caller's tensor, the contiguous copy an op wrote)
+
+
+def _dense(t: torch.Tensor, back: Optional[CopyBack] = None) -> torch.Tensor:
+    """``t``, or a contiguous copy of it for the op to run on where it is not contiguous:
+    Gloo runs such tensors, and a routed job must see no difference, though the
+    communicators refuse them.  ``back``: the op writes ``t``, so the pair is listed
+    there, for the work to copy the result into ``t`` once the op succeeded."""
+    if t.layout != torch.strided or t.is_contiguous():
+        return t
+    copy = t.contiguous()
+    if back is not None:
+        back.append((t, copy))
+    return copy
+
+
 class C10dWork(dist.Work):
     """c10d's view of one or more commslayer ``Work`` objects."""
 
     def __init__(self, works: List[Work], result: Optional[List[torch.Tensor]],
-                 held: Optional[Callable[[CommError], None]] = None) -> None:
+                 held: Optional[Callable[[CommError], None]] = None, back: CopyBack = ()) -> None:
         super().__init__()
         self._works = works
         self._result = result
         self._held = held
+        self._back = back
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         if isinstance(timeout, timedelta) and timeout.total_seconds() <= 0:
@@ -75,10 +93,22 @@ class C10dWork(dist.Work):
             if self._held is None:
                 raise
             self._held(exc)
+            return True
+        self._copy_back()
         return True
 
+    def _copy_back(self) -> None:
+        """The op succeeded: its results reach the caller's tensors that ran on copies (``_dense``)."""
+        back, self._back = self._back, ()
+        with torch.no_grad():
+            for t, copy in back:
+                t.copy_(copy)
+
     def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)
+        done = all(w.is_completed() for w in self._works)
+        if done and self._back and self.exception() is None:
+            self._copy_back()
+        return done
 
     def is_success(self) -> bool:
         return self.is_completed() and self.exception() is None
@@ -108,6 +138,8 @@ class C10dWork(dist.Work):
                 if self._held is None:
                     raise
                 self._held(exc)
+            else:
+                self._copy_back()
             return self._result if self._result is not None else []
 
         return torch.futures.collect_all([w.get_future() for w in self._works]).then(settle)
@@ -147,19 +179,24 @@ class CommslayerGroup:
     def _comm(self, t: torch.Tensor) -> Communicator:
         return self.communicator(t.device.type)
 
-    # collectives: c10d's Python API and C++ callers use these names
+    # collectives: c10d's Python API and C++ callers use these names.  Each runs on
+    # contiguous copies of the tensors that are not (_dense), and the work copies back.
     def allreduce(self, tensors, opts=None):
         if not hasattr(opts, "reduceOp"):  # the old allreduce(tensors, op) form
             op, opts = opts, c10d.AllreduceOptions()
             if op is not None:
                 opts.reduceOp = op
+        back: CopyBack = []
+        dense = [_dense(t, back) for t in tensors]
         return self._many(tensors, lambda: [
-            self._comm(t).all_reduce(t, opts.reduceOp, async_op=True, timeout=_timeout(opts)) for t in tensors])
+            self._comm(t).all_reduce(t, opts.reduceOp, async_op=True, timeout=_timeout(opts)) for t in dense], back)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts or c10d.AllreduceCoalescedOptions()
+        back: CopyBack = []
+        dense = [_dense(t, back) for t in tensors]
         return self._many(tensors, lambda: [self._comm(tensors[0]).all_reduce_coalesced(
-            tensors, opts.reduceOp, async_op=True, timeout=_timeout(opts))])
+            dense, opts.reduceOp, async_op=True, timeout=_timeout(opts))], back)
 
     def all_gather_single(self, output, input, opts=None):
         return self.all_gather_single_coalesced([output], [input], opts)
@@ -168,16 +205,18 @@ class CommslayerGroup:
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         chunks = [c for o in outputs for c in o.chunk(self._comm(o).get_size())]  # Gloo's result: one per rank
+        back: CopyBack = []
+        pairs = [(_dense(o, back), _dense(i)) for o, i in zip(outputs, inputs)]
         return self._many(chunks, lambda: [
-            self._comm(i).all_gather_single(o, i, async_op=True, timeout=_timeout(opts))
-            for o, i in zip(outputs, inputs)])
+            self._comm(i).all_gather_single(o, i, async_op=True, timeout=_timeout(opts)) for o, i in pairs], back)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def allgather(self, output_lists, inputs, opts=None):
+        back: CopyBack = []
+        pairs = [([_dense(o, back) for o in outs], _dense(i)) for outs, i in zip(output_lists, inputs)]
         return self._many([t for outs in output_lists for t in outs], lambda: [
-            self._comm(i).all_gather(outs, i, async_op=True, timeout=_timeout(opts))
-            for outs, i in zip(output_lists, inputs)])
+            self._comm(i).all_gather(outs, i, async_op=True, timeout=_timeout(opts)) for outs, i in pairs], back)
 
     def reduce_scatter_single(self, output, input, opts=None):
         return self.reduce_scatter_single_coalesced([output], [input], opts)
@@ -186,17 +225,21 @@ class CommslayerGroup:
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts or c10d.ReduceScatterOptions()
+        back: CopyBack = []
+        pairs = [(_dense(o, back), _dense(i)) for o, i in zip(outputs, inputs)]
         return self._many(None, lambda: [
             self._comm(i).reduce_scatter_single(o, i, opts.reduceOp, async_op=True, timeout=_timeout(opts))
-            for o, i in zip(outputs, inputs)])
+            for o, i in pairs], back)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         opts = opts or c10d.ReduceScatterOptions()
+        back: CopyBack = []
+        pairs = [(_dense(o, back), [_dense(i) for i in ins]) for o, ins in zip(outputs, input_lists)]
         return self._many(None, lambda: [
             self._comm(o).reduce_scatter(o, ins, opts.reduceOp, async_op=True, timeout=_timeout(opts))
-            for o, ins in zip(outputs, input_lists)])
+            for o, ins in pairs], back)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         return self._many([output], lambda: [self._comm(input).all_to_all_single(
@@ -207,26 +250,36 @@ class CommslayerGroup:
 
     def broadcast(self, tensors, opts=None):
         opts = opts or c10d.BroadcastOptions()
+        back: CopyBack = []
+        dense = [_dense(t, back) for t in tensors]
         return self._many(tensors, lambda: [
-            self._comm(t).broadcast(t, opts.rootRank, async_op=True, timeout=_timeout(opts)) for t in tensors])
+            self._comm(t).broadcast(t, opts.rootRank, async_op=True, timeout=_timeout(opts)) for t in dense], back)
 
     def reduce(self, tensors, opts=None):
         opts = opts or c10d.ReduceOptions()
+        back: CopyBack = []
+        dense = [_dense(t, back) for t in tensors]
         return self._many(tensors, lambda: [
             self._comm(t).reduce(t, opts.rootRank, opts.reduceOp, async_op=True, timeout=_timeout(opts))
-            for t in tensors])
+            for t in dense], back)
 
     def gather(self, output_lists, inputs, opts=None):
         opts = opts or c10d.GatherOptions()
         outs = output_lists[0] if output_lists else []
+        back: CopyBack = []
+        dense_outs, dense_in = [_dense(o, back) for o in outs], _dense(inputs[0])
         return self._many(list(outs), lambda: [
-            self._comm(inputs[0]).gather(outs, inputs[0], opts.rootRank, async_op=True, timeout=_timeout(opts))])
+            self._comm(dense_in).gather(dense_outs, dense_in, opts.rootRank, async_op=True, timeout=_timeout(opts))],
+            back)
 
     def scatter(self, outputs, input_lists, opts=None):
         opts = opts or c10d.ScatterOptions()
-        ins = input_lists[0] if input_lists else []
+        back: CopyBack = []
+        dense_out = _dense(outputs[0], back)
+        ins = [_dense(i) for i in input_lists[0]] if input_lists else []
         return self._many(outputs, lambda: [
-            self._comm(outputs[0]).scatter(outputs[0], ins, opts.rootRank, async_op=True, timeout=_timeout(opts))])
+            self._comm(dense_out).scatter(dense_out, ins, opts.rootRank, async_op=True, timeout=_timeout(opts))],
+            back)
 
     def barrier(self, opts=None):
         return self._many([], lambda: [self.communicator("cpu").barrier(async_op=True, timeout=_timeout(opts))])
@@ -240,18 +293,19 @@ class CommslayerGroup:
     def recv_anysource(self, tensors, tag=0):
         return self._many(None, lambda: [self._comm(t)._recv_any(t, True, None, tag) for t in tensors])
 
-    def _many(self, result, issue: Callable[[], List[Work]]) -> C10dWork:
+    def _many(self, result, issue: Callable[[], List[Work]], back: CopyBack = ()) -> C10dWork:
         """The ops ``issue()`` starts, as one c10d work whose ``result()`` is ``result``
-        (None: raises, where Gloo's work has none); while held, one that fails is
-        reported to the hold's callback and its outputs are left as they are."""
+        (None: raises, where Gloo's work has none) and which copies ``back`` once they
+        succeeded; while held, one that fails is reported to the hold's callback and its
+        outputs are left as they are."""
         try:
             works = issue()
         except CommError as exc:
             if self._held is None:
                 raise
             self._held(exc)
-            works = []
-        return C10dWork(works, None if result is None else list(result), self._held)
+            return C10dWork([], None if result is None else list(result), self._held)
+        return C10dWork(works, None if result is None else list(result), self._held, back)
 
     # resilience: the group object outlives its communicators
     def hold(self, on_failure: Callable[[CommError], None]) -> None:

@@ -97,6 +97,46 @@ def collectives(group: Any, rank: int, world: int, async_op: bool) -> Dict[str, 
     return seen
 
 
+def strided(rank: int, rows: int = 4, cols: int = 3, scale: float = 1.0) -> torch.Tensor:
+    """A rows x cols view that is not contiguous (a transposed block), with rank-dependent values."""
+    return ((torch.arange(rows * cols, dtype=torch.float32) + 1) * scale * (rank + 1)).reshape(cols, rows).t()
+
+
+def non_contiguous(group: Any, rank: int, world: int, async_op: bool) -> Dict[str, Any]:
+    """Every collective that plain Gloo runs on tensors that are not contiguous, on such
+    tensors: what each wrote into them, seen through the views and in storage order.
+    (Gloo refuses them for send, recv and all_to_all_single, as commslayer does.)"""
+    seen: Dict[str, Any] = {}
+
+    def run(name: str, call: Callable[[], Any], written: List[torch.Tensor]) -> None:
+        got = outcome(call)
+        state = work_state(got[1]) if async_op and got[0] == "ok" else got
+        if name == "reduce" and rank != 0 and isinstance(state, dict):
+            del state["result"]  # what Gloo left in a non-root's tensor depends on timing
+        seen[name] = (state, [t.clone() for t in written], [t.t().contiguous() for t in written if t.dim() == 2])
+
+    x = strided(rank)
+    run("all_reduce", lambda: dist.all_reduce(x, group=group, async_op=async_op), [x])
+    b = strided(rank)
+    run("broadcast", lambda: dist.broadcast(b, src=1, group=group, async_op=async_op), [b])
+    r = strided(rank)
+    run("reduce", lambda: dist.reduce(r, dst=0, group=group, async_op=async_op), [r] if rank == 0 else [])
+    outs = [strided(0, scale=0.0) for _ in range(world)]
+    run("all_gather", lambda: dist.all_gather(outs, strided(rank), group=group, async_op=async_op), outs)
+    flat = torch.zeros(3, 4 * world).t()
+    run("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(flat, strided(rank), group=group,
+                                                                         async_op=async_op), [flat])
+    shard = strided(0, scale=0.0)
+    run("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(shard, strided(rank, rows=4 * world),
+                                                                       group=group, async_op=async_op), [shard])
+    g = [strided(0, scale=0.0) for _ in range(world)] if rank == 0 else None
+    run("gather", lambda: dist.gather(strided(rank), g, dst=0, group=group, async_op=async_op), g or [])
+    s = strided(0, scale=0.0)
+    run("scatter", lambda: dist.scatter(s, [strided(i, scale=7.0) for i in range(world)] if rank == 1 else None,
+                                        src=1, group=group, async_op=async_op), [s])
+    return seen
+
+
 def point_to_point(group: Any, rank: int) -> Dict[str, Any]:
     peer = 1 - rank
     out: Dict[str, Any] = {}
@@ -239,6 +279,7 @@ def main() -> None:
     result["default timeout"] = dist.distributed_c10d._get_default_timeout("gloo")
     for async_op in (False, True):
         result[f"collectives async={async_op}"] = collectives(world_group, rank, world, async_op)
+        result[f"non-contiguous async={async_op}"] = non_contiguous(world_group, rank, world, async_op)
     result["p2p"] = point_to_point(world_group, rank)
     result["coalesced"] = coalesced(world_group, rank)
     result["objects"] = objects(world_group, rank, world)
