@@ -63,8 +63,12 @@ def _dense(t: torch.Tensor, back: Optional[CopyBack] = None) -> torch.Tensor:
     """``t``, or a contiguous copy of it for the op to run on where it is not contiguous:
     Gloo runs such tensors, and a routed job must see no difference, though the
     communicators refuse them.  ``back``: the op writes ``t``, so the pair is listed
-    there, for the work to copy the result into ``t`` once the op succeeded."""
+    there, for the work to copy the result into ``t`` once the op succeeded.  A
+    written tensor whose elements share memory (an expanded view) cannot take a copy
+    back: it is passed on as it is, for the communicator to refuse."""
     if t.layout != torch.strided or t.is_contiguous():
+        return t
+    if back is not None and any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
         return t
     copy = t.contiguous()
     if back is not None:

@@ -117,6 +117,8 @@ def non_contiguous(group: Any, rank: int, world: int, async_op: bool) -> Dict[st
 
     x = strided(rank)
     run("all_reduce", lambda: dist.all_reduce(x, group=group, async_op=async_op), [x])
+    shared = torch.ones(1).expand(4)  # its elements share memory: commslayer refuses it (docs/api.md)
+    run("all_reduce expanded", lambda: dist.all_reduce(shared, group=group, async_op=async_op), [])
     b = strided(rank)
     run("broadcast", lambda: dist.broadcast(b, src=1, group=group, async_op=async_op), [b])
     r = strided(rank)
