@@ -60,7 +60,8 @@ def test_a_job_cannot_tell_routed_commslayer_from_gloo(tmp_path: Path) -> None:
             part = f"non-contiguous async={async_op}"
             assert routed[rank][part]["all_reduce expanded"][0][:2] == \
                 ("raised", ["RuntimeError", "ValueError", "Exception", "BaseException", "object"])
-            assert plain[rank][part]["all_reduce expanded"][0][0] != "raised"
+            ran = plain[rank][part]["all_reduce expanded"][0]  # a work's state, or a sync call's outcome
+            assert isinstance(ran, dict) or ran[0] == "ok", ran
             diffs = [d for d in diffs if not d.startswith(f"/{part}/all_reduce expanded[0]")]
         # docs/api.md (route switch): plain Gloo's reduce-scatter works answer is_completed()
         # False even after wait() returned; commslayer's answer True
