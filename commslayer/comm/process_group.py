@@ -13,8 +13,9 @@ a c10d ``Work`` of its own whose wait runs none while the op completes
 (docs/bench/async-path.md).  Every other op it hands to the group's Python
 side, ``CommslayerGroup``, whose c10d ``Work`` (``C10dWork``) wraps commslayer
 ``Work``s; so are ops on tensors that are not contiguous, which Gloo runs and the
-communicators refuse: they run on contiguous copies (``_dense``).  A Python subclass of ``ProcessGroup`` would cost each call a
-lookup of Python overrides (measured in docs/bench/async-path.md).  Where the
+communicators refuse: they run on contiguous copies (``_dense``).  A Python
+subclass of ``ProcessGroup`` would cost each call a lookup of Python overrides
+(measured in docs/bench/async-path.md).  Where the
 module is not built, the group is such a subclass, ``CommslayerProcessGroup``,
 whose methods are ``CommslayerGroup``'s; it registers each communicator's own
 c10d backend, which serves callers that go straight to the dispatcher

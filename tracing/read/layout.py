@@ -129,7 +129,7 @@ class LayoutBuilder:
         if src.lives or not src.jsonl_path:
             return None
         try:
-            ends = tail_ends(src.jsonl_path, self.budget)
+            ends = tail_ends(src.jsonl_path, self.budget, src.jsonl_offset)
         except TraceFileError:
             return None
         return sorted(ends)[-self.budget] if len(ends) >= self.budget else None

@@ -20,6 +20,12 @@ that the analysis never holds more than one rank's parsed file at a time:
   with ``life`` (the restart number) and its op ids moved past the earlier
   lives' (``op_id + life * LIFE_OP_IDS``).
 
+A directory that an earlier run wrote into (the names are fixed: dumps are
+replaced, JSON lines appended to) keeps that run's files and lines; the
+first are left out by their times (a file last written before the newest
+run's first process began tracing), the second by reading a JSON-lines file
+from its last ``trace_started`` line, each named in ``problems``.
+
 Bad input (truncated or corrupt JSON, a record without its fields or with a
 field of the wrong type or out of range, another schema version, a file that
 is not a regular file, a line or dump past its size bound) raises
@@ -36,6 +42,7 @@ Imports neither torch nor commslayer: traces open on a laptop.
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import reprlib
@@ -45,6 +52,7 @@ from functools import partial
 from itertools import chain
 from operator import itemgetter
 from typing import Any, BinaryIO, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+import time
 
 from tracing.records import COMPLETED, DUMP_KIND, RECORD_FIELDS, SCHEMA_VERSION, STATES
 
@@ -126,6 +134,8 @@ class RankSource:
     ring_dropped: int = 0                     # records the dump's ring (or a failed dump write) lost
     jsonl_dropped: int = 0                    # records the JSON-lines sink dropped (its sink_dropped events)
     wall_minus_mono_ns: Optional[int] = None  # from the clock anchor
+    jsonl_offset: int = 0                     # where its process's lines begin (earlier ones: an earlier run's)
+    jsonl_first_line: int = 1                 # the line number there
     communicators: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     cwd: Optional[str] = None                 # the process's working directory (call sites are shown from it)
     events: List[Dict[str, Any]] = field(default_factory=list)  # recovery events, with wall_ns added
@@ -388,26 +398,95 @@ def _communicator(info: Any, path: str, line: int, what: str) -> Dict[str, Any]:
     return {k: info.get(k) for k in ("name", "backend", "rank", "size", "global_ranks", "generation", "state")}
 
 
-def _jsonl_header(path: str) -> Dict[str, Any]:
-    """The first line of a JSONL file (the sink writes ``trace_started`` first)."""
+def _jsonl_header(path: str, offset: int = 0, line: int = 1) -> Dict[str, Any]:
+    """The line at byte ``offset`` (line number ``line``) of a JSONL file: its first
+    process's first line (the sink writes ``trace_started`` first)."""
     with open_regular(path) as f:
+        f.seek(offset)
         first = f.readline(MAX_LINE_BYTES + 1)
     if not first.strip():
-        raise TraceFileError(path, 1, "empty file: no trace_started line")
+        raise TraceFileError(path, line, "empty file: no trace_started line")
     if len(first) > MAX_LINE_BYTES:
-        raise TraceFileError(path, 1, f"line longer than {MAX_LINE_BYTES} bytes")
+        raise TraceFileError(path, line, f"line longer than {MAX_LINE_BYTES} bytes")
     try:
         head = loads(first)
     except _BAD_JSON as exc:
-        raise TraceFileError(path, 1, f"not JSON ({exc})") from None
+        raise TraceFileError(path, line, f"not JSON ({exc})") from None
     if not isinstance(head, dict) or type(head.get("rank")) is not int:
-        raise TraceFileError(path, 1, "not a commslayer JSON-lines trace (no rank)")
+        raise TraceFileError(path, line, "not a commslayer JSON-lines trace (no rank)")
     if head.get("event") == "trace_started" and head.get("schema") != SCHEMA_VERSION:
-        raise TraceFileError(path, 1, f"trace schema {_shown(head.get('schema'))}; this reader knows {SCHEMA_VERSION}")
+        raise TraceFileError(path, line, f"trace schema {_shown(head.get('schema'))}; this reader knows "
+                                         f"{SCHEMA_VERSION}")
     why = _int_problem("rank", head["rank"], 0, MAX_RANKS)
     if why:
-        raise TraceFileError(path, 1, why)
+        raise TraceFileError(path, line, why)
     return head
+
+
+# How the sink writes the first line of a process (an earlier one's may come before it:
+# the file is appended to).  Inside a JSON string the quotes would be escaped.
+_PROCESS_START = b'"event":"trace_started"'
+
+
+def _last_process(path: str) -> Tuple[int, int, int]:
+    """Where the last process's lines of the JSON-lines file ``path`` begin: the
+    byte offset, the line number, and how many processes wrote lines before it
+    (a run before this one, writing into the same directory: the sink appends)."""
+    starts: List[int] = []
+    with open_regular(path) as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return 0, 1, 0
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            at = m.find(_PROCESS_START)
+            while at >= 0:
+                starts.append(m.rfind(b"\n", 0, at) + 1)
+                at = m.find(_PROCESS_START, at + len(_PROCESS_START))
+            if len(starts) < 2:
+                return 0, 1, 0
+            offset = starts[-1]
+            newlines = sum(m[i:min(i + READ_CHUNK, offset)].count(b"\n") for i in range(0, offset, READ_CHUNK))
+    return offset, newlines + 1, len(starts) - 1
+
+
+# The clock anchor near the start of a dump or a JSON-lines file's first line: when
+# the process that wrote it began tracing (its recorder was made).
+_STARTED = re.compile(rb'"clock"\s*:\s*\{[^{}]{0,200}?"wall_ns"\s*:\s*(\d{1,19})')
+_HEAD_BYTES = 1 << 16
+
+
+def _window(path: str, offset: int = 0) -> Optional[Tuple[int, int]]:
+    """When the process that wrote ``path`` (from ``offset``) began tracing and when
+    the file was last written, wall clock ns; None where the file does not say or
+    cannot be read (the rest of the reader says why), or says something impossible."""
+    try:
+        with open_regular(path) as f:
+            f.seek(offset)
+            m = _STARTED.search(f.read(_HEAD_BYTES))
+            written = os.fstat(f.fileno()).st_mtime_ns
+    except (TraceFileError, OSError):
+        return None
+    if m is None or int(m.group(1)) > written:  # a process starts before it writes
+        return None
+    return int(m.group(1)), written
+
+
+def _earlier_runs(windows: Dict[str, Tuple[int, int]]) -> List[Tuple[List[str], int, int]]:
+    """The files that earlier runs left, each run's (files, last written, the next
+    run's first start): every process of one run traces while the others do (they
+    meet in collectives from the start), so a file written before the newest run's
+    first process began is another run's, left in a directory used again."""
+    runs: List[List[Any]] = []  # [first start, last written, files], by start
+    for path, (start, end) in sorted(windows.items(), key=lambda kv: kv[1]):
+        if runs and start <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], end)
+            runs[-1][2].append(path)
+        else:
+            runs.append([start, end, [path]])
+    return [(files, end, runs[i + 1][0]) for i, (_, end, files) in enumerate(runs[:-1])]
+
+
+def _utc(ns: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ns / 1e9))
 
 
 def _json_text(f: BinaryIO, path: str) -> bytearray:
@@ -460,20 +539,49 @@ def discover(paths: Sequence[str], *, skip_bad: bool = False,
     later).  No usable file at all is an error, also with ``skip_bad``."""
     sources: Dict[Tuple[int, int], RankSource] = {}  # (rank, life) -> source
     skipped: List[str] = []
-    for path in find_files(paths):
+    notes: List[str] = []
+    files = find_files(paths)
+    starts: Dict[str, Tuple[int, int, int]] = {}  # a JSON-lines file's last process: offset, line, earlier ones
+    windows: Dict[str, Tuple[int, int]] = {}
+    for path in files:
+        if path.endswith(".jsonl"):
+            try:
+                starts[path] = _last_process(path)
+            except (TraceFileError, OSError, ValueError):
+                starts[path] = (0, 1, 0)  # read as it is below, which says what is wrong
+            offset, line, earlier = starts[path]
+            if earlier:
+                notes.append(f"{path}: left out lines 1-{line - 1}, written by {earlier} process(es) before this "
+                             f"one (the file is appended to: an earlier run, or a restart, wrote into this directory)")
+        window = _window(path, starts.get(path, (0,))[0])
+        if window is not None:
+            windows[path] = window
+    named = {os.path.abspath(p) for p in paths if not os.path.isdir(p)}
+    left_out: Set[str] = set()
+    for run_files, written, next_start in _earlier_runs(windows):
+        scanned = [p for p in run_files if os.path.abspath(p) not in named]
+        left_out.update(scanned)
+        if scanned:
+            notes.append(f"left out {', '.join(scanned)}: an earlier run's, last written {_utc(written)}, before "
+                         f"the next run's first process began tracing at {_utc(next_start)} (use a trace "
+                         f"directory per run)")
+    for path in files:
+        if path in left_out:
+            continue
         life = life_of(path)
         try:
             if path.endswith(".jsonl"):
-                head = _jsonl_header(path)
+                offset, line, _ = starts[path]
+                head = _jsonl_header(path, offset, line)
                 src = sources.get((head["rank"], life)) or RankSource(head["rank"], life=life)
                 if src.jsonl_path:
                     raise TraceFileError(path, None, f"a second JSON-lines file for rank {src.rank} "
                                                      f"(first: {src.jsonl_path})")
-                offset = None if head.get("clock") is None else _clock_offset(head["clock"], path, 1)
-                _take_facts(src, head, path, 1)
+                wall_minus_mono = None if head.get("clock") is None else _clock_offset(head["clock"], path, line)
+                _take_facts(src, head, path, line)
                 if src.wall_minus_mono_ns is None:
-                    src.wall_minus_mono_ns = offset
-                src.jsonl_path = path
+                    src.wall_minus_mono_ns = wall_minus_mono
+                src.jsonl_path, src.jsonl_offset, src.jsonl_first_line = path, offset, line
             else:
                 m = _RANK_FILE.search(os.path.basename(path))
                 if m:
@@ -494,7 +602,7 @@ def discover(paths: Sequence[str], *, skip_bad: bool = False,
                 raise
             skipped.append(f"skipped {exc}")
     if problems is not None:
-        problems += skipped
+        problems += notes + skipped
     if not sources:
         raise TraceFileError(", ".join(paths), None, f"no usable trace file ({skipped[0]}"
                                                      f"{f' and {len(skipped) - 1} more' if len(skipped) > 1 else ''})")
@@ -564,8 +672,9 @@ def _jsonl_rows(src: RankSource, skip_bad: bool, problems: List[str]) -> Iterato
     assert path is not None  # a source read for its JSON lines has them
     bad = 0
     with open_regular(path) as f:
+        f.seek(src.jsonl_offset)
         read = partial(f.readline, MAX_LINE_BYTES + 1)
-        lineno = 0
+        lineno = src.jsonl_first_line - 1
         for line in iter(read, b""):
             lineno += 1
             try:  # the common case first, in one try: a whole collective record
@@ -595,22 +704,23 @@ def _jsonl_rows(src: RankSource, skip_bad: bool, problems: List[str]) -> Iterato
         problems.append(f"skipped {bad - 5} more bad lines of {path}")
 
 
-def tail_ends(path: str, n: int) -> List[int]:
+def tail_ends(path: str, n: int, start: int = 0) -> List[int]:
     """The ends (the file's clock) of completed records among the last lines of the
-    JSON-lines file ``path``: at least ``n`` when it holds as many, read from its end
-    (lines that are not valid records are passed over; a line past the size bound
-    stops the search).  The ``n``-th latest of them is a lower bound of the ``n``-th
-    latest end of the whole file, found without reading it."""
+    JSON-lines file ``path`` (those from byte ``start``: its last process's): at least
+    ``n`` when it holds as many, read from its end (lines that are not valid records
+    are passed over; a line past the size bound stops the search).  The ``n``-th
+    latest of them is a lower bound of the ``n``-th latest end of the whole file,
+    found without reading it."""
     ends: List[int] = []
     with open_regular(path) as f:
         pos = f.seek(0, os.SEEK_END)
         chunk, carry = 1 << 20, b""
-        while pos > 0 and len(ends) < n and len(carry) <= MAX_LINE_BYTES:
-            step = min(chunk, pos)
+        while pos > start and len(ends) < n and len(carry) <= MAX_LINE_BYTES:
+            step = min(chunk, pos - start)
             pos -= step
             f.seek(pos)
             lines = (f.read(step) + carry).split(b"\n")
-            carry = lines.pop(0) if pos > 0 else b""  # the first line may go on before this chunk
+            carry = lines.pop(0) if pos > start else b""  # the first line may go on before this chunk
             for line in lines:
                 try:
                     r = loads(line)

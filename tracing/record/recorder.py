@@ -39,7 +39,7 @@ import warnings
 import weakref
 from collections import deque
 from types import FrameType
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import orjson
 import typing_extensions
@@ -125,8 +125,18 @@ class FlightRecorder:
         self._dumper: Optional[threading.Thread] = None
         self.events: Deque[Dict[str, Any]] = deque(maxlen=EVENT_CAPACITY)  # recovery events (records.EVENT_KINDS)
         self._step: Optional[int] = None
+        self._until_recording: List[Callable[[], Any]] = []  # when_recording's
 
     # ------------------------------------------------------------ attaching
+    def when_recording(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn()`` once this recorder records a communicator: now, if it does.
+        So a process that never has one (torchrun's agent imports torch too, and as
+        "rank 0" its sinks would write into rank 0's files) starts no sink."""
+        if self._comms:
+            fn()
+        else:
+            self._until_recording.append(fn)
+
     def attach(self, comm: "commslayer.Communicator") -> None:
         """Record every op of ``comm`` from now on."""
         info = {"name": comm.get_name(), "backend": comm.get_backend()}
@@ -142,6 +152,8 @@ class FlightRecorder:
             comm.register_error_hook(lambda err: self._failed(uid, err)),
             comm.register_abort_hook(lambda: self._aborted(uid)),
         ]
+        while self._until_recording:
+            self._until_recording.pop(0)()
 
     @staticmethod
     def _refresh(comm: "commslayer.Communicator", info: Dict[str, Any]) -> None:
@@ -416,11 +428,11 @@ def install(trace_dir: Optional[str] = None, *, capacity: Optional[int] = None,
         if rec.writer is not None and config.trace_jsonl():
             from tracing.record.jsonl import JsonlSink
 
-            JsonlSink.attach(rec)
+            rec.when_recording(lambda: JsonlSink.attach(rec))
         if config.trace_otel():
             from tracing.record.otel import OtelSink
 
-            OtelSink.attach(rec)
+            rec.when_recording(lambda: OtelSink.attach(rec))
         if signals and threading.current_thread() is threading.main_thread():
             _install_signal_handlers(rec)
         rec._handles.append(register_before_exit(lambda status, why: _dump_before_exit(rec, status, why)))

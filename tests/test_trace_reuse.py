@@ -1,0 +1,54 @@
+"""A trace directory used again: a run of 4 ranks, then a run of 2 into the same
+directory under torchrun, with JSON lines.  The first run's files (ranks 2 and 3)
+and its lines in the files both runs append to must not be taken for the second
+run's: the reader leaves them out and says so, and torchrun's agent, which imports
+torch too, writes no line of its own into rank 0's file."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import free_port
+from tracing.read import analysis
+
+JOB = Path(__file__).parent / "jobs" / "ops_job.py"
+
+
+def _torchrun(trace_dir: Path, nproc: int, **env: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+           str(free_port()), str(JOB)]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("COMMSLAYER_")}, "OMP_NUM_THREADS": "1",
+           "COMMSLAYER_ROUTE_C10D": "1", "COMMSLAYER_TRACE_DIR": str(trace_dir), "COMMSLAYER_TRACE_JSONL": "1",
+           "COMMSLAYER_TIMEOUT_S": "5", **env}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90)
+
+
+@pytest.mark.timeout(200)
+def test_a_reused_trace_directory_shows_the_newest_run_and_names_what_it_left_out(tmp_path: Path) -> None:
+    traces = tmp_path / "traces"
+    first = _torchrun(traces, 4, NOPS="5")
+    assert first.returncode == 0, first.stderr[-3000:]
+    # every file holds one process's lines: the agent wrote none
+    for rank in range(4):
+        assert (traces / f"rank{rank}.jsonl").read_text().count('"trace_started"') == 1
+    second = _torchrun(traces, 2, NOPS="3", DIE_RANK="1")  # rank 1 dies without a dump: its old one stays
+    assert second.returncode != 0
+    assert (traces / "rank0.jsonl").read_text().count('"trace_started"') == 2
+
+    scan = analysis.JobScan([str(traces)])
+    found = analysis.diagnose(scan)
+    assert sorted(scan.sources) == [0, 1], scan.problems
+    left_out = [p for p in scan.problems if p.startswith("left out ")]
+    assert len(left_out) == 1 and all(f"rank{r}.json" in left_out[0] for r in (1, 2, 3)), scan.problems
+    assert "rank1.jsonl" not in left_out[0]  # the second run's rank 1 wrote its lines before it died
+    appended = [p for p in scan.problems if "left out lines" in p]
+    assert sorted(Path(p.split(":")[0]).name for p in appended) == ["rank0.jsonl", "rank1.jsonl"], scan.problems
+    # what the reader says is the second run's: rank 0 waits in all_reduce #4 for rank 1, which left no dump
+    assert not found["ok"]
+    text = str(found)
+    assert "#4" in text and "#5" not in text, text[:3000]
