@@ -247,6 +247,40 @@ def _rendezvous_fails(rank, size, store):
         return type(err).__name__, str(err)
 
 
+def _forked_child_uses_the_communicator(rank, size, store):
+    import os
+
+    import commslayer
+
+    comm = commslayer.new_comm("gloo", name="forked", store=store, rank=rank, size=size, timeout=30)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a DataLoader worker's situation: a copy of the parent, without its threads
+        start = time.monotonic()
+        try:
+            comm.all_reduce(torch.ones(2))
+            said = "no error"
+        except commslayer.CommError as err:
+            said = f"{type(err).__name__} {time.monotonic() - start:.3f} {err}"
+        os.write(write, said.encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    said = os.read(read, 4096).decode()
+    t = torch.full((2,), float(rank + 1))
+    comm.all_reduce(t)  # the parent's communicator is untouched
+    return said, os.getpid(), t.tolist()
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_is_told_at_once_that_its_parents_communicator_is_not_its_own():
+    for said, parent, total in run_ranks(_forked_child_uses_the_communicator, 2, timeout=40):
+        kind, seconds, message = said.split(" ", 2)
+        assert kind == "CommAborted" and float(seconds) < 1.0, said  # not the deadline's 30 s
+        assert f"belongs to process {parent}" in message and "forked child" in message, message
+        assert total == [3.0, 3.0]
+
+
 @pytest.mark.timeout(60)
 def test_a_group_whose_peer_never_comes_is_a_comm_error():
     kind, msg = run_ranks(_rendezvous_fails, 2, timeout=30)[0]

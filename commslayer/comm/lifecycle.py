@@ -27,6 +27,7 @@ before the membership changes and before a goodbye (``confirm_commit``).
 from __future__ import annotations
 
 import enum
+import os
 import threading
 import time
 import weakref
@@ -83,6 +84,23 @@ TRANSITIONS: Dict[State, FrozenSet[State]] = {
     State.ABORTED: frozenset(),
     State.FINALIZED: frozenset(),
 }
+
+
+# Every lifecycle of this process, for a forked child to close (_close_in_forked_child).
+_lifecycles: "weakref.WeakSet[Lifecycle]" = weakref.WeakSet()
+
+
+def _close_in_forked_child() -> None:
+    """A forked child (a DataLoader worker, say) copies the communicators but none of
+    the threads that move their ops (Gloo's, the liveness monitor's): an op there
+    would wait out its deadline.  So in the child each one is closed, and an op
+    says why at once."""
+    parent = os.getppid()
+    for lifecycle in list(_lifecycles):
+        lifecycle.close_in_child(parent)
+
+
+os.register_at_fork(after_in_child=_close_in_forked_child)
 
 
 @dataclass
@@ -153,6 +171,7 @@ class Lifecycle:
         self._unconfirmed: Optional[int] = None  # a round this member committed on the tally alone
         self._joiners_at_vote: Optional[int] = None  # the leader's count of joiners in the last committed tally
         self._confirm_lock = threading.Lock()
+        _lifecycles.add(self)
 
     # ------------------------------------------------------------------ state
     def describe(self) -> str:
@@ -165,6 +184,17 @@ class Lifecycle:
             first = self.failure
             return f"broken: {type(first).__name__}: {first.what}" if first is not None else "broken"
         return self.reason
+
+    def close_in_child(self, parent: int) -> None:
+        """This process is a forked child of ``parent``, which owns the communicator:
+        close it here, without hooks (they would write the parent's trace files)."""
+        self._lock, self._confirm_lock = threading.Lock(), threading.Lock()  # a parent's thread may have held them
+        if self.state in OPEN:
+            self.state = State.ABORTED
+            self.reason = (f"closed in this forked child (pid {os.getpid()}): the communicator belongs to process "
+                           f"{parent}, and its ops need threads a fork does not copy; a child process makes "
+                           "communicators of its own")
+            self._unclean()
 
     @property
     def closed(self) -> bool:
