@@ -2,7 +2,9 @@
 directory under torchrun, with JSON lines.  The first run's files (ranks 2 and 3)
 and its lines in the files both runs append to must not be taken for the second
 run's: the reader leaves them out and says so, and torchrun's agent, which imports
-torch too, writes no line of its own into rank 0's file."""
+torch too, writes no line of its own into rank 0's file.  The rule that tells runs
+apart (when each file's process began tracing, when the file was last written) on
+dumps made to measure."""
 
 from __future__ import annotations
 
@@ -10,11 +12,15 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import List
 
+import orjson
 import pytest
 
 from tests.harness import free_port
 from tracing.read import analysis
+from tracing.read.traceio import discover
+from tracing.records import new_dump
 
 JOB = Path(__file__).parent / "jobs" / "ops_job.py"
 
@@ -52,3 +58,34 @@ def test_a_reused_trace_directory_shows_the_newest_run_and_names_what_it_left_ou
     assert not found["ok"]
     text = str(found)
     assert "#4" in text and "#5" not in text, text[:3000]
+
+
+def _dump(directory: Path, rank: int, started_s: float, written_s: float) -> Path:
+    """A dump of rank ``rank`` whose process began tracing at ``started_s`` and which was
+    last written at ``written_s`` (seconds since the epoch)."""
+    path = directory / f"rank{rank}.json"
+    doc = new_dump(job="j", rank=rank, host="h", pid=100 + rank, wall_ns=int(started_s * 1e9), mono_ns=1,
+                   reason="exit", dropped=0, communicators={}, records=[])
+    path.write_bytes(orjson.dumps(doc))
+    os.utime(path, ns=(int(written_s * 1e9), int(written_s * 1e9)))
+    return path
+
+
+def test_runs_are_told_apart_by_when_their_processes_traced(tmp_path: Path) -> None:
+    t = 1_800_000_000.0
+    for rank in (2, 3):  # an earlier run's ranks that the newer run does not have
+        _dump(tmp_path, rank, t, t + 10)
+    for rank in (0, 1):
+        _dump(tmp_path, rank, t + 20, t + 30)
+    problems: List[str] = []
+    assert sorted(discover([str(tmp_path)], problems=problems)) == [0, 1]
+    assert len(problems) == 1 and "rank2.json" in problems[0] and "rank3.json" in problems[0], problems
+    # a file named on the command line is read all the same
+    assert sorted(discover([str(tmp_path / "rank0.json"), str(tmp_path / "rank2.json")])) == [0, 2]
+    # began within RUN_GAP_NS of the others' last write: one run (hosts' clocks differ a little)
+    _dump(tmp_path, 2, t + 30.5, t + 31)
+    _dump(tmp_path, 3, t + 30.5, t + 31)
+    assert sorted(discover([str(tmp_path)])) == [0, 1, 2, 3]
+    # a start after the file's own last write cannot be: that file does not take part
+    _dump(tmp_path, 5, t + 1000, t + 41)
+    assert sorted(discover([str(tmp_path)])) == [0, 1, 2, 3, 5]

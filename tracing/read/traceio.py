@@ -47,12 +47,12 @@ import os
 import re
 import reprlib
 import stat
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import chain
 from operator import itemgetter
 from typing import Any, BinaryIO, Dict, Iterator, List, Optional, Sequence, Set, Tuple
-import time
 
 from tracing.records import COMPLETED, DUMP_KIND, RECORD_FIELDS, SCHEMA_VERSION, STATES
 
@@ -399,8 +399,8 @@ def _communicator(info: Any, path: str, line: int, what: str) -> Dict[str, Any]:
 
 
 def _jsonl_header(path: str, offset: int = 0, line: int = 1) -> Dict[str, Any]:
-    """The line at byte ``offset`` (line number ``line``) of a JSONL file: its first
-    process's first line (the sink writes ``trace_started`` first)."""
+    """The line at byte ``offset`` (line number ``line``) of a JSONL file: the first
+    line of the process read (the sink writes ``trace_started`` first)."""
     with open_regular(path) as f:
         f.seek(offset)
         first = f.readline(MAX_LINE_BYTES + 1)
@@ -470,14 +470,18 @@ def _window(path: str, offset: int = 0) -> Optional[Tuple[int, int]]:
     return int(m.group(1)), written
 
 
+RUN_GAP_NS = 1_000_000_000  # a run is told from the next by more than this (clocks of hosts differ a little)
+
+
 def _earlier_runs(windows: Dict[str, Tuple[int, int]]) -> List[Tuple[List[str], int, int]]:
     """The files that earlier runs left, each run's (files, last written, the next
     run's first start): every process of one run traces while the others do (they
-    meet in collectives from the start), so a file written before the newest run's
-    first process began is another run's, left in a directory used again."""
+    meet in collectives from the start), so a file last written well before
+    (``RUN_GAP_NS``) the newest run's first process began is another run's, left
+    in a directory used again."""
     runs: List[List[Any]] = []  # [first start, last written, files], by start
     for path, (start, end) in sorted(windows.items(), key=lambda kv: kv[1]):
-        if runs and start <= runs[-1][1]:
+        if runs and start <= runs[-1][1] + RUN_GAP_NS:
             runs[-1][1] = max(runs[-1][1], end)
             runs[-1][2].append(path)
         else:
@@ -486,6 +490,7 @@ def _earlier_runs(windows: Dict[str, Tuple[int, int]]) -> List[Tuple[List[str], 
 
 
 def _utc(ns: int) -> str:
+    """A wall-clock time in ns, as the warnings give it."""
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ns / 1e9))
 
 
@@ -549,10 +554,6 @@ def discover(paths: Sequence[str], *, skip_bad: bool = False,
                 starts[path] = _last_process(path)
             except (TraceFileError, OSError, ValueError):
                 starts[path] = (0, 1, 0)  # read as it is below, which says what is wrong
-            offset, line, earlier = starts[path]
-            if earlier:
-                notes.append(f"{path}: left out lines 1-{line - 1}, written by {earlier} process(es) before this "
-                             f"one (the file is appended to: an earlier run, or a restart, wrote into this directory)")
         window = _window(path, starts.get(path, (0,))[0])
         if window is not None:
             windows[path] = window
@@ -565,6 +566,10 @@ def discover(paths: Sequence[str], *, skip_bad: bool = False,
             notes.append(f"left out {', '.join(scanned)}: an earlier run's, last written {_utc(written)}, before "
                          f"the next run's first process began tracing at {_utc(next_start)} (use a trace "
                          f"directory per run)")
+    for path, (_, line, earlier) in starts.items():
+        if earlier and path not in left_out:
+            notes.append(f"{path}: left out lines 1-{line - 1}, written by {earlier} process(es) before this "
+                         f"one (the file is appended to: an earlier run, or a restart, wrote into this directory)")
     for path in files:
         if path in left_out:
             continue
