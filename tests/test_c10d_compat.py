@@ -1,6 +1,7 @@
-"""Two-way compatibility: one ordinary torch.distributed job (tests/jobs/c10d_compat_job.py:
-every collective and point-to-point op sync and async, the collectives on tensors
-that are not contiguous, coalescing blocks, object collectives, new_group and new_subgroups, a 2-D DeviceMesh and FSDP2 as HSDP on one,
+"""Two-way compatibility: one ordinary torch.distributed job
+(tests/jobs/c10d_compat_job.py: every collective and point-to-point op sync and
+async, the collectives on tensors that are not contiguous, coalescing blocks, object
+collectives, new_group and new_subgroups, a 2-D DeviceMesh and FSDP2 as HSDP on one,
 DDP with a comm hook and its logging data, monitored_barrier, timeouts per group and
 per op) runs under torchrun on plain Gloo and with ``COMMSLAYER_ROUTE_C10D=1``; both
 runs' results and what the job can read about its groups, works and errors must be

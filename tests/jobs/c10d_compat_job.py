@@ -1,9 +1,8 @@
 """An ordinary torch.distributed job with no commslayer in it, for 2 ranks: every
 collective and point-to-point op (sync and async), the collectives on tensors that
-are not contiguous, coalescing blocks, object
-collectives, new_group/new_subgroups, a 2-D DeviceMesh, FSDP2 as HSDP on it, DDP
-with a comm hook and its logging data, monitored_barrier, and timeouts per group
-and per op.
+are not contiguous, coalescing blocks, object collectives, new_group/new_subgroups,
+a 2-D DeviceMesh, FSDP2 as HSDP on it, DDP with a comm hook and its logging data,
+monitored_barrier, and timeouts per group and per op.
 
 Run by torchrun: ``c10d_compat_job.py OUT_PREFIX``.  Each rank saves what it
 saw (results, and what the job can read about its groups, works and errors)
