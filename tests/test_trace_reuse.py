@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import orjson
 import pytest
@@ -25,13 +25,13 @@ from tracing.records import new_dump
 JOB = Path(__file__).parent / "jobs" / "ops_job.py"
 
 
-def _torchrun(trace_dir: Path, nproc: int, **env: str) -> subprocess.CompletedProcess:
+def _torchrun(trace_dir: Path, nproc: int, cwd: Optional[Path] = None, **env: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
            str(free_port()), str(JOB)]
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("COMMSLAYER_")}, "OMP_NUM_THREADS": "1",
            "COMMSLAYER_ROUTE_C10D": "1", "COMMSLAYER_TRACE_DIR": str(trace_dir), "COMMSLAYER_TRACE_JSONL": "1",
            "COMMSLAYER_TIMEOUT_S": "5", **env}
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=90, cwd=cwd)
 
 
 @pytest.mark.timeout(200)
@@ -89,3 +89,14 @@ def test_runs_are_told_apart_by_when_their_processes_traced(tmp_path: Path) -> N
     # a start after the file's own last write cannot be: that file does not take part
     _dump(tmp_path, 5, t + 1000, t + 41)
     assert sorted(discover([str(tmp_path)])) == [0, 1, 2, 3, 5]
+
+
+@pytest.mark.timeout(60)
+def test_a_relative_trace_directory_is_the_one_the_job_started_in(tmp_path: Path) -> None:
+    """``COMMSLAYER_TRACE_DIR=traces`` and a script that changes directory after start-up
+    (Hydra's runs do): every file lands in ``traces`` where the job started."""
+    (tmp_path / "elsewhere").mkdir()
+    ran = _torchrun(Path("traces"), 1, cwd=tmp_path, NOPS="3", CHDIR=str(tmp_path / "elsewhere"))
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == ["fr", "rank0.json", "rank0.jsonl"]
+    assert not list((tmp_path / "elsewhere").iterdir())
