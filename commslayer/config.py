@@ -30,6 +30,10 @@ MAX_TRACE_BUFFER = 10_000_000  # the ring is allocated whole at start-up (8 byte
 # Beats faster than this cost a rank CPU and its peers' connections for nothing (1e-9 s: 1.48 s of
 # CPU and 160,000 frames in 5 s on an idle rank, issue 41); a peer timeout is more than 2 beats anyway.
 MIN_HEARTBEAT_S = 0.01
+try:  # a relative path in the environment is taken from here, where the process started
+    _START_DIR: Optional[str] = os.getcwd()  # (a script may change directory later: Hydra's runs do)
+except OSError:  # the directory is gone: such a path stays relative
+    _START_DIR = None
 _ON = ("1", "true", "yes", "on")
 _OFF = ("", "0", "false", "no", "off")
 
@@ -98,11 +102,13 @@ def _flag(name: str) -> bool:
 
 
 def _path(name: str, directory: bool) -> str:
-    """A path from the environment (empty: unset); an existing one must be of the right kind."""
+    """A path from the environment (empty: unset), relative ones taken from where the
+    process started; an existing one must be of the right kind."""
     raw = os.environ.get(name, "")
-    if raw and os.path.exists(raw) and os.path.isdir(raw) != directory:
+    path = os.path.join(_START_DIR, raw) if raw and _START_DIR is not None else raw
+    if path and os.path.exists(path) and os.path.isdir(path) != directory:
         raise _bad(name, raw, "a directory" if directory else "a file path, not a directory")
-    return raw
+    return path
 
 
 def default_timeout() -> timedelta:

@@ -104,9 +104,7 @@ class FlightRecorder:
         self.capacity = capacity
         self.job = job
         self.stack = stack
-        # where the process started: a script that changes directory later (Hydra's runs
-        # do) must not scatter its files, or leave them where `commslayer-trace` is not pointed
-        self.writer = DumpWriter(os.path.abspath(trace_dir), mode) if trace_dir else None
+        self.writer = DumpWriter(trace_dir, mode) if trace_dir else None
         self.host = socket.gethostname()
         self.clock = clock_anchor()
         self.cwd = os.getcwd()  # the viewer shows call sites relative to it
