@@ -273,6 +273,24 @@ def test_a_line_longer_than_the_bound_is_refused_and_skipped(tmp_path):
     assert sum(g["count"] for g in json.loads(out)["groups"]) == 5 + 3
 
 
+@pytest.mark.timeout(60)
+def test_a_last_line_cut_short_is_left_out_with_a_warning(tmp_path):
+    """A rank killed while its sink wrote a batch, or a job read while it writes one: the
+    file ends part-way through a line.  Every command reads the rest, without --skip-bad,
+    and says which line it left out; the same bytes followed by more lines are an error."""
+    job(str(tmp_path), ranks=2, ops=5, jsonl=True)
+    os.remove(tmp_path / "rank1.json")
+    path = tmp_path / "rank1.jsonl"
+    lines = [json.dumps(e).encode() + b"\n" for e in jsonl_lines(1, [record(i, rank=1) for i in range(1, 6)])]
+    write(str(path), lines[:-1] + [lines[-1][: len(lines[-1]) // 2]])
+    rc, out, err = run_cli("summary", "--json", str(tmp_path))
+    assert rc == 0 and f"{path}:{len(lines)}: the last line is cut short" in err, err
+    assert sum(g["count"] for g in json.loads(out)["groups"]) == 5 + 4
+    write(str(path), lines[:-1] + [lines[-1][: len(lines[-1]) // 2] + b"\n", lines[-1]])
+    rc, _, err = run_cli("summary", str(tmp_path))
+    assert rc == 2 and f"{path}:{len(lines)}: truncated or corrupt JSON line" in _one_error_line(err), err
+
+
 DEEP = "[" * 1000 + "]" * 1000  # within the JSON parser's depth limit (1024); a full repr raised RecursionError
 
 

@@ -696,6 +696,10 @@ def _jsonl_rows(src: RankSource, skip_bad: bool, problems: List[str]) -> Iterato
                     while line and not line.endswith(b"\n"):  # the rest of the long line
                         line = read()
                     raise TraceFileError(path, lineno, f"line longer than {MAX_LINE_BYTES} bytes")
+                if not line.endswith(b"\n") and _cut_short(line):
+                    problems.append(f"{path}:{lineno}: the last line is cut short (its process was killed while "
+                                    "writing it, or is writing it now): left out")
+                    continue
                 row = _other_line(src, path, lineno, line)
             except TraceFileError as exc:
                 if not skip_bad:
@@ -707,6 +711,16 @@ def _jsonl_rows(src: RankSource, skip_bad: bool, problems: List[str]) -> Iterato
                 yield row
     if bad > 5:
         problems.append(f"skipped {bad - 5} more bad lines of {path}")
+
+
+def _cut_short(line: bytes) -> bool:
+    """Whether ``line``, the file's last (no newline ends it), is JSON cut off part-way:
+    the sink writes whole lines, so that is a write that did not finish."""
+    try:
+        loads(line)
+    except _BAD_JSON:
+        return True
+    return False
 
 
 def tail_ends(path: str, n: int, start: int = 0) -> List[int]:
