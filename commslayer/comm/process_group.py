@@ -185,23 +185,20 @@ class CommslayerGroup:
         return self.communicator(t.device.type)
 
     # collectives: c10d's Python API and C++ callers use these names.  Each runs on
-    # contiguous copies of the tensors that are not (_dense), and the work copies back.
+    # contiguous copies of the tensors that are not (_dense): ``out(t)`` for a tensor the
+    # op writes, whose work copies the result back.
     def allreduce(self, tensors, opts=None):
         if not hasattr(opts, "reduceOp"):  # the old allreduce(tensors, op) form
             op, opts = opts, c10d.AllreduceOptions()
             if op is not None:
                 opts.reduceOp = op
-        back: CopyBack = []
-        dense = [_dense(t, back) for t in tensors]
-        return self._many(tensors, lambda: [
-            self._comm(t).all_reduce(t, opts.reduceOp, async_op=True, timeout=_timeout(opts)) for t in dense], back)
+        return self._many(tensors, lambda out: [
+            self._comm(t).all_reduce(out(t), opts.reduceOp, async_op=True, timeout=_timeout(opts)) for t in tensors])
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts or c10d.AllreduceCoalescedOptions()
-        back: CopyBack = []
-        dense = [_dense(t, back) for t in tensors]
-        return self._many(tensors, lambda: [self._comm(tensors[0]).all_reduce_coalesced(
-            dense, opts.reduceOp, async_op=True, timeout=_timeout(opts))], back)
+        return self._many(tensors, lambda out: [self._comm(tensors[0]).all_reduce_coalesced(
+            [out(t) for t in tensors], opts.reduceOp, async_op=True, timeout=_timeout(opts))])
 
     def all_gather_single(self, output, input, opts=None):
         return self.all_gather_single_coalesced([output], [input], opts)
@@ -210,18 +207,16 @@ class CommslayerGroup:
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         chunks = [c for o in outputs for c in o.chunk(self._comm(o).get_size())]  # Gloo's result: one per rank
-        back: CopyBack = []
-        pairs = [(_dense(o, back), _dense(i)) for o, i in zip(outputs, inputs)]
-        return self._many(chunks, lambda: [
-            self._comm(i).all_gather_single(o, i, async_op=True, timeout=_timeout(opts)) for o, i in pairs], back)
+        return self._many(chunks, lambda out: [
+            self._comm(i).all_gather_single(out(o), _dense(i), async_op=True, timeout=_timeout(opts))
+            for o, i in zip(outputs, inputs)])
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def allgather(self, output_lists, inputs, opts=None):
-        back: CopyBack = []
-        pairs = [([_dense(o, back) for o in outs], _dense(i)) for outs, i in zip(output_lists, inputs)]
-        return self._many([t for outs in output_lists for t in outs], lambda: [
-            self._comm(i).all_gather(outs, i, async_op=True, timeout=_timeout(opts)) for outs, i in pairs], back)
+        return self._many([t for outs in output_lists for t in outs], lambda out: [
+            self._comm(i).all_gather([out(o) for o in outs], _dense(i), async_op=True, timeout=_timeout(opts))
+            for outs, i in zip(output_lists, inputs)])
 
     def reduce_scatter_single(self, output, input, opts=None):
         return self.reduce_scatter_single_coalesced([output], [input], opts)
@@ -230,24 +225,22 @@ class CommslayerGroup:
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         opts = opts or c10d.ReduceScatterOptions()
-        back: CopyBack = []
-        pairs = [(_dense(o, back), _dense(i)) for o, i in zip(outputs, inputs)]
-        return self._many(None, lambda: [
-            self._comm(i).reduce_scatter_single(o, i, opts.reduceOp, async_op=True, timeout=_timeout(opts))
-            for o, i in pairs], back)
+        return self._many(None, lambda out: [
+            self._comm(i).reduce_scatter_single(out(o), _dense(i), opts.reduceOp, async_op=True,
+                                                timeout=_timeout(opts))
+            for o, i in zip(outputs, inputs)])
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         opts = opts or c10d.ReduceScatterOptions()
-        back: CopyBack = []
-        pairs = [(_dense(o, back), [_dense(i) for i in ins]) for o, ins in zip(outputs, input_lists)]
-        return self._many(None, lambda: [
-            self._comm(o).reduce_scatter(o, ins, opts.reduceOp, async_op=True, timeout=_timeout(opts))
-            for o, ins in pairs], back)
+        return self._many(None, lambda out: [
+            self._comm(o).reduce_scatter(out(o), [_dense(i) for i in ins], opts.reduceOp, async_op=True,
+                                         timeout=_timeout(opts))
+            for o, ins in zip(outputs, input_lists)])
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        return self._many([output], lambda: [self._comm(input).all_to_all_single(
+        return self._many([output], lambda _: [self._comm(input).all_to_all_single(
             output, input, list(output_split_sizes) or None, list(input_split_sizes) or None,
             async_op=True, timeout=_timeout(opts))])
 
@@ -255,56 +248,48 @@ class CommslayerGroup:
 
     def broadcast(self, tensors, opts=None):
         opts = opts or c10d.BroadcastOptions()
-        back: CopyBack = []
-        dense = [_dense(t, back) for t in tensors]
-        return self._many(tensors, lambda: [
-            self._comm(t).broadcast(t, opts.rootRank, async_op=True, timeout=_timeout(opts)) for t in dense], back)
+        return self._many(tensors, lambda out: [
+            self._comm(t).broadcast(out(t), opts.rootRank, async_op=True, timeout=_timeout(opts)) for t in tensors])
 
     def reduce(self, tensors, opts=None):
         opts = opts or c10d.ReduceOptions()
-        back: CopyBack = []
-        dense = [_dense(t, back) for t in tensors]
-        return self._many(tensors, lambda: [
-            self._comm(t).reduce(t, opts.rootRank, opts.reduceOp, async_op=True, timeout=_timeout(opts))
-            for t in dense], back)
+        return self._many(tensors, lambda out: [
+            self._comm(t).reduce(out(t), opts.rootRank, opts.reduceOp, async_op=True, timeout=_timeout(opts))
+            for t in tensors])
 
     def gather(self, output_lists, inputs, opts=None):
         opts = opts or c10d.GatherOptions()
         outs = output_lists[0] if output_lists else []
-        back: CopyBack = []
-        dense_outs, dense_in = [_dense(o, back) for o in outs], _dense(inputs[0])
-        return self._many(list(outs), lambda: [
-            self._comm(dense_in).gather(dense_outs, dense_in, opts.rootRank, async_op=True, timeout=_timeout(opts))],
-            back)
+        return self._many(list(outs), lambda out: [self._comm(inputs[0]).gather(
+            [out(o) for o in outs], _dense(inputs[0]), opts.rootRank, async_op=True, timeout=_timeout(opts))])
 
     def scatter(self, outputs, input_lists, opts=None):
         opts = opts or c10d.ScatterOptions()
-        back: CopyBack = []
-        dense_out = _dense(outputs[0], back)
-        ins = [_dense(i) for i in input_lists[0]] if input_lists else []
-        return self._many(outputs, lambda: [
-            self._comm(dense_out).scatter(dense_out, ins, opts.rootRank, async_op=True, timeout=_timeout(opts))],
-            back)
+        ins = input_lists[0] if input_lists else []
+        return self._many(outputs, lambda out: [self._comm(outputs[0]).scatter(
+            out(outputs[0]), [_dense(i) for i in ins], opts.rootRank, async_op=True, timeout=_timeout(opts))])
 
     def barrier(self, opts=None):
-        return self._many([], lambda: [self.communicator("cpu").barrier(async_op=True, timeout=_timeout(opts))])
+        return self._many([], lambda _: [self.communicator("cpu").barrier(async_op=True, timeout=_timeout(opts))])
 
     def send(self, tensors, dst, tag=0):
-        return self._many(None, lambda: [self._comm(t)._p2p("send", t, dst, True, None, tag) for t in tensors])
+        return self._many(None, lambda _: [self._comm(t)._p2p("send", t, dst, True, None, tag) for t in tensors])
 
     def recv(self, tensors, src, tag=0):
-        return self._many(None, lambda: [self._comm(t)._p2p("recv", t, src, True, None, tag) for t in tensors])
+        return self._many(None, lambda _: [self._comm(t)._p2p("recv", t, src, True, None, tag) for t in tensors])
 
     def recv_anysource(self, tensors, tag=0):
-        return self._many(None, lambda: [self._comm(t)._recv_any(t, True, None, tag) for t in tensors])
+        return self._many(None, lambda _: [self._comm(t)._recv_any(t, True, None, tag) for t in tensors])
 
-    def _many(self, result, issue: Callable[[], List[Work]], back: CopyBack = ()) -> C10dWork:
-        """The ops ``issue()`` starts, as one c10d work whose ``result()`` is ``result``
-        (None: raises, where Gloo's work has none) and which copies ``back`` once they
-        succeeded; while held, one that fails is reported to the hold's callback and its
-        outputs are left as they are."""
+    def _many(self, result, issue: Callable[[Callable[[torch.Tensor], torch.Tensor]], List[Work]]) -> C10dWork:
+        """The ops ``issue(out)`` starts, as one c10d work whose ``result()`` is ``result``
+        (None: raises, where Gloo's work has none); ``out(t)`` gives the tensor an op
+        writes in place of ``t`` (``_dense``), whose result the work copies into ``t`` once
+        the ops succeeded.  While held, one that fails is reported to the hold's callback
+        and its outputs are left as they are."""
+        back: CopyBack = []
         try:
-            works = issue()
+            works = issue(lambda t: _dense(t, back))
         except CommError as exc:
             if self._held is None:
                 raise
