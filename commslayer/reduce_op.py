@@ -87,5 +87,6 @@ def coerce(op: object) -> ReduceOp:
     for c10d_op, ours in _FROM_C10D.items():
         if op == c10d_op:  # a ReduceOp instance compares equal to its RedOpType
             return ours
-    raise ValueError(f"unsupported reduce op {op!r}: use commslayer.ReduceOp (PREMUL_SUM(factor) for a "
-                     f"premultiplied sum)")
+    name = getattr(getattr(op, "op", op), "name", repr(op))  # a ReduceOp instance's repr names no op
+    raise ValueError(f"unsupported reduce op torch.distributed.ReduceOp.{name}: its factor cannot be read; scale "
+                     f"the tensor and use SUM, or commslayer.ReduceOp.PREMUL_SUM(factor) on a communicator")

@@ -26,6 +26,7 @@ def _invalid(rank, size, store):
         "bitwise on float": lambda: comm.all_reduce(f, ReduceOp.BAND),
         "avg on bool": lambda: comm.all_reduce(torch.ones(2, dtype=torch.bool), ReduceOp.AVG),
         "premul on int": lambda: comm.all_reduce(torch.ones(2, dtype=torch.int64), ReduceOp.PREMUL_SUM(2)),
+        "c10d premul": lambda: comm.all_reduce(f, torch.distributed._make_nccl_premul_sum(2.0)),
         "all_gather_single size": lambda: comm.all_gather_single(torch.empty(15), f),
         "all_gather_single dtype": lambda: comm.all_gather_single(torch.empty(16, dtype=torch.int64), f),
         "reduce_scatter_single size": lambda: comm.reduce_scatter_single(torch.empty(3), f),
@@ -70,6 +71,7 @@ def test_invalid_arguments_raise_at_once_and_leave_the_comm_usable():
         for what, msg in report.items():
             assert msg != "no error", what
             assert "communicator 'bad'" in msg and f"ranks {rank}" in msg and "op " in msg, (what, msg)
+        assert "ReduceOp.PREMUL_SUM: its factor cannot be read" in report["c10d premul"]  # not an object's repr
 
 
 def _mismatch(rank, size, store, kind):
