@@ -37,12 +37,19 @@ def register_backend() -> None:
         dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
 
 
+def _routes(backend: str) -> bool:
+    """Whether a group c10d is asked to make on ``backend`` is made as commslayer's: NCCL
+    only where this torch has it, so that a job asking for NCCL without it fails as
+    plain c10d fails, instead of running on Gloo without a word."""
+    return backend in _ROUTED and (backend != "nccl" or dist.is_nccl_available())
+
+
 def _routed_backend(backend: Any) -> str:
     text = str(backend).lower()
     if ":" not in text:
-        return BACKEND_NAME if text in _ROUTED else str(backend)
+        return BACKEND_NAME if _routes(text) else str(backend)
     pairs = [p.split(":", 1) for p in text.split(",")]
-    return ",".join(f"{dev}:{BACKEND_NAME if b in _ROUTED else b}" for dev, b in pairs)
+    return ",".join(f"{dev}:{BACKEND_NAME if _routes(b) else b}" for dev, b in pairs)
 
 
 def _default_backend(config: dist.BackendConfig) -> str:

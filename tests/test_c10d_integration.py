@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from commslayer.c10d import group_of
 from tests.harness import free_port, group_kind, run_ranks
@@ -101,6 +102,27 @@ def _device_qualified(rank, size, store):
 def test_device_qualified_backend_string():
     for value, name in run_ranks(_device_qualified, 3, timeout=40):
         assert value == 3.0 and name == "commslayer"
+
+
+_ASK_NCCL = """
+import torch.distributed as dist, commslayer.registration as r
+r.install_routing() if {routed} else None
+try:
+    dist.init_process_group({backend!r}, store=dist.HashStore(), rank=0, world_size=1)
+    print("made", dist.get_backend())
+except RuntimeError as err:
+    print("raised", err)
+"""
+
+
+@pytest.mark.skipif(dist.is_nccl_available(), reason="asks for NCCL where this torch has none")
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["nccl", "cuda:nccl,cpu:gloo"])
+def test_a_routed_job_that_asks_for_nccl_without_it_fails_as_plain_c10d_does(backend):
+    said = [subprocess.run([sys.executable, "-c", _ASK_NCCL.format(routed=routed, backend=backend)],
+                           capture_output=True, text=True, timeout=50).stdout for routed in (False, True)]
+    assert said[0].startswith("raised Distributed package doesn't have NCCL built in"), said
+    assert said[1] == said[0]
 
 
 def _destroy_after_timeout(rank, size, store):
