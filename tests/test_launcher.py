@@ -270,3 +270,63 @@ def test_stopping_a_torchrun_agent_folds_its_own_traceback_and_keeps_the_workers
     assert int(folded.split("stop it: ")[1].split()[0]) > 10, folded
     worker = out.index("Traceback (most recent call last):")
     assert "RuntimeError: the worker's own error on SIGTERM" in out[worker:], out
+
+
+@pytest.mark.timeout(120)
+def test_compare_to_its_own_run_dir_compares_with_the_run_it_held(tmp_path):
+    """``--run-dir out --compare-to out``: the run ``out`` held is set aside into
+    ``out/earlier/1`` before this one starts, and the comparison is with it there. (It read
+    ``out`` after this run had written it: the run compared with itself and always passed.)"""
+    (tmp_path / "result.py").write_text(RESULT_SCRIPT.replace("{0: 2.0,", "{0: float(__import__('sys').argv[1]),"))
+    first, _ = launch(["--replicas", "1", "--nproc-per-replica", "1", "--run-dir", "out", "result.py", "2.0"],
+                      cwd=tmp_path, timeout=50)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr
+    proc, tag = launch(["--replicas", "1", "--nproc-per-replica", "1", "--run-dir", "out", "--compare-to", "out",
+                        "result.py", "9.0"], cwd=tmp_path, timeout=50)
+    log = proc.stdout[-3000:] + proc.stderr
+    assert proc.returncode == 1, log
+    assert f"they are in {tmp_path / 'out' / 'earlier' / '1'} now; --compare-to compares this run with them" \
+        in proc.stdout, log
+    assert f"loss vs the fault-free run {tmp_path / 'out' / 'earlier' / '1'}: steps before the fault identical: " \
+        "False" in proc.stdout, log
+    assert proc.stderr.splitlines() == [f"commslayer-run: the run's summary found a problem (the 'summary:' lines "
+                                        f"above, {tmp_path / 'out'}/summary.json)"], log
+    assert not tagged(tag)
+
+
+@pytest.mark.timeout(60)
+def test_a_run_dir_it_cannot_write(tmp_path):
+    """A ``--run-dir`` on a read-only filesystem (or another user's folder), and one whose
+    earlier run cannot be set aside (a file named ``earlier`` there): one line and exit 2
+    before anything starts. (The first started the job, whose ranks failed to write, and
+    ended in a traceback from writing the summary; the second in a traceback from moving
+    the earlier run aside.)"""
+    (tmp_path / "result.py").write_text(RESULT_SCRIPT)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    if os.geteuid() == 0:  # root writes into any folder: a read-only mount
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(locked)]).returncode != 0:
+            pytest.skip("no read-only mount here")
+    else:
+        locked.chmod(0o555)
+    try:
+        proc, tag = launch(["--replicas", "1", "--nproc-per-replica", "1", "--run-dir", "locked", "result.py"],
+                           cwd=tmp_path, timeout=40)
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["umount", str(locked)])
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout[-3000:] + proc.stderr
+    assert proc.stderr.splitlines() == [f"commslayer-run: error: --run-dir '{locked}': cannot write there: "
+                                        f"{'Read-only file system' if os.geteuid() == 0 else 'Permission denied'}"]
+    assert not tagged(tag)
+
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "result-m0-r0.json").write_text("{}")
+    (held / "earlier").write_text("not a folder")
+    proc, tag = launch(["--replicas", "1", "--nproc-per-replica", "1", "--run-dir", "held", "result.py"],
+                       cwd=tmp_path, timeout=40)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout[-3000:] + proc.stderr
+    assert proc.stderr.splitlines() == [f"commslayer-run: error: --run-dir '{held}' holds an earlier run's files, "
+                                        f"which cannot be moved aside: Not a directory: {held / 'earlier' / '1'}"]
+    assert (held / "result-m0-r0.json").exists() and not tagged(tag)

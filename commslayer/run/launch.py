@@ -58,9 +58,18 @@ def run(a: argparse.Namespace) -> int:
         signal.signal(sig, on_signal)
     try:
         if a.run_dir and not a.coordinator:  # the run's summary, comparison and traces must be this run's
-            aside = runs.set_aside(a.run_dir)
+            try:
+                aside = runs.set_aside(a.run_dir)
+            except OSError as exc:
+                print(f"{PROG}: error: --run-dir {a.run_dir!r} holds an earlier run's files, which cannot be moved "
+                      f"aside: {exc.strerror or exc}: {exc.filename}", file=sys.stderr, flush=True)
+                return 2
             if aside is not None:
-                print(f"{PROG}: {a.run_dir} held an earlier run's files; they are in {aside} now", flush=True)
+                # `--run-dir D --compare-to D` means the run D held: it is in `aside` now, this run in D
+                same = a.compare_to is not None and os.path.realpath(a.compare_to) == os.path.realpath(a.run_dir)
+                a.compare_to = aside if same else a.compare_to
+                print(f"{PROG}: {a.run_dir} held an earlier run's files; they are in {aside} now"
+                      + ("; --compare-to compares this run with them there" if same else ""), flush=True)
         store = _job_store(a)
         if served is not None:
             served.start(a.address)

@@ -97,6 +97,7 @@ import math
 import os
 import socket
 import sys
+import tempfile
 from typing import List, NoReturn, Optional, Tuple
 
 from commslayer import runs
@@ -230,8 +231,10 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
         a.run_dir = os.path.abspath(a.run_dir)
         try:
             os.makedirs(a.run_dir, exist_ok=True)
+            with tempfile.TemporaryFile(dir=a.run_dir):  # a read-only mount, another user's folder: not later
+                pass
         except OSError as exc:
-            p.error(f"--run-dir {a.run_dir!r}: {exc.strerror or exc}")
+            p.error(f"--run-dir {a.run_dir!r}: cannot write there: {exc.strerror or exc}")
     return a
 
 
