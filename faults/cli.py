@@ -61,13 +61,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not names or unknown:
         p.error(f"unknown scenario(s) {unknown}; `commslayer-faults list` shows them" if unknown
                 else "name a scenario, or --all")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # each run replaces <out>/<scenario>: the first report would point at the second run's files
+        p.error(f"scenario(s) {twice} named more than once; --repeat N runs each N times")
+    if a.repeat < 1:
+        p.error(f"--repeat {a.repeat}: must be 1 or more")
     options = Options(ranks=a.ranks, per_replica=a.per_replica, steps=a.steps, rank=a.rank, step=a.step, nth=a.nth, op=a.op,
                       job=os.path.abspath(a.job), job_args=a.job_args, timeout_s=a.timeout,
                       reference=not a.no_reference)
-    try:
-        options.faults(BY_NAME[names[0]], options.layout(BY_NAME[names[0]]))
+    try:  # every scenario named, before the first one runs
+        faults = [f for n in names for f in options.faults(BY_NAME[n], options.layout(BY_NAME[n]))]
     except ValueError as exc:
         p.error(str(exc))
+    if (a.op is not None or a.nth is not None) and not any(f.op and f.action != "delay" for f in faults):
+        p.error(f"--op and --nth move a fault at a collective; {', '.join(names)} has none (--step moves a step fault)")
     os.makedirs(a.out, exist_ok=True)
     reports = []
     for i in range(a.repeat):

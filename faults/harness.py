@@ -85,6 +85,17 @@ class Options:
     reference: bool = True
 
     def layout(self, scenario: Scenario) -> Layout:
+        """The job's shape and the fault's target and step; ``ValueError`` naming the option
+        that cannot make a run in which the scenario's fault comes."""
+        for name, value, least in (("steps", self.steps, 1), ("per_replica", self.per_replica, 1),
+                                   ("rank", self.rank, 0), ("step", self.step, 0)):
+            if value is not None and value < least:
+                raise ValueError(f"{scenario.name}: {name} {value}: must be {least} or more")
+        if self.step >= self.steps:
+            raise ValueError(f"{scenario.name}: the fault step {self.step} never comes: the job runs steps "
+                             f"0..{self.steps - 1} (steps {self.steps})")
+        if not self.timeout_s > 0:
+            raise ValueError(f"{scenario.name}: timeout {self.timeout_s}: must be more than 0 seconds")
         rank = next((r for r in (self.rank, scenario.rank) if r is not None), -1)
         if scenario.per_rank:  # per_replica does not apply: no replica groups
             if self.ranks < 3:
@@ -105,7 +116,11 @@ class Options:
         out = []
         for f in scenario.faults(layout):
             if f.op and f.life in (0, None) and f.action != "delay":
-                f = replace(f, nth=self.nth or f.nth, op=self.op or f.op, comm="" if self.op else f.comm)
+                f = replace(f, nth=f.nth if self.nth is None else self.nth, op=self.op or f.op,
+                            comm="" if self.op else f.comm)
+            if f.step is not None and f.step >= self.steps:
+                raise ValueError(f"{scenario.name}: its fault at step {f.step} never comes: the job runs steps "
+                                 f"0..{self.steps - 1} (steps {self.steps})")
             out.append(f)
         return out
 

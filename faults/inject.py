@@ -83,8 +83,31 @@ class Fault:
     index: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
+        from commslayer.comm.wire import BACKEND_OPS
+
         if self.action not in ACTIONS:
             raise ValueError(f"fault action {self.action!r}: expected one of {ACTIONS}")
+        # A field of the wrong type or sign would not fail: the fault would never match its rank, step or
+        # call (``"1" != 1``), or fail deep inside the job when it is compared; so every field is checked here.
+        _whole(self, "rank", self.rank, 0)
+        for name, value in (("life", self.life), ("step", self.step)):
+            if value is not None:
+                _whole(self, name, value, 0)
+        _whole(self, "nth", self.nth, 1)
+        if self.op is not None and self.op != "*" and self.op not in BACKEND_OPS:
+            raise ValueError(f"fault {self.action} on rank {self.rank}: op={self.op!r}: expected '*' or one of "
+                             f"{', '.join(sorted(BACKEND_OPS))}")
+        if not isinstance(self.comm, str):
+            raise ValueError(f"fault {self.action} on rank {self.rank}: comm={self.comm!r}: a part of a "
+                             "communicator's name (a string)")
+        if not isinstance(self.during, bool) or (self.during and self.op is None):
+            raise ValueError(f"fault {self.action} on rank {self.rank}: during={self.during!r}: true or false, "
+                             "and true only for a fault at an op")
+        if self.phase is not None and self.step is None:
+            raise ValueError(f"fault {self.action} on rank {self.rank}: phase={self.phase!r} without a step")
+        if self.mismatch is not None and self.action != "mismatch":
+            raise ValueError(f"fault {self.action} on rank {self.rank}: mismatch={self.mismatch!r} is for a "
+                             "mismatch fault only")
         # ``seconds`` reaches a timer process and time.sleep: a finite, non-negative number only.
         if isinstance(self.seconds, bool) or not isinstance(self.seconds, (int, float)) \
                 or not 0 <= self.seconds < math.inf:
@@ -101,8 +124,6 @@ class Fault:
             raise ValueError("op '*' (every collective) is for delay faults only")
         if not isinstance(self.together, str):
             raise ValueError(f"fault together={self.together!r}: a tag (a string) shared by faults that fire at once")
-        if self.nth < 1:
-            raise ValueError(f"fault nth={self.nth}: counts from 1")
 
     def describe(self) -> str:
         what = {"sigkill": "SIGKILL", "exit": "exit(1)", "raise": "Python exception", "hang": "hang",
@@ -117,6 +138,12 @@ class Fault:
                 where = f"before every {self.op}" + (f" of '{self.comm}'" if self.comm else "") + \
                         (f" from #{self.nth}" if self.nth > 1 else "")
         return f"{what} of rank {self.rank} {where}"
+
+
+def _whole(f: Fault, name: str, value: Any, least: int) -> None:
+    """Raise ``ValueError`` naming the field unless ``value`` is an int (not a bool) of at least ``least``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"fault {f.action} on rank {f.rank!r}: {name}={value!r} must be a whole number >= {least}")
 
 
 def encode(faults: List[Fault]) -> str:

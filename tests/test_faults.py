@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from commslayer.errors import ConfigError
 from commslayer.runs import RankResult
 from faults.harness import UNANSWERED, Layout, state_checks
 from faults.inject import Fault, decode, encode
@@ -108,6 +110,20 @@ def test_list_names_every_scenario():
     (["kill-collective", "--op", "allreduce"], "op 'allreduce': expected one of all_reduce"),
     (["kill-step", "--ranks", "5"], "do not make 2 or more replica groups"),
     (["buddy-pair-kill", "--ranks", "2"], "a per-rank job of 2 ranks: needs 3 or more"),
+    # each of these ran a whole job before (a step or call that never came, a report with nothing in it,
+    # a ZeroDivisionError, -1 taken as "the last rank", a second run deleting the first one's directory)
+    (["kill-step", "--step", "30"], "kill-step: the fault step 30 never comes: the job runs steps 0..29"),
+    (["kill-step", "--step", "-5"], "kill-step: step -5: must be 0 or more"),
+    (["etcd-leader-kill", "--steps", "15"], "its fault at step 20 never comes"),
+    (["kill-step", "--rank", "-1"], "kill-step: rank -1: must be 0 or more"),
+    (["kill-step", "--per-replica", "0"], "kill-step: per_replica 0: must be 1 or more"),
+    (["kill-step", "--timeout", "0"], "kill-step: timeout 0.0: must be more than 0 seconds"),
+    (["kill-step", "--repeat", "0"], "--repeat 0: must be 1 or more"),
+    (["kill-collective", "--nth", "0"], "nth=0 must be a whole number >= 1"),
+    (["kill-step", "--nth", "5"], "--op and --nth move a fault at a collective; kill-step has none"),
+    (["kill-step", "sigstop", "kill-step"], "scenario(s) ['kill-step'] named more than once; --repeat N"),
+    # every scenario named is checked, not the first one only
+    (["kill-step", "buddy-pair-kill", "--ranks", "2", "--per-replica", "1"], "a per-rank job of 2 ranks"),
 ])
 def test_bad_arguments_are_usage_errors(args, says):
     proc = faults_cli("run", *args, timeout=60)
@@ -177,6 +193,29 @@ def test_fault_specs_round_trip_and_reject_bad_input():
         Fault("mismatch", 0, op="broadcast", mismatch="op")
     with pytest.raises(ValueError, match="delay"):
         Fault("sigkill", 0, op="*")
+
+
+@pytest.mark.parametrize("fields, says", [
+    # each was taken before, and the fault never fired ("1" != 1, a step or call it never reached) or failed
+    # inside the job (a comparison of "3" with a step, getattr(comm, "all_reduse") as a communicator was built)
+    ({"rank": "1"}, "rank='1' must be a whole number >= 0"),
+    ({"rank": -1}, "rank=-1 must be a whole number >= 0"),
+    ({"rank": None}, "rank=None must be a whole number >= 0"),
+    ({"step": "3"}, "step='3' must be a whole number >= 0"),
+    ({"step": -3}, "step=-3 must be a whole number >= 0"),
+    ({"life": -1}, "life=-1 must be a whole number >= 0"),
+    ({"step": None, "phase": None, "op": "all_reduse"}, "op='all_reduse': expected '*' or one of all_gather"),
+    ({"step": None, "phase": None, "op": "all_reduce", "nth": 1.5}, "nth=1.5 must be a whole number >= 1"),
+    ({"step": None, "phase": None, "op": "all_reduce", "nth": True}, "nth=True must be a whole number >= 1"),
+    ({"step": None, "phase": None, "op": "all_reduce", "comm": 5}, "comm=5: a part of a communicator's name"),
+    ({"during": True}, "during=True: true or false, and true only for a fault at an op"),
+    ({"mismatch": "shape"}, "mismatch='shape' is for a mismatch fault only"),
+    ({"step": None, "op": "all_reduce"}, "phase='forward' without a step"),
+])
+def test_a_fault_field_of_the_wrong_type_or_sign_is_refused(fields, says):
+    spec = {"action": "sigkill", "rank": 1, "step": 3, "phase": "forward", **fields}
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        decode(json.dumps([spec]))
 
 
 def test_a_run_without_step_faults_registers_no_phase_hook():
@@ -339,6 +378,8 @@ def test_a_kill_left_in_the_environment_says_so_before_the_rank_dies(tmp_path):
 @pytest.mark.parametrize("value, says", [
     ('{"action": "delay"}', "expected a JSON list of fault objects"),
     ("[{'action': 'sigkill'}]", "Expecting property name"),
+    # taken before: the job ran and the fault never fired (its rank was the string "0")
+    ('[{"action": "sigkill", "rank": "0", "step": 1, "phase": "forward"}]', "rank='0' must be a whole number"),
     ('[{"action": "sigkill", "rank": 0, "step": 1, "phase": "forward", "when": 3}]', "unexpected keyword"),
 ])
 def test_a_bad_faults_value_names_the_variable(tmp_path, value, says):
