@@ -330,3 +330,43 @@ def test_a_run_dir_it_cannot_write(tmp_path):
     assert proc.stderr.splitlines() == [f"commslayer-run: error: --run-dir '{held}' holds an earlier run's files, "
                                         f"which cannot be moved aside: Not a directory: {held / 'earlier' / '1'}"]
     assert (held / "result-m0-r0.json").exists() and not tagged(tag)
+
+
+# 2 MB of output, after a line that is not UTF-8 (a Latin-1 name): more than any pipe holds
+CHATTY_SCRIPT = '''
+import os
+os.write(2, b"caf\\xe9 \\xff\\n")
+for i in range(20000):
+    os.write(1, b"%d %s\\n" % (i, b"x" * 100))
+os.write(1, b"chatty: done\\n")
+'''
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", [["--nproc-per-node", "1"], ["--replicas", "1", "--nproc-per-replica", "1"]])
+def test_output_that_is_not_utf8_or_that_nobody_reads(tmp_path, mode):
+    """A script that writes a byte that is not UTF-8, and a launcher whose own output is
+    closed early (``commslayer-run ... | head``): the job runs to its end. (The reader thread
+    of that process's output died, of a UnicodeDecodeError or of the BrokenPipeError of its
+    write, the process blocked on its full pipe, and the job hung until it was killed.)"""
+    (tmp_path / "chatty.py").write_text(CHATTY_SCRIPT)
+    proc, tag = launch([*mode, "--max-restarts", "0", "chatty.py"], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    assert "caf\ufffd \ufffd\n" in proc.stdout and "] chatty: done\n" in proc.stdout, proc.stdout[-3000:]
+    assert not tagged(tag)
+
+    tag = uuid.uuid4().hex
+    env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="", COMMSLAYER_TEST_TAG=tag)
+    head = subprocess.Popen([*LAUNCHER, *mode, "--max-restarts", "0", "chatty.py"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert head.stdout is not None and head.stdout.readline().startswith("coordinator: ")
+    head.stdout.close()  # the reader is gone
+    try:
+        err = head.communicate(timeout=60)[1]
+    except subprocess.TimeoutExpired:
+        head.terminate()
+        pytest.fail(f"the job hung once its launcher's output was closed: {head.communicate(timeout=15)[1]}")
+    assert head.returncode == 0 and err.splitlines() == [
+        "commslayer-run: its standard output was closed (broken pipe): the job goes on, and the output of its "
+        "processes is dropped from here on"], err
+    assert not tagged(f"COMMSLAYER_TEST_TAG={tag}".encode())

@@ -93,12 +93,14 @@ that seems stuck shows where).
 from __future__ import annotations
 
 import argparse
+import io
 import math
 import os
 import socket
 import sys
 import tempfile
-from typing import List, NoReturn, Optional, Tuple
+import threading
+from typing import List, NoReturn, Optional, TextIO, Tuple
 
 from commslayer import runs
 from commslayer.endpoints import host_port, is_etcd, parse_url
@@ -357,11 +359,54 @@ def _address(p: argparse.ArgumentParser, text: str) -> None:
         p.error(f"--coordinator {exc}")
 
 
+class Output(io.TextIOBase):
+    """The launcher's standard output, where every process's output lines go: once its reader
+    is gone (``commslayer-run ... | head``, a ``tee`` that died) a write raised
+    ``BrokenPipeError`` in the thread relaying a process's output, which stopped reading it,
+    and the process then blocked on its full pipe: the job hung.  Here the first such write
+    says so in one line on stderr, and every later one goes to /dev/null: the job goes on."""
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__()
+        self._stream = stream
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def write(self, text: str) -> int:
+        """Write ``text`` (dropped once the reader is gone)."""
+        try:
+            self._stream.write(text)
+        except BrokenPipeError:
+            self._gone()
+        return len(text)
+
+    def flush(self) -> None:
+        """Flush (nothing once the reader is gone)."""
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._gone()
+
+    def fileno(self) -> int:
+        """The file descriptor underneath."""
+        return self._stream.fileno()
+
+    def _gone(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())  # what is buffered, and all later
+        print(f"{PROG}: its standard output was closed (broken pipe): the job goes on, and the output of its "
+              "processes is dropped from here on", file=sys.stderr, flush=True)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``commslayer-run`` console script: the arguments are checked
     before torch is imported (seconds on a loaded machine), so that ``--help`` and a
     usage error answer at once; then ``commslayer.run.launch`` runs the job."""
     a = parse(argv)
+    sys.stdout = Output(sys.stdout)
     a.status_socket = None
     if a.status_port is not None:  # before any process starts (and before torch): a port in use ends it here
         family = socket.AF_INET6 if ":" in a.status_host else socket.AF_INET

@@ -62,7 +62,9 @@ class ProcessSet:
         if threading.current_thread() is threading.main_thread() and sys.platform == "linux":
             cmd = [sys.executable, "-S", "-c", _TIED, str(os.getpid()), *cmd]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, text=True, bufsize=1)
+                                stdin=subprocess.DEVNULL, start_new_session=True, text=True, bufsize=1,
+                                errors="replace")  # a byte that is not UTF-8 must not end the reader: the rank
+        # would block on its full pipe, and the job hang
         self.procs[key] = proc
         self._started.append(proc)
         t = threading.Thread(target=_relay, args=(proc, SignalTracebacks(on_line, self._stopping), self.exited),
