@@ -5,6 +5,7 @@ collective), and a full trace disk that never stops training."""
 
 from __future__ import annotations
 
+import linecache
 import os
 import signal
 import subprocess
@@ -138,6 +139,14 @@ def test_sigterm_leaves_a_readable_dump(tmp_path, blocked):
     assert sum(r["op"] == "all_reduce" and r["state"] == "completed" for r in doc["records"]) == 5
     if blocked:
         assert doc["records"][-1]["state"] == "started"
+    # where the main thread was: the line it waited on, the dump's own frames left out
+    stack = doc["main_stack"]
+    path, line = stack["at"].rsplit(":", 1)
+    assert stack["reason"] == "SIGTERM" and path == __file__, stack
+    waited_on = "comm.all_reduce(torch.ones(4))" if blocked else "time.sleep(0.01)"
+    assert linecache.getline(path, int(line)).strip() == waited_on, stack
+    assert stack["frames"][-1] == f"{__file__}:{line} in _sigterm_target" or blocked, stack
+    assert not any("/tracing/" in f for f in stack["frames"]), stack
 
 
 _ENDING_SLOWLY = """

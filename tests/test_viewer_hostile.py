@@ -141,6 +141,14 @@ FILE_CASES = {
                                 "'global_ranks[]' must be an integer, not a string '0'"),
     "host as a number": ("dump", lambda doc: doc.update(host=5), "rank1.json:1: 'host' must be a string or null"),
     "records as an object": ("dump", lambda doc: doc.update(records={}), "dump without a rank or a records list"),
+    "main stack as a list": ("dump", lambda doc: doc.update(main_stack=["x"]),
+                             "rank1.json:1: 'main_stack' must be an object or null, not a list ['x']"),
+    "main stack frames of numbers": ("dump", lambda doc: doc.update(main_stack={"reason": "SIGTERM", "at": None,
+                                                                                "frames": [1]}),
+                                     "'main_stack.frames[]' must be a string, not an integer 1"),
+    "main stack of 10^5 frames": ("dump", lambda doc: doc.update(main_stack={"reason": "SIGTERM", "at": "a:1",
+                                                                             "frames": ["a:1 in f"] * 10 ** 5}),
+                                  "'main_stack.frames' holds 100000 frames, more than 64"),
     "rank 10^30": ("dump", lambda doc: doc.update(rank=10 ** 30), "rank1.json:1: dump without a rank"),
     "header clock missing a key": ("jsonl", lambda ev: ev[0]["clock"].pop("mono_ns"),
                                    "rank1.jsonl:1: 'clock.mono_ns' must be an integer, not null None"),
@@ -422,6 +430,7 @@ def test_terminal_escapes_in_trace_strings_are_shown_escaped(tmp_path):
         doc = dump_doc(rank, recs)
         doc["communicators"]["a.0"]["name"] = ESCAPES
         doc["reason"] = ESCAPES
+        doc["main_stack"] = {"reason": ESCAPES, "at": ESCAPES, "frames": [ESCAPES]}
         write(str(tmp_path / f"rank{rank}.json"), doc)
     for command in ("diagnose", "summary", "overlap"):
         rc, out, err = run_cli(command, str(tmp_path))

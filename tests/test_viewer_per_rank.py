@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any, Dict, List, Optional
 
-from tests.viewer_traces import MONO_NS, WALL_NS, record, run_cli, write
+from tests.viewer_traces import MONO_NS, WALL_NS, communicators, record, run_cli, write
 from tracing.messages import short_reason, split_reasons
 from tracing.records import new_dump
 
@@ -238,3 +238,29 @@ def test_the_recorder_keeps_each_reason_whole(tmp_path):
     rec.dump("exit")
     reason = json.loads((tmp_path / "rank0.json").read_text())["reason"]
     assert split_reasons(reason) == [first, second, "communicator 's' being shrunk after a loss", "exit"], reason
+
+
+def test_a_rank_hung_outside_any_collective_is_found_on_the_line_its_main_thread_was_on(tmp_path):
+    """Rank 1 never entered the all-reduce rank 0 waits in (it hung in its own code), and both
+    dumped on SIGTERM: the headline and "where each rank stands" give the line rank 1's main
+    thread was on, which its records cannot."""
+    for rank, ops in ((0, 4), (1, 3)):
+        recs = [record(i, rank=rank) for i in range(1, ops + 1)]
+        if rank == 0:
+            recs[-1].update(state="started", end_ns=None, duration_ms=None)
+        line = 88 if rank else 42
+        doc = new_dump(job="j", rank=rank, host="h", pid=100 + rank, wall_ns=WALL_NS, mono_ns=MONO_NS,
+                       reason="SIGTERM", dropped=0, communicators=communicators(2), records=recs, cwd=str(tmp_path),
+                       main_stack={"reason": "SIGTERM", "at": f"{tmp_path}/train.py:{line}",
+                                   "frames": [f"{tmp_path}/train.py:120 in <module>",
+                                              f"{tmp_path}/train.py:{line} in load_batch"]})
+        write(str(tmp_path / f"rank{rank}.json"), doc)
+    rc, out, err = run_cli("diagnose", str(tmp_path))
+    assert rc == 1 and not err, err
+    assert "Likely culprit: rank 1 (never entered all_reduce #4 of 'a'; last entered all_reduce #3 of 'a' " \
+           "(completed) at train.py:42; its main thread was at train.py:88 when it dumped)" in out, out
+    assert "\n    its main thread was at train.py:88 when it dumped on SIGTERM\n" in out, out
+    ranks = json.loads(run_cli("diagnose", "--json", str(tmp_path))[1])["ranks"]
+    assert ranks[1]["main_thread"] == {"reason": "SIGTERM", "at": "train.py:88", "at_full": f"{tmp_path}/train.py:88",
+                                       "frames": [f"{tmp_path}/train.py:120 in <module>",
+                                                  f"{tmp_path}/train.py:88 in load_batch"]}

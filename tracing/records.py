@@ -85,7 +85,8 @@ OPTIONAL_FIELDS = (
 
 def new_dump(*, job: str, rank: int, host: str, pid: int, wall_ns: int, mono_ns: int, reason: str,
              dropped: int, communicators: Dict[str, Dict[str, Any]], records: List[Dict[str, Any]],
-             events: Optional[List[Dict[str, Any]]] = None, cwd: Optional[str] = None) -> Dict[str, Any]:
+             events: Optional[List[Dict[str, Any]]] = None, cwd: Optional[str] = None,
+             main_stack: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """A whole dump document."""
     return {
         "kind": DUMP_KIND,
@@ -101,6 +102,7 @@ def new_dump(*, job: str, rank: int, host: str, pid: int, wall_ns: int, mono_ns:
         "records": records,
         "events": events or [],
         "cwd": cwd,
+        "main_stack": main_stack,
     }
 
 

@@ -822,10 +822,13 @@ def diagnose(scan: JobScan) -> Dict[str, Any]:
         else:
             stands, site = "no records", None
         life = source.last_life
+        stack = life.main_stack
+        main = None if stack is None else {"reason": short_error(stack["reason"]), "at": scan.site(stack["at"], r),
+                                           "at_full": stack["at"], "frames": stack["frames"]}
         ranks.append({"rank": r, "files": source.files, "host": life.host, "pid": life.pid,
                       "reason": short_reason(life.reason), "reason_full": life.reason,
                       "lives": life.life + 1, "dump": life.dump_path is not None, "stands": stands,
-                      "call_site": scan.site(site, r), "call_site_full": site})
+                      "call_site": scan.site(site, r), "call_site_full": site, "main_thread": main})
     errors = [f for f in findings if f.severity == "error"]
     if culprits:
         head = "Likely culprit: " + "; ".join(f"rank {r} ({why})" for r, why in sorted(culprits.items()))
@@ -1038,6 +1041,10 @@ def _diagnose_comm(scan: JobScan, uid: str, missing: List[int], mismatches: Dict
             for r in never:
                 le = scan.last_entered.get((r, uid))
                 seen = "no op of this communicator recorded" if le is None else f"last entered {_where(le, scan, r)}"
+                src = scan.sources.get(r)
+                stack = src.last_life.main_stack if src is not None else None
+                if stack is not None and stack["at"]:
+                    seen += f"; its main thread was at {scan.site(stack['at'], r)} when it dumped"
                 culprits.setdefault(r, f"never entered {trouble['op']} #{seq} of '{name}'; {seen}")
             text += f"; {_ranks(never)} never entered it"
         elif absent and key not in mismatches:

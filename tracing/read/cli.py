@@ -129,6 +129,9 @@ def print_diagnosis(d: Dict[str, Any]) -> None:
         lives = f", {r['lives']} lives" if r.get("lives", 1) > 1 else ""
         why = f", {r['reason']}" if r.get("reason") else ""
         say(f"  rank {r['rank']}: {r['stands']} [{files}{lives}{why}]")
+        main = r.get("main_thread")
+        if main:
+            say(f"    its main thread was at {main['at'] or '?'} when it dumped on {main['reason']}")
     for c in d["communicators"]:
         say()
         say(f"communicator '{c['name']}' ({c['uid']}), ranks {', '.join(map(str, c['members']))}:")

@@ -131,6 +131,7 @@ class RankSource:
     pid: Optional[int] = None
     job: Optional[str] = None
     reason: Optional[str] = None              # why the dump was written
+    main_stack: Optional[Dict[str, Any]] = None  # the main thread at its last dump but an exit: reason, at, frames
     ring_dropped: int = 0                     # records the dump's ring (or a failed dump write) lost
     jsonl_dropped: int = 0                    # records the JSON-lines sink dropped (its sink_dropped events)
     wall_minus_mono_ns: Optional[int] = None  # from the clock anchor
@@ -625,6 +626,30 @@ def _note_skipped(problems: List[str], exc: TraceFileError, bad: int) -> None:
         problems.append(f"skipped {exc}")
 
 
+MAX_STACK_FRAMES = 64  # a dump's writer keeps 32
+
+
+def _main_stack(stack: Any, path: str) -> Optional[Dict[str, Any]]:
+    """A dump's ``main_stack`` (None where it has none), checked: ``reason`` and ``at``
+    strings (``at`` may be null), ``frames`` a list of at most ``MAX_STACK_FRAMES`` strings."""
+    if stack is None:
+        return None
+    if not isinstance(stack, dict):
+        raise TraceFileError(path, 1, str(_type_problem("main_stack", stack, (dict, _NONE))))
+    frames = stack.get("frames")
+    why = _type_problem("main_stack.reason", stack.get("reason"), (str,)) or \
+        _type_problem("main_stack.at", stack.get("at"), (str, _NONE))
+    if not isinstance(frames, list):
+        why = why or _type_problem("main_stack.frames", frames, (list,))
+    elif len(frames) > MAX_STACK_FRAMES:
+        why = why or f"'main_stack.frames' holds {len(frames)} frames, more than {MAX_STACK_FRAMES}"
+    else:
+        why = why or next(filter(None, (_type_problem("main_stack.frames[]", f, (str,)) for f in frames)), None)
+    if why:
+        raise TraceFileError(path, 1, why)
+    return {k: stack[k] for k in ("reason", "at", "frames")}
+
+
 Row = Tuple[Tuple[Any, ...], Dict[str, Any]]  # a record's field values in RECORD_FIELDS order, and the record
 
 
@@ -649,6 +674,7 @@ def load_dump(src: RankSource, skip_bad: bool, problems: List[str]) -> Dict[int,
     infos = {uid: _communicator(info, path, 1, f"communicator {_shown(uid)}") for uid, info in comms.items()}
     _take_facts(src, doc, path, 1)
     src.wall_minus_mono_ns, src.reason, src.ring_dropped = offset, doc.get("reason"), dropped
+    src.main_stack = _main_stack(doc.get("main_stack"), path)
     src.communicators.update(infos)
     events = doc.get("events") or []
     if not isinstance(events, list):

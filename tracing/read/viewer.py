@@ -28,7 +28,7 @@ import os
 import re
 from bisect import bisect_left
 from itertools import chain
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from tracing.messages import human_bytes, short_error
 from tracing.read.story import recovered_text
@@ -167,6 +167,13 @@ def _table(head: List[str], rows: List[List[Any]], ident: str = "") -> str:
     return "".join(out)
 
 
+def _main_thread(main: Optional[Dict[str, Any]]) -> Tuple[str, Optional[str]]:
+    """A rank's main thread at its last dump but an exit: where, with the frames as the cell's title."""
+    if not main:
+        return "-", None
+    return f"{main['at'] or '?'} (on {main['reason']})", "\n".join(main["frames"])
+
+
 def _below(path: str, inputs: List[str]) -> str:
     """``path`` relative to the input directory it was found in (as given when it is not below one)."""
     for d in inputs:
@@ -240,10 +247,11 @@ def render(scan: JobScan, title: str) -> str:
     status = "ok" if d["ok"] else "bad"
     findings = "".join(f"<li class='{_e(f['severity'])}'><b>{_e(f['severity'])}</b>: {_e(f['text'])}</li>"
                        for f in d["findings"])
-    stands = _table(["rank", "where it stands", "call site", "lives", "files", "how it ended (its dumps)"],
+    stands = _table(["rank", "where it stands", "call site", "lives", "files", "how it ended (its dumps)",
+                     "its main thread when dumped"],
                     [[r["rank"], r["stands"], (r["call_site"] or "-", r.get("call_site_full")), r.get("lives", 0),
                       (", ".join(_below(f, scan.paths) for f in r["files"]) or "none", ", ".join(r["files"])),
-                      (r.get("reason") or "-", r.get("reason_full"))]
+                      (r.get("reason") or "-", r.get("reason_full")), _main_thread(r.get("main_thread"))]
                      for r in d["ranks"]])
     recovery = "" if not story["losses"] and not story["admissions"] else (
         "<h3>recovery</h3>" + _table(["event", "at s", "step", "ranks", "what"],

@@ -96,6 +96,26 @@ def _caller(frame: Optional[FrameType]) -> Optional[FrameType]:
     return frame
 
 
+_STACK_FRAMES = 32  # the innermost frames of the main thread a dump keeps
+_DUMPING = (os.path.dirname(os.path.abspath(__file__)) + os.sep,  # a dump's own frames, where it
+            os.path.abspath(before_exit.__code__.co_filename))  # runs on the main thread
+
+
+def main_thread_stack() -> Dict[str, Any]:
+    """Where the main thread is: its innermost frames, outermost first, as "file:line in
+    function", and ``at``, the first of them outside commslayer, tracing and torch (as a
+    record's call site).  What a rank that never came to an op was doing when it dumped
+    (on SIGTERM, SIGUSR1 or an error); a dump taken on the main thread leaves its own
+    frames out (the signal handler's, the exit hooks')."""
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    while frame is not None and frame.f_code.co_filename.startswith(_DUMPING):
+        frame = frame.f_back
+    at = _caller(frame)
+    frames = traceback.extract_stack(frame, limit=_STACK_FRAMES) if frame is not None else []
+    return {"at": None if at is None else f"{at.f_code.co_filename}:{at.f_lineno}",
+            "frames": [f"{f.filename}:{f.lineno} in {f.name}" for f in frames]}
+
+
 class FlightRecorder:
     """The per-process recorder. Build it with ``install()``."""
 
@@ -108,6 +128,7 @@ class FlightRecorder:
         self.host = socket.gethostname()
         self.clock = clock_anchor()
         self.cwd = os.getcwd()  # the viewer shows call sites relative to it
+        self._main_stack: Optional[Dict[str, Any]] = None  # at the last dump for a reason other than an exit
         self.sinks: List[Any] = []  # objects with enqueue(record) (called as each op ends) and flush(): add_sink
         self._ring: List[Optional[Record]] = [None] * capacity
         self._count = 0
@@ -308,7 +329,7 @@ class FlightRecorder:
                         wall_ns=self.clock["wall_ns"], mono_ns=self.clock["mono_ns"], reason=reason,
                         dropped=lost + (self.writer.dropped_records if self.writer else 0),
                         communicators=self._communicators(), records=records, events=list(self.events),
-                        cwd=self.cwd)
+                        cwd=self.cwd, main_stack=self._main_stack)
 
     def communicator_info(self, uid: str) -> Optional[Dict[str, Any]]:
         """What the recorder knows of communicator ``uid`` (name, backend, rank, size,
@@ -346,6 +367,8 @@ class FlightRecorder:
             # whole reasons, not their "; "-separated pieces: a reason's own context ("[communicator
             # 'a'; op ...; ranks 2]") holds "; " too, and a piece seen before would be dropped from it
             self._reasons.update(dict.fromkeys(split_reasons(reason)))
+            if reason != "exit" and not reason.startswith("exit "):
+                self._main_stack = {"reason": reason, **main_thread_stack()}
             doc = self.document("; ".join(self._reasons))
             rank = doc["rank"]
             n = len(doc["records"])
