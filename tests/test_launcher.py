@@ -370,3 +370,22 @@ def test_output_that_is_not_utf8_or_that_nobody_reads(tmp_path, mode):
         "commslayer-run: its standard output was closed (broken pipe): the job goes on, and the output of its "
         "processes is dropped from here on"], err
     assert not tagged(f"COMMSLAYER_TEST_TAG={tag}".encode())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name,value", [("COMMSLAYER_SPARE", "0"), ("COMMSLAYER_RESTART_UNIT", "rank")])
+@pytest.mark.parametrize("mode", [["--nproc-per-node", "1"], ["--replicas", "1", "--nproc-per-replica", "1"]])
+def test_a_variable_of_the_launchers_own_left_in_the_environment(tmp_path, monkeypatch, mode, name, value):
+    """``COMMSLAYER_SPARE`` or ``COMMSLAYER_RESTART_UNIT`` left in the caller's environment
+    (copied from a rank's): one line and exit 2 before anything starts. (Every rank inherited
+    it: with the first each waited as a warm spare for a rank nobody gave it, with the
+    second replica mode's ranks started as per-rank mode's; either way the job hung.)"""
+    (tmp_path / "job.py").write_text("from commslayer import resilience\nresilience.init().finish()\n")
+    monkeypatch.setenv(name, value)
+    proc, tag = launch([*mode, "job.py"], cwd=tmp_path, timeout=30)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout[-3000:] + proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"commslayer-run: error: {name}='{value}' is in the environment: commslayer-run sets it itself") \
+        and lines[0].endswith("unset it"), proc.stderr
+    assert not tagged(tag)

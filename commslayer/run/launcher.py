@@ -110,6 +110,12 @@ GRACE_S = 5.0  # default --grace: SIGTERM to SIGKILL when the launcher ends its 
 MAX_WORLD = 65_536  # ranks in a job: the job's store holds keys per rank, which the coordinator scans
 PROCS_PER_CPU = 4  # default --max-local-procs: this many per CPU of the host (at least MIN_LOCAL_PROCS)
 MIN_LOCAL_PROCS = 8
+# Variables this launcher alone sets, for some of its processes; inherited from the caller's
+# environment by every rank, each made a job hang: a leftover COMMSLAYER_SPARE made every rank
+# wait as a warm spare for a rank nobody gives it, COMMSLAYER_RESTART_UNIT=rank made replica
+# mode's ranks start as per-rank mode's (and fail, then hang in their group's next life).
+LAUNCHERS_OWN = {"COMMSLAYER_SPARE": "a warm spare's id, for --spares' processes only",
+                 "COMMSLAYER_RESTART_UNIT": "per-rank mode's, for its ranks only"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -175,6 +181,10 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.script_args[:1] == ["--"]:  # `script.py -- args`
         a.script_args = a.script_args[1:]
+    for name, what in LAUNCHERS_OWN.items():
+        if os.environ.get(name, "").strip():
+            p.error(f"{name}={os.environ[name]!r} is in the environment: {PROG} sets it itself ({what}), and every "
+                    "rank would inherit it: unset it")
     if a.max_restarts < 0:
         p.error(f"--max-restarts {a.max_restarts}: must be 0 or more")
     a.crash_loop, a.crash_window_s = _crash_loop(p, a.crash_loop)
