@@ -53,9 +53,20 @@ class _Saved:
     unshard_async_op: bool
 
 
+@dataclass
+class _Built:
+    """A communicator this module built, with the default process group it was built under:
+    after ``destroy_process_group`` and a new ``init_process_group`` it is not used again."""
+
+    world: Optional[dist.ProcessGroup]
+    parent: Optional[Communicator]  # what a reduce-scatter communicator was split from
+    comm: Communicator
+
+
 _saved: "weakref.WeakKeyDictionary[Any, _Saved]" = weakref.WeakKeyDictionary()
-_cache: Dict[Tuple[str, Tuple[int, ...], Optional[str]], Communicator] = {}
-_world: Dict[str, Communicator] = {}  # device type -> the parent of a plain c10d job (_default_group_communicator)
+_cache: Dict[Tuple[str, Tuple[int, ...], Optional[str]], _Built] = {}
+_world: Dict[str, _Built] = {}  # device type -> the parent of a plain c10d job (_default_group_communicator)
+_world_builds = 0  # parents built for plain c10d jobs so far: each one's store prefix is new
 
 
 def enable(module: nn.Module, *, comm: Optional[Communicator] = None, interface: Optional[str] = None,
@@ -73,6 +84,13 @@ def enable(module: nn.Module, *, comm: Optional[Communicator] = None, interface:
     FSDP2 submodules of ``module``. Calling it again is harmless; the
     communicators are built once per process and reused.
     """
+    if comm is not None and not isinstance(comm, Communicator):
+        raise InvalidArgument(
+            f"comm= takes a commslayer Communicator (commslayer.new_comm, or a commslayer group's), not "
+            f"{type(comm).__name__}; leave it out to split from the shard group's own communicator")
+    if interface is not None and (not isinstance(interface, str) or not interface.strip()):
+        raise InvalidArgument(f"interface={interface!r}: the name of a network interface (\"eth1\"), or None for "
+                              "the one the job's groups use")
     groups = _param_groups(module, recurse)
     used: List[Communicator] = []
     for group in groups:
@@ -202,12 +220,18 @@ class _CommslayerReduceScatter:
 def _default_group_communicator(device_type: str) -> Communicator:
     """For a job on plain c10d: a commslayer communicator over the default group's
     store and ranks (built once per device type; every rank calls ``enable``)."""
-    comm = _world.get(device_type)
-    if comm is None:
-        kind = "nccl" if device_type == "cuda" else "gloo"
-        comm = _world[device_type] = group_communicator(
-            kind, dist.PrefixStore("fsdp_overlap/", dc._get_default_store()), dist.get_rank(),
-            config.default_timeout().total_seconds(), "fsdp_overlap", list(range(dist.get_world_size())))
+    global _world_builds
+    built = _world.get(device_type)
+    if built is not None and built.world is dist.group.WORLD:
+        return built.comm
+    if built is not None:  # built under an earlier default group (destroy_process_group since)
+        built.comm.finalize()
+    kind = "nccl" if device_type == "cuda" else "gloo"
+    _world_builds += 1  # every rank builds its parents in the same order: the prefixes agree
+    comm = group_communicator(
+        kind, dist.PrefixStore(f"fsdp_overlap/{_world_builds}/", dc._get_default_store()), dist.get_rank(),
+        config.default_timeout().total_seconds(), "fsdp_overlap", list(range(dist.get_world_size())))
+    _world[device_type] = _Built(dist.group.WORLD, None, comm)
     return comm
 
 
@@ -239,10 +263,19 @@ def _communicator_for(group: Any, comm: Optional[Communicator], interface: Optio
         )
     ranks = tuple(members.index(g) for g in shard_ranks)
     key = (parent.uid, ranks, interface)
-    rs_comm = _cache.get(key)
-    if rs_comm is None:
-        # the ranks are in the name: disjoint shard sets split from one parent need distinct store prefixes
-        name = "fsdp_rs_" + "_".join(map(str, shard_ranks)) + (f"@{interface}" if interface else "")
-        hints = {"interface": interface} if interface else {}
-        rs_comm = _cache[key] = parent.split(list(ranks), name, **hints)
+    built = _cache.get(key)
+    if built is not None and built.parent is parent and built.world is dist.group.WORLD:
+        return built.comm
+    if built is not None:  # split under an earlier default group: c10d has forgotten its process group
+        built.comm.finalize()
+        del _cache[key]
+        if built.parent is parent:
+            raise InvalidArgument(
+                f"comm {parent.get_name()!r} was split for fsdp_overlap before destroy_process_group; after a "
+                "new init_process_group pass a communicator built since, or leave comm= out")
+    # the ranks are in the name: disjoint shard sets split from one parent need distinct store prefixes
+    name = "fsdp_rs_" + "_".join(map(str, shard_ranks)) + (f"@{interface}" if interface else "")
+    hints = {"interface": interface} if interface else {}
+    rs_comm = parent.split(list(ranks), name, **hints)
+    _cache[key] = _Built(dist.group.WORLD, parent, rs_comm)
     return rs_comm

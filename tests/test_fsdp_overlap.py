@@ -246,3 +246,56 @@ def test_refuses_a_module_without_fsdp2():
         fsdp_overlap.enable(nn.Linear(2, 2))
     with pytest.raises(TypeError, match="needs an nn.Module"):
         fsdp_overlap.disable(object())
+
+
+def _two_lives(rank, size, store, backend):
+    """Misuse first, then a process that runs two jobs: init_process_group, enable, train,
+    destroy_process_group, and again (a sweep or a notebook does)."""
+    import torch.distributed as dist
+
+    import commslayer
+    import fsdp_overlap
+
+    out = {}
+    mine = None  # a communicator of the first job's, handed to enable in both
+    for life in range(2):
+        dist.init_process_group(backend, store=dist.PrefixStore(f"life{life}", store), rank=rank, world_size=size)
+        mesh = _mesh(size, False)
+        for what, kwargs in (("pg", {"comm": dist.group.WORLD}), ("mesh", {"comm": mesh}),
+                             ("empty", {"interface": ""}), ("blank", {"interface": " "})):
+            try:
+                fsdp_overlap.enable(_shard(mesh), **kwargs)
+            except commslayer.InvalidArgument as exc:
+                out[life, what] = str(exc)
+        model = _shard(mesh)
+        used = fsdp_overlap.enable(model)
+        out[life, "uids"] = [c.uid for c in used]
+        out[life, "same"] = _bytes((_train(_shard(mesh), 2, rank), _train(model, 2, rank)))
+        mine = mine or used[0]
+        try:
+            fsdp_overlap.enable(_shard(mesh), comm=mine)
+            out[life, "mine"] = "enabled"
+        except commslayer.InvalidArgument as exc:
+            out[life, "mine"] = str(exc)
+        dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend", ["commslayer", "gloo"])
+def test_misuse_is_named_and_a_second_process_group_gets_new_communicators(backend):
+    """Before: comm=ProcessGroup or DeviceMesh raised AttributeError from inside enable,
+    interface="" a confusing 'split already made' (or no interface at all), and after
+    destroy_process_group + init_process_group enable handed back the first job's
+    communicator, whose group c10d had forgotten: the first backward raised c10d's
+    ValueError 'not initialized in the world group map'."""
+    for out in run_ranks(_two_lives, 2, backend, timeout=70):
+        for life in (0, 1):
+            assert "comm= takes a commslayer Communicator" in out[life, "pg"] and "not ProcessGroup" in out[life, "pg"]
+            assert "not DeviceMesh" in out[life, "mesh"]
+            assert out[life, "empty"].startswith("interface='': the name of a network interface")
+            assert out[life, "blank"].startswith("interface=' ': the name of a network interface")
+            _assert_same(*_load(out[life, "same"]))
+        assert out[0, "mine"] == "enabled"
+        assert "was split for fsdp_overlap before destroy_process_group" in out[1, "mine"]
+        assert out[0, "uids"] == out[1, "uids"]  # a new communicator of the same name
