@@ -118,14 +118,14 @@ class GradientAverage:
         return self.replicas
 
     def _on_fsdp_shard(self, reduce_output: torch.Tensor) -> None:
+        # FSDP may still divide this output after the hook (its post-divide factor, for a reduce
+        # dtype at risk of overflow), so its average starts at the next module's hook, or at step.
         if self.replicas is None:
             return
-        if self._shards and reduce_output.dtype != self._shards[0].dtype:
-            self._start_shards()  # a bucket holds one dtype
+        if self._shards and (self._shard_bytes >= self.bucket_bytes or reduce_output.dtype != self._shards[0].dtype):
+            self._start_shards()  # full, or a bucket holds one dtype
         self._shards.append(reduce_output)
         self._shard_bytes += reduce_output.numel() * reduce_output.element_size()
-        if self._shard_bytes >= self.bucket_bytes:
-            self._start_shards()
 
     def _start_shards(self, extra: Optional[torch.Tensor] = None) -> bool:
         """Start the cross-replica average of the FSDP outputs gathered so far, as one

@@ -420,6 +420,7 @@ class Job:
         self.healed_at: Optional[int] = None  # the step a restarted life healed to
         self.step_index = -1  # the step the loop is in
         self.losses: Dict[int, float] = {}
+        self.grad_norms: Dict[int, float] = {}  # step -> the averaged gradients' norm, where step() clipped them
         self.step_s: List[float] = []
         self._stepped = True
         self._admissions_reported = 0
@@ -583,13 +584,15 @@ class Job:
                                   op="steps")
         self._total = total
 
-    def step(self, loss: Optional[torch.Tensor] = None) -> bool:
+    def step(self, loss: Optional[torch.Tensor] = None, *, max_grad_norm: Optional[float] = None) -> bool:
         """After ``loss.backward()``: average the gradients across the live replica groups,
         commit, apply every registered optimizer and zero the gradients. When this
         returns the step is committed on every live replica (a loss during it was
         recovered by redoing the average on the survivors): True. ``loss``, if given, is
-        averaged over the job and recorded in ``losses`` (and the run's results)."""
-        step, params, grads = self._begin_step(loss)
+        averaged over the job and recorded in ``losses`` (and the run's results).
+        ``max_grad_norm``: clip the averaged gradients to that total norm first, as
+        ``clip_grad_norm_`` before ``opt.step()`` does in a plain script (``_clip``)."""
+        step, params, grads = self._begin_step(loss, max_grad_norm)
         if not self._checked:
             self._check_same_state(loss)
         extra = None
@@ -600,6 +603,7 @@ class Job:
         averaged_loss = self._average.average(params, extra, step)
         if averaged_loss is not None:
             self.losses[step] = averaged_loss.item()
+        self._clip(params, max_grad_norm, step)
         self._apply()
         if self._committed_here == 1 and self.rank == 0 and self.replica == 0 and self.restart == 0:
             spare.publish_optimizers(self.store, self._state.optimizers.values())  # what warm spares import
@@ -608,9 +612,13 @@ class Job:
         self._report_recovery(step)
         return True
 
-    def _begin_step(self, loss: Any) -> Tuple[int, List[torch.Tensor], List[torch.Tensor]]:
-        """``step``'s checks: the step, the loss, the registered parameters and their gradients."""
+    def _begin_step(self, loss: Any, max_grad_norm: Any) -> Tuple[int, List[torch.Tensor], List[torch.Tensor]]:
+        """``step``'s checks: the step, the loss, the norm to clip to, the registered parameters
+        and their gradients."""
         step = self.step_index
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
+                                          or not 0 < max_grad_norm < math.inf):
+            raise InvalidArgument(f"step(max_grad_norm={max_grad_norm!r}): a finite number > 0, or None", op="step")
         if loss is not None and not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
             what = (f"a tensor of {loss.numel()} elements" if isinstance(loss, torch.Tensor)
                     else f"a {type(loss).__name__}")
@@ -629,6 +637,17 @@ class Job:
             raise InvalidArgument(f"step() at step {step} found no gradients on the registered modules: call "
                                   "loss.backward() first (and register the model)", op="step")
         return step, params, grads
+
+    def _clip(self, params: List[torch.Tensor], max_grad_norm: Optional[float], step: int) -> None:
+        """Clip the gradients of ``params``, averaged over the job, to a total (2-)norm of
+        ``max_grad_norm``, which ``grad_norms[step]`` records before clipping.  The norm is
+        the plain script's: that of the whole average (FSDP2's shards: across the
+        replica group), the same on every replica.  Clipping before ``step`` would
+        clip each replica group's own gradients instead, and train otherwise."""
+        if max_grad_norm is None:
+            return
+        norm = torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_grad_norm)
+        self.grad_norms[step] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def _apply(self) -> None:
         """The committed step: every registered optimizer steps, the gradients are zeroed."""

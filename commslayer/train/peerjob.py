@@ -237,17 +237,19 @@ class PeerJob(Job):
     def _on_sending(self, step: int) -> None:
         self._phase("refresh")
 
-    def step(self, loss: Optional[torch.Tensor] = None) -> bool:
+    def step(self, loss: Optional[torch.Tensor] = None, *, max_grad_norm: Optional[float] = None) -> bool:
         """After ``loss.backward()``: wait for the copies of the step's boundary, vote, and
         apply the optimizers only if every rank's step succeeded: True. A step voted
         down is recovered from (the lost rank replaced, every rank back at a boundary
         whose state every rank has) and ``steps`` yields that boundary's step next: False
-        (its loss reads NaN until it is redone)."""
-        step, _, grads = self._begin_step(loss)
+        (its loss reads NaN until it is redone). ``max_grad_norm``: as ``Job.step``'s,
+        before the vote (the norm's collective is the step's too)."""
+        step, params, grads = self._begin_step(loss, max_grad_norm)
         average = None
         if loss is not None:
             average = loss.detach().reshape(1).to(grads[0].dtype) / self.world_size  # a DTensor's dtype is its shard's
             dist.all_reduce(average)
+        self._clip(params, max_grad_norm, step)
         self._phase("allreduce")
         copied = self._copies.wait()
         if self._broken is not None and failures.is_mistake(self._broken):
