@@ -504,11 +504,13 @@ def test_what_a_life_that_died_before_init_shows_in_its_output():
 
 
 @pytest.mark.timeout(300)
-def test_max_grad_norm_clips_the_average_as_the_plain_script_clips_its_gradients(tmp_path):
-    """The plain FSDP2 script with clip_grad_norm_ before opt.step(), on 4 ranks, against its
-    resilient twin as 2 replica groups of 2. clip_grad_norm_ left before job.step() clips each
-    group's own gradients, not their average (step 30's loss 35.0969 against the plain 35.168,
-    seen once by hand); job.step(loss, max_grad_norm=...) clips the average: the same losses."""
+@pytest.mark.parametrize("mode, ranks", [("replica", 4), ("per-rank", 3)])
+def test_max_grad_norm_clips_the_average_as_the_plain_script_clips_its_gradients(tmp_path, mode, ranks):
+    """The plain FSDP2 script with clip_grad_norm_ before opt.step() against its resilient
+    twin on as many ranks (replica mode: 2 groups of 2). There, clip_grad_norm_ left before
+    job.step() clips each group's own gradients, not their average (step 30's loss 35.0969
+    against the plain 35.168, seen once by hand); job.step(loss, max_grad_norm=...) clips the
+    average: the same losses, in both modes."""
     plain, resilient = tmp_path / "plain.py", tmp_path / "resilient.py"
     plain.write_text(PLAIN.read_text().replace(
         "        loss.backward()\n",
@@ -517,11 +519,11 @@ def test_max_grad_norm_clips_the_average_as_the_plain_script_clips_its_gradients
     env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="")
     for name in ("COMMSLAYER_JOB_STORE", "COMMSLAYER_REPLICA", "COMMSLAYER_REPLICAS", "COMMSLAYER_RUN_DIR"):
         env.pop(name, None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", str(plain),
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), str(plain),
                            "--steps", "31"], env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, job_story(proc.stdout + proc.stderr)
     expected = [x for x in proc.stdout.splitlines() if x.startswith("step ")]
-    code, out, _ = run(tmp_path, MODES["replica"], "--steps", "31", script=resilient)
+    code, out, _ = run(tmp_path, MODES[mode], "--steps", "31", script=resilient)
     assert code == 0, job_story(out)
     got = [x.split("] ", 1)[1] for x in out.splitlines() if "] step " in x and " loss " in x]
     assert len(expected) == 4 and got == expected, (got, expected)
