@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set
 
 from commslayer.errors import ConfigError
 from commslayer.runs import read_log
@@ -223,6 +223,8 @@ class Injector:
         self._at_steps = False  # whether step faults fire at the job's phases (``fire_at_steps``)
         self._step_faults = False  # whether the job has a fault at a step (not at an op)
         self._phase_hook: Optional[HookHandle] = None
+        self._delaying: Set[int] = set()  # indices of the delay faults at an op that fired (they stay armed)
+        self._exit_hook: Optional[HookHandle] = None
 
     def add(self, faults: List[Fault]) -> None:
         """Take the job's ``faults`` (every process gets the same list, in the same
@@ -262,6 +264,21 @@ class Injector:
             if f.rank == self.rank and f.life in (None, now) and f.index not in self._fired:
                 self.faults.append(f)
                 _announce("armed", f, self.rank)
+        if self.faults and self._exit_hook is None:
+            from commslayer.comm.exits import register_before_exit
+
+            self._exit_hook = register_before_exit(lambda status, why: self._never_fired(status))
+
+    def _never_fired(self, status: int) -> None:
+        """When the process ends well, one line on stderr for each fault armed here that did
+        not fire: its step, call or communicator never came (a step past the job's last one,
+        an nth call the job does not make), which would otherwise pass unseen."""
+        if status != 0:
+            return
+        for f in self.faults:
+            if f.index not in self._delaying:
+                print(f"[rank {self.rank}] fault from COMMSLAYER_FAULTS never fired: {f.describe()}: the process "
+                      "ended before that step or call", file=sys.stderr, flush=True)
 
     # ---------------------------------------------------------- step points
     def point(self, step: int, phase: str, claim: Optional[Callable[[], bool]] = None) -> None:
@@ -310,6 +327,7 @@ class Injector:
                         self.log.write("injected", self.rank, fault=f.index, action=f.action, what=f.describe(),
                                        comm=name)
                         _announce("fired", f, self.rank)
+                        self._delaying.add(f.index)
                     time.sleep(f.seconds)
                 return call(*args, **kwargs)
             if n != f.nth or f not in self.faults:
