@@ -373,13 +373,15 @@ def test_output_that_is_not_utf8_or_that_nobody_reads(tmp_path, mode):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("name,value", [("COMMSLAYER_SPARE", "0"), ("COMMSLAYER_RESTART_UNIT", "rank")])
+@pytest.mark.parametrize("name,value", [("COMMSLAYER_SPARE", "0"), ("COMMSLAYER_RESTART_UNIT", "rank"),
+                                        ("COMMSLAYER_JOB_RANK", "0")])
 @pytest.mark.parametrize("mode", [["--nproc-per-node", "1"], ["--replicas", "1", "--nproc-per-replica", "1"]])
 def test_a_variable_of_the_launchers_own_left_in_the_environment(tmp_path, monkeypatch, mode, name, value):
-    """``COMMSLAYER_SPARE`` or ``COMMSLAYER_RESTART_UNIT`` left in the caller's environment
-    (copied from a rank's): one line and exit 2 before anything starts. (Every rank inherited
+    """``COMMSLAYER_SPARE``, ``COMMSLAYER_RESTART_UNIT`` or ``COMMSLAYER_JOB_RANK`` left in the
+    caller's environment (copied from a rank's): one line and exit 2 before anything starts. (Every rank inherited
     it: with the first each waited as a warm spare for a rank nobody gave it, with the
-    second replica mode's ranks started as per-rank mode's; either way the job hung.)"""
+    second replica mode's ranks started as per-rank mode's: either way the job hung; with
+    the third every replica group's rank 0 was job rank 0, writing one trace file.)"""
     (tmp_path / "job.py").write_text("from commslayer import resilience\nresilience.init().finish()\n")
     monkeypatch.setenv(name, value)
     proc, tag = launch([*mode, "job.py"], cwd=tmp_path, timeout=30)

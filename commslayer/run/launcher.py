@@ -113,9 +113,11 @@ MIN_LOCAL_PROCS = 8
 # Variables this launcher alone sets, for some of its processes; inherited from the caller's
 # environment by every rank, each made a job hang: a leftover COMMSLAYER_SPARE made every rank
 # wait as a warm spare for a rank nobody gives it, COMMSLAYER_RESTART_UNIT=rank made replica
-# mode's ranks start as per-rank mode's (and fail, then hang in their group's next life).
+# mode's ranks start as per-rank mode's (and fail, then hang in their group's next life); and
+# COMMSLAYER_JOB_RANK gave every rank of replica mode one job rank (their trace files overwrote each other).
 LAUNCHERS_OWN = {"COMMSLAYER_SPARE": "a warm spare's id, for --spares' processes only",
-                 "COMMSLAYER_RESTART_UNIT": "per-rank mode's, for its ranks only"}
+                 "COMMSLAYER_RESTART_UNIT": "per-rank mode's, for its ranks only",
+                 "COMMSLAYER_JOB_RANK": "one rank's place in the job, for that rank only"}
 
 
 class _Parser(argparse.ArgumentParser):
