@@ -69,6 +69,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     options = Options(ranks=a.ranks, per_replica=a.per_replica, steps=a.steps, rank=a.rank, step=a.step, nth=a.nth, op=a.op,
                       job=os.path.abspath(a.job), job_args=a.job_args, timeout_s=a.timeout,
                       reference=not a.no_reference)
+    if not os.path.isfile(options.job):  # else the launcher says so in job.log, and the run fails a minute later
+        p.error(f"--job {a.job}: no such file")
     try:  # every scenario named, before the first one runs
         faults = [f for n in names for f in options.faults(BY_NAME[n], options.layout(BY_NAME[n]))]
     except ValueError as exc:

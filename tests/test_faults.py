@@ -122,6 +122,7 @@ def test_list_names_every_scenario():
     (["kill-collective", "--nth", "0"], "nth=0 must be a whole number >= 1"),
     (["kill-step", "--nth", "5"], "--op and --nth move a fault at a collective; kill-step has none"),
     (["kill-step", "sigstop", "kill-step"], "scenario(s) ['kill-step'] named more than once; --repeat N"),
+    (["kill-step", "--job", "/nonexistent/train.py"], "--job /nonexistent/train.py: no such file"),
     # every scenario named is checked, not the first one only
     (["kill-step", "buddy-pair-kill", "--ranks", "2", "--per-replica", "1"], "a per-rank job of 2 ranks"),
 ])
