@@ -391,3 +391,28 @@ def test_a_variable_of_the_launchers_own_left_in_the_environment(tmp_path, monke
         f"commslayer-run: error: {name}='{value}' is in the environment: commslayer-run sets it itself") \
         and lines[0].endswith("unset it"), proc.stderr
     assert not tagged(tag)
+
+
+@pytest.mark.timeout(90)
+def test_two_jobs_in_one_run_dir_at_once(tmp_path):
+    """A second job started with the ``--run-dir`` of one that runs: one line and exit 2, and
+    the first runs on undisturbed. (Both ran: the first's summary counted the second's rank,
+    2 rank(s) finished for a job of 1, and its summary.json overwrote the second's.)"""
+    (tmp_path / "slow.py").write_text("import time\ntime.sleep(60)\n")
+    tag = uuid.uuid4().hex
+    env = dict(os.environ, OMP_NUM_THREADS="1", COMMSLAYER_TRACE_DIR="", COMMSLAYER_TEST_TAG=tag)
+    first = subprocess.Popen([*LAUNCHER, "--nproc-per-node", "1", "--run-dir", "out", "slow.py"], cwd=tmp_path,
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout is not None and first.stdout.readline().startswith("coordinator: ")
+        proc, second = launch(["--nproc-per-node", "1", "--run-dir", "out", "slow.py"], cwd=tmp_path, timeout=40)
+        assert proc.returncode == 2 and proc.stdout == "", proc.stdout[-3000:] + proc.stderr
+        assert proc.stderr.splitlines() == [f"commslayer-run: error: --run-dir '{tmp_path / 'out'}': another "
+                                            "commslayer-run runs a job there now (the two runs' results, traces and "
+                                            "summaries would mix): give another --run-dir, or wait until that job "
+                                            "ends"], proc.stderr
+        assert first.poll() is None and not tagged(second)
+    finally:
+        first.terminate()
+        first.communicate(timeout=30)
+    assert first.returncode == 130 and not tagged(f"COMMSLAYER_TEST_TAG={tag}".encode())

@@ -93,6 +93,7 @@ that seems stuck shows where).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import io
 import math
 import os
@@ -249,6 +250,13 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
                 pass
         except OSError as exc:
             p.error(f"--run-dir {a.run_dir!r}: cannot write there: {exc.strerror or exc}")
+        if a.coordinator is None:  # one job's launcher at a time (those joining it share the folder)
+            a.run_dir_lock = os.open(a.run_dir, os.O_RDONLY | os.O_DIRECTORY)  # held until this process ends
+            try:
+                fcntl.flock(a.run_dir_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                p.error(f"--run-dir {a.run_dir!r}: another {PROG} runs a job there now (the two runs' results, "
+                        "traces and summaries would mix): give another --run-dir, or wait until that job ends")
     return a
 
 
