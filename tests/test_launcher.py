@@ -416,3 +416,20 @@ def test_two_jobs_in_one_run_dir_at_once(tmp_path):
         first.terminate()
         first.communicate(timeout=30)
     assert first.returncode == 130 and not tagged(f"COMMSLAYER_TEST_TAG={tag}".encode())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("value", ["abc", "-5"])
+def test_a_store_deadline_that_is_not_a_number_of_seconds(tmp_path, monkeypatch, value):
+    """``COMMSLAYER_STORE_TIMEOUT_S``, which bounds the launcher's own calls to the job's store,
+    set to text or a negative number: one line naming it and exit 2 before anything starts.
+    (A launcher joining a job with ``--coordinator`` read it after it had connected, and ended
+    in a traceback from commslayer.config, exit 1.)"""
+    (tmp_path / "job.py").write_text(USER_SCRIPT)
+    monkeypatch.setenv("COMMSLAYER_STORE_TIMEOUT_S", value)
+    proc, tag = launch(["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1", "--coordinator",
+                        "127.0.0.1:1", "job.py"], cwd=tmp_path, timeout=40)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout[-3000:] + proc.stderr
+    assert proc.stderr.splitlines() == [f"commslayer-run: error: COMMSLAYER_STORE_TIMEOUT_S='{value}' is not "
+                                        "allowed: a positive number of seconds below 10 years"], proc.stderr
+    assert not tagged(tag)

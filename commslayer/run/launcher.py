@@ -103,8 +103,9 @@ import tempfile
 import threading
 from typing import List, NoReturn, Optional, TextIO, Tuple
 
-from commslayer import runs
+from commslayer import config, runs
 from commslayer.endpoints import host_port, is_etcd, parse_url
+from commslayer.errors import ConfigError
 from commslayer.runs import PROG
 
 GRACE_S = 5.0  # default --grace: SIGTERM to SIGKILL when the launcher ends its processes
@@ -188,6 +189,10 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
         if os.environ.get(name, "").strip():
             p.error(f"{name}={os.environ[name]!r} is in the environment: {PROG} sets it itself ({what}), and every "
                     "rank would inherit it: unset it")
+    try:
+        config.store_timeout_s()  # what this launcher's own calls to the job's store are bounded by
+    except ConfigError as exc:
+        p.error(str(exc))
     if a.max_restarts < 0:
         p.error(f"--max-restarts {a.max_restarts}: must be 0 or more")
     a.crash_loop, a.crash_window_s = _crash_loop(p, a.crash_loop)
