@@ -22,10 +22,13 @@ module:
   every parameter in it has its in-group average (checked at each DDP
   bucket, and at ``step`` for the rest), chunk after chunk in the same order
   on every rank.
-- Anything else (and any gradient the above did not cover, e.g. one
-  accumulated over several backward passes or cast to another dtype after
-  the reduce-scatter): after backward, packed into flat buckets of at most
-  ``bucket_bytes``, all in flight together.
+- Anything else (and any gradient the above did not cover, e.g. one cast to
+  another dtype after the reduce-scatter): after backward, packed into flat
+  buckets of at most ``bucket_bytes``, all in flight together.
+- A step whose gradients accumulate over several backward passes (without
+  DDP's ``no_sync`` or FSDP2's ``set_requires_gradient_sync(False)``): what
+  began during the first pass holds that pass alone, so it is waited for and
+  not written, and every gradient is averaged after the last pass, as above.
 
 Which path a gradient takes follows from the model's structure, so it is the
 same on every rank, and the collectives on the replicate communicator are
@@ -86,6 +89,11 @@ class GradientAverage:
         self._shards: List[torch.Tensor] = []  # FSDP reduce-scatter outputs not started yet (under bucket_bytes)
         self._shard_bytes = 0
         self._ddp: List[_DdpChunks] = []  # one per DDP module attached
+        # gradients accumulated over several backward passes of a step (_note_backward)
+        self._in_backward = False  # a backward of this step is under way, its end to be told
+        self._backward_ended = False  # one ended: a hook after it is a later pass's
+        self._accumulating = False
+        self._stale: List[_Early] = []  # begun before the gradients accumulated: waited for, not written
 
     # ------------------------------------------------------------------ hooks
     def attach(self, module: nn.Module) -> bool:
@@ -117,10 +125,30 @@ class GradientAverage:
         assert self.replicas is not None, "only while steps run"
         return self.replicas
 
+    def _note_backward(self) -> bool:
+        """A hook ran: whether the step's gradients accumulate over several backward passes
+        (this is a pass after one that ended).  Each pass adds into the gradients the first
+        one's outputs hold, so the averages begun so far hold the first pass alone: from
+        there on nothing begins early, and the whole average is of the sums, at ``step``."""
+        if self._backward_ended and not self._accumulating:
+            self._accumulating = True
+            for chunks in self._ddp:  # every chunk of the first pass, as on every rank (timing decided how many
+                self._start_ddp(chunks, wait=True)  # had begun); the FSDP outputs not begun are the same everywhere
+                chunks.next = len(chunks.chunks)
+            self._stale, self._early = self._early, []
+            self._shards, self._shard_bytes = [], 0
+        elif not self._in_backward and not self._accumulating:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
+        return self._accumulating
+
+    def _backward_ends(self) -> None:
+        self._in_backward, self._backward_ended = False, True
+
     def _on_fsdp_shard(self, reduce_output: torch.Tensor) -> None:
         # FSDP may still divide this output after the hook (its post-divide factor, for a reduce
         # dtype at risk of overflow), so its average starts at the next module's hook, or at step.
-        if self.replicas is None:
+        if self.replicas is None or self._note_backward():
             return
         if self._shards and (self._shard_bytes >= self.bucket_bytes or reduce_output.dtype != self._shards[0].dtype):
             self._start_shards()  # full, or a bucket holds one dtype
@@ -151,7 +179,7 @@ class GradientAverage:
 
         views = bucket.gradients()  # into the buffer the in-group average is written to
         future = allreduce_hook(chunks.group, bucket)
-        if self.replicas is not None:
+        if self.replicas is not None and not self._note_backward():
             chunks.pending.append((tuple(bucket.parameters()), views, future))
             self._start_ddp(chunks, wait=False)
         return future
@@ -178,9 +206,10 @@ class GradientAverage:
         """Average the gradients of ``params`` (and ``extra``, a small tensor of the
         same dtype, returned averaged) over the live replica groups, committed, and
         write them back."""
-        for chunks in self._ddp:
+        for chunks in self._ddp if not self._accumulating else ():
             self._start_ddp(chunks, wait=True)
         folded = self._start_shards(extra)
+        stale, self._stale = self._stale, []
         early, self._early = self._early, []
         covered = {id(p) for e in early for p in e.params}
         buffers = {t.untyped_storage().data_ptr() for e in early for t in e.shards}
@@ -188,16 +217,16 @@ class GradientAverage:
             grads = [local(p.grad) for p in params if p.grad is not None and id(p) not in covered]
             rest = [g for g in grads if g.untyped_storage().data_ptr() not in buffers]
             buckets, layout = pack(rest, None if folded else extra, self.bucket_bytes)
-            started = [e.started for e in early] + [self._live.start(b) for b in buckets]
-            averaged = self._live.average([e.buffer for e in early] + buckets, step, started)
-            for e, avg in zip(early, averaged):
+            started = [e.started for e in stale + early] + [self._live.start(b) for b in buckets]
+            averaged = self._live.average([e.buffer for e in stale + early] + buckets, step, started)
+            for e, avg in zip(early, averaged[len(stale):]):
                 e.write(avg)
-            rest_avg = averaged[len(early):]
+            rest_avg = averaged[len(stale) + len(early):]
             unpack(rest_avg, layout, rest)
         if extra is None:
             return None
         # folded: into the bucket _start_shards began last, the last of ``early``
-        return (averaged[len(early) - 1] if folded else rest_avg[-1])[-extra.numel():]
+        return (averaged[len(stale) + len(early) - 1] if folded else rest_avg[-1])[-extra.numel():]
 
     def discard(self) -> None:
         """Forget what backward began (a step that ended without ``average``)."""
@@ -205,6 +234,8 @@ class GradientAverage:
         self._shards, self._shard_bytes = [], 0
         for chunks in self._ddp:
             chunks.reset()
+        self._stale = []
+        self._in_backward = self._backward_ended = self._accumulating = False
 
 
 def _write_chunk(flat: torch.Tensor, params: Tuple[torch.Tensor, ...]) -> None:
