@@ -196,6 +196,8 @@ def test_one_replica_group_and_the_results_contract(tmp_path):
     log = proc.stdout[-4000:] + proc.stderr
     assert proc.returncode == 0, log
     assert "summary: 1 rank(s) finished, every one at step 2: True" in proc.stdout, log
+    # it wrote its result without commslayer.resilience: said, and not said to have written none
+    assert "coordinator: no rank called job.finish()" in proc.stdout and "no result written" not in proc.stdout, log
     [result] = runs.load_results(str(tmp_path / "out"))
     assert result.losses == {0: 2.0, 1: 1.5} and result.end_step == 2
     summary = runs.load_summary(str(tmp_path / "out"))

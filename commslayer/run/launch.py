@@ -116,7 +116,7 @@ def run(a: argparse.Namespace) -> int:
                   f"to {a.max_restarts} restart(s)); their output is above", file=sys.stderr, flush=True)
         ok = not gave_up
     if ok and not a.coordinator:
-        _note_if_unfinished(store)
+        _note_if_unfinished(store, a.run_dir)
     if a.run_dir and not a.coordinator:  # the coordinator has seen every replica group (or rank) end
         summarized = summarize(a.run_dir, store, _shards(a), a.compare_to, a.loss_tolerance, per_rank=a.per_rank,
                                nodes=_nodes(a))
@@ -126,14 +126,16 @@ def run(a: argparse.Namespace) -> int:
         ok = ok and summarized
     return 0 if ok else 1
 
-def _note_if_unfinished(store) -> None:
+def _note_if_unfinished(store, run_dir: Optional[str]) -> None:
     """Say so when every process ended well but no rank reached ``job.finish()``: a script
     that exits before its loop (or does not use commslayer.resilience) would otherwise
-    end the job with status 0 and not a word about what it did not do."""
+    end the job with status 0 and not a word about what it did not do.  (A script that
+    writes its results itself, ``commslayer.runs.save``, is not said to have written none.)"""
     if not store.check([FINISHED]):
-        print(f"coordinator: no rank called job.finish(): the script left before the end of its loop over "
-              "job.steps(), or does not use commslayer.resilience (docs/training.md); no state was compared "
-              "across replicas and no result written", flush=True)
+        written = run_dir is not None and bool(runs.result_paths(run_dir))
+        print("coordinator: no rank called job.finish(): the script left before the end of its loop over "
+              "job.steps(), or does not use commslayer.resilience (docs/training.md); no state was compared across "
+              "replicas" + ("" if written else " and no result written"), flush=True)
 
 
 def _shards(a: argparse.Namespace) -> int:
