@@ -25,7 +25,7 @@ a healed replica continues at the survivors' step.  Without the launcher
 group R at STEP (or the first step after it at which every replica group is
 live and healed), during ``forward``, ``backward``, ``allreduce`` (entering the gradient
 average) or ``optimizer`` (after the step was committed); each fault fires
-once per job.  The fault harness (``commslayer-faults``) fires its step faults
+once per job; one naming a group, rank or step the job does not have stops it.  The fault harness (``commslayer-faults``) fires its step faults
 at the same points (the API's phase hooks), under the same rule
 (``faults.inject.fault_window``).  ``--plain`` runs the same job on plain Gloo groups
 without any of it (``launch/plain.py``), the baseline of ``launch/bench/bench_training.py``.
@@ -44,6 +44,7 @@ from torch.distributed.fsdp import fully_shard
 import fsdp_overlap
 import plain
 from commslayer import config, resilience
+from commslayer.errors import InvalidArgument
 from faults.inject import PHASES, Fault, injector, install
 
 
@@ -88,15 +89,27 @@ def batch(step: int, replica: int, rank: int, batch_size: int, seq: int, vocab: 
     return torch.where(noise, torch.randint(0, vocab, tokens.shape, generator=g), tokens)
 
 
-def kill_faults(specs: List[str], shards: int) -> List[Fault]:
-    """``--kill R:STEP:PHASE[:RANK]`` as faults (SIGKILL, once per job, whichever life gets there)."""
+def kill_faults(specs: List[str], replicas: int, shards: int, steps: int) -> List[Fault]:
+    """``--kill R:STEP:PHASE[:RANK]`` as faults (SIGKILL, once per job, whichever life gets there),
+    for a job of ``replicas`` groups of ``shards`` ranks that runs ``steps`` steps: one that names
+    a group, rank or step the job does not have is ``InvalidArgument`` (on every rank: the job
+    stops), where it would never fire."""
     out = []
     for spec in specs:
         parts = spec.split(":")
-        if len(parts) not in (3, 4) or parts[2] not in PHASES:
-            raise SystemExit(f"--kill {spec!r}: expected REPLICA:STEP:PHASE[:RANK], PHASE one of {PHASES}")
-        rank = int(parts[0]) * shards + int(parts[3] if len(parts) == 4 else 0)
-        out.append(Fault("sigkill", rank, life=None, step=int(parts[1]), phase=parts[2]))
+        try:
+            replica, step, rank = int(parts[0]), int(parts[1]), int(parts[3] if len(parts) == 4 else 0)
+        except (ValueError, IndexError):
+            replica = step = rank = -1
+        if len(parts) not in (3, 4) or parts[2] not in PHASES or min(replica, step, rank) < 0:
+            raise InvalidArgument(f"--kill {spec!r}: expected REPLICA:STEP:PHASE[:RANK], whole numbers and PHASE "
+                                  f"one of {PHASES}", op="--kill")
+        for what, value, bound in (("replica group", replica, replicas), ("rank", rank, shards),
+                                   ("step", step, steps)):
+            if value >= bound:
+                raise InvalidArgument(f"--kill {spec!r}: {what} {value}, but the job has {bound} ({what}s 0 to "
+                                      f"{bound - 1})", op="--kill")
+        out.append(Fault("sigkill", replica * shards + rank, life=None, step=step, phase=parts[2]))
     return out
 
 
@@ -127,7 +140,7 @@ def main() -> None:
     job = (plain.init(run_dir=args.run_dir) if args.plain else
            resilience.init(run_dir=args.run_dir, heal_timeout_s=args.heal_timeout, bucket_mb=args.bucket_mb))
     if args.kill:
-        injector().add(kill_faults(args.kill, job.world_size))
+        injector().add(kill_faults(args.kill, job.replicas, job.world_size, args.steps))
         install()
     model = build(args, job.mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)

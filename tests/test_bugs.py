@@ -568,3 +568,17 @@ def test_gradients_accumulated_over_two_backward_passes_are_averaged_whole(tmp_p
     assert code == 0, job_story(out)
     got = [x.split("] ", 1)[1].split(" replicas ")[0] for x in out.splitlines() if "] step " in x and " loss " in x]
     assert len(expected) == 3 and got == expected, (got, expected)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("kill, says", [
+    ("5:1:forward", "--kill '5:1:forward': replica group 5, but the job has 2 (replica groups 0 to 1)"),
+    ("0:99:forward", "--kill '0:99:forward': step 99, but the job has 20 (steps 0 to 19)"),
+    ("1:x:forward", "--kill '1:x:forward': expected REPLICA:STEP:PHASE[:RANK], whole numbers"),
+])
+def test_a_kill_that_would_never_fire_stops_the_demo_job(tmp_path, kill, says):
+    """launch/train.py's --kill (what KILL= gives ./launch/demo.sh) naming a group, rank or step
+    the job does not have ran the whole job without the fault, exit 0, without a word (a step
+    that was not a number: a traceback on every rank): now it stops in the first life."""
+    code, out, _ = run(tmp_path, MODES["replica"], "--steps", "20", f"--kill={kill}", script=ROOT / "launch" / "train.py")
+    assert code == 1 and says in out and "the job stops" in out, job_story(out)
