@@ -582,3 +582,14 @@ def test_a_kill_that_would_never_fire_stops_the_demo_job(tmp_path, kill, says):
     that was not a number: a traceback on every rank): now it stops in the first life."""
     code, out, _ = run(tmp_path, MODES["replica"], "--steps", "20", f"--kill={kill}", script=ROOT / "launch" / "train.py")
     assert code == 1 and says in out and "the job stops" in out, job_story(out)
+
+
+@pytest.mark.timeout(120)
+def test_a_per_rank_job_of_one_rank_stops_at_once(tmp_path):
+    """commslayer-run --nproc-per-node 1 on a resilient script: its rank's state has no peer to
+    keep it. Life 0 failed in init() after joining, unrecorded; the launcher restarted the rank,
+    whose next life waited for survivors that never came (killed after 40 s). Now every life
+    fails before joining: the launcher stops the job in its first."""
+    code, out, _ = run(tmp_path, ["--nproc-per-node", "1"], "--steps", "3", script=RESILIENT, timeout=60)
+    assert code == 1 and "each rank's state can have at most 0 holder(s) in a job of 1 rank(s)" in out, job_story(out)
+    assert "a deterministic failure" in out and "life 1" not in out, job_story(out)

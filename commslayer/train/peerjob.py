@@ -90,13 +90,15 @@ class PeerJob(Job):
         self._committed = -1  # the last step committed here
         self._resharded = config.resharded()  # this process started again on the survivors of a loss
         self._epoch = self._resharded["epoch"] if self._resharded else 0
+        # before joining: a replacement (the launcher restarts a rank that failed) would wait there for survivors
+        size = len(self._resharded["ranks"]) if self._resharded else int(os.environ.get("WORLD_SIZE") or 1)
+        if redundancy >= size:
+            raise InvalidArgument(f"redundancy={redundancy}: each rank's state can have at most {size - 1} "
+                                  f"holder(s) in a job of {size} rank(s)", op="init")
         super().__init__(**kwargs)
         # the launcher's rank (its store keys) of each rank of this layout
         self._launched = self._resharded["ranks"] if self._resharded else list(range(self.world_size))
         self._joined = self.restart > 0 and self._resharded is None  # a replacement (none after a reshard)
-        if redundancy >= self.world_size:
-            raise InvalidArgument(f"redundancy={redundancy}: each rank's state can have at most "
-                                  f"{self.world_size - 1} holder(s) in a job of {self.world_size} ranks", op="init")
 
     # ------------------------------------------------------------ start-up
     def _connect(self, timeout: timedelta) -> Tuple[dist.Store, int, int]:
