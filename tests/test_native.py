@@ -309,7 +309,8 @@ def test_native_records_equal_python_records(tmp_path):
     assert (failed["comm"], failed["state"], failed["seq"]) == ("native", "timed_out", 11), failed
     assert "timed out" in failed["error"] or "Timed out" in failed["error"], failed
     aborted = results[0]["aborted"]
-    assert [(r["state"], r["error"]) for r in aborted] == [("aborted", "communicator aborted")], aborted
+    # The recorder's abort hook or the op's own wait marks it, whichever comes first.
+    assert [r["state"] for r in aborted] == ["aborted"] and "aborted" in aborted[0]["error"], aborted
     assert aborted[0]["end_ns"] > aborted[0]["start_ns"]
     assert os.path.exists(results[0]["dump"])
 

@@ -21,12 +21,13 @@ import torch
 import torch.distributed as dist
 
 from commslayer import config
+from commslayer.errors import CommAborted
 from commslayer.comm.op_path import DIRECT_OPS
 from commslayer.reduce_op import ReduceOp
 from commslayer.comm.wire import BACKEND_OPS
 from commslayer.comm.work import WorkStatus
 
-from tracing.records import COMPLETED, FAILED, OPTIONAL_FIELDS, RECORD_FIELDS, STARTED, STATES, TIMED_OUT
+from tracing.records import ABORTED, COMPLETED, FAILED, OPTIONAL_FIELDS, RECORD_FIELDS, STARTED, STATES, TIMED_OUT
 
 if TYPE_CHECKING:
     from commslayer.comm.work import Work
@@ -95,7 +96,9 @@ class Record:
             self.state = COMPLETED
         else:
             self.error = str(err)
-            self.state = _FINAL.get(work.status, FAILED)
+            # Closed while it ran: the same state whether this wait or the recorder's abort hook came first.
+            closed = isinstance(err, CommAborted) and self.start_ns is not None
+            self.state = ABORTED if closed else _FINAL.get(work.status, FAILED)
         for sink in self.sinks:
             sink.enqueue(self)
 
