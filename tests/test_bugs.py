@@ -496,6 +496,10 @@ def test_what_a_life_that_died_before_init_shows_in_its_output():
         "an argument the script refused (t.py: error: unrecognized arguments: --x)"
     assert start_failure(output("try:\n  {}['k']\nexcept KeyError:\n  raise ValueError('no k\\nat all')")) == \
         "ValueError: no k"
+    # After init_process_group, torch's excepthook puts "[rank0]: " before each line of a traceback.
+    assert start_failure(output("import torch.distributed as d; d.init_process_group('gloo', store=d.HashStore(), "
+                                "rank=0, world_size=1); import a_module_that_is_not_installed")) == \
+        "ModuleNotFoundError: No module named 'a_module_that_is_not_installed'"
     assert start_failure(output("import sys; print('  indented'); sys.exit('no data: giving up')")) is None
     assert start_failure(output("import torch.distributed as d; raise d.DistNetworkError('connect refused')")) is None
     assert start_failure(output("import socket; socket.create_connection(('127.0.0.1', 1))")) is None

@@ -205,6 +205,7 @@ def record_gloo_abort(store: Any, line: str, *, unit: str, key: str, life: int, 
     store.append(BUGS, failure.to_json() + "\n")
 
 
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")  # what init_process_group's excepthook puts before each line
 _EXCEPTION = re.compile(r"([A-Za-z_][\w.]*)(: .*)?")  # Python's last line of a traceback: "[module.]Type[: words]"
 _NOT_BUGS = (*LOSSES, "DistNetworkError", "DistStoreError", "TimeoutError", "ConnectionError", "BrokenPipeError",
              "ConnectionAbortedError", "ConnectionRefusedError", "ConnectionResetError", "KeyboardInterrupt",
@@ -218,7 +219,7 @@ def start_failure(lines: Sequence[str]) -> Optional[str]:
     after its traceback (a failed import, a syntax error) or argparse's ``error:`` after its
     usage (a mistyped argument).  None for anything else: output without one, an error
     that a peer or the store went away (a fault's consequence)."""
-    text = [line.rstrip() for line in lines if line.strip()]
+    text = [_RANK_PREFIX.sub("", line.rstrip()) for line in lines if line.strip()]
     usage = next((i for i, t in enumerate(text) if t.startswith("usage:")), len(text))
     frame = next((i for i, t in enumerate(text) if t.startswith(("Traceback (most recent call last):", '  File "'))),
                  len(text))
