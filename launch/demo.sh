@@ -9,6 +9,8 @@ RUN="${RUN_DIR:-runs/demo-$(date +%Y%m%d-%H%M%S)}"
 KILL="${KILL:-1:10:allreduce}"
 launch() { commslayer-run --replicas 2 --nproc-per-replica 2 "$@"; }
 
+python launch/train.py --check-kill 2x2 --kill "$KILL" "$@" || exit 2  # a KILL that would never fire: before the runs
+
 echo "== 1/3 fault-free reference run -> $RUN/clean"
 launch --run-dir "$RUN/clean" launch/train.py "$@" | grep -E "^(coordinator|summary)|done:"
 echo

@@ -135,7 +135,18 @@ def main() -> None:
     p.add_argument("--overlap", action="store_true",
                    help="reduce-scatter on its own communicator, overlapping all-gather (fsdp_overlap)")
     p.add_argument("--rs-interface", help="with --overlap: the network interface for reduce-scatter")
+    p.add_argument("--check-kill", metavar="REPLICASxRANKS",
+                   help="only check --kill against a job of that shape (2x2) and exit: 0 if it fires, 2 if not")
     args = p.parse_args()
+    if args.check_kill:
+        replicas, _, ranks = args.check_kill.partition("x")
+        if not (replicas.isdigit() and ranks.isdigit()):
+            p.error(f"--check-kill {args.check_kill!r}: expected REPLICASxRANKS, such as 2x2")
+        try:
+            kill_faults(args.kill, int(replicas), int(ranks), args.steps)
+        except InvalidArgument as exc:
+            p.exit(2, f"{exc.what}\n")
+        return
 
     job = (plain.init(run_dir=args.run_dir) if args.plain else
            resilience.init(run_dir=args.run_dir, heal_timeout_s=args.heal_timeout, bucket_mb=args.bucket_mb))

@@ -574,18 +574,30 @@ def test_gradients_accumulated_over_two_backward_passes_are_averaged_whole(tmp_p
     assert len(expected) == 3 and got == expected, (got, expected)
 
 
+_NEVER_FIRES = {
+    "5:1:forward": "--kill '5:1:forward': replica group 5, but the job has 2 (replica groups 0 to 1)",
+    "0:99:forward": "--kill '0:99:forward': step 99, but the job has 20 (steps 0 to 19)",
+    "1:x:forward": "--kill '1:x:forward': expected REPLICA:STEP:PHASE[:RANK], whole numbers",
+}
+
+
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("kill, says", [
-    ("5:1:forward", "--kill '5:1:forward': replica group 5, but the job has 2 (replica groups 0 to 1)"),
-    ("0:99:forward", "--kill '0:99:forward': step 99, but the job has 20 (steps 0 to 19)"),
-    ("1:x:forward", "--kill '1:x:forward': expected REPLICA:STEP:PHASE[:RANK], whole numbers"),
-])
-def test_a_kill_that_would_never_fire_stops_the_demo_job(tmp_path, kill, says):
+def test_a_kill_that_would_never_fire_stops_the_demo_job(tmp_path):
     """launch/train.py's --kill (what KILL= gives ./launch/demo.sh) naming a group, rank or step
     the job does not have ran the whole job without the fault, exit 0, without a word (a step
-    that was not a number: a traceback on every rank): now it stops in the first life."""
-    code, out, _ = run(tmp_path, MODES["replica"], "--steps", "20", f"--kill={kill}", script=ROOT / "launch" / "train.py")
-    assert code == 1 and says in out and "the job stops" in out, job_story(out)
+    that was not a number: a traceback on every rank): now it stops in the first life. Each
+    spec's words are checked through --check-kill, which demo.sh runs before its first run."""
+    code, out, _ = run(tmp_path, MODES["replica"], "--steps", "20", "--kill=5:1:forward",
+                       script=ROOT / "launch" / "train.py")
+    assert code == 1 and _NEVER_FIRES["5:1:forward"] in out and "the job stops" in out, job_story(out)
+    for kill, says in _NEVER_FIRES.items():
+        done = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), "--check-kill", "2x2", "--steps",
+                               "20", f"--kill={kill}"], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and says in done.stderr, done
+    done = subprocess.run(["bash", str(ROOT / "launch" / "demo.sh")], cwd=str(ROOT), capture_output=True, text=True,
+                          env=dict(os.environ, KILL="5:1:forward", RUN_DIR=str(tmp_path / "demo")), timeout=90)
+    assert done.returncode == 2 and _NEVER_FIRES["5:1:forward"] in done.stderr, done
+    assert "1/3" not in done.stdout and not (tmp_path / "demo").exists(), done  # before the reference run
 
 
 @pytest.mark.timeout(120)
