@@ -26,7 +26,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -138,35 +138,103 @@ def traced_heals(run_dir: Path) -> List[dict]:
             for e in json.loads(path.read_text())["events"] if e["kind"] == "healed"]
 
 
+def dom(tmp_path: Path, url: str, *args: str) -> subprocess.CompletedProcess:
+    profile = tmp_path / f"profile-{time.monotonic_ns()}"
+    cmd = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           f"--user-data-dir={profile}", "--window-size=1200,900", *args, url]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+
+
+class Watched:
+    """What the observers of one recovery saw (``watched``): the job's scrapes of /metrics, rank
+    2's states on the page and the page that showed it replaced, the last page, what headless
+    Chromium saw and its screenshot, and the Prometheus server that scraped it all (its API's
+    URL, or None where it is not installed)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.scrapes: List[Dict[str, float]] = []
+        self.states: List[str] = []  # rank 2's state on the page, each time it changed
+        self.page = self.final = ""
+        self.browser_seen: List[str] = []
+        self.screenshot: Optional[subprocess.CompletedProcess] = None
+        self.shot = run_dir.parent / "status.png"
+        self.prometheus: Optional[str] = None
+        self.began = time.time()
+
+
+def _browse(tmp_path: Path, job: Launched, watched: Watched) -> None:
+    """Headless Chromium's view of the page until it shows rank 2 replaced, then a screenshot."""
+    seen = watched.browser_seen
+    while job.running() and "replaced" not in seen:
+        page = dom(tmp_path, job.url, "--dump-dom")
+        row = re.search(r'<tr class="(\w+)"><td>2</td>', page.stdout)
+        if row and (not seen or seen[-1] != row.group(1)):
+            seen.append(row.group(1))
+    if "replaced" in seen:
+        watched.screenshot = dom(tmp_path, job.url, f"--screenshot={watched.shot}")
+
+
+@pytest.fixture(scope="module")
+def watched(tmp_path_factory) -> Iterator[Watched]:
+    """One traced 2x2 DDP job that loses replica group 1's rank 2 (``ddp_job``), watched at once
+    by a scraping loop, headless Chromium (where installed) and a real Prometheus server
+    (where installed), which stays up for the tests' queries. One job for the three: each
+    ran its own (about 45 s each)."""
+    tmp_path = tmp_path_factory.mktemp("watched")
+    port, prom_port = free_port(), free_port()
+    prom = None
+    seen = Watched(tmp_path / "run")
+    if os.access(PROMETHEUS, os.X_OK):
+        config = tmp_path / "prometheus.yml"
+        config.write_text(f"global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n"
+                          f"  - job_name: commslayer\n    static_configs:\n      - targets: ['127.0.0.1:{port}']\n")
+        prom = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                                 f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        seen.prometheus = f"http://127.0.0.1:{prom_port}/api/v1/"
+    try:
+        job = ddp_job(seen.run_dir, port, traced=True)
+        browser = threading.Thread(target=_browse, args=(tmp_path, job, seen), daemon=True)
+        if CHROMIUM is not None:
+            browser.start()
+        while job.running():
+            code, text = get(job.url + "metrics")
+            if code == 200 and "commslayer_steps_committed_total" in text:  # the store read once at least
+                seen.scrapes.append(samples(text))
+            code, body = get(job.url)
+            seen.final = body if code == 200 else seen.final
+            row = re.search(r"<tr class='(\w+)'><td>2</td>", body) if code == 200 else None
+            if row and (not seen.states or seen.states[-1] != row.group(1)):
+                seen.states.append(row.group(1))
+                seen.page = body if row.group(1) == "replaced" else seen.page
+            time.sleep(0.5)
+        assert job.wait(60) == 0, job_story(job.log())
+        if CHROMIUM is not None:
+            browser.join(100)
+        time.sleep(2)  # Prometheus's last scrape is in
+        yield seen
+    finally:
+        if prom is not None:
+            prom.terminate()
+            prom.wait(timeout=30)
+
+
 @pytest.mark.timeout(300)
-def test_a_recovery_is_counted_and_steps_go_on_in_metrics_and_the_page(tmp_path):
+def test_a_recovery_is_counted_and_steps_go_on_in_metrics_and_the_page(watched):
     """Also, with the flight recorders on: per-op counters that never fall (through the lost
     group's new life), each latency histogram counting every op, op errors after the kill,
     the resizable communicator's generation and members through the loss and the heal, the
     slowest rank, and the heal bytes equal to what the restarted ranks' traces say they received."""
-    job = ddp_job(tmp_path / "run", traced=True)
-    scrapes: List[Dict[str, float]] = []
-    states: List[str] = []  # rank 2's state on the page, each time it changed
-    page = final = ""
-    while job.running():
-        code, text = get(job.url + "metrics")
-        if code == 200 and "commslayer_steps_committed_total" in text:  # the store read once at least
-            scrapes.append(samples(text))
-        code, body = get(job.url)
-        final = body if code == 200 else final
-        row = re.search(r"<tr class='(\w+)'><td>2</td>", body) if code == 200 else None
-        if row and (not states or states[-1] != row.group(1)):
-            states.append(row.group(1))
-            page = body if row.group(1) == "replaced" else page
-        time.sleep(0.5)
-    assert job.wait(60) == 0, job_story(job.log())
+    scrapes, states, page, final = watched.scrapes, watched.states, watched.page, watched.final
     counted = [recoveries(m) for m in scrapes]
     assert counted[0] == 0 and counted[-1] == 1 and sorted(counted) == counted, counted
     first = counted.index(1)
     steps = [m["commslayer_steps_committed_total"] for m in scrapes]
     assert steps == sorted(steps) and steps[-1] > steps[first] > steps[0], steps  # on through the recovery
     assert scrapes[-1]['commslayer_recoveries_total{cause="sigkill"}'] == 1
-    summary = runs.load_summary(str(tmp_path / "run"))
+    summary = runs.load_summary(str(watched.run_dir))
     assert summary is not None and summary.ok
     [killed] = summary.killed
     assert scrapes[-1]["commslayer_survivor_stall_seconds_count"] == 1
@@ -197,7 +265,7 @@ def test_a_recovery_is_counted_and_steps_go_on_in_metrics_and_the_page(tmp_path)
     assert generations.index((1, 2)) < generations.index((2, 4))
     assert total(last, "commslayer_straggler_collectives") >= 1 and "commslayer_straggler_wait_seconds" in str(last)
     assert re.search(r"slowest of the last collectives: rank \d, last to arrive in \d+ of \d+", page), page
-    heals = traced_heals(tmp_path / "run")
+    heals = traced_heals(watched.run_dir)
     assert len(heals) == 2 and last["commslayer_heal_bytes_total"] == sum(e["bytes"] for e in heals) > 0
     # the last page read: the recovery's heal bytes are both restarted ranks'; the communicator at generation 2
     assert re.search(r"<td>sigkill</td>.*<td>%d</td><td>1</td></tr>" % sum(e["bytes"] for e in heals), final), final
@@ -240,30 +308,41 @@ def test_the_recorders_figures_count_every_op_and_what_the_ring_lost(tmp_path):
     assert second["arrivals"]["ops"] == []  # none of step 6: the phase hook did not say so
 
 
-def dom(tmp_path: Path, url: str, *args: str) -> subprocess.CompletedProcess:
-    profile = tmp_path / f"profile-{time.monotonic_ns()}"
-    cmd = [str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-           f"--user-data-dir={profile}", "--window-size=1200,900", *args, url]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (tests/run.sh installs it)")
+def test_the_page_in_headless_chromium_shows_the_group_lost_then_replaced(watched):
+    seen = watched.browser_seen
+    assert "lost" in seen and "replaced" in seen and seen.index("lost") < seen.index("replaced"), seen
+    assert watched.screenshot is not None and watched.screenshot.returncode == 0, watched.screenshot
+    assert watched.shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (tests/run.sh installs it)")
-def test_the_page_in_headless_chromium_shows_the_group_lost_then_replaced(tmp_path):
-    job = ddp_job(tmp_path / "run")
-    seen: List[str] = []
-    shot = tmp_path / "status.png"
-    while job.running() and "replaced" not in seen:
-        page = dom(tmp_path, job.url, "--dump-dom")
-        row = re.search(r'<tr class="(\w+)"><td>2</td>', page.stdout)
-        if row and (not seen or seen[-1] != row.group(1)):
-            seen.append(row.group(1))
-    assert "lost" in seen and "replaced" in seen and seen.index("lost") < seen.index("replaced"), seen
-    run = dom(tmp_path, job.url, f"--screenshot={shot}")
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert job.wait(60) == 0, job_story(job.log())
+@pytest.mark.skipif(not os.access(PROMETHEUS, os.X_OK), reason="prometheus is not installed (tests/run.sh installs it)")
+def test_a_real_prometheus_server_scrapes_the_recovery(watched):
+    api = watched.prometheus
+    assert api is not None
+
+    def series(query: str) -> List[float]:
+        args = urllib.parse.urlencode({"query": query, "start": watched.began, "end": time.time(), "step": 1})
+        code, body = get(f"{api}query_range?{args}")
+        assert code == 200, body
+        result = json.loads(body)["data"]["result"]
+        assert len(result) == 1, (query, result)
+        return [float(v) for _, v in result[0]["values"]]
+
+    # while the target was up: the counter's sum, or 0 before it had a series
+    counted = series("sum(commslayer_recoveries_total) or sum(up{job='commslayer'} == 1) * 0")
+    assert counted[0] == 0 and counted[-1] == 1 and sorted(counted) == counted, (counted, series("up"))
+    steps = series("commslayer_steps_committed_total")
+    first = counted.index(1)
+    assert steps == sorted(steps) and steps[-1] > steps[first] > steps[0]
+    summary = runs.load_summary(str(watched.run_dir))
+    assert summary is not None
+    code, body = get(api + "query?" + urllib.parse.urlencode({"query": "last_over_time(commslayer_survivor_"
+                                                                "stall_seconds_sum[5m])"}))
+    [stall] = json.loads(body)["data"]["result"]
+    assert abs(float(stall["value"][1]) - summary.killed[0]["stall_s"]) <= 0.010
 
 
 @pytest.mark.timeout(300)
@@ -533,45 +612,3 @@ def test_a_port_in_use_is_one_line_and_exit_2_before_any_rank(tmp_path):
                           "--coordinator", "127.0.0.1:1", "--node-rank", "1", "--status-port", "0", str(SLEEPER),
                           "exit", str(tmp_path)], capture_output=True, text=True, timeout=30)
     assert run.returncode == 2 and "--status-port is served by the launcher that starts the job" in run.stderr
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.skipif(not os.access(PROMETHEUS, os.X_OK), reason="prometheus is not installed (tests/run.sh installs it)")
-def test_a_real_prometheus_server_scrapes_the_recovery(tmp_path):
-    port, prom_port = free_port(), free_port()
-    config = tmp_path / "prometheus.yml"
-    config.write_text(f"global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n"
-                      f"  - job_name: commslayer\n    static_configs:\n      - targets: ['127.0.0.1:{port}']\n")
-    prom = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                             f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    api = f"http://127.0.0.1:{prom_port}/api/v1/"
-    try:
-        began = time.time()
-        job = ddp_job(tmp_path / "run", port)
-        assert job.wait(200) == 0, job_story(job.log())
-        time.sleep(2)  # a last scrape is in
-
-        def series(query: str) -> List[float]:
-            args = urllib.parse.urlencode({"query": query, "start": began, "end": time.time(), "step": 1})
-            code, body = get(f"{api}query_range?{args}")
-            assert code == 200, body
-            result = json.loads(body)["data"]["result"]
-            assert len(result) == 1, (query, result)
-            return [float(v) for _, v in result[0]["values"]]
-
-        # while the target was up: the counter's sum, or 0 before it had a series
-        counted = series("sum(commslayer_recoveries_total) or sum(up{job='commslayer'} == 1) * 0")
-        assert counted[0] == 0 and counted[-1] == 1 and sorted(counted) == counted, (counted, series("up"))
-        steps = series("commslayer_steps_committed_total")
-        first = counted.index(1)
-        assert steps == sorted(steps) and steps[-1] > steps[first] > steps[0]
-        summary = runs.load_summary(str(tmp_path / "run"))
-        assert summary is not None
-        code, body = get(api + "query?" + urllib.parse.urlencode({"query": "last_over_time(commslayer_survivor_"
-                                                                    "stall_seconds_sum[5m])"}))
-        [stall] = json.loads(body)["data"]["result"]
-        assert abs(float(stall["value"][1]) - summary.killed[0]["stall_s"]) <= 0.010
-    finally:
-        prom.terminate()
-        prom.wait(timeout=30)
