@@ -461,6 +461,23 @@ def test_nccl_smoke():
         assert numbers(row["CPU µs (median)"])[0] > 0 and numbers(row["wall µs (median)"])[0] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_op_instructions_smoke():
+    """Under valgrind, minutes: in the slow suite. Each variant's row, and plain's the reference."""
+    if shutil.which("valgrind") is None or not Path("/usr/include/valgrind/callgrind.h").exists():
+        pytest.skip("needs valgrind and its headers")
+    out = run_bench("launch/bench/bench_op_instructions.py", "--smoke", timeout=590)
+    header = ["op", "bytes", "variant", "instructions", "over plain", "L1 misses (I / D read / D write)",
+              "last-level misses", "est. cycles", "over plain", "≈ µs over plain"]
+    found = rows(out, header)
+    assert [r[:3] for r in found] == [["all_reduce", "4096", v] for v in ("plain", "commslayer", "commslayer, recorder")]
+    for row in found:
+        instructions, cycles = int(row[3].replace(",", "")), int(row[7].replace(",", ""))
+        assert 1000 < instructions < cycles, row  # a real op's work, and its misses cost cycles
+    assert found[0][4] == "+0" and found[0][8] == "+0", found[0]
+
+
 @pytest.mark.timeout(60)
 def test_pack_smoke():
     out = run_bench("launch/bench/bench_pack.py", "--smoke", timeout=50)

@@ -88,6 +88,7 @@ RUNS: List[Run] = [
     Run("hotpath", ["tracing.md"], "bench_hotpath.py", ["--ops", "20000", "--rounds", "7"], takes_json=False),
     Run("step-cost", ["step-cost.md"], "bench_step_cost.py", ["--repeats", "3"], timeout_s=1800),
     Run("routed", ["async-path.md"], "bench_routed.py", ["--repeats", "3"], timeout_s=1200),
+    Run("op-instructions", ["async-path.md"], "bench_op_instructions.py", [], timeout_s=2400),
     Run("recovery", ["recovery.md", "agreement.md"], "bench_recovery.py", ["--repeats", "7", "--cap", "20"]),
     Run("viewer", ["viewer.md"], "bench_viewer.py", ["--ranks", "16", "--records", "100000", "--repeats", "3",
                                                      "--view"], takes_json=False),
