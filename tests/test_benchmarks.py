@@ -471,7 +471,8 @@ def test_op_instructions_smoke():
     header = ["op", "bytes", "variant", "instructions", "over plain", "L1 misses (I / D read / D write)",
               "last-level misses", "est. cycles", "over plain", "≈ µs over plain"]
     found = rows(out, header)
-    assert [r[:3] for r in found] == [["all_reduce", "4096", v] for v in ("plain", "commslayer", "commslayer, recorder")]
+    variants = ("plain", "commslayer", "commslayer, recorder")
+    assert [r[:3] for r in found] == [["all_reduce", "4096", v] for v in variants], found
     for row in found:
         instructions, cycles = int(row[3].replace(",", "")), int(row[7].replace(",", ""))
         assert 1000 < instructions < cycles, row  # a real op's work, and its misses cost cycles

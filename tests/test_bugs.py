@@ -535,7 +535,8 @@ def test_max_grad_norm_clips_the_average_as_the_plain_script_clips_its_gradients
 
 _ONE_PASS = {"fsdp2": "        x, y = data.next()\n        loss = nn.functional.mse_loss(model(x), y)\n"
                       "        loss.backward()\n",
-             "ddp": "        images, labels = data.next()\n        loss = nn.functional.cross_entropy(model(images), labels)\n"
+             "ddp": "        images, labels = data.next()\n"
+                    "        loss = nn.functional.cross_entropy(model(images), labels)\n"
                     "        loss.backward()\n"}
 
 

@@ -3,7 +3,7 @@ simulated cache misses (valgrind's callgrind) of ``dist.*(..., async_op=True).wa
 on a plain Gloo group, on a commslayer group (``new_group(backend="commslayer")``,
 the routed path) and on one watched by the flight recorder, in one process.
 
-    python launch/bench/bench_op_instructions.py [--ops 500] [--sizes 4096 1048576] [--json F]
+    python launch/bench/bench_op_instructions.py [--ranks 2] [--ops 500] [--sizes 4096 1048576] [--json F]
 
 Why count: issue 37's per-op bars (5 µs untraced, 8 µs with the recorder, over
 plain c10d) are in the calling thread's CPU, and on this 2-core machine that
@@ -16,8 +16,8 @@ the model leaves out: the kernel (a futex's wait and wake), branch misprediction
 the latency of atomic instructions, and the pipeline's overlap of misses; so the
 time is an estimate of the user-space work, not a measurement of the op.
 
-The parent starts 2 ranks on loopback: rank 0 under ``valgrind --tool=callgrind``
-(about 50 times slower), rank 1 as it is.  Rank 0 collects only inside the timed
+The parent starts ``--ranks`` ranks on loopback: rank 0 under ``valgrind
+--tool=callgrind`` (about 50 times slower), the others as they are.  Rank 0 collects only inside the timed
 loops: a small C library, compiled here from valgrind's ``callgrind.h``, zeroes
 the counts before each loop and dumps them after it.  Each dump's main-thread
 part is one cell.  The ranks' collective deadline and peer timeout are raised
@@ -161,6 +161,7 @@ def _dumps(into: Path) -> Dict[str, Dict[str, int]]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=2, help="ranks of the job (rank 0 is counted)")
     p.add_argument("--ops", type=int, default=500, help="ops counted a cell")
     p.add_argument("--warmup", type=int, default=50, help="ops before each cell's count")
     p.add_argument("--sizes", type=int, nargs="+", default=[4096, 1 << 20], help="bytes a rank sends")
@@ -175,12 +176,12 @@ def main() -> int:
         into = Path(scratch)
         _compile_marker(into)
         env = {**launcher_env(trace=False), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-               "WORLD_SIZE": "2", "COMMSLAYER_TIMEOUT_S": "900", "COMMSLAYER_PEER_TIMEOUT_S": "300"}
+               "WORLD_SIZE": str(args.ranks), "COMMSLAYER_TIMEOUT_S": "900", "COMMSLAYER_PEER_TIMEOUT_S": "300"}
         me = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--worker", scratch]
         valgrind = ["valgrind", "--tool=callgrind", "--cache-sim=yes", "--collect-atstart=no",
                     "--separate-threads=yes", f"--callgrind-out-file={into / 'callgrind.out.%p'}"]
         began = time.time()
-        ranks = run_workers([valgrind + me, me], env, scratch, timeout=3600)
+        ranks = run_workers([valgrind + me] + [me] * (args.ranks - 1), env, scratch, timeout=3600)
         dumps = _dumps(into)
         revision = measured_revision()
         mhz = clock_mhz()
@@ -193,7 +194,8 @@ def main() -> int:
             table.append({"op": op, "bytes": size, "variant": variant,
                           **{e: counts.get(e, 0) / args.ops for e in EVENTS}})  # a summary leaves out trailing zeros
     print(f"command: python launch/bench/bench_op_instructions.py {' '.join(sys.argv[1:])}")
-    print(f"revision {revision}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(began))}; 2 ranks on loopback; "
+    print(f"revision {revision}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(began))}; "
+          f"{args.ranks} ranks on loopback; "
           f"{args.ops} ops a cell after {args.warmup}; rank 0's main thread, per op; "
           f"clock {mhz if mhz else 'unknown'} MHz (/proc/cpuinfo)\n")
     print("| op | bytes | variant | instructions | over plain | L1 misses (I / D read / D write) "
