@@ -129,11 +129,13 @@ def test_overhead_smoke(tmp_path, how):
 
 @pytest.mark.timeout(240)
 def test_routed_smoke():
-    out = run_bench("launch/bench/bench_routed.py", "--smoke", timeout=230)
+    # two configurations of six (each job is a torchrun of its own, about 7 s): the rest differ
+    # only in the environment they set, and the paths they take have tests of their own
+    out = run_bench("launch/bench/bench_routed.py", "--smoke", "--configs", "routed, recorder", timeout=230)
     header = ["job", "configuration", "step ms (median)", "min–max", "vs plain (median)", "min–max",
               "CPU ms a step, 2 ranks (median)", "main thread (median)"]
     found = rows(out, header)
-    configs = ["plain", "plain (A/A)", "routed", "routed, recorder", "routed, JSON lines", "routed, native off"]
+    configs = ["plain", "routed, recorder"]
     assert [r[:2] for r in found] == [[job, c] for job in ("fsdp2", "ddp") for c in configs], found
     for row in found:
         low, high = numbers(row[3])
