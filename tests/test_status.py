@@ -164,14 +164,21 @@ class Watched:
         self.began = time.time()
 
 
+def _rank2_changed(states: List[str], page: str) -> bool:
+    """Note rank 2's state in ``page`` (the server's HTML or Chromium's DOM) in ``states``
+    when it differs from the last one noted; whether it did."""
+    row = re.search(r"""<tr class=['"](\w+)['"]><td>2</td>""", page)
+    if row and (not states or states[-1] != row.group(1)):
+        states.append(row.group(1))
+        return True
+    return False
+
+
 def _browse(tmp_path: Path, job: Launched, watched: Watched) -> None:
     """Headless Chromium's view of the page until it shows rank 2 replaced, then a screenshot."""
     seen = watched.browser_seen
     while job.running() and "replaced" not in seen:
-        page = dom(tmp_path, job.url, "--dump-dom")
-        row = re.search(r'<tr class="(\w+)"><td>2</td>', page.stdout)
-        if row and (not seen or seen[-1] != row.group(1)):
-            seen.append(row.group(1))
+        _rank2_changed(seen, dom(tmp_path, job.url, "--dump-dom").stdout)
     if "replaced" in seen:
         watched.screenshot = dom(tmp_path, job.url, f"--screenshot={watched.shot}")
 
@@ -204,11 +211,10 @@ def watched(tmp_path_factory) -> Iterator[Watched]:
             if code == 200 and "commslayer_steps_committed_total" in text:  # the store read once at least
                 seen.scrapes.append(samples(text))
             code, body = get(job.url)
-            seen.final = body if code == 200 else seen.final
-            row = re.search(r"<tr class='(\w+)'><td>2</td>", body) if code == 200 else None
-            if row and (not seen.states or seen.states[-1] != row.group(1)):
-                seen.states.append(row.group(1))
-                seen.page = body if row.group(1) == "replaced" else seen.page
+            if code == 200:
+                seen.final = body
+                if _rank2_changed(seen.states, body) and seen.states[-1] == "replaced":
+                    seen.page = body
             time.sleep(0.5)
         assert job.wait(60) == 0, job_story(job.log())
         if CHROMIUM is not None:

@@ -88,9 +88,9 @@ def worker(args: argparse.Namespace) -> None:
     import commslayer  # noqa: F401  (registers the "commslayer" backend)
     from commslayer.c10d import group_of
     from commslayer.comm import op_path
+    from tracing.record.recorder import FlightRecorder
 
     op_path.WAIT_SLICE = timedelta(seconds=600)  # read as each group is built: see "The wait's slice" above
-    from tracing.record.recorder import FlightRecorder
 
     out = Path(args.worker)
     rank = int(os.environ["RANK"])
